@@ -1,0 +1,93 @@
+"""`diffgemma.load`: a checkpoint directory (or the embedded demo model) → a ready model object."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from .checkpoint import SafetensorsSource, TensorSource, expected_tensors, iter_with_progress, read_json, unknown_tensors, validate
+from .config import ModelConfig
+from .errors import CheckpointError, InputError
+
+# Show a progress bar when the weights are big enough for the load to take more than a moment.
+PROGRESS_BYTES = 512 * 2**20
+
+EMBEDDED_NAMES = ("demo", "default")
+
+
+def embedded_model_path() -> Path:
+    """The small trained model shipped inside the package (the default for `diffgemma ask`)."""
+    return Path(__file__).parent / "assets" / "demo"
+
+
+def resolve_path(path) -> Path:
+    if path is None or str(path) in EMBEDDED_NAMES:
+        return embedded_model_path()
+    return Path(path).expanduser()
+
+
+def open_source(directory: Path) -> TensorSource:
+    """Pick the TensorSource for a directory: a quantized pack or an HF safetensors checkpoint."""
+    try:
+        from .quant.source import is_pack, open_pack  # optional until packs exist
+    except ImportError:
+        is_pack = None
+    if is_pack is not None and is_pack(directory):
+        return open_pack(directory)
+    return SafetensorsSource(directory)
+
+
+def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None):
+    """Load a DiffusionGemma checkpoint directory.
+
+    device: "cpu" or "cuda[:N]". dtype: compute dtype of the reference model (default float32).
+    Tensors are read one at a time from memory-mapped files and converted on the way, so host RAM
+    never holds the whole checkpoint.
+    """
+    directory = resolve_path(path)
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: expected a checkpoint directory, got a file")
+    cfg = ModelConfig.from_file(directory / "config.json")
+    generation_config = read_json(directory / "generation_config.json", "generation_config.json")
+    dtype = dtype or torch.float32
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise InputError(f"load: dtype must be a floating torch dtype, got {dtype}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"load: bad device {device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("load: device='cuda' requested but CUDA is not available on this machine")
+
+    source = open_source(directory)
+    validate(source, cfg, str(directory))
+    extra = unknown_tensors(source, cfg)
+    if extra:
+        warnings.warn(f"{directory}: ignoring {len(extra)} unrecognised tensors, e.g. {extra[0]!r}")
+
+    names = list(expected_tensors(cfg))
+    if progress is None:
+        progress = source.nbytes() > PROGRESS_BYTES and sys.stderr.isatty()
+    weights = {}
+    for name in iter_with_progress(names, len(names), progress, desc=f"loading {directory.name}"):
+        weights[name] = source.get(name, dtype=dtype, device=device)
+
+    from .model.reference import ReferenceModel
+
+    return ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
+                          path=directory, tokenizer=_load_tokenizer(directory))
+
+
+def _load_tokenizer(directory: Path):
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    try:
+        from .tokenizer import load_tokenizer
+    except ImportError:
+        return None
+    return load_tokenizer(directory)

@@ -1,0 +1,1 @@
+"""Model implementations: `reference` (plain torch oracle) and, on CUDA, the fast `engine`."""

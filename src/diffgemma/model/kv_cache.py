@@ -1,0 +1,65 @@
+"""The reference model's KV cache: every position of every layer, in the compute dtype.
+
+Deliberately the simplest layout (no ring buffers): the reference keeps all positions and applies
+the sliding window when it reads. The fast engine keeps its own f16 ring-buffer cache; both expose
+`length`, `truncate` and `fingerprint`, and fingerprint only the positions a forward can still read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import InputError
+
+
+class ReferenceKVCache:
+    def __init__(self, cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device):
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InputError(f"new_cache: max_tokens must be a positive integer, got {max_tokens!r}")
+        self.cfg = cfg
+        self.max_tokens = max_tokens
+        # Per layer: [kv_heads, T, head_dim], grown by concatenation.
+        self.keys = [torch.zeros(l.num_kv_heads, 0, l.head_dim, dtype=dtype, device=device) for l in cfg.layers]
+        self.values = [torch.zeros(l.num_kv_heads, 0, l.head_dim, dtype=dtype, device=device) for l in cfg.layers]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+    def check_room(self, extra: int) -> None:
+        if self.length + extra > self.max_tokens:
+            raise InputError(
+                f"KV cache overflow: {self.length} tokens cached + {extra} new > max_tokens={self.max_tokens}; "
+                f"create the cache with a larger max_tokens"
+            )
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
+        self.values[layer] = torch.cat([self.values[layer], v], dim=1)
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (rewind to a shorter prefix)."""
+        if not 0 <= length <= self.length:
+            raise InputError(f"truncate({length}): cache holds {self.length} tokens")
+        self.keys = [k[:, :length] for k in self.keys]
+        self.values = [v[:, :length] for v in self.values]
+
+    def visible(self, layer: int, for_denoise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a denoise canvas may read: sliding layers see only the last window-1 positions."""
+        k, v = self.keys[layer], self.values[layer]
+        if for_denoise and self.cfg.layers[layer].is_sliding:
+            keep = self.cfg.sliding_window - 1
+            k, v = k[:, max(0, k.shape[1] - keep):], v[:, max(0, v.shape[1] - keep):]
+        return k, v
+
+    def fingerprint(self) -> str:
+        """sha256 over the live KV (what later forwards can read), position-ordered, as f32 bytes."""
+        h = hashlib.sha256()
+        h.update(str(self.length).encode())
+        for layer in range(len(self.keys)):
+            for t in self.visible(layer, for_denoise=True):
+                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
