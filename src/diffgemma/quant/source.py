@@ -1,0 +1,135 @@
+"""PackSource: the loader's TensorSource over a pack directory (dequantizing on `get`).
+
+Same protocol as the checkpoint source in diffgemma/checkpoint.py — keys(), shape(name), dtype(name),
+get(name, dtype=None, device="cpu"), config_path, path — so the loader validates names and shapes
+against the model config and pulls one tensor at a time. Quantized tensors come back dequantized
+(in row chunks, so the peak extra memory is one chunk of float32), raw tensors byte-exact.
+
+Opening a pack checks, before any tensor is materialised: the manifest (fields, byte lengths, overlaps),
+the 64-byte alignment of every offset, the blob's exact size (a truncated copy is refused), and for
+layered packs every external shard's size and header sha256. The blob is memory-mapped, never read
+whole; `record(name)` hands out the zero-copy bytes a GPU loader would upload as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, TensorError
+from . import codecs
+from .overlay import resolve_external
+from .pack import BLOB, MANIFEST, Manifest, TensorEntry, read_manifest
+from .shards import torch_dtype
+
+_DECODE_CHUNK_ELEMS = 1 << 24  # 16M elements = 64 MiB of float32 per dequant chunk
+
+
+def is_pack(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+class PackSource:
+    def __init__(self, path):
+        self.path = Path(path)
+        self.manifest: Manifest = read_manifest(self.path)  # alignment + consistency, nothing mapped yet
+        blob = self.path / BLOB
+        if not blob.is_file():
+            raise CheckpointError(f"{blob}: blob file is missing; the pack is incomplete — re-create it with "
+                                  "`diffgemma quantize`")
+        size = blob.stat().st_size
+        if size != self.manifest.blob_bytes:
+            what = "truncated" if size < self.manifest.blob_bytes else "longer than the manifest says"
+            raise CheckpointError(f"{blob}: blob is {what} ({size} bytes, the manifest expects "
+                                  f"{self.manifest.blob_bytes}); the copy is damaged — re-copy or re-create the pack")
+        self.config_path = self.path / "config.json"
+        if not self.config_path.is_file():
+            raise CheckpointError(f"{self.path}: pack has no config.json (it is copied from the source checkpoint "
+                                  "by `diffgemma quantize`)")
+        self.external_paths = {key: resolve_external(key, ent, self.path)
+                               for key, ent in self.manifest.external_files.items()}
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    @property
+    def directory(self) -> Path:
+        return self.path
+
+    # ---------------------------------------------------------------- the TensorSource protocol
+    def keys(self) -> set[str]:
+        return set(self.manifest.tensors)
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.manifest.tensors[name]
+        except KeyError:
+            raise TensorError(f"{self.path}: pack has no tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.entry(name).shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The source checkpoint's dtype (quantized tensors dequantize to it by default)."""
+        return torch_dtype(self.entry(name).dtype)
+
+    def kind(self, name: str) -> str:
+        return self.entry(name).kind
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device="cpu") -> torch.Tensor:
+        e = self.entry(name)
+        dtype = dtype or torch_dtype(e.dtype)
+        data = self.record(name)
+        if e.kind == "raw":
+            with warnings.catch_warnings():  # read-only mmap; cloned before anyone can write it
+                warnings.simplefilter("ignore", UserWarning)
+                t = (torch.frombuffer(data, dtype=torch_dtype(e.dtype)) if e.nbytes
+                     else torch.empty(0, dtype=torch_dtype(e.dtype)))
+            return t.reshape(e.shape).to(dtype=dtype, copy=True).to(device)
+        views = codecs.plane_views(e.kind, data, e.shape)
+        rows, k = codecs.rows_k(e.shape)
+        out = torch.empty((rows, k), dtype=dtype)
+        step = max(1, _DECODE_CHUNK_ELEMS // max(k, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            out[r0:r1] = codecs.decode_rows(e.kind, views, r0, r1)
+        return out.reshape(e.shape).to(device)
+
+    # ---------------------------------------------------------------- bytes
+    def _map(self, path: Path) -> memoryview:
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+        return memoryview(self._maps[path])
+
+    def record(self, name: str) -> memoryview:
+        """The tensor's record bytes, zero-copy, wherever they live (own blob or an external shard)."""
+        e = self.entry(name)
+        if e.nbytes == 0:
+            return memoryview(b"")
+        if e.source is None:
+            return self._map(self.path / BLOB)[e.offset:e.offset + e.nbytes]
+        if "local_offset" in e.source:
+            a = e.source["local_offset"]
+            return self._map(self.path / BLOB)[a:a + e.nbytes]
+        a = e.source["offset"]
+        return self._map(self.external_paths[e.source["file"]])[a:a + e.nbytes]
+
+    def verify(self, names=None) -> None:
+        """Check each record's sha256 against the manifest (reads every byte; not done on open)."""
+        for name in names or self.manifest.tensors:
+            e = self.entry(name)
+            if e.sha256 and hashlib.sha256(self.record(name)).hexdigest() != e.sha256:
+                raise CheckpointError(f"{self.path}: tensor {name} does not match its sha256 in the manifest; "
+                                      "the pack is corrupted — re-create it")
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            if isinstance(m, mmap.mmap):
+                try:
+                    m.close()
+                except BufferError:  # a tensor view is still alive; the GC unmaps it later
+                    pass
+        self._maps.clear()
