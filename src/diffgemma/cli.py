@@ -1,0 +1,194 @@
+"""The `diffgemma` command: ask, chat, quantize, repack.
+
+Every user mistake (bad flag, unknown --set name, missing model) prints ONE line on stderr and exits
+with status 2; nothing else is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from .errors import DiffgemmaError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; we want one line
+        print(f"diffgemma: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint or pack directory (default: the embedded demo model)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--think", action="store_true", help="let the model think first (thought channel on)")
+    p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--show-canvas", action="store_true", help="redraw the denoising canvas live")
+    p.add_argument("--stats", action="store_true", help="print steps per block, tokens per forward, timings")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="diffgemma", description="DiffusionGemma inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ask = sub.add_parser("ask", help="answer one prompt")
+    ask.add_argument("prompt")
+    _add_generation_flags(ask)
+    chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
+    _add_generation_flags(chat)
+    try:
+        from .quant.commands import add_subcommands
+    except ImportError:
+        pass
+    else:
+        add_subcommands(sub)
+    return parser
+
+
+def _settings(model, args):
+    from .settings import GenerationSettings
+
+    overrides = list(args.sets)
+    if args.seed is not None:
+        overrides.append(f"seed={args.seed}")
+    if args.max_new_tokens is not None:
+        overrides.append(f"max_new_tokens={args.max_new_tokens}")
+    return GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=overrides)
+
+
+def _validate_early(args) -> None:
+    """Check settings and environment before the (slow) model load, against an empty generation config."""
+    from .settings import GenerationSettings
+
+    GenerationSettings.resolve({}, env=os.environ, overrides=list(args.sets))
+
+
+def _load(args):
+    import torch
+
+    from .loader import load
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load(args.model, device=device)
+
+
+def _print_reply(reply, args, out=sys.stdout) -> None:
+    if reply.thought is not None and args.show_thought:
+        print(f"[thought]\n{reply.thought}\n[/thought]", file=out)
+    print(reply.answer, file=out)
+    if args.stats:
+        r = reply.result
+        print(f"[blocks={len(r.steps_per_block)} steps={r.steps_per_block} stops={r.stop_reasons} "
+              f"tokens={len(r.tokens)} tokens/forward={r.tokens_per_forward:.2f} retries={r.retries} "
+              f"reused={reply.reused_tokens} prefilled={reply.prefilled_tokens} "
+              f"total={r.timings.get('total_s', 0):.2f}s]", file=sys.stderr)
+
+
+def cmd_ask(args) -> int:
+    from .session import Session
+
+    _validate_early(args)
+    model = _load(args)
+    settings = _settings(model, args)
+    session = Session(model, system=args.system, think=args.think)
+    view = _canvas_view(model.tokenizer) if args.show_canvas else None
+    reply = session.ask(args.prompt, settings=settings, on_step=view)
+    if view is not None:
+        view.finish()
+    _print_reply(reply, args)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .session import Session
+
+    _validate_early(args)
+    model = _load(args)
+    settings = _settings(model, args)
+    session = Session(model, system=args.system, think=args.think)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        view = _canvas_view(model.tokenizer) if args.show_canvas else None
+        reply = session.ask(line, settings=settings, on_step=view)
+        if view is not None:
+            view.finish()
+        if interactive:
+            print("model> ", end="")
+        _print_reply(reply, args)
+        sys.stdout.flush()
+    return 0
+
+
+class _canvas_view:
+    """Redraws the canvas in place on each denoising step; accepted positions in bold green."""
+
+    def __init__(self, tokenizer, out=sys.stderr):
+        self.tok = tokenizer
+        self.out = out
+        self.tty = out.isatty()
+        self.lines = 0
+
+    def _cell(self, tid: int, accepted: bool) -> str:
+        text = (self.tok.decode([tid]) or "·").replace("\n", "⏎")
+        if not self.tty:
+            return text
+        return f"\x1b[1;32m{text}\x1b[0m" if accepted else f"\x1b[2m{text}\x1b[0m"
+
+    def __call__(self, event) -> None:
+        if not self.tty and event.stop_reason is None:
+            return  # piped output: show only each block's final step
+        draft, accepted = event.draft.tolist(), event.accepted.tolist()
+        cells = [self._cell(t, a) for t, a in zip(draft, accepted)]
+        header = (f"block {event.block} step {event.step:2d}  T={event.temperature:.2f}  "
+                  f"accepted {sum(accepted)}/{len(accepted)}  mean H={event.mean_entropy:.3f}")
+        if self.tty and self.lines:
+            self.out.write(f"\x1b[{self.lines}F\x1b[J")  # back to the first line we drew, clear below
+        self.out.write(f"{header}\n{''.join(cells)}\n")
+        self.out.flush()
+        # Rows the drawing took, wrapped lines included, so the next step can move back over them.
+        cols = max(20, shutil.get_terminal_size().columns)
+        plain = len("".join((self.tok.decode([t]) or "·") for t in draft))
+        self.lines = 1 + max(1, -(-plain // cols))
+
+    def finish(self) -> None:
+        self.lines = 0
+
+
+COMMANDS = {"ask": cmd_ask, "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        handler = COMMANDS.get(args.command) or args.func
+        return handler(args)
+    except DiffgemmaError as e:
+        print(f"diffgemma: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

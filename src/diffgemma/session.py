@@ -1,0 +1,104 @@
+"""One conversation: renders the chat, reuses the KV cache across turns, and splits replies.
+
+KV reuse: the session remembers exactly which token ids its cache holds. Each turn renders the whole
+conversation with the chat template, keeps the longest common token prefix of that rendering and
+the cache (truncating the cache where they diverge, e.g. when the template drops a thought channel
+from history), and prefills only the rest. A long conversation therefore costs one prefill of each
+new turn, not of the whole history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InputError
+
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
+THOUGHT_LABEL = "thought"
+
+
+@dataclass
+class Reply:
+    answer: str  # what the user sees
+    thought: str | None  # the thought channel, when the model wrote one
+    raw_text: str  # the decoded reply with its special tokens
+    result: object  # the GenerationResult
+    reused_tokens: int  # prompt tokens served from the cache
+    prefilled_tokens: int  # prompt tokens prefilled this turn
+
+
+def split_thought(raw: str) -> tuple[str | None, str]:
+    """'<|channel>thought\\n…<channel|>answer' → ('…', 'answer'). Unclosed channel: all thought, no answer."""
+    start = raw.find(CHANNEL_OPEN)
+    if start < 0:
+        return None, raw
+    body_start = start + len(CHANNEL_OPEN)
+    end = raw.find(CHANNEL_CLOSE, body_start)
+    body = raw[body_start:] if end < 0 else raw[body_start:end]
+    if body.startswith(THOUGHT_LABEL):
+        body = body[len(THOUGHT_LABEL):]
+    answer = raw[:start] + ("" if end < 0 else raw[end + len(CHANNEL_CLOSE):])
+    return body.strip("\n"), answer
+
+
+def _strip_padding(text: str, tokenizer) -> str:
+    for tid in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "filler_id", None)):
+        if tid is not None:
+            text = text.replace(tokenizer.id_to_token(tid) or "\0", "")
+    return text
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None):
+        if getattr(model, "tokenizer", None) is None:
+            raise InputError(f"{getattr(model, 'path', 'model')}: has no tokenizer.json; chat needs a tokenizer")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.think = think
+        self.tools = tools
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.cache = model.new_cache(max_tokens)
+        self.cached_ids: list[int] = []
+
+    def render(self) -> list[int]:
+        return self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
+                                                  enable_thinking=self.think)
+
+    def ask(self, content: str, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
+        from .generate import generate
+
+        self.messages.append({"role": "user", "content": content})
+        ids = self.render()
+        keep = _common_prefix(self.cached_ids, ids)
+        if keep == len(ids):  # the model needs at least one new token to condition on
+            keep -= 1
+        if keep < self.cache.length:
+            self.cache.truncate(keep)
+        new = ids[keep:]
+        result = generate(self.model, new, cache=self.cache, settings=settings, on_step=on_step,
+                          on_block=on_block, **overrides)
+        self.cached_ids = ids + list(result.tokens)
+        raw = self.tokenizer.decode(result.tokens, skip_special_tokens=False)
+        thought, answer = split_thought(raw)
+        answer = _strip_padding(answer, self.tokenizer).strip()
+        # History keeps the answer only: reasoning never crosses a turn boundary.
+        self.messages.append({"role": "assistant", "content": answer})
+        return Reply(answer=answer, thought=thought, raw_text=raw, result=result, reused_tokens=keep,
+                     prefilled_tokens=len(new))
+
+
+def chat(model, messages: list[dict], *, think: bool = False, tools=None, **overrides) -> str:
+    """Template + generate + decode for a whole message list; returns the answer text."""
+    if not messages or messages[-1].get("role") != "user":
+        raise InputError("chat: messages must end with a user message")
+    session = Session(model, think=think, tools=tools)
+    session.messages = [dict(m) for m in messages[:-1]]
+    return session.ask(messages[-1]["content"], **overrides).answer
