@@ -123,3 +123,24 @@ def test_bad_runtime_input(good):
         model.denoise(cache, torch.ones(8, dtype=torch.long), sc_logits=torch.zeros(8, 5))
     with pytest.raises(InputError, match="not both"):
         model.denoise(cache, torch.ones(8, dtype=torch.long), sc_logits=torch.zeros(8, 96), sc_embeds=torch.zeros(8, 32))
+
+
+def test_load_reads_each_needed_tensor_once_and_never_the_vision_tower(good, monkeypatch):
+    import warnings
+
+    from diffgemma.checkpoint import SafetensorsSource, expected_tensors
+
+    requested = []
+    original = SafetensorsSource.get
+
+    def spy(self, name, dtype=None, device="cpu"):
+        requested.append(name)
+        return original(self, name, dtype=dtype, device=device)
+
+    monkeypatch.setattr(SafetensorsSource, "get", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # vision tensors are skipped silently
+        model = diffgemma.load(good)
+    assert sorted(requested) == sorted(expected_tensors(model.config))
+    assert not any("vision" in n for n in requested)
+    assert any(n.startswith("model.encoder.language_model.layers.") for n in requested)  # encoder layer_scalar
