@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(ask)
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
+    golden = sub.add_parser("golden", help="check (or --bless) the golden byte-identity fixture")
+    golden.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
+    golden.add_argument("--fixture", default=None, help="fixture path (default: MODEL/golden.json)")
+    golden.add_argument("--bless", action="store_true", help="rewrite the fixture from this run")
+    golden.add_argument("--device", default="cpu")
     try:
         from .quant.commands import add_subcommands
     except ImportError:
@@ -174,7 +179,26 @@ class _canvas_view:
         self.lines = 0
 
 
-COMMANDS = {"ask": cmd_ask, "chat": cmd_chat}
+def cmd_golden(args) -> int:
+    from . import golden
+
+    model = _load(args)
+    path = args.fixture or golden.fixture_path(model)
+    expected = None if args.bless else golden.load_fixture(path)
+    results = golden.run_all(model)
+    if args.bless:
+        golden.bless(results, path)
+        print(f"blessed {len(results)} cases -> {path}")
+        return 0
+    problems = golden.diff(expected, results)
+    for line in problems:
+        print(line)
+    print(f"golden: {len(results) - len({p.split(':')[0] for p in problems})} passed, "
+          f"{len({p.split(':')[0] for p in problems})} failed")
+    return 1 if problems else 0
+
+
+COMMANDS = {"ask": cmd_ask, "chat": cmd_chat, "golden": cmd_golden}
 
 
 def main(argv: list[str] | None = None) -> int:

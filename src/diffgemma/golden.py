@@ -1,0 +1,132 @@
+"""Golden byte-identity: a matrix of prompts x settings whose outputs are pinned in a fixture.
+
+Each case runs through the production path (Session: chat template, generate, KV cache) and records
+the token ids, per-block steps and stop rules, and a hash of the KV cache afterwards. `check` re-runs
+every case and returns a readable diff; `bless` rewrites the fixture. A refactor that changes any
+token or any cached K/V byte shows up here first.
+
+The KV hash is of float32 bytes on the CPU, so the fixture pins one platform (CPU, this torch major);
+token ids are what must survive everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIXTURE_NAME = "golden.json"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt: str
+    settings: dict = field(default_factory=dict)
+    think: bool = False
+    system: str | None = None
+    tools: tuple = ()
+    raw_prompt: str | None = None  # bypass the chat template: this exact text is the prompt
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+CASES = (
+    Case("arith_default", "What is 17 + 25?"),
+    Case("arith_hf_preset", "What is 17 + 25?", {"semantics": "hf"}),
+    Case("arith_exact_sc", "What is 38 + 45?", {"sc_mode": "exact"}),
+    Case("arith_sparse_sc", "What is 38 + 45?", {"sc_mode": "sparse"}),
+    Case("multi_block", "Count from 1 to 60.", {"max_new_tokens": 400}),
+    Case("thinking_on", "What is 12 * 3?", think=True),
+    Case("tool_call", "What is the weather in Paris?", tools=(WEATHER_TOOL,)),
+    Case("sort_seed7", "Sort these numbers: 9 2 7 4 1", {"seed": 7}),
+    # The model turn is already closed, so the first canvas opens on a stop id: the re-roll path.
+    Case("empty_reply_retry", "", raw_prompt="<bos><|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n"),
+)
+
+
+def run_case(model, case: Case) -> dict:
+    from .generate import generate
+    from .session import Session
+    from .settings import GenerationSettings
+
+    # The environment is ignored: a DIFFGEMMA_* variable must not change what the fixture pins.
+    settings = GenerationSettings.resolve(model.generation_config, env={}, overrides=case.settings)
+    if case.raw_prompt is not None:
+        cache = model.new_cache(4096)
+        ids = model.tokenizer.encode(case.raw_prompt)
+        result = generate(model, ids, cache=cache, settings=settings)
+        kv = cache.fingerprint()
+    else:
+        session = Session(model, system=case.system, think=case.think, tools=list(case.tools) or None, max_tokens=4096)
+        result = session.ask(case.prompt, settings=settings).result
+        kv = session.cache.fingerprint()
+    return {
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "steps_per_block": list(result.steps_per_block),
+        "stop_reasons": list(result.stop_reasons),
+        "retries": result.retries,
+        "kv_sha256": kv,
+    }
+
+
+def run_all(model, cases=CASES) -> dict:
+    return {case.name: run_case(model, case) for case in cases}
+
+
+def diff(expected: dict, got: dict) -> list[str]:
+    """Human-readable differences, one line per finding (empty = identical)."""
+    lines = []
+    for name in sorted(set(expected) | set(got)):
+        if name not in got:
+            lines.append(f"{name}: missing from this run")
+            continue
+        if name not in expected:
+            lines.append(f"{name}: not in the fixture (bless to add it)")
+            continue
+        e, g = expected[name], got[name]
+        if e["tokens"] != g["tokens"]:
+            first = next((i for i, (a, b) in enumerate(zip(e["tokens"], g["tokens"])) if a != b),
+                         min(len(e["tokens"]), len(g["tokens"])))
+            lines.append(f"{name}: tokens differ from index {first} "
+                         f"(expected {len(e['tokens'])} tokens, got {len(g['tokens'])}): "
+                         f"expected {e['tokens'][first:first + 8]} got {g['tokens'][first:first + 8]}; "
+                         f"text expected {e.get('text')!r} got {g.get('text')!r}")
+        for key in ("steps_per_block", "stop_reasons", "retries", "kv_sha256"):
+            if e.get(key) != g.get(key):
+                lines.append(f"{name}: {key} expected {e.get(key)!r} got {g.get(key)!r}")
+    return lines
+
+
+def fixture_path(model) -> Path:
+    return Path(model.path) / FIXTURE_NAME
+
+
+def load_fixture(path: Path) -> dict:
+    from .errors import CheckpointError
+
+    try:
+        return json.loads(Path(path).read_text())["cases"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no golden fixture; run `diffgemma golden --bless` to create it") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: malformed golden fixture ({e})") from None
+
+
+def bless(results: dict, path: Path) -> None:
+    """Write the fixture atomically (temp file + rename): a failed bless leaves the old one intact."""
+    path = Path(path)
+    payload = json.dumps({"version": 1, "cases": results}, indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".golden-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
