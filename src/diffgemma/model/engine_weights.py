@@ -1,0 +1,178 @@
+"""The fast engine's weights: read from a TensorSource, fused and cast once at load.
+
+Layout choices (all lossless reshuffles of the checkpoint tensors):
+  qkv        [ (heads + kv + kv) · hd, H ]  q ‖ k ‖ v rows stacked, one GEMM per layer. Full-attention
+             layers have no v_proj (V is the raw k_proj output), so their block is q ‖ k only.
+  mlp_gu     [2·F, H]  dense gate ‖ up, one GEMM.
+  router_w   [E, H] f32 and router_in_scale = router.scale · H^-0.5 (f32): routing is control flow,
+             so its logits are computed in f32 (ARCHITECTURE precision policy).
+  layer scalars are plain floats (read once; they are baked into the CUDA graph).
+Norm weights stay in the activation dtype; experts stay [E, 2F, H] / [E, H, F] as stored.
+
+`random_source` builds checkpoint-named random tensors directly on a device (no file), for the
+benchmark at the real shapes and for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import DECODER, ENCODER_LAYERS
+from ..config import ModelConfig
+
+_NORMS = {
+    "input_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "pre_ff_norm": "pre_feedforward_layernorm",
+    "post_ff_norm": "post_feedforward_layernorm",
+    "post_ff1_norm": "post_feedforward_layernorm_1",
+    "pre_ff2_norm": "pre_feedforward_layernorm_2",
+    "post_ff2_norm": "post_feedforward_layernorm_2",
+}
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    o: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    inv_freq: torch.Tensor  # f32 [hd/2]; zeros past the rotated prefix (proportional RoPE)
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    pre_ff_norm: torch.Tensor
+    post_ff_norm: torch.Tensor
+    post_ff1_norm: torch.Tensor
+    pre_ff2_norm: torch.Tensor
+    post_ff2_norm: torch.Tensor
+    mlp_gu: torch.Tensor
+    mlp_down: torch.Tensor
+    router_w: torch.Tensor
+    router_in_scale: torch.Tensor
+    per_expert_scale: torch.Tensor
+    experts_gu: torch.Tensor
+    experts_down: torch.Tensor
+    denoise_scalar: float
+    prefill_scalar: float
+
+
+@dataclass
+class EngineWeights:
+    embed: torch.Tensor  # [V, H], also the tied lm_head
+    final_norm: torch.Tensor
+    sc_pre_norm: torch.Tensor
+    sc_gu: torch.Tensor
+    sc_down: torch.Tensor
+    layers: list
+
+
+def inv_freq_for(layer) -> torch.Tensor:
+    """RoPE inverse frequencies, [head_dim/2] f32, transformers' default / proportional conventions."""
+    hd, rope = layer.head_dim, layer.rope
+    if rope.rope_type == "proportional":
+        angles = int(rope.partial_rotary_factor * hd // 2)
+        f = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32) / hd))
+        f = torch.cat([f, torch.zeros(hd // 2 - angles)])
+        return f / rope.factor
+    return 1.0 / (rope.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+
+
+def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
+    def get(name, dt=dtype):
+        return source.get(name, dtype=dt, device=device)
+
+    d = DECODER
+    layers = []
+    for layer in cfg.layers:
+        p = f"{d}layers.{layer.index}."
+        parts = [get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight")]
+        if layer.has_v_proj:
+            parts.append(get(p + "self_attn.v_proj.weight"))
+        qkv = torch.cat(parts, 0)
+        del parts
+        mlp_gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)
+        norms = {k: get(p + v + ".weight") for k, v in _NORMS.items()}
+        layers.append(LayerWeights(
+            qkv=qkv,
+            o=get(p + "self_attn.o_proj.weight"),
+            q_norm=get(p + "self_attn.q_norm.weight"),
+            k_norm=get(p + "self_attn.k_norm.weight"),
+            inv_freq=inv_freq_for(layer).to(device),
+            mlp_gu=mlp_gu,
+            mlp_down=get(p + "mlp.down_proj.weight"),
+            router_w=get(p + "router.proj.weight", torch.float32),
+            router_in_scale=get(p + "router.scale", torch.float32) * cfg.hidden_size ** -0.5,
+            per_expert_scale=get(p + "router.per_expert_scale", torch.float32),
+            experts_gu=get(p + "experts.gate_up_proj"),
+            experts_down=get(p + "experts.down_proj"),
+            denoise_scalar=float(source.get(p + "layer_scalar", dtype=torch.float32)),
+            prefill_scalar=float(source.get(f"{ENCODER_LAYERS}{layer.index}.layer_scalar", dtype=torch.float32)),
+            **norms,
+        ))
+    return EngineWeights(
+        embed=get(d + "embed_tokens.weight"),
+        final_norm=get(d + "norm.weight"),
+        sc_pre_norm=get(d + "self_conditioning.pre_norm.weight"),
+        sc_gu=torch.cat([get(d + "self_conditioning.gate_proj.weight"),
+                         get(d + "self_conditioning.up_proj.weight")], 0),
+        sc_down=get(d + "self_conditioning.down_proj.weight"),
+        layers=layers,
+    )
+
+
+class DictSource:
+    """A TensorSource over an in-memory {name: tensor} dict (random weights, converted state dicts)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def keys(self):
+        return set(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name):
+        return self.tensors[name].dtype
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def get(self, name, dtype=None, device="cpu"):
+        t = self.tensors[name]
+        return t.to(device=device, dtype=dtype or t.dtype)
+
+
+class RandomSource(DictSource):
+    """Checkpoint-named random weights generated lazily on `device` (each tensor on first `get`), so the
+    full-size model never needs a host copy. Scales keep activations O(1): std 0.02 linears, norm
+    weights near 1, layer scalars 1."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype=torch.bfloat16, seed=0, std=0.02):
+        from ..checkpoint import expected_tensors
+
+        self.shapes = expected_tensors(cfg)
+        self.device, self.dt, self.std = device, dtype, std
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+        super().__init__({})
+
+    def keys(self):
+        return set(self.shapes)
+
+    def shape(self, name):
+        return self.shapes[name]
+
+    def get(self, name, dtype=None, device=None):
+        shape = self.shapes[name]
+        dt = dtype or self.dt
+        if name.endswith("layer_scalar") or name.endswith("per_expert_scale") or name.endswith("router.scale"):
+            t = 1.0 + 0.1 * torch.rand(shape, generator=self.gen, device=self.device)
+        elif len(shape) == 1:  # norm weights
+            t = 1.0 + 0.2 * torch.randn(shape, generator=self.gen, device=self.device)
+        else:
+            t = torch.randn(shape, generator=self.gen, device=self.device, dtype=dt) * self.std
+        return t.to(device=device or self.device, dtype=dt)

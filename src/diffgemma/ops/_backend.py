@@ -1,0 +1,31 @@
+"""Which implementation of an op runs: the Triton kernel on CUDA, the torch reference elsewhere.
+
+Every op file exposes `<op>_ref` (plain torch, obviously correct), `<op>_triton` (the kernel) and
+`<op>` (the dispatcher). The dispatcher picks the kernel only for CUDA tensors with Triton
+importable, so the CPU engine path (parity tests, f32) always runs the reference twin. Setting
+DIFFGEMMA_NO_TRITON=1 forces the torch path on CUDA too (for A/B and for bisecting a bad kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional at run time: without it every op falls back to its reference.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return HAVE_TRITON and t.is_cuda and os.environ.get("DIFFGEMMA_NO_TRITON", "0") != "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()

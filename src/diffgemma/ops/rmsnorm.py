@@ -1,0 +1,168 @@
+"""RMSNorm and the fused norm/residual/layer_scalar chains of a DiffusionGemma layer.
+
+Gemma RMSNorm: y = x / sqrt(mean(x^2) + eps) * w (w used as is, not 1 + w), computed in f32.
+A layer runs seven of them; four fused ops cover the chain with one read of each input row:
+
+  rms_norm(x, w)                 input_layernorm, final norm, SC norms (w=None: no-scale norm)
+  norm_add(res, a, w)            res + norm(a)·w                      (post_attention_layernorm + residual)
+  ffn_inputs(x, w_ff, w_ff2, w_r) norm(x)·w_ff, norm(x)·w_ff2 (bf16) and norm(x)·w_r (f32 router input)
+  layer_finish(res, m, e, ...)   (res + norm(norm(m)·w1 + norm(e)·w2)·w3) · layer_scalar
+
+Intermediates stay in f32 inside each op (one rounding at the end), which is at least as accurate
+as rounding after every norm. Each `*_ref` is the torch twin the tests pin the kernel to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAVE_TRITON, next_pow2, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def _norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------------------- references
+
+def rms_norm_ref(x, w, eps, out_dtype=None):
+    y = _norm_f32(x, eps)
+    if w is not None:
+        y = y * w.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def norm_add_ref(res, a, w, eps):
+    return (res.float() + _norm_f32(a, eps) * w.float()).to(res.dtype)
+
+
+def ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps):
+    n = _norm_f32(x, eps)
+    return (n * w_ff.float()).to(x.dtype), (n * w_ff2.float()).to(x.dtype), n * w_r.float()
+
+
+def layer_finish_ref(res, m, e, w1, w2, w3, scalar, eps):
+    s = _norm_f32(m, eps) * w1.float() + _norm_f32(e, eps) * w2.float()
+    return ((res.float() + _norm_f32(s, eps) * w3.float()) * scalar).to(res.dtype)
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _row_norm(x, mask, n_cols, eps):
+        # x: f32 row (masked lanes are 0, so they add nothing to the sum of squares)
+        ms = tl.sum(x * x, axis=0) / n_cols
+        return x * (1.0 / tl.sqrt(ms + eps))
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _row_norm(x, mask, n_cols, eps)
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_add_kernel(res_ptr, a_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = r + _row_norm(a, mask, n_cols, eps) * w
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _ffn_inputs_kernel(x_ptr, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        n = _row_norm(x, mask, n_cols, eps)
+        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
+        tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
+        tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
+
+    @triton.jit
+    def _layer_finish_kernel(res_ptr, m_ptr, e_ptr, w1_ptr, w2_ptr, w3_ptr, out_ptr, n_cols, eps, scalar,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        m = tl.load(m_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        e = tl.load(e_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w3 = tl.load(w3_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _row_norm(m, mask, n_cols, eps) * w1 + _row_norm(e, mask, n_cols, eps) * w2
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (r + _row_norm(s, mask, n_cols, eps) * w3) * scalar
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x):
+    x = x.contiguous()
+    return x, x.numel() // x.shape[-1], x.shape[-1]
+
+
+def rms_norm_triton(x, w, eps, out_dtype=None):
+    x, rows, n = _rows(x)
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    _rms_norm_kernel[(rows,)](x, w if w is not None else x, out, n, eps, HAS_W=w is not None, BLOCK=next_pow2(n))
+    return out
+
+
+def norm_add_triton(res, a, w, eps):
+    res, rows, n = _rows(res)
+    a = a.contiguous()
+    out = torch.empty_like(res)
+    _norm_add_kernel[(rows,)](res, a, w, out, n, eps, BLOCK=next_pow2(n))
+    return out
+
+
+def ffn_inputs_triton(x, w_ff, w_ff2, w_r, eps):
+    x, rows, n = _rows(x)
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    orr = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _ffn_inputs_kernel[(rows,)](x, w_ff, w_ff2, w_r, o1, o2, orr, n, eps, BLOCK=next_pow2(n))
+    return o1, o2, orr
+
+
+def layer_finish_triton(res, m, e, w1, w2, w3, scalar, eps):
+    res, rows, n = _rows(res)
+    out = torch.empty_like(res)
+    _layer_finish_kernel[(rows,)](res, m.contiguous(), e.contiguous(), w1, w2, w3, out, n, eps, float(scalar),
+                                  BLOCK=next_pow2(n))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- dispatch
+
+def rms_norm(x, w, eps, out_dtype=None):
+    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, w, eps, out_dtype)
+
+
+def norm_add(res, a, w, eps):
+    return (norm_add_triton if use_triton(res) else norm_add_ref)(res, a, w, eps)
+
+
+def ffn_inputs(x, w_ff, w_ff2, w_r, eps):
+    return (ffn_inputs_triton if use_triton(x) else ffn_inputs_ref)(x, w_ff, w_ff2, w_r, eps)
+
+
+def layer_finish(res, m, e, w1, w2, w3, scalar, eps):
+    return (layer_finish_triton if use_triton(res) else layer_finish_ref)(res, m, e, w1, w2, w3, scalar, eps)

@@ -1,0 +1,117 @@
+"""The fast engine's torch path on the CPU against the reference model, on tiny random checkpoints.
+
+f32 activations with an f32 KV cache must match the reference to f32 rounding (the engine is the
+same math, re-associated); with the contract's f16 KV cache the logits move by f16 rounding only.
+Prefill chunk sizes are chosen to straddle the sliding-window ring (wrap within and across chunks).
+"""
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.errors import InputError
+from diffgemma.model.engine import Engine
+from tiny_checkpoints import CONFIGS, build_model, save
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def ref(request, tmp_path_factory):
+    hf = build_model(CONFIGS[request.param], canvas_length=8)
+    return diffgemma.load(save(hf, tmp_path_factory.mktemp(request.param)))
+
+
+def two_blocks(model, prompt, canvas1, sc1, block1, canvas2, sc2, cache_tokens=256):
+    cache = model.new_cache(cache_tokens)
+    model.prefill(cache, prompt)
+    a = model.denoise(cache, canvas1)
+    b = model.denoise(cache, canvas1, sc_logits=sc1)
+    model.prefill(cache, block1)
+    c = model.denoise(cache, canvas2, sc_logits=sc2)
+    sce = model.soft_embed(torch.softmax(sc2, -1).to(model.embedding.dtype))
+    d = model.denoise(cache, canvas2, sc_embeds=sce)
+    return a, b, c, d
+
+
+def random_case(cfg, window_multiple):
+    V, C = cfg.vocab_size, cfg.canvas_length
+    T = max(1, int(cfg.sliding_window * window_multiple))
+    return (torch.randint(0, V, (T,)), torch.randint(0, V, (C,)), torch.randn(C, V) * 4,
+            torch.randint(0, V, (C,)), torch.randint(0, V, (C,)), torch.randn(C, V) * 4)
+
+
+@pytest.mark.parametrize("window_multiple,chunk", [(0.5, 4096), (3, 4096), (3, 5), (4, 13)])
+def test_engine_f32_matches_reference(ref, window_multiple, chunk):
+    eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32, prefill_chunk=chunk)
+    case = random_case(ref.config, window_multiple)
+    for name, e, g in zip(("no SC", "SC logits", "block 2", "SC embeds"), two_blocks(ref, *case), two_blocks(eng, *case)):
+        assert g.dtype == torch.float32 and g.shape == e.shape
+        err = (g - e).abs().max().item()
+        assert err <= 1e-4, f"{name}: max |Δlogits| = {err:.3g}"
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def ref_all_experts(request, tmp_path_factory):
+    # top_k = num_experts: routing has no discrete choice left, so KV rounding cannot flip an expert
+    # (with real top-k, a near-tie flip on these tiny random models moves a row's logits by O(1)).
+    tc = dict(CONFIGS[request.param])
+    tc["top_k_experts"] = tc["num_experts"]
+    return diffgemma.load(save(build_model(tc, canvas_length=8), tmp_path_factory.mktemp(request.param + "_all")))
+
+
+def test_engine_f16_kv_close_to_reference(ref_all_experts):
+    ref = ref_all_experts
+    eng = Engine.from_reference(ref, dtype=torch.float32)  # contract KV dtype: f16
+    assert eng.new_cache(64).keys[0].dtype == torch.float16
+    case = random_case(ref.config, 3)
+    for e, g in zip(two_blocks(ref, *case), two_blocks(eng, *case)):
+        cos = torch.nn.functional.cosine_similarity(e.flatten(), g.flatten(), dim=0).item()
+        err = (g - e).abs().max().item()
+        assert cos > 0.9999 and err < 0.1, f"cos {cos:.7f} max|Δ| {err:.3g}"
+
+
+def test_truncate_then_reprefill_matches_straight_prefill(ref):
+    cfg = ref.config
+    eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32, prefill_chunk=7)
+    V, C = cfg.vocab_size, cfg.canvas_length
+    prompt, block, other = (torch.randint(0, V, (n,)) for n in (3 * cfg.sliding_window, C, C))
+    canvas = torch.randint(0, V, (C,))
+    # same prefill calls on both sides (chunking changes GEMM shapes, hence f32 rounding)
+    straight = eng.new_cache(128)
+    eng.prefill(straight, prompt)
+    eng.prefill(straight, block)
+    rewound = eng.new_cache(128)
+    eng.prefill(rewound, prompt)
+    eng.prefill(rewound, other)
+    eng.denoise(rewound, canvas)
+    rewound.truncate(len(prompt))
+    eng.prefill(rewound, block)
+    assert rewound.fingerprint() == straight.fingerprint()
+    assert torch.equal(eng.denoise(rewound, canvas), eng.denoise(straight, canvas))
+
+
+def test_truncate_deeper_than_ring_is_an_error(ref):
+    cfg = ref.config
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    cache = eng.new_cache(256, rewind_slack=2)
+    eng.prefill(cache, torch.randint(0, cfg.vocab_size, (cache.ring + 6,)))
+    with pytest.raises(InputError, match="ring"):
+        cache.truncate(cache.length - 5)
+    cache.truncate(cache.length - 2)  # within the slack: fine
+
+
+def test_engine_rejects_bad_inputs(ref):
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    cache = eng.new_cache(32)
+    with pytest.raises(InputError, match="max_tokens"):
+        eng.prefill(cache, torch.zeros(40, dtype=torch.long))
+    with pytest.raises(InputError, match=r"\[0, "):
+        eng.prefill(cache, torch.tensor([ref.config.vocab_size]))
+    eng.prefill(cache, torch.tensor([1, 2, 3]))
+    C, V = ref.config.canvas_length, ref.config.vocab_size
+    with pytest.raises(InputError, match="sc_logits"):
+        eng.denoise(cache, torch.zeros(C, dtype=torch.long), sc_logits=torch.zeros(C, V + 1))
+    with pytest.raises(InputError, match="not both"):
+        eng.denoise(cache, torch.zeros(C, dtype=torch.long), sc_logits=torch.zeros(C, V),
+                    sc_embeds=torch.zeros(C, ref.config.hidden_size))
