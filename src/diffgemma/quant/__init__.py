@@ -7,6 +7,6 @@
 
 from .overlay import repack_monolithic, repack_overlay
 from .quantize import quantize
-from .source import PackSource, is_pack
+from .source import PackSource, is_pack, open_pack
 
-__all__ = ["quantize", "PackSource", "is_pack", "repack_monolithic", "repack_overlay"]
+__all__ = ["quantize", "PackSource", "is_pack", "open_pack", "repack_monolithic", "repack_overlay"]

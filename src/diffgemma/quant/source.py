@@ -33,6 +33,11 @@ def is_pack(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def open_pack(path) -> "PackSource":
+    """The loader's entry point (diffgemma.loader.open_source)."""
+    return PackSource(path)
+
+
 class PackSource:
     def __init__(self, path):
         self.path = Path(path)
@@ -74,6 +79,10 @@ class PackSource:
     def dtype(self, name: str) -> torch.dtype:
         """The source checkpoint's dtype (quantized tensors dequantize to it by default)."""
         return torch_dtype(self.entry(name).dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of all tensor records (the canonical space, padding excluded)."""
+        return sum(e.nbytes for e in self.manifest.tensors.values())
 
     def kind(self, name: str) -> str:
         return self.entry(name).kind
