@@ -1,0 +1,139 @@
+"""Every Triton kernel against its torch twin, on the CPU through TRITON_INTERPRET=1, at tiny shapes.
+
+Inputs are fresh random draws each run; outputs are poisoned (NaN) wherever a kernel must not
+write, so a skipped or misplaced store fails. The same checks run natively at real shapes in
+tests/gpu/test_engine_gpu.py.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_kernels(dtype, tol):
+    T, H = 5, 48  # H not a power of two: exercises the masked tail
+    x, r, m, e = rnd(T, H, dtype=dtype, scale=3), rnd(T, H, dtype=dtype), rnd(T, H, dtype=dtype), rnd(T, H)
+    w1, w2, w3 = (torch.rand(H).to(dtype) + 0.5 for _ in range(3))
+    wr = torch.rand(H) * 0.3
+    eps = 1e-6
+    for w in (w1, None):
+        torch.testing.assert_close(rmsnorm.rms_norm_triton(x, w, eps), rmsnorm.rms_norm_ref(x, w, eps), atol=tol, rtol=tol)
+    torch.testing.assert_close(rmsnorm.rms_norm_triton(x, w1, eps, torch.float32),
+                               rmsnorm.rms_norm_ref(x, w1, eps, torch.float32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rmsnorm.norm_add_triton(r, x, w1, eps), rmsnorm.norm_add_ref(r, x, w1, eps), atol=tol, rtol=tol)
+    got, exp = rmsnorm.ffn_inputs_triton(x, w1, w2, wr, eps), rmsnorm.ffn_inputs_ref(x, w1, w2, wr, eps)
+    assert got[2].dtype == torch.float32  # router input stays f32
+    for g, ex in zip(got, exp):
+        torch.testing.assert_close(g, ex, atol=tol, rtol=tol)
+    s = float(torch.rand(()) + 0.5)
+    torch.testing.assert_close(rmsnorm.layer_finish_triton(r, m, e, w1, w2, w3, s, eps),
+                               rmsnorm.layer_finish_ref(r, m, e, w1, w2, w3, s, eps), atol=tol, rtol=tol)
+
+
+def test_rms_norm_reference_is_gemma_norm():
+    # pins the twin itself: x / sqrt(mean(x^2)+eps) * w, not (1 + w)
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.rand(16, dtype=torch.float64)
+    exp = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(rmsnorm.rms_norm_ref(x, w, 1e-6), exp)
+
+
+@pytest.mark.parametrize("hd,rot", [(16, 8), (32, 4)])  # full rotary, and proportional (zeros past 4 angles)
+def test_norm_rope_dense_and_cache_write(hd, rot):
+    T, H, rows = 6, 3, 9
+    x = rnd(T, H, hd, scale=2)
+    w = torch.rand(hd) + 0.5
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 2 * rot, 2, dtype=torch.float32) / hd))
+    inv = torch.cat([inv, torch.zeros(hd // 2 - rot)])
+    pos = torch.randint(0, 5000, (T,))
+    slots = torch.tensor([4, -1, 0, 8, -1, 2])  # -1: pad rows write nothing
+    for wt, f in ((w, inv), (None, None)):
+        cache_k = torch.full((H, rows, hd), float("nan"), dtype=torch.float16)
+        cache_r = cache_k.clone()
+        got = rope_kv.norm_rope_triton(x, wt, f, pos, 1e-6, out_dtype=torch.bfloat16, cache=cache_k, slots=slots)
+        exp = rope_kv.norm_rope_ref(x, wt, f, pos, 1e-6, out_dtype=torch.bfloat16, cache=cache_r, slots=slots)
+        torch.testing.assert_close(got.float(), exp.float(), atol=2e-2, rtol=2e-2)
+        # written rows match, and only the named rows were written
+        assert torch.equal(torch.isnan(cache_k), torch.isnan(cache_r))
+        assert torch.isnan(cache_k[:, [1, 3, 5, 6, 7]]).all()
+        torch.testing.assert_close(cache_k[:, slots[slots >= 0]].float(), exp[slots >= 0].transpose(0, 1).float(),
+                                   atol=1e-2, rtol=1e-2)
+
+
+def test_norm_rope_matches_rotate_half_convention():
+    # the twin against transformers' formula: x*cos + rotate_half(x)*sin with cos/sin of cat(freqs, freqs)
+    T, H, hd = 4, 2, 8
+    x, pos = torch.randn(T, H, hd, dtype=torch.float64), torch.randint(0, 100, (T,))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    emb = torch.cat([pos.float()[:, None] * inv] * 2, -1).double()
+    n = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    rot = torch.cat([-n[..., hd // 2:], n[..., : hd // 2]], -1)
+    exp = n * emb.cos()[:, None] + rot * emb.sin()[:, None]
+    torch.testing.assert_close(rope_kv.norm_rope_ref(x, None, inv, pos, 1e-6), exp)
+
+
+def test_ring_wrap_slots_write_the_last_ring_positions():
+    from diffgemma.config import ModelConfig  # noqa: F401  (cache needs only a few config fields)
+    from types import SimpleNamespace
+    from diffgemma.model.engine_cache import EngineKVCache
+
+    layer = SimpleNamespace(is_sliding=True, num_kv_heads=1, head_dim=2)
+    cfg = SimpleNamespace(canvas_length=2, sliding_window=4, layers=[layer])
+    cache = EngineKVCache(cfg, 64, "cpu", rewind_slack=2)  # ring = 3 + 2 = 5
+    pos = torch.arange(3, 15)
+    slots = cache.ring_slots(pos, 15)
+    assert slots.tolist() == [-1] * 7 + [10 % 5, 11 % 5, 12 % 5, 13 % 5, 14 % 5]
+    cache.advance(pos, 15)
+    assert sorted(cache.slot_pos.tolist()) == [10, 11, 12, 13, 14]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_rowstats(dtype):
+    R, V = 4, 5000  # V not a multiple of the block: masked tail
+    raw = rnd(R, V, dtype=dtype, scale=20)
+    raw[1, 77] = raw[1, 4000] = 500.0  # an exact tie: argmax must be the lower index
+    inv_t = 1.0 / (0.4 + 0.4 * float(torch.rand(())))
+    got = rowstats.softcap_rowstats_triton(raw, 30.0, inv_t, block=1024)
+    exp = rowstats.softcap_rowstats_ref(raw, 30.0, inv_t)
+    torch.testing.assert_close(got[0], exp[0], atol=2e-5, rtol=1e-5)
+    for g, e in zip(got[1:], exp[1:]):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    assert got[2][1].item() == 77
+
+
+def test_route_tie_break_and_weights():
+    T, E, k = 6, 8, 3
+    logits = torch.randn(T, E)
+    logits[0] = 0.0  # all tied: experts 0,1,2
+    logits[1, [5, 2, 7]] = 9.0  # three-way tie at the top: 2,5,7 in index order
+    scale = torch.rand(E) + 0.5
+    w, idx = moe.route(logits, k, scale)
+    assert idx[0].tolist() == [0, 1, 2] and idx[1].tolist() == [2, 5, 7]
+    p = torch.softmax(logits, -1)
+    top = p.gather(1, idx)
+    torch.testing.assert_close(w, top / top.sum(-1, keepdim=True) * scale[idx])
+    assert (top[:, :-1] >= top[:, 1:]).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_experts_match_loop(dtype, tol):
+    T, H, E, Fe, k = 9, 16, 5, 6, 2
+    x = rnd(T, H, dtype=dtype)
+    gate_up, down = rnd(E, 2 * Fe, H, dtype=dtype, scale=0.3), rnd(E, H, Fe, dtype=dtype, scale=0.3)
+    w, idx = moe.route(torch.randn(T, E), k, torch.rand(E) + 0.5)
+    idx[:, 0] = 3  # a crowded expert, and (likely) an empty one
+    got = moe.experts_grouped(x, w, idx, gate_up, down)
+    exp = moe.experts_ref(x, w, idx, gate_up, down)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
