@@ -155,7 +155,7 @@ _LEVELS = {"q4": 15, "q5": 31, "q6": 63}
 
 
 def _affine_encode(x: torch.Tensor, levels: int):
-    """x [R, K] float32 -> (codes int32 [R, K], scale f16 [R, K/32], min f16 [R, K/32])."""
+    """x [R, K] float32 -> (codes uint8 [R, K], scale f16 [R, K/32], min f16 [R, K/32])."""
     r, k = x.shape
     g = x.reshape(r, k // 32, 32)
     mn, mx = g.amin(-1), g.amax(-1)
@@ -163,10 +163,9 @@ def _affine_encode(x: torch.Tensor, levels: int):
     min16 = mn.to(torch.float16)
     if not (torch.isfinite(scale16).all() and torch.isfinite(min16).all()):
         raise TensorError("group range overflows float16 scales (|w| too large for an affine code)")
-    s = scale16.float().unsqueeze(-1)
-    m = min16.float().unsqueeze(-1)
-    q = torch.where(s > 0, torch.round((g - m) / torch.where(s > 0, s, 1.0)), 0.0)
-    q = q.clamp_(0, levels).to(torch.int32).reshape(r, k)
+    s = scale16.float()
+    s = torch.where(s > 0, s, 1.0).unsqueeze(-1)  # scale 0: every (x - min) rounds to code 0 anyway
+    q = (g - min16.float().unsqueeze(-1)).div_(s).round_().clamp_(0, levels).to(torch.uint8).reshape(r, k)
     return q, scale16, min16
 
 
@@ -177,12 +176,12 @@ def _affine_decode(q: torch.Tensor, scale16: torch.Tensor, min16: torch.Tensor) 
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
+    pairs = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
+    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
 def _unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
-    b = b.to(torch.int32)
+    b = b.to(torch.uint8)
     return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
 
 
@@ -205,14 +204,18 @@ def _unpack_bits(b: torch.Tensor, bits: int) -> torch.Tensor:
 # -------------------------------------------------------------------------------------- fast: nvfp4
 
 _E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_E2M1_SIGNED = torch.cat((_E2M1, -_E2M1))  # indexed by the whole nibble: bit 3 is the sign
+
+
+# Decision boundaries between neighbouring e2m1 magnitudes. bucketize counts the boundaries strictly
+# below |y|; where the tie must go UP (to the even code) the boundary is pulled one float32 ulp down.
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_E2M1_BOUNDS[[1, 3, 5]] = torch.nextafter(_E2M1_BOUNDS[[1, 3, 5]], torch.zeros(3))
 
 
 def _e2m1_code(y: torch.Tensor) -> torch.Tensor:
     """Magnitude code 0..7 of |y| rounded to the e2m1 grid, ties to the even code (= even mantissa)."""
-    a = y.abs()
-    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
-            + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
-    return code
+    return torch.bucketize(y.abs().float(), _E2M1_BOUNDS).to(torch.uint8)
 
 
 def nvfp4_tensor_scale(amax: float) -> float:
@@ -230,17 +233,17 @@ def _nvfp4_encode(x: torch.Tensor, tscale: float):
     bscale = (g.abs().amax(-1) / (NVFP4_MAX * t)).clamp_(max=E4M3_MAX)
     s8 = bscale.to(torch.float8_e4m3fn)
     s = s8.float().unsqueeze(-1) * t
-    y = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)
+    y = g / torch.where(s > 0, s, 1.0)  # block scale 0: the block is all zeros (or underflows to them)
+    y = torch.where(s > 0, y, 0.0) if not bool((s > 0).all()) else y
     mag = _e2m1_code(y)
-    sign = ((y < 0) & (mag > 0)).int() << 3
+    sign = ((y < 0) & (mag > 0)).to(torch.uint8) << 3
     codes = (mag | sign).reshape(r, k)
     return codes, s8.view(torch.uint8)
 
 
 def _nvfp4_decode(codes: torch.Tensor, scale_u8: torch.Tensor, tscale: float) -> torch.Tensor:
     r, k = codes.shape
-    mag = _E2M1[(codes & 7).long()]
-    val = torch.where((codes & 8) > 0, -mag, mag).reshape(r, k // 16, 16)
+    val = _E2M1_SIGNED[codes.long()].reshape(r, k // 16, 16)
     s = scale_u8.contiguous().view(torch.float8_e4m3fn).float().unsqueeze(-1) * torch.tensor(tscale, dtype=torch.float32)
     return (val * s).reshape(r, k)
 
