@@ -1,0 +1,326 @@
+"""diffgemma.generate: the entropy-bound denoising loop and block chaining (ARCHITECTURE.md §4-§7, §9).
+
+One call = prefill the prompt, then propose / commit blocks until a stop token, the token budget, or
+the block budget ends the turn:
+
+    for each block:                                     (canvas at positions cache.length ..)
+        canvas = uniform random ids                     (seeded LCG)
+        for step 1..max_denoising_steps:
+            logits = model.denoise(cache, canvas, SC)   (SC: first-step seed, then previous step's logits)
+            T = schedule(step);  H, argmax = stats(logits / T)
+            accept the lowest-entropy prefix (bound in nats); renoise every other position
+            stop? confident / plateau / entropy-only / max steps (pad gate: never on all-pad)
+        committed = argmax of the last executed step
+        first block opening with a stop/control id -> re-roll with a halved canvas (<= 3 times)
+        cut at a stop id (end of turn), at the token budget, or at the confidence trim
+        prefill the kept tokens into the cache
+
+Cache contract (multi-turn reuse): on return the cache holds the prompt plus exactly the returned
+`tokens`. The stop token that ended the turn is NOT in `tokens` and NOT in the cache (it is reported as
+`stop_token`); the chat layer appends the template's own end-of-turn text as part of the next turn's
+new tokens. When a cache is passed in, `input_ids` are only the tokens it does not hold yet.
+
+RNG layout: with semantics="contract" every (block, re-roll attempt) gets its own LCG seeded with
+block_seed(seed, block, attempt) (§7 "re-seed the canvas RNG"); with semantics="hf" one LCG(seed)
+stream serves the whole call in transformers' order (canvas init, then per step: categorical draw
+(commit="sample" only) and renoise of the full canvas). Both are deterministic across processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .errors import InputError
+from .sampling.accept import accept_mask
+from .sampling.rng import Lcg, block_seed, categorical
+from .sampling.schedule import remaining, temperature
+from .sampling.self_condition import sparse_soft_embed
+from .sampling.stats import entropy, max_prob
+from .sampling.stops import FILLER_ID, StopRules
+from .sampling.trim import trim_cut
+from .settings import GenerationSettings
+
+STOP_TOKEN = "stop_token"  # BlockEvent.end: the block held a stop id; the turn is over
+BUDGET = "max_new_tokens"  # the token budget is spent
+TRIMMED = "trimmed"  # the confidence trim cut the block; the tail re-denoises next block
+CONTINUE = "continue"  # a full block was committed; the next block follows
+
+
+@dataclass
+class StepEvent:
+    """One denoising step. Tensors live on the model's device; call .tolist() to look at them."""
+
+    block: int
+    attempt: int  # 0, or the re-roll number of a degenerate first block
+    step: int  # 1-based
+    temperature: float
+    draft: torch.Tensor  # [C] argmax canvas of this step
+    accepted: torch.Tensor  # [C] bool accept mask of this step
+    mean_entropy: float
+    stop_reason: str | None  # set on the block's last step
+
+
+@dataclass
+class BlockEvent:
+    """One committed block."""
+
+    block: int
+    tokens: list[int]  # what this block added to the answer (and to the cache)
+    steps: int  # denoising steps of the committed attempt
+    stop_reason: str  # confident / plateau / entropy / max_steps
+    end: str  # STOP_TOKEN / BUDGET / TRIMMED / CONTINUE
+    attempts: int  # 1 + re-rolls
+    stop_token: int | None = None
+    trimmed_at: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str | None
+    steps_per_block: list[int]
+    tokens_per_forward: float
+    stop_reasons: list[str]  # per committed block
+    timings: dict[str, float]
+    retries: int
+    stop_token: int | None = None  # the stop id that ended the turn (not part of tokens)
+    forwards: int = 0  # denoise forwards, re-rolled attempts included
+    block_ends: list[str] = field(default_factory=list)
+    settings: GenerationSettings | None = None
+
+
+@dataclass
+class DoneEvent:
+    """Last event of generate_stream: the whole result."""
+
+    result: GenerationResult
+
+
+@dataclass
+class _Proposal:
+    committed: torch.Tensor  # [C] ids
+    argmax: torch.Tensor  # [C] last step's argmax
+    p_max: torch.Tensor  # [C] last step's max prob (tempered)
+    steps: int
+    stop_reason: str
+
+
+def resolve_settings(model, settings: GenerationSettings | None, overrides: dict[str, Any]) -> GenerationSettings:
+    """Explicit settings (+ per-call overrides), or the model's generation_config <- env <- overrides."""
+    if settings is None:
+        return GenerationSettings.resolve(getattr(model, "generation_config", None) or {}, env=os.environ,
+                                          overrides=overrides)
+    return settings.replace(**overrides) if overrides else settings
+
+
+def generate(
+    model,
+    input_ids,
+    *,
+    settings: GenerationSettings | None = None,
+    on_step: Callable[[StepEvent], None] | None = None,
+    on_block: Callable[[BlockEvent], None] | None = None,
+    cache=None,
+    **overrides: Any,
+) -> GenerationResult:
+    """Generate an answer for `input_ids` (LongTensor [T] or list of ids); see the module docstring."""
+    for event in generate_stream(model, input_ids, settings=settings, cache=cache, **overrides):
+        if isinstance(event, StepEvent):
+            if on_step is not None:
+                on_step(event)
+        elif isinstance(event, BlockEvent):
+            if on_block is not None:
+                on_block(event)
+        else:
+            return event.result
+    raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
+
+
+def generate_stream(
+    model,
+    input_ids,
+    *,
+    settings: GenerationSettings | None = None,
+    cache=None,
+    **overrides: Any,
+) -> Iterator[StepEvent | BlockEvent | DoneEvent]:
+    """The same loop as generate(), as an iterator of StepEvent, BlockEvent and a final DoneEvent."""
+    s = resolve_settings(model, settings, overrides)
+    cfg = model.config
+    vocab = cfg.vocab_size
+    device = model.embedding.device
+    prompt = _as_ids(input_ids, vocab, device)
+    canvas_len = s.canvas_length or cfg.canvas_length
+    stop_ids = tuple(s.stop_ids) if s.stop_ids is not None else tuple(cfg.eos_token_ids)
+    # a first block opening with one of these is the empty-reply attractor (§6 guard)
+    control_ids = set(stop_ids) | {cfg.pad_token_id, FILLER_ID}
+    if cfg.bos_token_id is not None:
+        control_ids.add(cfg.bos_token_id)
+    hf = s.semantics == "hf"
+    # the trim can shorten blocks, so it gets twice the block budget (§9 #11 "max_blocks *= 2")
+    max_blocks = math.ceil(s.max_new_tokens / canvas_len) * (2 if s.confidence_trim > 0 else 1)
+
+    t_start = time.perf_counter()
+    timings = {"prefill_s": 0.0, "denoise_s": 0.0}
+    if cache is None:
+        if prompt.numel() == 0:
+            raise InputError("input_ids: empty prompt without a cache; expected at least one token")
+        cache = model.new_cache(prompt.numel() + s.max_new_tokens + canvas_len)
+    if prompt.numel():
+        t = time.perf_counter()
+        model.prefill(cache, prompt)
+        timings["prefill_s"] += time.perf_counter() - t
+
+    hf_rng = Lcg(s.seed) if hf else None
+    tokens: list[int] = []
+    steps_per_block: list[int] = []
+    stop_reasons: list[str] = []
+    block_ends: list[str] = []
+    retries = 0
+    forwards = 0
+    final_stop: int | None = None
+
+    block = 0
+    while len(tokens) < s.max_new_tokens and block < max_blocks:
+        attempt = 0
+        while True:
+            length = canvas_len if attempt == 0 else max(canvas_len >> attempt, canvas_len >> 2, 1)
+            rng = hf_rng if hf else Lcg(block_seed(s.seed, block, attempt))
+            t = time.perf_counter()
+            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt)
+            timings["denoise_s"] += time.perf_counter() - t
+            forwards += proposal.steps
+            degenerate = int(proposal.committed[0]) in control_ids
+            if block == 0 and degenerate and attempt < s.empty_reply_retry:
+                attempt += 1
+                retries += 1
+                continue
+            break
+
+        committed = proposal.committed.tolist()
+        limit = min(len(committed), s.max_new_tokens - len(tokens))
+        stop_pos = next((i for i in range(limit) if committed[i] in stop_ids), None)
+        answer_len = stop_pos if stop_pos is not None else limit
+        cut = trim_cut(proposal.argmax, proposal.p_max, s.confidence_trim, answer_len)
+        stop_token = None
+        if cut is not None:
+            keep, end = committed[:cut], TRIMMED
+        elif stop_pos is not None:
+            keep, end, stop_token = committed[:stop_pos], STOP_TOKEN, committed[stop_pos]
+        else:
+            keep = committed[:limit]
+            end = BUDGET if len(tokens) + limit >= s.max_new_tokens else CONTINUE
+
+        if keep:
+            t = time.perf_counter()
+            model.prefill(cache, torch.tensor(keep, dtype=torch.long, device=device))
+            timings["prefill_s"] += time.perf_counter() - t
+        tokens.extend(keep)
+        steps_per_block.append(proposal.steps)
+        stop_reasons.append(proposal.stop_reason)
+        block_ends.append(end)
+        yield BlockEvent(block=block, tokens=keep, steps=proposal.steps, stop_reason=proposal.stop_reason,
+                         end=end, attempts=attempt + 1, stop_token=stop_token, trimmed_at=cut)
+        block += 1
+        if stop_token is not None:
+            final_stop = stop_token
+            break
+
+    timings["total_s"] = time.perf_counter() - t_start
+    tokenizer = getattr(model, "tokenizer", None)
+    text = tokenizer.decode(tokens) if tokenizer is not None else None
+    result = GenerationResult(
+        tokens=tokens,
+        text=text,
+        steps_per_block=steps_per_block,
+        tokens_per_forward=len(tokens) / forwards if forwards else 0.0,
+        stop_reasons=stop_reasons,
+        timings=timings,
+        retries=retries,
+        stop_token=final_stop,
+        forwards=forwards,
+        block_ends=block_ends,
+        settings=s,
+    )
+    yield DoneEvent(result)
+
+
+def _denoise_block(model, cache, s: GenerationSettings, rng: Lcg, length: int, block: int, attempt: int):
+    """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal."""
+    device = model.embedding.device
+    vocab = model.config.vocab_size
+    hf = s.semantics == "hf"
+    steps_total = s.max_denoising_steps
+    stops = StopRules.from_settings(s, model.config.pad_token_id)
+
+    canvas = rng.randint(length, vocab, device)
+    frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
+    sc_logits = None
+    sc_embeds = model.embed(canvas) if s.sc_seed else None  # first-step SC seed (§4.1, §9 #2)
+    reason = None
+    step = 0
+    processed = argmax = None
+    while reason is None:
+        step += 1
+        cur = remaining(step, steps_total)
+        temp = temperature(cur, steps_total, s.t_min, s.t_max).to(device)
+        logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        processed = logits / temp
+        h = entropy(processed)
+        argmax = processed.argmax(dim=-1)
+        if s.commit == "sample":
+            probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+            proposal = categorical(probs, rng.uniform(length, device))
+        else:
+            proposal = argmax
+        # the final scheduled step accepts nothing under the contract; transformers decides it as usual
+        # (the loop ends after it either way, so this only shows in the StepEvent)
+        mask = accept_mask(h, s.entropy_bound, final_step=(cur == 1 and not hf), frozen=frozen)
+        if frozen is not None:
+            proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
+            frozen = mask
+        noise = rng.randint(length, vocab, device)
+        canvas = torch.where(mask, proposal, noise)
+        mean_h = float(h.mean())
+        reason = stops.update(step, argmax, mean_h, mask)
+        yield StepEvent(block=block, attempt=attempt, step=step, temperature=float(temp), draft=argmax,
+                        accepted=mask, mean_entropy=mean_h, stop_reason=reason)
+        if reason is None:
+            # the next step self-conditions on these tempered logits (§5)
+            if s.sc_mode == "exact":
+                sc_logits, sc_embeds = processed, None
+            else:
+                sc_logits = None
+                sc_embeds = sparse_soft_embed(processed, model.embedding, model.config.embed_scale,
+                                              s.sc_sparse_log_ratio)
+
+    committed = argmax if frozen is None else torch.where(frozen, canvas, argmax)
+    return _Proposal(committed=committed, argmax=argmax, p_max=max_prob(processed), steps=step, stop_reason=reason)
+
+
+def _as_ids(input_ids, vocab: int, device) -> torch.Tensor:
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise InputError(f"input_ids: expected shape [T] (or [1, T]), got {list(input_ids.shape)}")
+        if ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+            raise InputError(f"input_ids: expected integer token ids, got dtype {ids.dtype}")
+    else:
+        try:
+            ids = torch.tensor(list(input_ids), dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise InputError("input_ids: expected a LongTensor [T] or a list of token ids") from None
+        if ids.dim() != 1:
+            raise InputError("input_ids: expected a flat list of token ids")
+    ids = ids.to(device=device, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise InputError(f"input_ids: ids must be in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
+    return ids

@@ -1,0 +1,49 @@
+"""The entropy-bound accept mask (ARCHITECTURE.md §6.3).
+
+Sort positions by ascending entropy and accept the k lowest while
+    sum(H_1..H_k) - max(H_1..H_k) <= bound        (= the prefix sum BEFORE position k, since sorted)
+so the lowest-entropy position is always accepted. The mask is re-decided from scratch every step:
+a position accepted last step gets no special treatment (there is no freeze), and the final
+scheduled step accepts nothing (the loop ends on the argmax anyway).
+
+The legacy freeze (A/B only) keeps already-frozen positions accepted and spends the bound on the
+remaining positions only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_mask(
+    entropy: torch.Tensor,
+    bound: float,
+    *,
+    final_step: bool = False,
+    frozen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool mask [C] of accepted positions for per-position entropies [C] (nats)."""
+    if final_step:
+        return frozen.clone() if frozen is not None else torch.zeros_like(entropy, dtype=torch.bool)
+    if frozen is not None and bool(frozen.any()):
+        free = ~frozen
+        mask = frozen.clone()
+        if bool(free.any()):
+            mask[free] = accept_mask(entropy[free], bound)
+        return mask
+    sorted_h, order = torch.sort(entropy, dim=-1, descending=False)
+    before = torch.cumsum(sorted_h, dim=-1) - sorted_h
+    sorted_ok = before <= bound
+    return torch.zeros_like(sorted_ok).scatter(-1, order, sorted_ok)
+
+
+def accept_mask_reference(entropy: list[float], bound: float) -> list[bool]:
+    """Plain-Python twin: walk positions by ascending entropy, accepting while the running sum allows."""
+    order = sorted(range(len(entropy)), key=lambda i: entropy[i])
+    accepted = [False] * len(entropy)
+    running = 0.0
+    for i in order:
+        if running <= bound:
+            accepted[i] = True
+        running += entropy[i]
+    return accepted

@@ -1,0 +1,99 @@
+"""Early-stop rules for one block's denoising loop (ARCHITECTURE.md §6.6).
+
+After every step the loop asks `StopRules.update(...)` whether to stop, and why:
+
+- "confident": the argmax canvas equals each of the previous `stability_threshold` steps' AND the mean
+  entropy is below `confidence_threshold` (transformers' StableAndConfidentStoppingCriteria).
+- "plateau": the accept mask has been bit-identical for `plateau_steps` consecutive steps AND the mean
+  entropy is below `plateau_entropy` (catches stuck-but-stable canvases; 0 disables).
+- "entropy": from step `entropy_stop_min_steps` on, mean entropy below `entropy_stop`, without waiting
+  for argmax stability (0 disables).
+- "max_steps": the scheduled last step ran.
+
+Pad gate: when on, an argmax canvas made only of pad / filler ids never triggers an early stop — it is a
+degenerate forward, not a converged answer. It does not block "max_steps".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+FILLER_ID = 262143  # the reference engine's invalid-logits sentinel (last id of the real vocabulary)
+
+CONFIDENT = "confident"
+PLATEAU = "plateau"
+ENTROPY = "entropy"
+MAX_STEPS = "max_steps"
+
+
+class StopRules:
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        stability_threshold: int,
+        confidence_threshold: float,
+        plateau_steps: int = 0,
+        plateau_entropy: float = 0.0,
+        entropy_stop: float = 0.0,
+        entropy_stop_min_steps: int = 1,
+        pad_gate: bool = False,
+        pad_ids: tuple[int, ...] = (0, FILLER_ID),
+    ):
+        self.max_steps = max_steps
+        self.stability_threshold = stability_threshold
+        self.confidence_threshold = confidence_threshold
+        self.plateau_steps = plateau_steps
+        self.plateau_entropy = plateau_entropy
+        self.entropy_stop = entropy_stop
+        self.entropy_stop_min_steps = entropy_stop_min_steps
+        self.pad_gate = pad_gate
+        self.pad_ids = tuple(pad_ids)
+        self._history: deque[torch.Tensor] = deque(maxlen=max(stability_threshold, 1))
+        self._last_mask: torch.Tensor | None = None
+        self._mask_run = 0
+
+    @classmethod
+    def from_settings(cls, s, pad_token_id: int) -> "StopRules":
+        return cls(
+            max_steps=s.max_denoising_steps,
+            stability_threshold=s.stability_threshold,
+            confidence_threshold=s.confidence_threshold,
+            plateau_steps=s.plateau_steps,
+            plateau_entropy=s.plateau_entropy,
+            entropy_stop=s.entropy_stop,
+            entropy_stop_min_steps=s.entropy_stop_min_steps,
+            pad_gate=s.pad_gate,
+            pad_ids=(pad_token_id, FILLER_ID),
+        )
+
+    def update(self, step: int, argmax: torch.Tensor, mean_entropy: float, accepted: torch.Tensor) -> str | None:
+        """Record step `step` (1-based) and return the stop reason, or None to keep denoising."""
+        # stability against the previous N argmax canvases (fewer than N seen = not stable)
+        if self.stability_threshold == 0:
+            stable = True
+        else:
+            stable = len(self._history) == self.stability_threshold and all(
+                torch.equal(h, argmax) for h in self._history
+            )
+            self._history.append(argmax.clone())
+
+        if self._last_mask is not None and torch.equal(self._last_mask, accepted):
+            self._mask_run += 1
+        else:
+            self._mask_run = 1
+        self._last_mask = accepted.clone()
+
+        degenerate = self.pad_gate and bool(torch.isin(argmax, torch.tensor(self.pad_ids, device=argmax.device)).all())
+        if not degenerate:
+            if stable and mean_entropy < self.confidence_threshold:
+                return CONFIDENT
+            if self.plateau_steps > 0 and self._mask_run >= self.plateau_steps and mean_entropy < self.plateau_entropy:
+                return PLATEAU
+            if self.entropy_stop > 0 and step >= self.entropy_stop_min_steps and mean_entropy < self.entropy_stop:
+                return ENTROPY
+        if step >= self.max_steps:
+            return MAX_STEPS
+        return None

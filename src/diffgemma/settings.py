@@ -1,0 +1,348 @@
+"""GenerationSettings: every knob of the generation contract, typed, validated, with its default.
+
+ARCHITECTURE.md Part II §4-§7 and §9 define the loop; each divergence from transformers there is a
+named field here rather than a scattered `if`. Values are layered, later layers winning:
+
+    field defaults  <-  the model's generation_config.json  <-  the "hf" preset (when semantics="hf")
+                    <-  DIFFGEMMA_<FIELD> environment variables  <-  explicit overrides (kwargs / --set)
+
+The "hf" preset sits below env and overrides on purpose: `semantics=hf pad_gate=1` is a legal A/B arm
+that re-enables one divergence on top of transformers' loop.
+
+Every way in (constructor, env, --set string) goes through the same validation, and a bad name or
+value raises SettingsError naming the field, where it came from, and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping
+
+from .errors import SettingsError
+
+ENV_PREFIX = "DIFFGEMMA_"
+
+# DIFFGEMMA_* variables owned by other parts of the package (model path, device, kernels, ...). An
+# unknown DIFFGEMMA_* variable is an error (a typo'd arm must die before any model load), so other
+# modules declare theirs here through register_env_var().
+_FOREIGN_ENV_VARS: set[str] = set()
+
+
+def register_env_var(name: str) -> None:
+    """Declare a DIFFGEMMA_* variable that belongs to another module, so resolve() does not reject it."""
+    if not name.startswith(ENV_PREFIX):
+        raise ValueError(f"environment variable {name!r} must start with {ENV_PREFIX!r}")
+    _FOREIGN_ENV_VARS.add(name)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    # --- transformers' generation_config.json knobs (same names) -------------------------------------
+    entropy_bound: float = 0.1  # nats; accept the lowest-entropy prefix while sum(H) - max(H) <= bound
+    max_denoising_steps: int = 48
+    t_min: float = 0.4  # temperature at the last scheduled step
+    t_max: float = 0.8  # temperature at the first step
+    stability_threshold: int = 1  # confident stop: argmax equal to the last N steps' (0 = always stable)
+    confidence_threshold: float = 0.005  # confident stop: mean canvas entropy below this
+    max_new_tokens: int = 256  # honoured exactly
+    # --- contract divergences (ARCHITECTURE.md §9) ---------------------------------------------------
+    commit: str = "argmax"  # token at accepted positions: "argmax" or "sample" (tempered categorical)
+    sc_seed: bool = True  # first denoise step self-conditions on the canvas's own embedding
+    # "exact" (dense probs @ embedding) or "sparse" (survivor gather). Exact is the default because it
+    # measured faster on the CPU everywhere except f32 at the real vocab (see sampling/self_condition.py);
+    # the GPU comparison is still owed — flip this default only on a measurement.
+    sc_mode: str = "exact"
+    sc_sparse_log_ratio: float = 10.0  # sparse SC keeps tokens with prob >= exp(-ratio) * row max
+    freeze: bool = False  # legacy: accepted positions stay fixed (A/B only; causes warts)
+    plateau_steps: int = 8  # plateau stop: accept mask unchanged this many steps (0 disables)
+    plateau_entropy: float = 0.05  # ... and mean entropy below this
+    pad_gate: bool = True  # an all-pad/filler argmax never counts as converged
+    entropy_stop: float = 0.05  # entropy-only stop threshold on mean entropy (0 disables)
+    entropy_stop_min_steps: int = 12  # ... which may fire only from this step on (1-based)
+    empty_reply_retry: int = 3  # re-rolls of a first block that opens with a stop/control token
+    confidence_trim: float = 0.9  # commit-time trim tau (0 disables)
+    seed: int = 0
+    canvas_length: int | None = None  # None = the model's canvas_length
+    stop_ids: tuple[int, ...] | None = None  # None = generation_config eos_token_id, else config eos ids
+    semantics: str = "contract"  # "contract" (ARCHITECTURE.md) or "hf" (transformers' generate())
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), "value")
+        _check_ranges(self)
+
+    # ------------------------------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> "GenerationSettings":
+        """A copy with some fields changed (values are parsed like overrides: "0.2" is fine for a float)."""
+        parsed = {name: _parse(name, value, "override") for name, value in _check_names(changes, "override").items()}
+        return dataclasses.replace(self, **parsed)
+
+    @classmethod
+    def preset(cls, semantics: str) -> dict[str, Any]:
+        """The field values a semantics preset implies ({} for "contract": the defaults are the contract)."""
+        if semantics == "hf":
+            return dict(HF_PRESET)
+        if semantics == "contract":
+            return {}
+        raise SettingsError(f"semantics: unknown value {semantics!r}, expected one of {SEMANTICS}")
+
+    @classmethod
+    def resolve(
+        cls,
+        model_generation_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    ) -> "GenerationSettings":
+        """Layer generation_config.json <- hf preset <- DIFFGEMMA_* env <- overrides, validating everything.
+
+        `env` defaults to os.environ; pass {} to ignore the environment. `overrides` is a dict of
+        field -> value, or a list of "name=value" strings (the CLI's --set).
+        """
+        if env is None:
+            env = os.environ
+        from_model = _from_generation_config(model_generation_config or {})
+        from_env = _from_env(env)
+        from_overrides = _from_overrides(overrides)
+
+        semantics = from_overrides.get("semantics", from_env.get("semantics", from_model.get("semantics", "contract")))
+        values: dict[str, Any] = {}
+        values.update(from_model)
+        values.update(cls.preset(semantics))
+        values.update(from_env)
+        values.update(from_overrides)
+        try:
+            return cls(**values)
+        except SettingsError:
+            raise
+        except TypeError as e:  # pragma: no cover - names are checked above
+            raise SettingsError(str(e)) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+SEMANTICS = ("contract", "hf")
+COMMITS = ("argmax", "sample")
+SC_MODES = ("sparse", "exact")
+
+# transformers' generate(): tempered categorical draw, no first-step SC seed, only the stable-and-
+# confident stop, no re-roll / trim / plateau / pad gate / entropy stop, exact SC.
+HF_PRESET: dict[str, Any] = {
+    "commit": "sample",
+    "sc_seed": False,
+    "sc_mode": "exact",
+    "freeze": False,
+    "plateau_steps": 0,
+    "pad_gate": False,
+    "entropy_stop": 0.0,
+    "empty_reply_retry": 0,
+    "confidence_trim": 0.0,
+}
+
+_FIELD_TYPES: dict[str, str] = {
+    "entropy_bound": "float",
+    "max_denoising_steps": "int",
+    "t_min": "float",
+    "t_max": "float",
+    "stability_threshold": "int",
+    "confidence_threshold": "float",
+    "max_new_tokens": "int",
+    "commit": "choice",
+    "sc_seed": "bool",
+    "sc_mode": "choice",
+    "sc_sparse_log_ratio": "float",
+    "freeze": "bool",
+    "plateau_steps": "int",
+    "plateau_entropy": "float",
+    "pad_gate": "bool",
+    "entropy_stop": "float",
+    "entropy_stop_min_steps": "int",
+    "empty_reply_retry": "int",
+    "confidence_trim": "float",
+    "seed": "int",
+    "canvas_length": "optional_int",
+    "stop_ids": "optional_ids",
+    "semantics": "choice",
+}
+_CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
+FIELD_NAMES = tuple(_FIELD_TYPES)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+# generation_config.json keys transformers writes that are not sampler knobs: ignored on purpose.
+# (max_length is transformers' alternative to max_new_tokens; diffgemma honours max_new_tokens only.)
+_GENCONFIG_IGNORED = {
+    "bos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "_commit_hash",
+    "return_dict_in_generate", "cache_implementation", "cache_config", "disable_compile", "max_length",
+}
+
+
+def _expected(name: str) -> str:
+    kind = _FIELD_TYPES[name]
+    if kind == "choice":
+        return "one of " + ", ".join(_CHOICES[name])
+    return {
+        "float": "a finite number",
+        "int": "an integer",
+        "bool": "a boolean (1/0, true/false, yes/no, on/off)",
+        "optional_int": "a positive integer or 'none'",
+        "optional_ids": "a comma-separated list of token ids or 'none'",
+    }[kind]
+
+
+def _check_type(name: str, value: Any, origin: str) -> None:
+    kind = _FIELD_TYPES[name]
+    ok = {
+        "float": isinstance(value, float) and math.isfinite(value),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "choice": isinstance(value, str) and value in _CHOICES.get(name, ()),
+        "optional_int": value is None or (isinstance(value, int) and not isinstance(value, bool)),
+        "optional_ids": value is None
+        or (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)),
+    }[kind]
+    if not ok:
+        raise SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
+
+
+def _check_ranges(s: GenerationSettings) -> None:
+    def need(cond: bool, name: str, what: str):
+        if not cond:
+            raise SettingsError(f"{name}: got {getattr(s, name)!r}, expected {what}")
+
+    need(s.entropy_bound >= 0, "entropy_bound", "a number >= 0 (nats)")
+    need(s.max_denoising_steps >= 1, "max_denoising_steps", "an integer >= 1")
+    need(s.t_min >= 0, "t_min", "a temperature >= 0")
+    need(s.t_max > 0 and s.t_max >= s.t_min, "t_max", f"a temperature > 0 and >= t_min ({s.t_min})")
+    need(s.stability_threshold >= 0, "stability_threshold", "an integer >= 0")
+    need(s.confidence_threshold >= 0, "confidence_threshold", "a number >= 0 (nats)")
+    need(s.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
+    need(s.sc_sparse_log_ratio > 0, "sc_sparse_log_ratio", "a number > 0")
+    need(s.plateau_steps >= 0, "plateau_steps", "an integer >= 0 (0 disables)")
+    need(s.plateau_entropy >= 0, "plateau_entropy", "a number >= 0 (nats)")
+    need(s.entropy_stop >= 0, "entropy_stop", "a number >= 0 (nats; 0 disables)")
+    need(s.entropy_stop_min_steps >= 1, "entropy_stop_min_steps", "an integer >= 1")
+    need(s.empty_reply_retry >= 0, "empty_reply_retry", "an integer >= 0 (0 disables)")
+    need(0 <= s.confidence_trim <= 1, "confidence_trim", "a probability in [0, 1] (0 disables)")
+    need(0 <= s.seed < 2**64, "seed", "an integer in [0, 2**64)")
+    need(s.canvas_length is None or s.canvas_length >= 1, "canvas_length", "a positive integer or None")
+    need(s.stop_ids is None or all(v >= 0 for v in s.stop_ids), "stop_ids", "non-negative token ids")
+
+
+def _parse(name: str, value: Any, origin: str) -> Any:
+    """Turn a user value (typed, or a string from env / --set) into the field's type, or raise."""
+    kind = _FIELD_TYPES[name]
+
+    def bad():
+        return SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
+
+    if isinstance(value, str):
+        text = value.strip()
+        low = text.lower()
+        try:
+            if kind == "float":
+                parsed = float(text)
+                if not math.isfinite(parsed):
+                    raise bad()
+                return parsed
+            if kind == "int":
+                return int(text, 10)
+            if kind == "bool":
+                if low in _TRUE:
+                    return True
+                if low in _FALSE:
+                    return False
+                raise bad()
+            if kind == "choice":
+                if low not in _CHOICES[name]:
+                    raise bad()
+                return low
+            if kind == "optional_int":
+                return None if low in ("none", "") else int(text, 10)
+            if kind == "optional_ids":
+                if low in ("none", ""):
+                    return None
+                return tuple(int(part, 10) for part in text.replace(" ", "").split(","))
+        except ValueError:
+            raise bad() from None
+        raise bad()
+
+    if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+    elif kind == "bool" and isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        value = bool(value)
+    elif kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif kind == "optional_ids" and isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    elif kind == "optional_ids" and isinstance(value, (list, tuple, set, frozenset)):
+        value = tuple(sorted(value)) if isinstance(value, (set, frozenset)) else tuple(value)
+    _check_type(name, value, origin)
+    return value
+
+
+def _check_names(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    out = {}
+    for raw_name, value in values.items():
+        name = str(raw_name).strip().replace("-", "_").lower()
+        if name not in _FIELD_TYPES:
+            raise SettingsError(f"unknown setting {raw_name!r} ({origin}); known settings: {', '.join(FIELD_NAMES)}")
+        out[name] = value
+    return out
+
+
+def _from_generation_config(gc: Mapping[str, Any]) -> dict[str, Any]:
+    """Read transformers' generation_config.json keys; unrelated keys are ignored, bad values are errors."""
+    if not isinstance(gc, Mapping):
+        raise SettingsError(f"generation_config.json: expected a JSON object, got {type(gc).__name__}")
+    origin = "generation_config.json"
+    out: dict[str, Any] = {}
+    sampler = gc.get("sampler_config")
+    if isinstance(sampler, Mapping) and sampler.get("entropy_bound") is not None:
+        out["entropy_bound"] = _parse("entropy_bound", sampler["entropy_bound"], origin + " sampler_config")
+    elif sampler is not None and not isinstance(sampler, Mapping):
+        bound = getattr(sampler, "entropy_bound", None)  # an EntropyBoundSamplerConfig object
+        if bound is not None:
+            out["entropy_bound"] = _parse("entropy_bound", bound, origin + " sampler_config")
+    for key, value in gc.items():
+        if value is None or key in _GENCONFIG_IGNORED or key == "sampler_config":
+            continue
+        if key == "eos_token_id":
+            out["stop_ids"] = _parse("stop_ids", value, origin + " eos_token_id")
+        elif key in _FIELD_TYPES:
+            out[key] = _parse(key, value, origin)
+        # anything else (do_sample, temperature, ...) belongs to other generation styles: ignored
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX) or key in _FOREIGN_ENV_VARS:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in _FIELD_TYPES:
+            known = ", ".join(ENV_PREFIX + n.upper() for n in FIELD_NAMES)
+            raise SettingsError(f"unknown environment variable {key}; known: {known}")
+        out[name] = _parse(name, value, f"environment {key}")
+    return out
+
+
+def _from_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        return {n: _parse(n, v, "override") for n, v in _check_names(overrides, "override").items()}
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise SettingsError(f"--set {item!r}: expected name=value")
+        name, value = item.split("=", 1)
+        (name,) = _check_names({name: value}, f"--set {item}")
+        out[name] = _parse(name, value, f"--set {item}")
+    return out
