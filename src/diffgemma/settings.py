@@ -70,8 +70,9 @@ class GenerationSettings:
     semantics: str = "contract"  # "contract" (ARCHITECTURE.md) or "hf" (transformers' generate())
 
     def __post_init__(self):
+        # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), "value")
+            object.__setattr__(self, f.name, _parse(f.name, getattr(self, f.name), "value"))
         _check_ranges(self)
 
     # ------------------------------------------------------------------------------------------------
