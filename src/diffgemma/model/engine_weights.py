@@ -149,7 +149,7 @@ class DictSource:
 class RandomSource(DictSource):
     """Checkpoint-named random weights generated lazily on `device` (each tensor on first `get`), so the
     full-size model never needs a host copy. Scales keep activations O(1): std 0.02 linears, norm
-    weights near 1, layer scalars 1."""
+    weights near 1 (QK-norm near head_dim^-1/4), layer scalars near 1."""
 
     def __init__(self, cfg: ModelConfig, device, dtype=torch.bfloat16, seed=0, std=0.02):
         from ..checkpoint import expected_tensors
@@ -173,6 +173,10 @@ class RandomSource(DictSource):
             t = 1.0 + 0.1 * torch.rand(shape, generator=self.gen, device=self.device)
         elif len(shape) == 1:  # norm weights
             t = 1.0 + 0.2 * torch.randn(shape, generator=self.gen, device=self.device)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Trained QK-norm weights carry the attention temperature (there is no 1/sqrt(d));
+                # weights near 1 would make q·k ~ head_dim and attention a chaotic hard max.
+                t = t * shape[0] ** -0.25
         else:
             t = torch.randn(shape, generator=self.gen, device=self.device, dtype=dt) * self.std
         return t.to(device=device or self.device, dtype=dt)
