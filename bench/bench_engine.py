@@ -1,0 +1,294 @@
+"""Benchmark: the fast engine vs transformers at DiffusionGemma's full size, random bf16 weights, one GPU.
+
+    PYTHONPATH=src python bench/bench_engine.py [--contexts 1024,8192,32768] [--skip-hf] [--json out.json]
+
+Builds the real shapes (30 layers, hidden 2816, vocab 262144, 128 experts top-8 F=704, dense 2112,
+16 heads; sliding hd 256 / 8 KV, full hd 512 / 2 KV; window 1024; canvas 256) directly on the GPU,
+then times, for each context length: prefill (tokens/s, one prompt of that length into an empty
+cache) and one denoise step over that cache (CUDA-graph replay, median of repeats, CUDA events),
+with peak memory. Then frees it and times transformers' DiffusionGemmaForBlockDiffusion (random
+init on the GPU, bf16, sdpa) on the same shapes: its denoise over a DynamicCache filled with random
+K/V of that length, and its encoder prefill. One table at the end, with ratios and the weight-byte
+roofline (all weights read once per step at 4.3e12 B/s, the copy bandwidth measured on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine_weights import RandomSource  # noqa: E402
+
+S, FULL = "sliding_attention", "full_attention"
+BW = 4.3e12
+TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+            sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+            final_logit_softcapping=30.0, layer_types=[FULL if (i + 1) % 6 == 0 else S for i in range(30)],
+            max_position_embeddings=65536)
+TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+CANVAS = 256
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def time_cuda(fn, reps: int, warmup: int = 1) -> list[float]:
+    """Milliseconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def weight_bytes(w) -> int:
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+
+    for k, v in vars(w).items():
+        if k == "layers":
+            for lw in v:
+                for t in vars(lw).values():
+                    add(t)
+        else:
+            add(v)
+    return total
+
+
+def bench_ours(contexts, reps) -> dict:
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
+    t0 = time.time()
+    eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    wb = weight_bytes(eng.w)
+    log(f"[ours] built in {time.time() - t0:.1f}s, weights {wb / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    res = {"weight_bytes": wb, "ctx": {}}
+    V = cfg.vocab_size
+    # warm-up: compile kernels, cuBLAS handles
+    c0 = eng.new_cache(2048)
+    eng.prefill(c0, torch.randint(0, V, (1024,), device="cuda"))
+    eng.denoise(c0, torch.randint(0, V, (CANVAS,), device="cuda"))
+    del c0
+    for T in contexts:
+        r = {}
+        cache = eng.new_cache(T)
+        prompt = torch.randint(0, V, (T,), device="cuda")
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+        def do_prefill():
+            cache.truncate(0)
+            eng.prefill(cache, prompt)
+
+        times = time_cuda(do_prefill, reps=2 if T > 8192 else 3, warmup=1)
+        r["prefill_ms"] = statistics.median(times)
+        r["prefill_tok_s"] = T / (r["prefill_ms"] / 1e3)
+        r["prefill_peak_gib"] = peak_gib()
+        # denoise over a cache of T tokens; the canvas ids and SC logits change every step like in generate
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(0, V, (CANVAS,), device="cuda")
+        sc = torch.randn(CANVAS, V, device="cuda") * 3
+        eng.use_graphs = True
+        eng.denoise(cache, ids, sc_logits=sc)  # capture
+        times = time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2)
+        r["denoise_ms"] = statistics.median(times)
+        r["denoise_min_ms"] = min(times)
+        r["denoise_peak_gib"] = peak_gib()
+        r["graph_error"] = eng.graph_error
+        eng.use_graphs = False
+        r["denoise_eager_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3))
+        eng.use_graphs = True
+        # K+V bytes one step reads: full layers T positions, sliding layers their ring
+        kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
+        r["roofline_ms"] = (wb + kv_bytes) / BW * 1e3
+        log(f"[ours] ctx {T}: prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:.0f} tok/s, peak {r['prefill_peak_gib']:.1f} GiB); "
+            f"denoise {r['denoise_ms']:.2f} ms graphed / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
+            f"; roofline {r['roofline_ms']:.2f} ms")
+        res["ctx"][T] = r
+        del cache
+        eng._graphs.clear()
+    res["generate"] = bench_generate(eng)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_generate(eng) -> dict:
+    """Wall time of generate outside the forwards: total − prefill − forwards × measured step time."""
+    try:
+        import diffgemma.generate as G
+    except Exception as e:  # the generate module belongs to another helper
+        return {"error": f"import: {e}"}
+    try:
+        V = eng.config.vocab_size
+        prompt = torch.randint(0, V, (1024,), device="cuda")
+        cache = eng.new_cache(4096)
+        G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: captures graphs
+        cache = eng.new_cache(4096)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+        return {"total_s": total, "forwards": getattr(out, "forwards", None), "timings": getattr(out, "timings", None)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def bench_hf(contexts, reps) -> dict:
+    res = {"ctx": {}}
+    try:
+        import transformers
+        from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+        from transformers.cache_utils import DynamicCache
+    except Exception as e:
+        return {"error": f"import: {e}"}
+    res["version"] = transformers.__version__
+    hcfg = DiffusionGemmaConfig(text_config=dict(TEXT), vision_config=TINY_VISION, canvas_length=CANVAS)
+    t0 = time.time()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            kw = dict(attn_implementation="sdpa")
+            for extra in ({"experts_implementation": "grouped_mm", "dtype": torch.bfloat16},
+                          {"dtype": torch.bfloat16}, {"torch_dtype": torch.bfloat16}):
+                try:
+                    model = DiffusionGemmaForBlockDiffusion._from_config(hcfg, **kw, **extra).eval()
+                    res["from_config_kwargs"] = sorted(extra)
+                    break
+                except TypeError:
+                    continue
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.cuda.synchronize()
+    res["experts_impl"] = str(getattr(model.config.get_text_config(), "_experts_implementation", "?"))
+    log(f"[hf {transformers.__version__}] built in {time.time() - t0:.1f}s, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
+        f"experts={res['experts_impl']}")
+    tc = hcfg.text_config
+    V = TEXT["vocab_size"]
+    for T in contexts:
+        r = {}
+        cache = DynamicCache(config=model.config.get_text_config())
+        with torch.no_grad():
+            for li, lt in enumerate(TEXT["layer_types"]):
+                hd, kvh = (512, 2) if lt == FULL else (256, 8)
+                k = torch.randn(1, kvh, T, hd, device="cuda", dtype=torch.bfloat16)
+                cache.update(k, torch.randn_like(k), li)
+        ids = torch.randint(0, V, (1, CANVAS), device="cuda")
+        sc = torch.randn(1, CANVAS, V, device="cuda") * 3
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.no_grad():
+                times = time_cuda(lambda: model(past_key_values=cache, decoder_input_ids=ids, self_conditioning_logits=sc),
+                                  reps=max(3, reps // 4), warmup=1)
+            r["denoise_ms"] = statistics.median(times)
+            r["denoise_peak_gib"] = peak_gib()
+        except Exception as e:
+            r["denoise_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        del cache
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            prompt = torch.randint(0, V, (1, T), device="cuda")
+
+            def hf_prefill():
+                c = DynamicCache(config=model.config.get_text_config())
+                model.model.encoder(input_ids=prompt, past_key_values=c)
+
+            with torch.no_grad():
+                times = time_cuda(hf_prefill, reps=1 if T > 8192 else 2, warmup=1 if T <= 8192 else 0)
+            r["prefill_ms"] = statistics.median(times)
+            r["prefill_tok_s"] = T / (r["prefill_ms"] / 1e3)
+            r["prefill_peak_gib"] = peak_gib()
+        except Exception as e:
+            r["prefill_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(f"[hf] ctx {T}: {json.dumps(r)}")
+        res["ctx"][T] = r
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def _f(x, fmt, missing="—"):
+    return format(x, fmt) if isinstance(x, (int, float)) else missing
+
+
+def table(ours, hf, contexts) -> str:
+    rows = ["| context | ours denoise ms (graph) | ours eager ms | roofline ms | HF denoise ms | speed-up | "
+            "ours prefill tok/s | HF prefill tok/s | speed-up | ours peak GiB (prefill / denoise) | HF peak GiB (prefill / denoise) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for T in contexts:
+        o, h = ours["ctx"][T], hf.get("ctx", {}).get(T, {})
+        hd, hp = h.get("denoise_ms"), h.get("prefill_tok_s")
+        sd = _f(hd / o["denoise_ms"] if hd else None, ".1f") + ("x" if hd else "")
+        sp = _f(o["prefill_tok_s"] / hp if hp else None, ".1f") + ("x" if hp else "")
+        rows.append(
+            f"| {T} | {o['denoise_ms']:.2f} | {o['denoise_eager_ms']:.2f} | {o['roofline_ms']:.2f} | "
+            f"{_f(hd, '.1f', h.get('denoise_error', '—'))} | {sd} | {o['prefill_tok_s']:.0f} | "
+            f"{_f(hp, '.0f', h.get('prefill_error', '—'))} | {sp} | "
+            f"{o['prefill_peak_gib']:.1f} / {o['denoise_peak_gib']:.1f} | "
+            f"{_f(h.get('prefill_peak_gib'), '.1f')} / {_f(h.get('denoise_peak_gib'), '.1f')} |")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    ours = bench_ours(contexts, a.reps)
+    log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
+    try:
+        hf = {} if a.skip_hf else bench_hf(contexts, a.reps)
+    except Exception as e:  # report ours even if transformers' side breaks
+        hf = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log(f"[hf] failed: {hf['error']}")
+        gc.collect()
+        torch.cuda.empty_cache()
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ours": ours, "hf": hf}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    log("\n" + table(ours, hf, contexts))
+
+
+if __name__ == "__main__":
+    main()
