@@ -1,0 +1,143 @@
+"""Tokenizer: tokenizer.json through `tokenizers`, the chat template through jinja2.
+
+A checkpoint directory carries tokenizer.json (required), tokenizer_config.json (special tokens,
+optional) and chat_template.jinja (optional; tokenizer_config.json's "chat_template" is the fallback).
+The special ids the engine needs (pad, bos, eos, the turn end and the tool-response opener that stop a
+reply, the filler sentinel) are resolved here by token text so nothing downstream hard-codes numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from .errors import CheckpointError, InputError
+
+# Gemma-4 special-token texts. The real model's ids are pad=0, eos=1, bos=2, <|tool_response>=50, <turn|>=106;
+# the demo tokenizer keeps that layout (tools/build_tokenizer.py).
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+TURN_OPEN, TURN_END = "<|turn>", "<turn|>"
+TOOL_RESPONSE_OPEN = "<|tool_response>"
+FILLER = "<|filler|>"
+
+
+def _raise_exception(msg):
+    raise InputError(f"chat template: {msg}")
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    # Compiling costs ~100x a render, so compiled templates are cached by their source text.
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, undefined=jinja2.StrictUndefined)
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"chat template does not parse: {e}") from None
+
+
+def render_chat(template: str, messages, tools=None, add_generation_prompt: bool = True,
+                enable_thinking: bool = False, bos_token: str = BOS, **extra) -> str:
+    """Render a chat template (jinja2 source) to text. Pure: needs no tokenizer files."""
+    tmpl = _compile(template)
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise InputError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    return tmpl.render(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                       enable_thinking=enable_thinking, bos_token=bos_token, **extra)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None,
+                 config: dict | None = None):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = Path(tokenizer_json)
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
+        self.path = path
+        self.config = config or {}
+        self.chat_template = chat_template
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+        self.pad_id = self._need(self.config.get("pad_token", PAD))
+        self.eos_id = self._need(self.config.get("eos_token", EOS))
+        self.bos_id = self._need(self.config.get("bos_token", BOS))
+        self.turn_end_id = self._need(TURN_END)
+        self.turn_open_id = self._need(TURN_OPEN)
+        self.tool_response_id = self.token_to_id(TOOL_RESPONSE_OPEN)
+        self.filler_id = self.token_to_id(FILLER)
+        # The ids that end a reply, as generation_config.json's eos_token_id lists them.
+        self.stop_ids = tuple(i for i in (self.eos_id, self.turn_end_id, self.tool_response_id) if i is not None)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise CheckpointError(f"{path}: no tokenizer.json")
+        config = {}
+        if (path / "tokenizer_config.json").is_file():
+            try:
+                config = json.loads((path / "tokenizer_config.json").read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+        template = None
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        return cls(tj, template, config)
+
+    def _need(self, text: str) -> int:
+        i = self._tok.token_to_id(text)
+        if i is None:
+            raise CheckpointError(f"{self.path}: special token {text!r} is missing from the vocabulary")
+        return i
+
+    def token_to_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(int(i))
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids. Special-token texts inside `text` (e.g. "<|turn>") become their ids; nothing is added."""
+        if not isinstance(text, str):
+            raise InputError(f"encode expects a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"decode: ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True,
+                            enable_thinking: bool = False, tokenize: bool = True):
+        """Render messages with the checkpoint's chat template; ids (default) or the text (tokenize=False)."""
+        if self.chat_template is None:
+            raise CheckpointError(f"{self.path.parent}: no chat_template.jinja (and none in tokenizer_config.json)")
+        text = render_chat(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           enable_thinking=enable_thinking, bos_token=self.id_to_token(self.bos_id))
+        return self.encode(text) if tokenize else text
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_dir(path)
