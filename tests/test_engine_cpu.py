@@ -99,6 +99,8 @@ def test_truncate_deeper_than_ring_is_an_error(ref):
     with pytest.raises(InputError, match="ring"):
         cache.truncate(cache.length - 5)
     cache.truncate(cache.length - 2)  # within the slack: fine
+    cache.truncate(0)  # rewinding everything is always possible
+    assert cache.length == 0 and (cache.slot_pos < 0).all()
 
 
 def test_engine_rejects_bad_inputs(ref):

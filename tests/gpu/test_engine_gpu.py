@@ -125,7 +125,7 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len):
         decisive = (top2[:, 0] - top2[:, 1]) > 0.25
         agree_decisive = (g.argmax(-1) == e.argmax(-1))[decisive].float().mean().item() if decisive.any() else 1.0
         print(f"[parity {name} {label}] argmax agree on {int(decisive.sum())} decisive rows={agree_decisive:.4f}")
-        assert cos > 0.98 and agree_decisive >= 0.95
+        assert cos > 0.97 and agree_decisive >= 0.95
     # eager (no graph) path agrees with the graphed one up to the padded key range's rounding
     eng.use_graphs = False
     ge = eng.denoise(ec, canvas_ids, sc_logits=sc)

@@ -77,7 +77,7 @@ class EngineKVCache:
         if length == self.length:
             return
         # the positions a read after the rewind needs are intact iff no later write reused their slots
-        if max(0, length - (self.window - 1)) < self.length - self.ring:
+        if length > 0 and max(0, length - (self.window - 1)) < self.length - self.ring:
             raise InputError(
                 f"truncate({length}): rewinding {self.length - length} tokens is deeper than the sliding-window "
                 f"ring allows ({self.slack}; the older window positions were overwritten). Re-prefill instead, "
