@@ -127,6 +127,9 @@ def bench_ours(contexts, reps) -> dict:
         r["graph_error"] = eng.graph_error
         eng.use_graphs = False
         r["denoise_eager_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3))
+        if T == contexts[0]:
+            r["profile"] = profile_step(eng, cache, ids, sc)
+            log(r["profile"])
         eng.use_graphs = True
         # K+V bytes one step reads: full layers T positions, sliding layers their ring
         kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
@@ -142,6 +145,27 @@ def bench_ours(contexts, reps) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return res
+
+
+def profile_step(eng, cache, ids, sc) -> str:
+    """Top GPU kernels of one eager denoise step (where the time goes; graphs hide kernel names)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        eng.denoise(cache, ids, sc_logits=sc)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.denoise(cache, ids, sc_logits=sc)
+            torch.cuda.synchronize()
+        avg = prof.key_averages()
+        for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
+            try:
+                return avg.table(sort_by=key, row_limit=18, max_name_column_width=70)
+            except Exception:
+                continue
+        return "profile: no sortable key"
+    except Exception as e:
+        return f"profile failed: {type(e).__name__}: {e}"
 
 
 def bench_generate(eng) -> dict:
