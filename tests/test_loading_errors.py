@@ -144,3 +144,24 @@ def test_load_reads_each_needed_tensor_once_and_never_the_vision_tower(good, mon
     assert sorted(requested) == sorted(expected_tensors(model.config))
     assert not any("vision" in n for n in requested)
     assert any(n.startswith("model.encoder.language_model.layers.") for n in requested)  # encoder layer_scalar
+
+
+def test_load_can_pick_the_fast_engine_on_cpu(good):
+    from diffgemma.model.engine import Engine
+    from diffgemma.model.reference import ReferenceModel
+
+    assert isinstance(diffgemma.load(good), ReferenceModel)  # CPU default: the reference
+    fast = diffgemma.load(good, engine="fast", dtype=torch.float32)
+    assert isinstance(fast, Engine)
+    ref = diffgemma.load(good)
+    ids, canvas = torch.randint(0, 96, (13,)), torch.randint(0, 96, (8,))
+    outs = []
+    for m in (ref, fast):
+        c = m.new_cache(64)
+        m.prefill(c, ids)
+        outs.append(m.denoise(c, canvas))
+    # The engine keeps its KV cache in float16, so it is close, not equal.
+    cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0)
+    assert cos > 0.999 and (outs[0] - outs[1]).abs().max() < 0.1
+    with pytest.raises(InputError, match="engine must be"):
+        diffgemma.load(good, engine="turbo")

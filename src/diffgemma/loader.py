@@ -40,13 +40,17 @@ def open_source(directory: Path) -> TensorSource:
     return SafetensorsSource(directory)
 
 
-def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None):
+def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
+         engine: str = "auto"):
     """Load a DiffusionGemma checkpoint directory.
 
-    device: "cpu" or "cuda[:N]". dtype: compute dtype of the reference model (default float32).
-    Tensors are read one at a time from memory-mapped files and converted on the way, so host RAM
-    never holds the whole checkpoint.
+    device: "cpu" or "cuda[:N]". engine: "auto" (the fast engine on CUDA, the reference elsewhere),
+    "fast" or "reference". dtype: compute dtype (default bfloat16 for the fast engine, float32 for the
+    reference). Tensors are read one at a time from memory-mapped files and converted on the way, so
+    host RAM never holds the whole checkpoint.
     """
+    if engine not in ("auto", "fast", "reference"):
+        raise InputError(f"load: engine must be 'auto', 'fast' or 'reference', got {engine!r}")
     directory = resolve_path(path)
     if not directory.exists():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
@@ -54,15 +58,16 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
         raise CheckpointError(f"{directory}: expected a checkpoint directory, got a file")
     cfg = ModelConfig.from_file(directory / "config.json")
     generation_config = read_json(directory / "generation_config.json", "generation_config.json")
-    dtype = dtype or torch.float32
-    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise InputError(f"load: dtype must be a floating torch dtype, got {dtype}")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise InputError(f"load: bad device {device!r}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("load: device='cuda' requested but CUDA is not available on this machine")
+    fast = engine == "fast" or (engine == "auto" and device.type == "cuda")
+    dtype = dtype or (torch.bfloat16 if fast else torch.float32)
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise InputError(f"load: dtype must be a floating torch dtype, got {dtype}")
 
     source = open_source(directory)
     validate(source, cfg, str(directory))
@@ -70,9 +75,15 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     if extra:
         warnings.warn(f"{directory}: ignoring {len(extra)} unrecognised tensors, e.g. {extra[0]!r}")
 
-    names = list(expected_tensors(cfg))
     if progress is None:
         progress = source.nbytes() > PROGRESS_BYTES and sys.stderr.isatty()
+    tokenizer = _load_tokenizer(directory)
+    if fast:
+        from .model.engine import build_engine
+
+        return build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device, dtype,
+                            generation_config=generation_config, path=directory, tokenizer=tokenizer)
+    names = list(expected_tensors(cfg))
     weights = {}
     for name in iter_with_progress(names, len(names), progress, desc=f"loading {directory.name}"):
         weights[name] = source.get(name, dtype=dtype, device=device)
@@ -80,7 +91,28 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     from .model.reference import ReferenceModel
 
     return ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
-                          path=directory, tokenizer=_load_tokenizer(directory))
+                          path=directory, tokenizer=tokenizer)
+
+
+class _ProgressSource:
+    """Wraps a TensorSource to tick a progress bar as the engine pulls tensors one by one."""
+
+    def __init__(self, source, enabled: bool, desc: str, total: int):
+        self._source = source
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=f"loading {desc}", unit="tensor", leave=False)
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def get(self, name, dtype=None, device="cpu"):
+        t = self._source.get(name, dtype=dtype, device=device)
+        if self._bar is not None:
+            self._bar.update(1)
+        return t
 
 
 def _load_tokenizer(directory: Path):
