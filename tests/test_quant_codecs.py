@@ -33,9 +33,7 @@ def test_affine_fast_matches_float64_reference(fmt):
     rec = encoded(fmt, x)
     codes, scales, mins = C.ref_unpack_affine(fmt, rec, x.shape)  # bytes read back with plain bit arithmetic
     rcodes, rscales, rmins = C.ref_encode_affine(x.double().numpy(), AFFINE[fmt])
-    # f16 scales from a float32 vs a float64 quotient: equal but for rare double roundings (1 f16 ulp)
-    assert np.mean(scales == rscales) > 0.99
-    assert np.all(np.abs(scales - rscales) <= 2 * F16_EPS * np.abs(rscales) + 1e-12)
+    assert np.array_equal(scales, rscales)  # per-group scalars are computed in float64 on both sides
     assert np.array_equal(mins, rmins)
     same = codes == rcodes
     assert same.mean() > 0.995, f"{fmt}: only {same.mean():.4f} of codes match the reference"
@@ -55,8 +53,10 @@ def test_affine_error_bound_against_float64(fmt):
     g = xd.reshape(xd.shape[0], -1, 32)
     lo, hi = g.min(-1), g.max(-1)
     step = (hi - lo) / AFFINE[fmt]
-    # half a step, plus what float16 rounding of min and scale can add at the clamped ends, plus f32 decode
-    bound = 0.5 * scales + F16_EPS * np.abs(lo) + AFFINE[fmt] * F16_EPS * step + 1e-7 + 1e-6 * np.abs(g).max(-1)
+    # half a step, plus what float16 rounding of min and scale can add at the clamped ends (relative, or
+    # absolute 2**-25 where the value is float16-subnormal), plus float32 arithmetic
+    f16_err = lambda v: np.maximum(F16_EPS * np.abs(v), 2.0 ** -25)  # noqa: E731
+    bound = 0.5 * scales + f16_err(lo) + AFFINE[fmt] * f16_err(step) + 1e-6 * np.abs(g).max(-1)
     assert np.all(err.reshape(g.shape) <= bound[..., None]), f"{fmt}: worst err/bound {(err.reshape(g.shape) / bound[..., None]).max():.3f}"
     # not vacuous: uniform rounding noise has rms = step / sqrt(12)
     ratio = np.sqrt(np.mean((err.reshape(g.shape) / step[..., None]) ** 2))
@@ -68,7 +68,7 @@ def test_q8_fast_matches_reference_and_bound():
     rec = encoded("q8", x)
     codes, scale = C.ref_unpack_q8(rec, x.shape)
     rcodes, rscale = C.ref_encode_q8(x.double().numpy())
-    assert np.all(np.abs(scale - rscale) <= 2.0 ** -23 * rscale)
+    assert np.array_equal(scale, rscale)
     assert (codes == rcodes).mean() > 0.995 and np.abs(codes - rcodes).max() <= 1
     fast = C.decode("q8", rec, x.shape).double().numpy()
     np.testing.assert_allclose(fast, C.ref_decode_q8(codes, scale), rtol=1e-6, atol=0)
@@ -89,13 +89,18 @@ def test_nvfp4_fast_matches_reference_and_bound():
     fast = C.decode("nvfp4", rec, x.shape).double().numpy()
     ref = C.ref_decode_nvfp4(codes, bscale, tscale)
     np.testing.assert_allclose(fast, ref, rtol=1e-6, atol=0)
-    # bound: half the e2m1 gap at the value's magnitude (0.25 / 0.5 / 1 in scaled units; clipping at 6 is < 1)
+    # bound: half the e2m1 gap at the value's magnitude (0.25 / 0.5 / 1 in scaled units). Values past 6
+    # saturate; with a normal e4m3 block scale (relative rounding <= 2**-4) that is at most 6.375 -> error
+    # < 1 unit. Rows ~4 decades below the tensor max get subnormal e4m3 scales and may clip further.
     s = np.repeat(bscale * tscale, 16, axis=1)
     y = np.abs(x.double().numpy()) / s
     half_gap = np.where(y <= 2, 0.25, np.where(y <= 4, 0.5, 1.0))
     err = np.abs(fast - x.double().numpy())
-    assert np.all(err <= half_gap * s * (1 + 1e-5) + 1e-12)
-    assert 0.05 < np.sqrt(np.mean((err / s) ** 2)) < 0.5
+    normal = np.repeat(bscale >= 2.0 ** -6, 16, axis=1)
+    assert np.all(y[normal] <= 6.375 * (1 + 1e-6))
+    ok = (err <= half_gap * s * (1 + 1e-5) + 1e-12) | ((y > 6) & (np.abs(codes) == 7))
+    assert np.all(ok)
+    assert 0.05 < np.sqrt(np.mean((err[normal] / s[normal]) ** 2)) < 0.5
 
 
 def test_e2m1_and_e4m3_rounding_rules():

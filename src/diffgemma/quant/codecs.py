@@ -159,7 +159,9 @@ def _affine_encode(x: torch.Tensor, levels: int):
     r, k = x.shape
     g = x.reshape(r, k // 32, 32)
     mn, mx = g.amin(-1), g.amax(-1)
-    scale16 = ((mx - mn) / levels).to(torch.float16)
+    # Per-group scalars in float64 (cheap: one per 32 weights), rounded to float16 by numpy: torch goes
+    # float64 -> float32 -> float16, and that double rounding differs from a correct rounding near ties.
+    scale16 = torch.from_numpy(((mx.double() - mn.double()) / levels).numpy().astype(np.float16))
     min16 = mn.to(torch.float16)
     if not (torch.isfinite(scale16).all() and torch.isfinite(min16).all()):
         raise TensorError("group range overflows float16 scales (|w| too large for an affine code)")
@@ -230,7 +232,7 @@ def _nvfp4_encode(x: torch.Tensor, tscale: float):
     r, k = x.shape
     g = x.reshape(r, k // 16, 16)
     t = torch.tensor(tscale, dtype=torch.float32)
-    bscale = (g.abs().amax(-1) / (NVFP4_MAX * t)).clamp_(max=E4M3_MAX)
+    bscale = (g.abs().amax(-1).double() / (NVFP4_MAX * tscale)).clamp_(max=E4M3_MAX)  # float64: see affine
     s8 = bscale.to(torch.float8_e4m3fn)
     s = s8.float().unsqueeze(-1) * t
     y = g / torch.where(s > 0, s, 1.0)  # block scale 0: the block is all zeros (or underflows to them)
@@ -277,8 +279,7 @@ def encode(fmt: str, x: torch.Tensor, tscale: float | None = None) -> dict[str, 
             out["lo"] = _pack_nibbles(q & 0xF)
             out["hi"] = _pack_bits(q >> 4, 1 if fmt == "q5" else 2)
     elif fmt == "q8":
-        amax = x.abs().amax(-1)
-        scale = amax / 127.0
+        scale = (x.abs().amax(-1).double() / 127.0).float()
         q = torch.where(scale.unsqueeze(-1) > 0, torch.round(x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)), 0.0)
         out = {"codes": q.clamp_(-127, 127).to(torch.int8).view(torch.uint8), "scale": scale.reshape(-1, 1).view(torch.uint8)}
     else:  # nvfp4
