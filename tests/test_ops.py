@@ -80,7 +80,8 @@ def test_norm_rope_matches_rotate_half_convention():
     n = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
     rot = torch.cat([-n[..., hd // 2:], n[..., : hd // 2]], -1)
     exp = n * emb.cos()[:, None] + rot * emb.sin()[:, None]
-    torch.testing.assert_close(rope_kv.norm_rope_ref(x, None, inv, pos, 1e-6), exp)
+    # cos/sin are taken of the f32 angle in float32 (like transformers), hence f32-level agreement
+    torch.testing.assert_close(rope_kv.norm_rope_ref(x, None, inv, pos, 1e-6), exp, atol=1e-6, rtol=1e-6)
 
 
 def test_ring_wrap_slots_write_the_last_ring_positions():
@@ -137,3 +138,116 @@ def test_grouped_experts_match_loop(dtype, tol):
     exp = moe.experts_ref(x, w, idx, gate_up, down)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------- round 2: fused ops
+
+from diffgemma.ops import attention as attn  # noqa: E402
+from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
+
+
+def test_route_kernel_matches_sorted_twin_with_ties():
+    T, H, E, k = 20, 40, 12, 3  # H not a multiple of the H block, E not a power of two
+    x, w = torch.randn(T, H), torch.randn(E, H) * 0.3
+    w[7] = w[2]  # experts 2 and 7 always tie: 2 must come first
+    x[0] = w[2] * 5  # make the tie the top choice of row 0
+    scale = torch.rand(E) + 0.5
+    gw, ge = route.route_triton(x, w, k, scale, block_t=16, block_h=16)
+    ew, ee = route.route_ref(x, w, k, scale)
+    assert torch.equal(ge.long(), ee)
+    assert ge[0, :2].tolist() == [2, 7]
+    torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_plan_kernel_matches_argsort():
+    T, k, E = 23, 3, 9
+    ex = torch.randint(0, E, (T, k))
+    ex[:, 0] = 4  # crowded expert; others may be empty
+    got = moe_plan.moe_plan_triton(ex, E, block=16)  # N = 69 > block: carries across blocks
+    exp = moe_plan.moe_plan_ref(ex, E)
+    for g, e in zip(got, exp):
+        assert torch.equal(g.long(), e.long())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_gelu_mul_kernel(dtype, tol):
+    gu = rnd(7, 2 * 40, dtype=dtype, scale=4)
+    torch.testing.assert_close(gelu_mul.gelu_mul_triton(gu, block=16), gelu_mul.gelu_mul_ref(gu), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_norm_chains(dtype, tol):
+    T, H, k, N = 5, 48, 3, 15
+    res, a, m = rnd(T, H, dtype=dtype, scale=2), rnd(T, H, dtype=dtype), rnd(T, H, dtype=dtype)
+    ws = [(torch.rand(H) + 0.5).to(dtype) for _ in range(5)]
+    wr = torch.rand(H) * 0.3
+    for g, e in zip(rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6),
+                    rmsnorm.attn_finish_ref(res, a, ws[0], ws[1], ws[2], wr, 1e-6)):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+    y = rnd(N, H, dtype=dtype)
+    inv = torch.randperm(N)[: T * k]
+    wts = torch.rand(T, k)
+    s = float(torch.rand(()) + 0.5)
+    for w_next in (ws[4], None):
+        got = rmsnorm.layer_finish_moe_triton(res, m, y, inv, wts, ws[1], ws[2], ws[3], s, 1e-6, w_next)
+        exp = rmsnorm.layer_finish_moe_ref(res, m, y, inv, wts, ws[1], ws[2], ws[3], s, 1e-6, w_next)
+        torch.testing.assert_close(got[0], exp[0], atol=tol, rtol=tol)
+        if w_next is None:
+            assert got[1] is None and exp[1] is None
+        else:
+            torch.testing.assert_close(got[1], exp[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("has_v", [True, False])
+def test_qkv_prep_kernel(has_v):
+    T, Hq, KV, hd, rows = 6, 4, 2, 16, 9
+    nq, nk = Hq * hd, KV * hd
+    qkvx = rnd(T, nq + nk + (nk if has_v else 0) + 8, scale=2)[:, :-8]  # a strided (non-contiguous) view
+    nw = torch.stack([torch.rand(hd) + 0.5, torch.rand(hd) + 0.5, torch.ones(hd)])
+    inv = torch.cat([1.0 / (100.0 ** (torch.arange(0, 8, 2) / hd)), torch.zeros(4)])
+    pos = torch.randint(0, 3000, (T,))
+    slots = torch.tensor([3, -1, 0, 8, 5, -1])
+    v_off = nq + nk if has_v else nq
+    outs = []
+    for fn in (qkv.qkv_prep_triton, qkv.qkv_prep_ref):
+        ck = torch.full((KV, rows, hd), float("nan"), dtype=torch.float16)
+        cv = ck.clone()
+        q, kv = fn(qkvx, Hq, KV, hd, v_off, nw, inv, pos, 1e-6, torch.float16, cache_k=ck, cache_v=cv, slots=slots,
+                   dense_kv=True)
+        outs.append((q, kv, ck, cv))
+    (q, kv, ck, cv), (q2, kv2, ck2, cv2) = outs
+    assert q.shape == (Hq, T, hd) and kv.shape == (2, KV, T, hd)
+    for g, e in ((q, q2), (kv, kv2)):
+        torch.testing.assert_close(g.float(), e.float(), atol=3e-3, rtol=3e-3)
+    for g, e in ((ck, ck2), (cv, cv2)):
+        assert torch.equal(torch.isnan(g), torch.isnan(e)) and torch.isnan(g[:, [1, 2, 4, 6, 7]]).all() is not None
+        ok = ~torch.isnan(e)
+        torch.testing.assert_close(g[ok].float(), e[ok].float(), atol=3e-3, rtol=3e-3)
+    assert torch.isnan(ck[:, [1, 2, 4, 6, 7]]).all()  # only the named slots were written
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_kernel(causal):
+    H, KV, d, n, rows = 4, 2, 32, 24, 70
+    q = rnd(H, n, d, dtype=torch.float16)
+    k, v = rnd(KV, rows, d, dtype=torch.float16), rnd(KV, rows, d, dtype=torch.float16)
+    n_keys = 60  # rows past n_keys must not be read into the result
+    k[:, n_keys:] = v[:, n_keys:] = float("nan")
+    if causal:  # a ring-like key layout: old slots (some empty) then the chunk's own keys
+        kpos = torch.cat([torch.randint(-1, 40, (n_keys - n,)), torch.arange(40, 40 + n)])
+        qpos = torch.arange(40, 40 + n)
+        window = 9
+    else:
+        kpos = torch.where(torch.rand(n_keys) < 0.3, -1, 0)
+        kpos[-n:] = 0
+        k[:, :n_keys][:, kpos < 0] = float("nan")  # masked keys must not leak NaN either... except via 0*NaN
+        k[:, :n_keys][:, kpos < 0] = 0.0
+        qpos, window = None, attn.NO_WINDOW
+    got = attn.attention_triton(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal,
+                                out_dtype=torch.bfloat16, BM=16, BN=16, BK=16, BD=16, num_warps=4, num_stages=1)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.float32)
+    assert got.shape == (n, H * d) and not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), exp, atol=1e-2, rtol=1e-2)
+    sd = attn.attention_sdpa(q.float(), k.float(), v.float(), kpos, n_keys, qpos=qpos, window=window, causal=causal)
+    torch.testing.assert_close(sd, exp, atol=1e-4, rtol=1e-4)

@@ -8,6 +8,12 @@ A layer runs seven of them; four fused ops cover the chain with one read of each
   ffn_inputs(x, w_ff, w_ff2, w_r) norm(x)·w_ff, norm(x)·w_ff2 (bf16) and norm(x)·w_r (f32 router input)
   layer_finish(res, m, e, ...)   (res + norm(norm(m)·w1 + norm(e)·w2)·w3) · layer_scalar
 
+Round 2 fuses across op boundaries (one launch instead of two, same roundings):
+  attn_finish(res, a, w, ...)    norm_add, then ffn_inputs of its (rounded) output: x, dense_in, moe_in, router_in
+  layer_finish_moe(res, m, y, inv, wts, ..., w_next)
+                                 e = Σ_j wts[t,j]·y[inv[t·k+j]] (the MoE un-permute, f32), then layer_finish,
+                                 then (optionally) the next norm of the rounded output: x, norm(x)·w_next
+
 Intermediates stay in f32 inside each op (one rounding at the end), which is at least as accurate
 as rounding after every norm. Each `*_ref` is the torch twin the tests pin the kernel to.
 """
@@ -49,6 +55,22 @@ def ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps):
 def layer_finish_ref(res, m, e, w1, w2, w3, scalar, eps):
     s = _norm_f32(m, eps) * w1.float() + _norm_f32(e, eps) * w2.float()
     return ((res.float() + _norm_f32(s, eps) * w3.float()) * scalar).to(res.dtype)
+
+
+def attn_finish_ref(res, a, w, w_ff, w_ff2, w_r, eps):
+    x = norm_add_ref(res, a, w, eps)
+    return (x, *ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps))
+
+
+def unpermute_ref(y, inv, wts):
+    """y [T·k, H] expert-sorted rows, inv [T·k] route -> row, wts [T, k] -> f32 [T, H]."""
+    T, k = wts.shape
+    return torch.einsum("tkh,tk->th", y.index_select(0, inv.long()).view(T, k, -1).float(), wts.float())
+
+
+def layer_finish_moe_ref(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
+    x = layer_finish_ref(res, m, unpermute_ref(y, inv, wts), w1, w2, w3, scalar, eps)
+    return x, (rms_norm_ref(x, w_next, eps) if w_next is not None else None)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -114,6 +136,51 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _attn_finish_kernel(res_ptr, a_ptr, w_ptr, w1_ptr, w2_ptr, wr_ptr, x_ptr, o1_ptr, o2_ptr, or_ptr,
+                            n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        xo = (r + _row_norm(a, mask, n_cols, eps) * w).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * n_cols + cols, xo, mask=mask)
+        n = _row_norm(xo.to(tl.float32), mask, n_cols, eps)  # normed from the rounded residual, like the twin
+        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
+        tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
+        tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
+
+    @triton.jit
+    def _layer_finish_moe_kernel(res_ptr, m_ptr, y_ptr, inv_ptr, wts_ptr, w1_ptr, w2_ptr, w3_ptr, wn_ptr,
+                                 out_ptr, hn_ptr, n_cols, eps, scalar, K: tl.constexpr, HAS_NEXT: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        e = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            src = tl.load(inv_ptr + row * K + j).to(tl.int64)
+            wj = tl.load(wts_ptr + row * K + j)
+            e += wj * tl.load(y_ptr + src * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w3 = tl.load(w3_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _row_norm(m, mask, n_cols, eps) * w1 + _row_norm(e, mask, n_cols, eps) * w2
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        xo = ((r + _row_norm(s, mask, n_cols, eps) * w3) * scalar).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * n_cols + cols, xo, mask=mask)
+        if HAS_NEXT:
+            wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            hn = _row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn
+            tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(x):
     x = x.contiguous()
     return x, x.numel() // x.shape[-1], x.shape[-1]
@@ -150,6 +217,24 @@ def layer_finish_triton(res, m, e, w1, w2, w3, scalar, eps):
     return out
 
 
+def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps):
+    res, rows, n = _rows(res)
+    x, o1, o2 = torch.empty_like(res), torch.empty_like(res), torch.empty_like(res)
+    orr = torch.empty(res.shape, dtype=torch.float32, device=res.device)
+    _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, n, eps, BLOCK=next_pow2(n))
+    return x, o1, o2, orr
+
+
+def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
+    res, rows, n = _rows(res)
+    out = torch.empty_like(res)
+    hn = torch.empty_like(res) if w_next is not None else out
+    _layer_finish_moe_kernel[(rows,)](res, m.contiguous(), y.contiguous(), inv.contiguous(), wts.float().contiguous(),
+                                      w1, w2, w3, w_next if w_next is not None else w1, out, hn, n, eps, float(scalar),
+                                      K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n))
+    return out, (hn if w_next is not None else None)
+
+
 # ----------------------------------------------------------------------------------------- dispatch
 
 def rms_norm(x, w, eps, out_dtype=None):
@@ -166,3 +251,14 @@ def ffn_inputs(x, w_ff, w_ff2, w_r, eps):
 
 def layer_finish(res, m, e, w1, w2, w3, scalar, eps):
     return (layer_finish_triton if use_triton(res) else layer_finish_ref)(res, m, e, w1, w2, w3, scalar, eps)
+
+
+def attn_finish(res, a, w, w_ff, w_ff2, w_r, eps):
+    """-> (x, dense_in, moe_in, router_in f32): post-attention norm + residual, then the three FFN input norms."""
+    return (attn_finish_triton if use_triton(res) else attn_finish_ref)(res, a, w, w_ff, w_ff2, w_r, eps)
+
+
+def layer_finish_moe(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
+    """-> (x, norm(x)·w_next or None): MoE un-permute + layer_finish (+ the next layer's input norm)."""
+    fn = layer_finish_moe_triton if use_triton(res) else layer_finish_moe_ref
+    return fn(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next)

@@ -1,0 +1,70 @@
+"""The expert plan of one MoE call: which route goes to which row of the expert-sorted batch.
+
+Given experts [T, k] (route t·k+j of token t uses expert experts[t, j]), the grouped GEMM wants
+the T·k routes sorted by expert, stably (route order within an expert), with per-expert end
+offsets. One kernel builds, for every expert e in its own program:
+  offs[e]      = number of routes with expert <= e          (cumulative ends, torch._grouped_mm's offs)
+  src[dest]    = token of the route placed at row dest       (the gather index for the input rows)
+  inv[route]   = dest                                        (where that route's output row lands)
+dest = (routes with a lower expert) + (earlier routes with the same expert). No sort, no atomics,
+no host sync: deterministic and graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def moe_plan_ref(experts, num_experts):
+    """experts int [T, k] -> (src int64 [T·k], inv int64 [T·k], offs int32 [E])."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=flat.device)
+    return order // k, inv, offs
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _moe_plan_kernel(exp_ptr, src_ptr, inv_ptr, offs_ptr, N, K, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        below = 0
+        for s in range(0, N, BLOCK):
+            ids = tl.load(exp_ptr + s + r, mask=(s + r) < N, other=2**30)
+            below += tl.sum((ids < e).to(tl.int32), axis=0)
+        seen = 0
+        for s in range(0, N, BLOCK):
+            ok = (s + r) < N
+            ids = tl.load(exp_ptr + s + r, mask=ok, other=-1)
+            hit = (ids == e) & ok
+            hit_i = hit.to(tl.int32)
+            dest = below + seen + tl.cumsum(hit_i, axis=0) - 1
+            tl.store(src_ptr + dest, (s + r) // K, mask=hit)
+            tl.store(inv_ptr + s + r, dest, mask=hit)
+            seen += tl.sum(hit_i, axis=0)
+        tl.store(offs_ptr + e, below + seen)
+
+
+def moe_plan_triton(experts, num_experts, block: int = 1024):
+    flat = experts.reshape(-1).to(torch.int32).contiguous()
+    N, k = flat.numel(), experts.shape[1]
+    src = torch.empty(N, dtype=torch.int32, device=flat.device)
+    inv = torch.empty(N, dtype=torch.int32, device=flat.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    _moe_plan_kernel[(num_experts,)](flat, src, inv, offs, N, k, BLOCK=block, num_warps=4)
+    return src, inv, offs
+
+
+def moe_plan(experts, num_experts):
+    return (moe_plan_triton if use_triton(experts) else moe_plan_ref)(experts, num_experts)
