@@ -9,7 +9,6 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file

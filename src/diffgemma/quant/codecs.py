@@ -35,6 +35,11 @@ All multi-byte values are little-endian.
     tscale f32   [1]                  w = e2m1(code) * e4m3(scale) * tscale
   raw: the source bytes verbatim (no planes).
 
+For an expert stack [E, N, K], expert e owns rows [e*N, (e+1)*N) of every plane, so a grouped-GEMM
+kernel finds expert e's codes at plane.offset + e*N*row_bytes. Per-group scales and mins are computed
+in float64 and rounded once (correctly) to their storage type. float16 scales go subnormal below
+6.1e-5 (group range < ~1e-3 for q4); the code stays valid, only coarser.
+
 Every codec has a fast torch path (float32, vectorized, what the quantizer and the CPU loader use) and a
 float64 numpy reference twin written independently (the oracle the tests compare the fast path with).
 Rounding is round-half-to-even everywhere (torch.round / np.round; e2m1 and e4m3 ties go to the even
