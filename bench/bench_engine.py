@@ -84,7 +84,49 @@ def weight_bytes(w) -> int:
     return total
 
 
-def bench_ours(contexts, reps) -> dict:
+def bench_attention(contexts) -> dict:
+    """The attention kernel alone at the engine's shapes: Triton configs vs SDPA (CUDA events, median)."""
+    from diffgemma.ops import attention as attn
+
+    out = {}
+    variants = {"default": {}, "bd512_bn32": dict(BD=512, BN=32), "bm128": dict(BM=128, BN=32),
+                "bn128_w4": dict(BN=128, num_warps=4)}
+    shapes = []
+    for T in contexts:
+        shapes.append((f"denoise full ctx{T}", 2, 512, 256, T + 256, False))
+    shapes.append(("denoise sliding", 8, 256, 256, 1279 + 256, False))
+    T = contexts[-1]
+    shapes.append((f"prefill full last 8k chunk of {T}", 2, 512, 8192, T, True))
+    shapes.append(("prefill sliding 8k chunk", 8, 256, 8192, 1279 + 8192, True))
+    for name, KV, hd, n, keys, causal in shapes:
+        q = torch.randn(16, n, hd, device="cuda", dtype=torch.float16)
+        k = torch.randn(KV, keys, hd, device="cuda", dtype=torch.float16) * hd ** -0.5 * 4
+        v = torch.randn_like(k)
+        kpos = torch.arange(keys, device="cuda") if causal else torch.zeros(keys, dtype=torch.int64, device="cuda")
+        qpos = torch.arange(keys - n, keys, device="cuda")
+        window = 1024 if KV == 8 else attn.NO_WINDOW
+        row = {}
+        for vn, cfg in variants.items():
+            try:
+                fn = lambda: attn.attention_triton(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal,
+                                                   out_dtype=torch.bfloat16, **cfg)
+                row[vn] = statistics.median(time_cuda(fn, reps=5, warmup=1))
+            except Exception as e:
+                row[vn] = f"{type(e).__name__}: {str(e)[:120]}"
+        try:
+            fn = lambda: attn.attention_sdpa(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal,
+                                             out_dtype=torch.bfloat16)
+            row["sdpa"] = statistics.median(time_cuda(fn, reps=5, warmup=1))
+        except Exception as e:
+            row["sdpa"] = f"{type(e).__name__}: {str(e)[:120]}"
+        log(f"[attn] {name}: " + ", ".join(f"{a}={b:.3f} ms" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()))
+        out[name] = row
+        del q, k, v
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_ours(contexts, reps, extra_chunks=()) -> dict:
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     t0 = time.time()
     eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
@@ -125,6 +167,15 @@ def bench_ours(contexts, reps) -> dict:
         r["denoise_min_ms"] = min(times)
         r["denoise_peak_gib"] = peak_gib()
         r["graph_error"] = eng.graph_error
+        # A/B: the same graphed step with round 1's SDPA attention
+        eng.attn_impl = "sdpa"
+        try:
+            eng.denoise(cache, ids, sc_logits=sc)
+            r["denoise_sdpa_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps // 2, warmup=2))
+        except Exception as e:
+            r["denoise_sdpa_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+        eng.attn_impl = None
+        eng._graphs.clear()
         eng.use_graphs = False
         r["denoise_eager_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3))
         if T == contexts[0]:
@@ -138,8 +189,16 @@ def bench_ours(contexts, reps) -> dict:
             f"denoise {r['denoise_ms']:.2f} ms graphed / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
             f"; roofline {r['roofline_ms']:.2f} ms")
         res["ctx"][T] = r
+        if T == contexts[-1] and extra_chunks:
+            for ch in extra_chunks:
+                eng.prefill_chunk = ch
+                times = time_cuda(do_prefill, reps=2, warmup=0)
+                r[f"prefill_tok_s_chunk{ch}"] = T / (statistics.median(times) / 1e3)
+                log(f"[ours] ctx {T}: prefill chunk {ch}: {r[f'prefill_tok_s_chunk{ch}']:.0f} tok/s")
+            eng.prefill_chunk = 8192
         del cache
         eng._graphs.clear()
+    res["attention"] = bench_attention(contexts)
     res["generate"] = bench_generate(eng)
     del eng
     gc.collect()
@@ -273,16 +332,16 @@ def _f(x, fmt, missing="—"):
 
 
 def table(ours, hf, contexts) -> str:
-    rows = ["| context | ours denoise ms (graph) | ours eager ms | roofline ms | HF denoise ms | speed-up | "
+    rows = ["| context | ours denoise ms (graph) | same, SDPA attention | ours eager ms | roofline ms | HF denoise ms | speed-up | "
             "ours prefill tok/s | HF prefill tok/s | speed-up | ours peak GiB (prefill / denoise) | HF peak GiB (prefill / denoise) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in contexts:
         o, h = ours["ctx"][T], hf.get("ctx", {}).get(T, {})
         hd, hp = h.get("denoise_ms"), h.get("prefill_tok_s")
         sd = _f(hd / o["denoise_ms"] if hd else None, ".1f") + ("x" if hd else "")
         sp = _f(o["prefill_tok_s"] / hp if hp else None, ".1f") + ("x" if hp else "")
         rows.append(
-            f"| {T} | {o['denoise_ms']:.2f} | {o['denoise_eager_ms']:.2f} | {o['roofline_ms']:.2f} | "
+            f"| {T} | {o['denoise_ms']:.2f} | {_f(o.get('denoise_sdpa_ms'), '.2f')} | {o['denoise_eager_ms']:.2f} | {o['roofline_ms']:.2f} | "
             f"{_f(hd, '.1f', h.get('denoise_error', '—'))} | {sd} | {o['prefill_tok_s']:.0f} | "
             f"{_f(hp, '.0f', h.get('prefill_error', '—'))} | {sp} | "
             f"{o['prefill_peak_gib']:.1f} / {o['denoise_peak_gib']:.1f} | "
@@ -295,11 +354,12 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--extra-chunks", default="", help="prefill chunk sizes to also time at the largest context")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    ours = bench_ours(contexts, a.reps)
+    ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x])
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
     try:
         hf = {} if a.skip_hf else bench_hf(contexts, a.reps)

@@ -5,38 +5,48 @@ embedding / config / generation_config). Precision policy (ARCHITECTURE Part III
 `dtype` (bf16 on the GPU), norms/softmax/router logits/MoE accumulation in f32, KV cache in f16
 (`kv_dtype`; the CPU parity tests may ask for f32), logits returned as f32.
 
-Data path of one layer (both passes; only attention differs):
-  rms_norm → one qkv GEMM → norm_rope (Q; K and V straight into the cache) → SDPA → o GEMM
-  → norm_add (post-attn norm + residual) → ffn_inputs (three norms of one row: dense in, MoE in,
-  f32 router in) → dense gate‖up GEMM, down GEMM ∥ router GEMM (f32), route (stable sort:
-  ties to the lower expert), sort-by-expert grouped GEMMs → layer_finish (post norms, residual,
-  layer scalar).
+Data path of one layer (both passes; only the attention mask and the cache slots differ), with the
+number of launches on CUDA:
+  qkv GEMM (1; its input norm came fused with the previous layer's finish)
+  → qkv_prep (1: Q/K norm + RoPE, V no-scale norm, K/V into the cache, Q head-major)
+  → attention (1: flash-style Triton, GQA folded, masked key blocks skipped) → o GEMM (1)
+  → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
+  → dense gate‖up GEMM, gelu·up, down GEMM (3)
+  → route_fused (1: tf32x3 router GEMM, softmax, top-k ties→lower expert, renorm, scale)
+  → moe_plan (1: sort-free stable expert grouping) → row gather (1)
+  → grouped GEMM, gelu·up, grouped GEMM (3)
+  → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
+    and the next layer's input norm).
+Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.
 
-Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to
-[q-(W-1), q]; queries run in chunks so the mask never exceeds [chunk, context]. Denoise: the
-canvas writes its K/V into per-layer scratch rows of the cache, then attends bidirectionally to
-cache+canvas through a per-key mask (it does not depend on the query), so the GQA group folds
-into the query length instead of copying K/V once per head.
+Attention. The scale is 1 (QK-norm folds it). Keys are described by a per-key position vector
+(-1 = not a key). Prefill: causal, sliding layers restricted to (q-W, q], over the ring as it was
+before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas
+writes its K/V into per-layer scratch rows of the cache and attends bidirectionally to the visible
+cache rows and itself (a per-key mask, so the GQA group folds into the query rows).
 
 CUDA graphs. On CUDA, `denoise` replays a graph per (cache, canvas length, context bucket, SC
-mode): every quantity that changes between steps (cache length, ring positions) is read from
-device tensors, so one capture serves every step at contexts up to the bucket. Attention over the
-bucket's padded key range is masked per key.
+mode, attention impl): every quantity that changes between steps (cache length, ring positions)
+is read from device tensors, so one capture serves every step at contexts up to the bucket. The
+bucket's padded key rows are masked (and skipped block-wise by the kernel). The graph ends at the
+raw bf16 logits; the softcap runs after the replay into a fresh f32 tensor (no clone).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..errors import InputError
-from ..ops.moe import experts_grouped, route
-from ..ops.rmsnorm import ffn_inputs, layer_finish, norm_add, rms_norm
-from ..ops.rope_kv import norm_rope
+from ..ops.attention import NO_WINDOW, attention
+from ..ops.gelu_mul import gelu_mul
+from ..ops.moe import _grouped_mm
+from ..ops.moe_plan import moe_plan
+from ..ops.qkv import qkv_prep
+from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
+from ..ops.route import route_fused
 from ..ops.rowstats import softcap
 from .engine_cache import EngineKVCache
 from .engine_weights import DictSource, EngineWeights, load_weights
@@ -53,7 +63,7 @@ def build_engine(config: ModelConfig, tensor_source, device, dtype=torch.bfloat1
 class Engine:
     def __init__(self, config: ModelConfig, weights: EngineWeights, *, device, dtype=torch.bfloat16,
                  kv_dtype=torch.float16, generation_config=None, path=None, tokenizer=None,
-                 prefill_chunk: int = 4096, use_graphs: bool | None = None):
+                 prefill_chunk: int = 8192, use_graphs: bool | None = None, attn_impl: str | None = None):
         self.config = config
         self.w = weights
         self.device = torch.device(device)
@@ -66,6 +76,7 @@ class Engine:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self._graphs: dict = {}
         self.graph_error: str | None = None  # why graphs were turned off, if they were
+        self.attn_impl = attn_impl  # None: Triton kernel on CUDA, torch twin elsewhere; or 'sdpa' / 'ref' / 'triton'
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -133,94 +144,82 @@ class Engine:
 
     # ------------------------------------------------------------------ the layer
 
-    def _layer(self, li: int, x: torch.Tensor, attend, scalar: float, with_ffn: bool = True) -> torch.Tensor:
+    def _layer(self, li: int, x, h, attend, scalar: float, w_next, with_ffn: bool = True):
+        """x: the residual stream, h: its input norm (fused into the previous op). -> (x, norm(x)·w_next)."""
         cfg, lw, eps = self.config, self.w.layers[li], self.config.rms_norm_eps
-        layer = cfg.layers[li]
-        nq, nk = cfg.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        h = rms_norm(x, lw.input_norm, eps)
         qkv = h @ lw.qkv.T
-        q_raw, k_raw = qkv[:, :nq], qkv[:, nq: nq + nk]
-        v_raw = qkv[:, nq + nk:] if layer.has_v_proj else k_raw  # full layers: V = raw k_proj output
-        a = attend(li, q_raw, k_raw, v_raw) @ lw.o.T
-        x = norm_add(x, a, lw.post_attn_norm, eps)
-        if not with_ffn:
-            return x * scalar
-        dense_in, moe_in, router_in = ffn_inputs(x, lw.pre_ff_norm, lw.pre_ff2_norm, lw.router_in_scale, eps)
-        gu = dense_in @ lw.mlp_gu.T
-        half = gu.shape[1] // 2
-        dense = (F.gelu(gu[:, :half].float(), approximate="tanh") * gu[:, half:].float()).to(x.dtype) @ lw.mlp_down.T
-        weights, experts = route(router_in @ lw.router_w.T, cfg.top_k_experts, lw.per_expert_scale)
-        moe = experts_grouped(moe_in, weights, experts, lw.experts_gu, lw.experts_down)
-        return layer_finish(x, dense, moe, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm, scalar, eps)
+        o = attend(li, qkv, with_ffn)
+        if not with_ffn:  # prefill's last layer: only its K/V are ever read
+            return None, None
+        a = o @ lw.o.T
+        x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
+                                                     lw.router_in_scale, eps)
+        dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
+        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
+        src, inv, offs = moe_plan(experts, cfg.num_experts)
+        xs = moe_in.index_select(0, src)  # routes grouped by expert, stable
+        y = _grouped_mm(gelu_mul(_grouped_mm(xs, lw.experts_gu, offs)), lw.experts_down, offs)
+        return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
+                                scalar, eps, w_next)
 
-    def _qkv_heads(self, li, q_raw, k_raw, v_raw):
-        layer = self.config.layers[li]
-        T, hd = q_raw.shape[0], layer.head_dim
-        return (q_raw.view(T, self.config.num_heads, hd), k_raw.view(T, layer.num_kv_heads, hd),
-                v_raw.view(T, layer.num_kv_heads, hd))
+    def _qkv(self, li, qkv, positions, **kw):
+        layer, lw = self.config.layers[li], self.w.layers[li]
+        H, KV, hd = self.config.num_heads, layer.num_kv_heads, layer.head_dim
+        v_off = (H + KV) * hd if layer.has_v_proj else H * hd  # full layers: V = raw k_proj output
+        return qkv_prep(qkv, H, KV, hd, v_off, lw.qkv_norm, lw.inv_freq, positions, self.config.rms_norm_eps,
+                        self.kv_dtype, **kw)
+
+    def _run_layers(self, x, scalars, attend, last_with_ffn: bool, final_w):
+        layers = self.w.layers
+        h = rms_norm(x, layers[0].input_norm, self.config.rms_norm_eps)
+        n = len(layers)
+        for li in range(n):
+            w_next = layers[li + 1].input_norm if li + 1 < n else final_w
+            x, h = self._layer(li, x, h, attend, scalars[li], w_next, with_ffn=last_with_ffn or li + 1 < n)
+        return h
 
     # ------------------------------------------------------------------ prefill (causal, writes the cache)
 
     def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
-        cfg, eps, W = self.config, self.config.rms_norm_eps, self.config.sliding_window
-        P, n = cache.length, len(ids)
-        pos = torch.arange(P, P + n, device=self.device)
-        # masks (True = may attend): full = causal over [0, P+n); sliding = ring slots then the chunk itself
-        full_mask = torch.arange(P + n, device=self.device)[None, :] <= pos[:, None]
-        sp = cache.slot_pos
-        ring_ok = (sp[None, :] >= 0) & (sp[None, :] > pos[:, None] - W)
-        i = torch.arange(n, device=self.device)
-        own_ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
-        slide_mask = torch.cat([ring_ok, own_ok], dim=1)
+        cfg, W, dev = self.config, self.config.sliding_window, self.device
+        P, n, R = cache.length, len(ids), cache.ring
+        pos = torch.arange(P, P + n, device=dev)
+        full_kpos = torch.arange(P + n, device=dev)  # full layers: row p holds position p
+        slide_kpos = torch.cat([cache.slot_pos, pos])  # the ring before this chunk, then the chunk itself
         ring_slots = cache.ring_slots(pos, P + n)
-        tail = max(0, n - cache.ring)  # the first `tail` chunk positions are overwritten within the chunk
-        R = cache.ring
+        tail = max(0, n - R)  # the first `tail` chunk positions are overwritten within the chunk
 
-        def attend(li, q_raw, k_raw, v_raw):
-            layer, lw = cfg.layers[li], self.w.layers[li]
-            qh, kh, vh = self._qkv_heads(li, q_raw, k_raw, v_raw)
-            q = norm_rope(qh, lw.q_norm, lw.inv_freq, pos, eps, out_dtype=self.kv_dtype)
+        def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
-            if layer.is_sliding:
+            if cfg.layers[li].is_sliding:
+                if not need_out:
+                    self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_slots)
+                    return None
                 # Attend over the ring as it was before this chunk, then store the chunk: a long chunk's
                 # own writes would otherwise clobber window positions its earlier queries still need.
-                k = norm_rope(kh, lw.k_norm, lw.inv_freq, pos, eps, out_dtype=self.kv_dtype)
-                v = norm_rope(vh, None, None, pos, eps, out_dtype=self.kv_dtype)
-                Kx = torch.cat([K[:, :R], k.transpose(0, 1)], dim=1)
-                Vx = torch.cat([V[:, :R], v.transpose(0, 1)], dim=1)
-                o = self._sdpa_causal(q, Kx, Vx, slide_mask)
-                K.index_copy_(1, ring_slots[tail:], k[tail:].transpose(0, 1))
-                V.index_copy_(1, ring_slots[tail:], v[tail:].transpose(0, 1))
-            else:
-                norm_rope(kh, lw.k_norm, lw.inv_freq, pos, eps, out_dtype=self.kv_dtype, cache=K, slots=pos)
-                norm_rope(vh, None, None, pos, eps, out_dtype=self.kv_dtype, cache=V, slots=pos)
-                o = self._sdpa_causal(q, K[:, : P + n], V[:, : P + n], full_mask)
-            return o.reshape(n, -1).to(self.dtype)
+                q, kv = self._qkv(li, qkv, pos, dense_kv=True)
+                Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+                o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
+                              impl=self.attn_impl)
+                K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
+                V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
+                return o
+            q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
+            if not need_out:
+                return None
+            return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
+                             impl=self.attn_impl)
 
-        x = self.embed(ids)  # no input norm on the encoder pass
-        last = cfg.num_layers - 1
-        for li in range(cfg.num_layers):
-            # the last layer's output is never read on prefill (only its K/V), so skip its FFN
-            x = self._layer(li, x, attend, self.w.layers[li].prefill_scalar, with_ffn=li != last)
+        x = self.embed(ids)  # no SC norm on the encoder pass
+        self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
         cache.advance(pos, P + n)
-
-    def _sdpa_causal(self, q, K, V, mask, q_block: int = 2048):
-        """q [n, H, d]; K/V [KV, S, d]; mask [n, S] -> [n, H, d]. Query blocks bound the mask/score memory."""
-        H, KV = q.shape[1], K.shape[0]
-        Kx = K.repeat_interleave(H // KV, dim=0)[None]
-        Vx = V.repeat_interleave(H // KV, dim=0)[None]
-        qh = q.transpose(0, 1)[None]  # [1, H, n, d]
-        out = torch.empty_like(qh)
-        for s in range(0, q.shape[0], q_block):
-            out[:, :, s: s + q_block] = F.scaled_dot_product_attention(
-                qh[:, :, s: s + q_block], Kx, Vx, attn_mask=mask[None, None, s: s + q_block], scale=1.0)
-        return out[0].transpose(0, 1)
 
     # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
 
-    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int) -> torch.Tensor:
+    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int, raw: bool = False):
         """One denoise forward. Only device tensors describe the context (graph-safe). key_rows = rows of
-        each full-attention cache the canvas reads (>= cache.length + C; rows past that are masked)."""
+        each full-attention cache the canvas reads (>= cache.length + C; rows past that are masked).
+        raw=True returns the bf16 logits before the softcap."""
         cfg, eps, W, dev = self.config, self.config.rms_norm_eps, self.config.sliding_window, self.device
         C = len(ids)
         L = cache.length_t
@@ -230,43 +229,31 @@ class Engine:
         if mode != "none":
             s = self.soft_embed(torch.softmax(sc.float(), dim=-1)) if mode == "logits" else sc.to(self.dtype)
             s = rms_norm(s, self.w.sc_pre_norm, eps)
-            gu = s @ self.w.sc_gu.T
-            half = gu.shape[1] // 2
-            s = (F.gelu(gu[:, :half].float(), approximate="tanh") * gu[:, half:].float()).to(self.dtype) @ self.w.sc_down.T
+            s = gelu_mul(s @ self.w.sc_gu.T) @ self.w.sc_down.T
             x = rms_norm(x.float() + s.float(), None, eps, out_dtype=self.dtype)
         else:  # a zero SC signal goes through the SC MLP as exactly zero
             x = rms_norm(x, None, eps)
 
         R = cache.ring
         sp = cache.slot_pos
-        slide_mask = torch.cat([(sp >= 0) & (sp > L - W), torch.ones(C, dtype=torch.bool, device=dev)])
-        full_mask = torch.arange(key_rows, device=dev) < L + C
-        full_slots = pos
+        neg = torch.full((), -1, dtype=torch.int64, device=dev)  # a fill, not a host copy: graph-capturable
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        # per-key visibility (0 = visible, -1 = not): the live window of the ring, then the canvas itself
+        slide_kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), zero, neg), torch.zeros(C, dtype=torch.int64, device=dev)])
+        full_kpos = torch.where(torch.arange(key_rows, device=dev) < L + C, zero, neg)
         ring_canvas_slots = R + ar
 
-        def attend(li, q_raw, k_raw, v_raw):
-            layer, lw = cfg.layers[li], self.w.layers[li]
-            qh, kh, vh = self._qkv_heads(li, q_raw, k_raw, v_raw)
+        def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
-            slots = ring_canvas_slots if layer.is_sliding else full_slots
-            q = norm_rope(qh, lw.q_norm, lw.inv_freq, pos, eps, out_dtype=self.kv_dtype)
-            norm_rope(kh, lw.k_norm, lw.inv_freq, pos, eps, out_dtype=self.kv_dtype, cache=K, slots=slots)
-            norm_rope(vh, None, None, pos, eps, out_dtype=self.kv_dtype, cache=V, slots=slots)
-            if layer.is_sliding:
-                Kx, Vx, mask = K, V, slide_mask
-            else:
-                Kx, Vx, mask = K[:, :key_rows], V[:, :key_rows], full_mask
-            H, KV, d = cfg.num_heads, layer.num_kv_heads, layer.head_dim
-            # the mask depends only on the key, so fold the GQA group into the query length
-            qg = q.transpose(0, 1).reshape(KV, (H // KV) * C, d)
-            o = F.scaled_dot_product_attention(qg[None], Kx[None], Vx[None], attn_mask=mask[None, None, None, :],
-                                               scale=1.0)
-            return o[0].reshape(H, C, d).transpose(0, 1).reshape(C, H * d).to(self.dtype)
+            if cfg.layers[li].is_sliding:
+                q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
+                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self.attn_impl)
+            q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
+            return attention(q, K, V, full_kpos, key_rows, out_dtype=self.dtype, impl=self.attn_impl)
 
-        for li in range(cfg.num_layers):
-            x = self._layer(li, x, attend, self.w.layers[li].denoise_scalar)
-        x = rms_norm(x, self.w.final_norm, eps)
-        return softcap(x @ self.w.embed.T, cfg.final_logit_softcapping)
+        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
+        logits = h @ self.w.embed.T
+        return logits if raw else softcap(logits, cfg.final_logit_softcapping)
 
     def context_bucket(self, cache: EngineKVCache) -> int:
         b = _BUCKET0
@@ -277,7 +264,7 @@ class Engine:
     def _denoise_graphed(self, cache: EngineKVCache, ids, mode: str, sc) -> torch.Tensor:
         C = len(ids)
         key_rows = self.context_bucket(cache) + C
-        key = (id(cache), C, key_rows, mode)
+        key = (id(cache), C, key_rows, mode, self.attn_impl)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(cache, C, key_rows, mode, sc)
@@ -287,7 +274,8 @@ class Engine:
         if sc_buf is not None:
             sc_buf.copy_(sc)
         graph.replay()
-        return out.clone()  # the static buffer is overwritten by the next replay
+        # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
+        return softcap(out, self.config.final_logit_softcapping)
 
     def _capture(self, cache, C, key_rows, mode, sc):
         ids_buf = torch.zeros(C, dtype=torch.long, device=self.device)
@@ -300,9 +288,9 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
+                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
+            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         return graph, ids_buf, sc_buf, out

@@ -41,6 +41,7 @@ class LayerWeights:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     inv_freq: torch.Tensor  # f32 [hd/2]; zeros past the rotated prefix (proportional RoPE)
+    qkv_norm: torch.Tensor  # f32 [3, hd]: q_norm ‖ k_norm ‖ ones (V's no-scale norm), for ops.qkv
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     pre_ff_norm: torch.Tensor
@@ -95,11 +96,13 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         del parts
         mlp_gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)
         norms = {k: get(p + v + ".weight") for k, v in _NORMS.items()}
+        q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
         layers.append(LayerWeights(
             qkv=qkv,
             o=get(p + "self_attn.o_proj.weight"),
-            q_norm=get(p + "self_attn.q_norm.weight"),
-            k_norm=get(p + "self_attn.k_norm.weight"),
+            q_norm=q_norm,
+            k_norm=k_norm,
+            qkv_norm=torch.stack([q_norm.float(), k_norm.float(), torch.ones_like(q_norm, dtype=torch.float32)]),
             inv_freq=inv_freq_for(layer).to(device),
             mlp_gu=mlp_gu,
             mlp_down=get(p + "mlp.down_proj.weight"),

@@ -130,7 +130,8 @@ if HAVE_TRITON:
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=key_in[:, None], other=0.0)
+                vt = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=(key_in & (kp >= 0))[:, None],
+                             other=0.0)  # p = 0 there, but 0·NaN would not be
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
         o = acc / l_i[:, None]
