@@ -436,10 +436,11 @@ class Batcher:
         canvas = torch.where(c < end, self.tokens[idx], PAD_ID)
         return prefix, n_pad, canvas
 
-    def sample(self, B: int, gen: torch.Generator):
+    def draw(self, B: int, gen: torch.Generator):
+        """B random (example, block index) pairs; every block of an answer is equally likely."""
         ex = torch.randint(0, self.N, (B,), device=self.dev, generator=gen)
         k = (torch.rand(B, device=self.dev, generator=gen) * self.n_blocks[ex]).long()
-        return self.block(ex, k)
+        return ex, k
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,13 +543,16 @@ def generate_batch(model: DemoModel, prompts: list, canvas: int, max_blocks: int
     return out, steps
 
 
-def evaluate(model: DemoModel, d: dict, canvas: int, seed: int = 0, batch: int = 512) -> dict:
+def evaluate(model: DemoModel, d: dict, canvas: int, seed: int = 0, batch: int = 512,
+             limit_per_family: int | None = None) -> dict:
     h = d["heldout"]
     fams = d["families"]
     toks = h["tokens"].long()
     prompts, targets, fam = [], [], []
     for o, p, t, f in zip(h["offset"].tolist(), h["prompt_len"].tolist(), h["target_len"].tolist(),
                           h["family"].tolist()):
+        if limit_per_family is not None and fam.count(fams[f]) >= limit_per_family:
+            continue
         prompts.append(toks[o : o + p].tolist())
         targets.append(toks[o + p : o + p + t].tolist())
         fam.append(fams[f])
@@ -579,7 +583,7 @@ def evaluate(model: DemoModel, d: dict, canvas: int, seed: int = 0, batch: int =
 
 
 def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, device: str, seed: int,
-          eval_per_family: int | None = None, log_every: int = 50):
+          chunks: int = 4, eval_per_family: int | None = None, log_every: int = 25):
     torch.manual_seed(seed)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -609,11 +613,19 @@ def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, devi
         cur_lr = lr * min(1.0, (step + 1) / warm) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = cur_lr
-        prefix, n_pad, clean = batcher.sample(batch, gen)
-        with autocast:
-            loss, _ = train_step(model, prefix, n_pad, clean, gen, a.vocab)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum = 0.0
+        # Prefix lengths vary 10x (arithmetic vs tool declarations / later blocks of long answers): sort the
+        # batch by length and run it as chunks, so short prefixes are not padded to the longest one.
+        ex, k = batcher.draw(batch, gen)
+        order = (batcher.plen[ex] + k * DEMO_CANVAS).argsort()
+        for chunk in order.chunk(chunks):
+            prefix, n_pad, clean = batcher.block(ex[chunk], k[chunk])
+            with autocast:
+                loss, _ = train_step(model, prefix, n_pad, clean, gen, a.vocab)
+            (loss * (chunk.numel() / batch)).backward()
+            loss_sum += loss.detach() * (chunk.numel() / batch)
+        loss = loss_sum
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -633,7 +645,7 @@ def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, devi
     model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in sd.items()})
     model.eval()
     t1 = time.time()
-    res = evaluate(model, d, DEMO_CANVAS)
+    res = evaluate(model, d, DEMO_CANVAS, limit_per_family=eval_per_family)
     res["_eval_seconds"] = time.time() - t1
     (out / "eval.json").write_text(json.dumps(res, indent=1))
     for f, r in res.items():
@@ -714,6 +726,47 @@ def export(ckpt: Path, tok_dir: Path, out: Path):
     print(f"exported to {out}")
 
 
+def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: str = "contract", seed: int = 0):
+    """Held-out exact match etc. measured through the package itself: diffgemma.load + diffgemma.generate."""
+    import collections
+
+    sys.path.insert(0, str(HERE))
+    import demo_data
+    import diffgemma
+    from diffgemma.generate import generate
+
+    model = diffgemma.load(model_dir, device="cpu", dtype=torch.float32)
+    tok = model.tokenizer
+    rows = []
+    t0 = time.time()
+    for ex in demo_data.heldout_set(per_family):
+        ids = tok.apply_chat_template(ex.messages, tools=ex.tools, enable_thinking=ex.enable_thinking)
+        target = tok.encode(ex.target)
+        r = generate(model, torch.tensor(ids), seed=seed, max_new_tokens=400, semantics=semantics)
+        ok = r.tokens == target[:-1] and r.stop_token == target[-1]
+        rows.append({"family": ex.family, "ok": ok, "n_tokens": len(r.tokens) + (r.stop_token is not None),
+                     "forwards": r.forwards, "steps_per_block": r.steps_per_block, "stop_reasons": r.stop_reasons,
+                     "retries": r.retries, "answer": ex.answer, "text": tok.decode(r.tokens)})
+    res = {"semantics": semantics, "seed": seed, "per_family": per_family, "seconds": time.time() - t0}
+    for fam in list(demo_data.FAMILIES) + ["_all"]:
+        rs = [r for r in rows if fam in (r["family"], "_all")]
+        if not rs:
+            continue
+        blocks = [s for r in rs for s in r["steps_per_block"]]
+        stops = collections.Counter(s for r in rs for s in r["stop_reasons"])
+        res[fam] = {"n": len(rs), "exact_match": sum(r["ok"] for r in rs) / len(rs),
+                    "tokens_per_forward": sum(r["n_tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs)),
+                    "mean_steps_per_block": sum(blocks) / max(1, len(blocks)), "stop_reasons": dict(stops),
+                    "retries": sum(r["retries"] for r in rs)}
+    res["_failures"] = [r for r in rows if not r["ok"]][:60]
+    out.write_text(json.dumps(res, indent=1))
+    for fam, r in res.items():
+        if isinstance(r, dict) and "exact_match" in r:
+            print(f"{fam:12s} n={r['n']:4d} em={r['exact_match']:.2f} tpf={r['tokens_per_forward']:.2f} "
+                  f"steps/block={r['mean_steps_per_block']:.1f} stops={r['stop_reasons']}", flush=True)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -730,15 +783,25 @@ def main(argv=None):
     t.add_argument("--lr", type=float, default=1.5e-3)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-per-family", type=int, default=None)
     e = sub.add_parser("export")
     e.add_argument("--ckpt", type=Path, required=True)
     e.add_argument("--tokenizer", type=Path, default=Path("build/demo/tokenizer"))
     e.add_argument("--out", type=Path, default=HERE.parent / "src" / "diffgemma" / "assets" / "demo")
+    v = sub.add_parser("eval", help="held-out metrics through diffgemma.load + diffgemma.generate (CPU)")
+    v.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the embedded demo)")
+    v.add_argument("--per-family", type=int, default=20)
+    v.add_argument("--semantics", default="contract", choices=["contract", "hf"])
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if args.cmd == "prepare":
+    if args.cmd == "eval":
+        eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed)
+    elif args.cmd == "prepare":
         prepare(args.out, args.n_train, args.heldout_per_family, args.vocab)
     elif args.cmd == "train":
-        train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed)
+        train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed,
+              eval_per_family=args.eval_per_family)
     else:
         export(args.ckpt, args.tokenizer, args.out)
 

@@ -1,0 +1,126 @@
+"""tools/demo_data.py: deterministic, correct answers, disjoint held-out splits, the Gemma-4 grammar."""
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import demo_data as dd  # noqa: E402
+
+
+def test_generation_is_deterministic_in_the_seed():
+    seed = random.randrange(10**6)
+    a = dd.generate("train", 300, seed)
+    b = dd.generate("train", 300, seed)
+    assert [(e.key, e.target, e.messages) for e in a] == [(e.key, e.target, e.messages) for e in b]
+    c = dd.generate("train", 300, seed + 1)
+    assert [e.target for e in a] != [e.target for e in c]
+
+
+def test_heldout_items_never_appear_in_training():
+    seed = random.randrange(10**6)
+    train = dd.generate("train", 4000, seed)
+    held = dd.heldout_set(40)
+    assert all(e.split == "train" for e in train)
+    train_keys = {e.key for e in train}
+    overlap = [e.key for e in held if e.family not in dd.NO_HELDOUT and e.key in train_keys]
+    assert overlap == []
+    fams = {e.family for e in held}
+    assert fams == set(dd.FAMILIES)
+    # the held-out fraction is what the module says (within sampling error)
+    keys = [f"k{random.random()}" for _ in range(4000)]
+    frac = sum(dd.split_of(k) == "heldout" for k in keys) / len(keys)
+    assert abs(frac - dd.HELDOUT_FRACTION) < 0.03
+
+
+def test_tool_cities_split_is_shared_by_call_and_answer_families():
+    held_cities = {c for c in dd.CITIES if dd.split_of(f"city:{c}") == "heldout"}
+    assert held_cities and len(held_cities) < len(dd.CITIES)
+    for e in dd.heldout_set(30):
+        if e.family in ("tool_call", "tool_answer") and "city:" in e.key:
+            assert e.key.split(":", 1)[1] in held_cities
+
+
+def _user_text(e):
+    return [m for m in e.messages if m["role"] == "user"][-1]["content"]
+
+
+def test_answers_are_correct():
+    rng = random.Random()
+    for _ in range(400):
+        e = dd.arith(rng)
+        a, op, b = re.search(r"(\d+)\s*(\+|-|\*|plus|minus|times)\s*(\d+)", _user_text(e)).groups()
+        want = {"+": int(a) + int(b), "plus": int(a) + int(b), "-": int(a) - int(b), "minus": int(a) - int(b),
+                "*": int(a) * int(b), "times": int(a) * int(b)}[op]
+        assert e.target == f"{want}<turn|>" and e.answer == str(want)
+        s = dd.sort_task(rng)
+        nums = [int(x) for x in _user_text(s).split(":")[-1].split()]
+        assert s.answer == " ".join(map(str, sorted(nums)))
+        br = dd.brackets(rng)
+        seq = _user_text(br).split(":")[-1].split() + br.answer.split()
+        stack = []
+        for ch in seq:
+            if ch in "([{<":
+                stack.append(ch)
+            else:
+                assert stack and dd._OPEN_CLOSE[stack.pop()] == ch
+        assert not stack
+        c = dd.count(rng)
+        lo, hi = re.search(r"from (\w+) to (\w+)", _user_text(c)).groups()
+        items = c.answer.split(", ")
+        assert items[0] == lo and items[-1] == hi and len(items) == len(set(items))
+        t = dd.think(rng)
+        x, y, z = map(int, re.findall(r"\d+", _user_text(t)))
+        assert t.answer == str(x + y + z) and t.target.endswith(f"<channel|>{x + y + z}<turn|>")
+        assert t.enable_thinking
+
+
+def test_stop_tokens_and_tool_call_grammar():
+    rng = random.Random()
+    # transformers' gemma4 response grammar (cli/serving/utils.py): call:NAME{...} with <|"|> string delimiters
+    call_re = re.compile(r'^<\|tool_call>call:(\w+)\{(.*)\}<tool_call\|><\|tool_response>$')
+    for _ in range(200):
+        e = dd.tool_call(rng)
+        m = call_re.match(e.target)
+        assert m, e.target
+        assert m.group(1) == e.meta["name"]
+        for k, v in e.meta["args"].items():
+            want = f'{k}:<|"|>{v}<|"|>' if isinstance(v, str) else f"{k}:{v}"
+            assert want in m.group(2)
+        assert e.tools == dd.TOOLS
+        a = dd.tool_answer(rng)
+        assert a.target.endswith("<turn|>") and a.messages[-1]["role"] == "tool"
+        assert a.messages[-2]["tool_calls"][0]["function"]["name"] == a.messages[-1]["name"]
+        for fam in ("arith", "facts", "count", "sort", "brackets", "fillin", "greet"):
+            f = dd.FAMILIES[fam](rng)
+            assert f.target.endswith("<turn|>") and f.target.count("<turn|>") == 1
+
+
+def test_long_answers_span_several_canvases():
+    from diffgemma.loader import embedded_model_path
+    from diffgemma.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(embedded_model_path())
+    rng = random.Random()
+    lens = [len(tok.encode(dd.count(rng).target)) for _ in range(200)]
+    assert max(lens) > 3 * 64 and sum(n > 64 for n in lens) > 100
+
+
+@pytest.mark.parametrize("family", sorted(dd.FAMILIES))
+def test_every_family_renders_through_the_chat_template(family):
+    from diffgemma.loader import embedded_model_path
+    from diffgemma.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(embedded_model_path())
+    e = dd.FAMILIES[family](random.Random())
+    ids = tok.apply_chat_template(e.messages, tools=e.tools, enable_thinking=e.enable_thinking)
+    assert ids[0] == tok.bos_id
+    text = tok.decode(ids)
+    if e.messages[-1]["role"] == "tool":
+        assert text.endswith("<tool_response|>")
+    else:
+        assert text.endswith("<|turn>model\n")
