@@ -1,5 +1,12 @@
 import os
 import sys
 
+import torch
+
 # Make tests/ importable (shared helpers such as tiny_checkpoints) without packaging it.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Without a GPU, Triton kernels run in its interpreter. This must be set before the first
+# `import triton` anywhere in the session, so it lives here rather than in one test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
