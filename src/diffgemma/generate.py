@@ -202,6 +202,8 @@ def generate_stream(
                 retries += 1
                 continue
             break
+        if attempt > 0:
+            max_blocks += 1  # a shrunk re-rolled block commits less: it does not use up a block of budget
 
         committed = proposal.committed.tolist()
         limit = min(len(committed), s.max_new_tokens - len(tokens))
