@@ -87,7 +87,8 @@ def _load(args):
     return load(args.model, device=device)
 
 
-def _print_reply(reply, args, out=sys.stdout) -> None:
+def _print_reply(reply, args, out=None) -> None:
+    out = out or sys.stdout
     if reply.thought is not None and args.show_thought:
         print(f"[thought]\n{reply.thought}\n[/thought]", file=out)
     print(reply.answer, file=out)
@@ -106,7 +107,7 @@ def cmd_ask(args) -> int:
     model = _load(args)
     settings = _settings(model, args)
     session = Session(model, system=args.system, think=args.think)
-    view = _canvas_view(model.tokenizer) if args.show_canvas else None
+    view = CanvasView(model.tokenizer) if args.show_canvas else None
     reply = session.ask(args.prompt, settings=settings, on_step=view)
     if view is not None:
         view.finish()
@@ -133,7 +134,7 @@ def cmd_chat(args) -> int:
             continue
         if line in ("/exit", "/quit"):
             break
-        view = _canvas_view(model.tokenizer) if args.show_canvas else None
+        view = CanvasView(model.tokenizer) if args.show_canvas else None
         reply = session.ask(line, settings=settings, on_step=view)
         if view is not None:
             view.finish()
@@ -144,13 +145,13 @@ def cmd_chat(args) -> int:
     return 0
 
 
-class _canvas_view:
+class CanvasView:
     """Redraws the canvas in place on each denoising step; accepted positions in bold green."""
 
-    def __init__(self, tokenizer, out=sys.stderr):
+    def __init__(self, tokenizer, out=None):
         self.tok = tokenizer
-        self.out = out
-        self.tty = out.isatty()
+        self.out = out or sys.stderr
+        self.tty = self.out.isatty()
         self.lines = 0
 
     def _cell(self, tid: int, accepted: bool) -> str:

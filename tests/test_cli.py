@@ -1,0 +1,107 @@
+"""The `diffgemma` command end to end: ask, chat, golden, and one-line exit-2 errors."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffgemma.cli import main
+from diffgemma.loader import embedded_model_path
+from tiny_checkpoints import CONFIGS, build_model, save
+
+DEMO = embedded_model_path()
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A random tiny checkpoint that carries the demo tokenizer and chat template (vocab matched)."""
+    vocab = json.loads((DEMO / "config.json").read_text())["text_config"]["vocab_size"]
+    cfg = dict(CONFIGS["gqa2_mixed"], vocab_size=vocab)
+    path = save(build_model(cfg, canvas_length=16), tmp_path_factory.mktemp("tiny_tok"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(DEMO / name, path)
+    return path
+
+
+def run(argv, capsys, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ask_on_a_tiny_random_checkpoint(tiny_with_tokenizer, capsys):
+    code, out, err = run(["ask", "Hello there", "--model", tiny_with_tokenizer, "--max-new-tokens", "20",
+                          "--set", "max_denoising_steps=4", "--stats", "--device", "cpu"], capsys)
+    assert code == 0
+    stats = err.strip().splitlines()[-1]
+    assert stats.startswith("[blocks=") and "prefilled=" in stats
+    # A random model: the answer is noise, but ask must print exactly one answer block and end.
+    assert out.endswith("\n")
+
+
+def test_ask_demo_model_is_deterministic(capsys):
+    args = ["ask", "What is 6 * 7?", "--seed", "3", "--device", "cpu"]
+    first = run(args, capsys)
+    second = run(args, capsys)
+    assert first[0] == 0 and first == second
+    assert first[1].strip()  # the trained model says something
+
+
+def test_show_canvas_draws_each_block(tiny_with_tokenizer, capsys):
+    code, out, err = run(["ask", "Hi", "--model", tiny_with_tokenizer, "--show-canvas", "--max-new-tokens", "16",
+                          "--set", "max_denoising_steps=3", "--device", "cpu"], capsys)
+    assert code == 0
+    assert "block 0 step" in err and "accepted" in err
+
+
+def test_chat_reuses_the_kv_cache_between_turns(tiny_with_tokenizer, capsys, monkeypatch):
+    code, out, err = run(["chat", "--model", tiny_with_tokenizer, "--stats", "--max-new-tokens", "8",
+                          "--set", "max_denoising_steps=2", "--device", "cpu"], capsys,
+                         stdin="first question\nsecond question\n", monkeypatch=monkeypatch)
+    assert code == 0
+    stats = [l for l in err.splitlines() if l.startswith("[blocks=")]
+    assert len(stats) == 2
+    reused = int(stats[1].split("reused=")[1].split()[0])
+    prefilled = int(stats[1].split("prefilled=")[1].split()[0])
+    assert reused > 10  # the first turn's prompt (and answer) are served from the cache
+    assert prefilled > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["ask", "hi", "--set", "no_such_setting=1"], "no_such_setting"),
+    (["ask", "hi", "--set", "entropy_bound=abc"], "entropy_bound"),
+    (["ask", "hi", "--set", "entropy_bound"], "name=value"),
+    (["ask", "hi", "--model", "/no/such/model"], "/no/such/model"),
+    (["ask", "hi", "--frobnicate"], "--frobnicate"),
+    (["ask"], "prompt"),
+    (["summon"], "summon"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors leave through SystemExit
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diffgemma: error:") and needle in lines[0], err
+
+
+def test_unknown_environment_variable_is_an_error(monkeypatch, capsys):
+    monkeypatch.setenv("DIFFGEMMA_ENTROPY_BOUNDD", "0.2")
+    code = main(["ask", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "DIFFGEMMA_ENTROPY_BOUNDD" in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "diffgemma.cli", "ask", "hi", "--set", "bogus=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
