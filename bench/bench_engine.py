@@ -89,8 +89,7 @@ def bench_attention(contexts) -> dict:
     from diffgemma.ops import attention as attn
 
     out = {}
-    variants = {"default": {}, "bd512_bn32": dict(BD=512, BN=32), "bm128": dict(BM=128, BN=32),
-                "bn128_w4": dict(BN=128, num_warps=4)}
+    variants = {"default": {}, "bn32": dict(BN=32), "bn32_st3": dict(BN=32, num_stages=3), "w4": dict(num_warps=4)}
     shapes = []
     for T in contexts:
         shapes.append((f"denoise full ctx{T}", 2, 512, 256, T + 256, False))
@@ -108,8 +107,9 @@ def bench_attention(contexts) -> dict:
         row = {}
         for vn, cfg in variants.items():
             try:
+                hints = {} if causal else {"nlive": torch.tensor(keys, device="cuda")}
                 fn = lambda: attn.attention_triton(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal,
-                                                   out_dtype=torch.bfloat16, **cfg)
+                                                   out_dtype=torch.bfloat16, **hints, **cfg)
                 row[vn] = statistics.median(time_cuda(fn, reps=5, warmup=1))
             except Exception as e:
                 row[vn] = f"{type(e).__name__}: {str(e)[:120]}"
@@ -167,15 +167,23 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
         r["denoise_min_ms"] = min(times)
         r["denoise_peak_gib"] = peak_gib()
         r["graph_error"] = eng.graph_error
-        # A/B: the same graphed step with round 1's SDPA attention
-        eng.attn_impl = "sdpa"
-        try:
-            eng.denoise(cache, ids, sc_logits=sc)
-            r["denoise_sdpa_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps // 2, warmup=2))
-        except Exception as e:
-            r["denoise_sdpa_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # A/B: the same graphed step with every attention forced to SDPA (round 1's path) / to the Triton kernel
+        for impl in ("sdpa", "triton"):
+            eng.attn_impl = impl
+            try:
+                eng.denoise(cache, ids, sc_logits=sc)
+                r[f"denoise_{impl}_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
+                                                                      reps=max(3, reps // 2), warmup=2))
+            except Exception as e:
+                r[f"denoise_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+            eng._graphs.clear()
+            try:
+                times = time_cuda(do_prefill, reps=1, warmup=1)
+                r[f"prefill_{impl}_tok_s"] = T / (statistics.median(times) / 1e3)
+            except Exception as e:
+                r[f"prefill_{impl}_tok_s"] = f"{type(e).__name__}: {str(e)[:200]}"
         eng.attn_impl = None
-        eng._graphs.clear()
+        log(f"[ours] ctx {T} A/B: " + json.dumps({a: b for a, b in r.items() if "sdpa" in a or "triton" in a}))
         eng.use_graphs = False
         r["denoise_eager_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3))
         if T == contexts[0]:
@@ -332,16 +340,16 @@ def _f(x, fmt, missing="—"):
 
 
 def table(ours, hf, contexts) -> str:
-    rows = ["| context | ours denoise ms (graph) | same, SDPA attention | ours eager ms | roofline ms | HF denoise ms | speed-up | "
+    rows = ["| context | ours denoise ms (graph) | all-SDPA attn | all-Triton attn | ours eager ms | roofline ms | HF denoise ms | speed-up | "
             "ours prefill tok/s | HF prefill tok/s | speed-up | ours peak GiB (prefill / denoise) | HF peak GiB (prefill / denoise) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in contexts:
         o, h = ours["ctx"][T], hf.get("ctx", {}).get(T, {})
         hd, hp = h.get("denoise_ms"), h.get("prefill_tok_s")
         sd = _f(hd / o["denoise_ms"] if hd else None, ".1f") + ("x" if hd else "")
         sp = _f(o["prefill_tok_s"] / hp if hp else None, ".1f") + ("x" if hp else "")
         rows.append(
-            f"| {T} | {o['denoise_ms']:.2f} | {_f(o.get('denoise_sdpa_ms'), '.2f')} | {o['denoise_eager_ms']:.2f} | {o['roofline_ms']:.2f} | "
+            f"| {T} | {o['denoise_ms']:.2f} | {_f(o.get('denoise_sdpa_ms'), '.2f')} | {_f(o.get('denoise_triton_ms'), '.2f')} | {o['denoise_eager_ms']:.2f} | {o['roofline_ms']:.2f} | "
             f"{_f(hd, '.1f', h.get('denoise_error', '—'))} | {sd} | {o['prefill_tok_s']:.0f} | "
             f"{_f(hp, '.0f', h.get('prefill_error', '—'))} | {sp} | "
             f"{o['prefill_peak_gib']:.1f} / {o['denoise_peak_gib']:.1f} | "

@@ -147,12 +147,12 @@ from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
 
 
 def test_route_kernel_matches_sorted_twin_with_ties():
-    T, H, E, k = 20, 40, 12, 3  # H not a multiple of the H block, E not a power of two
+    T, H, E, k = 20, 40, 12, 3  # T not a multiple of the row block, E not a power of two
     x, w = torch.randn(T, H), torch.randn(E, H) * 0.3
     w[7] = w[2]  # experts 2 and 7 always tie: 2 must come first
     x[0] = w[2] * 5  # make the tie the top choice of row 0
     scale = torch.rand(E) + 0.5
-    gw, ge = route.route_triton(x, w, k, scale, block_t=16, block_h=16)
+    gw, ge = route.route_triton(x, w, k, scale, block_t=8)
     ew, ee = route.route_ref(x, w, k, scale)
     assert torch.equal(ge.long(), ee)
     assert ge[0, :2].tolist() == [2, 7]
@@ -227,27 +227,36 @@ def test_qkv_prep_kernel(has_v):
     assert torch.isnan(ck[:, [1, 2, 4, 6, 7]]).all()  # only the named slots were written
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_kernel(causal):
+@pytest.mark.parametrize("case", ["bidir", "bidir_nlive", "causal_ring", "causal_full"])
+def test_attention_kernel(case):
     H, KV, d, n, rows = 4, 2, 32, 24, 70
     q = rnd(H, n, d, dtype=torch.float16)
     k, v = rnd(KV, rows, d, dtype=torch.float16), rnd(KV, rows, d, dtype=torch.float16)
     n_keys = 60  # rows past n_keys must not be read into the result
     k[:, n_keys:] = v[:, n_keys:] = float("nan")
-    if causal:  # a ring-like key layout: old slots (some empty) then the chunk's own keys
+    causal = case.startswith("causal")
+    hints, qpos, window = {}, None, attn.NO_WINDOW
+    if case == "causal_ring":  # the sliding prefill layout: old ring slots (some empty), then the chunk's own keys
         kpos = torch.cat([torch.randint(-1, 40, (n_keys - n,)), torch.arange(40, 40 + n)])
-        qpos = torch.arange(40, 40 + n)
-        window = 9
+        qpos, window = torch.arange(40, 40 + n), 9
+        hints = dict(n_ring=n_keys - n, base_pos=40)
+        v[:, :n_keys][:, kpos < 0] = float("nan")  # empty slots hold garbage: never read
+    elif case == "causal_full":  # the full-layer layout: key i holds position i
+        kpos, qpos = torch.arange(n_keys), torch.arange(n_keys - n, n_keys)
     else:
         kpos = torch.where(torch.rand(n_keys) < 0.3, -1, 0)
         kpos[-n:] = 0
-        k[:, :n_keys][:, kpos < 0] = float("nan")  # masked keys must not leak NaN either... except via 0*NaN
-        k[:, :n_keys][:, kpos < 0] = 0.0
-        qpos, window = None, attn.NO_WINDOW
+        if case == "bidir_nlive":  # a graph's padded bucket: keys past the live count are not visible
+            live = 50
+            kpos[live:] = -1
+            kpos[live - n: live] = 0
+            hints = dict(nlive=torch.tensor(live))
+        v[:, :n_keys][:, kpos < 0] = float("nan")
     got = attn.attention_triton(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal,
-                                out_dtype=torch.bfloat16, BM=16, BN=16, BK=16, BD=16, num_warps=4, num_stages=1)
+                                out_dtype=torch.bfloat16, BM=16, BN=16, BK=16, BD=16, num_warps=4, num_stages=1, **hints)
     exp = attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.float32)
     assert got.shape == (n, H * d) and not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), exp, atol=1e-2, rtol=1e-2)
-    sd = attn.attention_sdpa(q.float(), k.float(), v.float(), kpos, n_keys, qpos=qpos, window=window, causal=causal)
-    torch.testing.assert_close(sd, exp, atol=1e-4, rtol=1e-4)
+    if "ring" not in case and "nlive" not in case:
+        sd = attn.attention_sdpa(q.float(), k.float(), v.float().nan_to_num(), kpos, n_keys, qpos=qpos, window=window, causal=causal)
+        torch.testing.assert_close(sd, exp, atol=1e-4, rtol=1e-4)

@@ -76,7 +76,7 @@ class Engine:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self._graphs: dict = {}
         self.graph_error: str | None = None  # why graphs were turned off, if they were
-        self.attn_impl = attn_impl  # None: Triton kernel on CUDA, torch twin elsewhere; or 'sdpa' / 'ref' / 'triton'
+        self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -142,6 +142,20 @@ class Engine:
             raise InputError(f"{what}: ids must be in [0, {self.config.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
         return ids.to(self.device, torch.long)
 
+    # ------------------------------------------------------------------ attention implementation
+
+    # Full layers (hd 512, 2 KV heads): on the H200 (bench/RESULTS.md, round 2 run 1) the Triton kernel
+    # beat SDPA's mem-efficient path for the canvas at 1k context (0.16 vs 0.27 ms) but not at 8k/32k
+    # (1.23 vs 1.09, 4.67 vs 3.76 ms) nor for causal 8k chunks (117 vs 76 ms); sliding layers (hd 256)
+    # are Triton everywhere (0.14 vs 0.22 ms canvas, 2.3 vs 9.5 ms per 8k chunk). A fixed rule, not a
+    # run-time race, so the same inputs always take the same kernels (bit-stable outputs).
+    full_triton_max_keys = 4096 + 256
+
+    def _attn_impl(self, sliding: bool, causal: bool, keys: int):
+        if self.attn_impl is not None or self.device.type != "cuda" or sliding:
+            return self.attn_impl
+        return None if (not causal and keys <= self.full_triton_max_keys) else "sdpa"
+
     # ------------------------------------------------------------------ the layer
 
     def _layer(self, li: int, x, h, attend, scalar: float, w_next, with_ffn: bool = True):
@@ -200,7 +214,7 @@ class Engine:
                 q, kv = self._qkv(li, qkv, pos, dense_kv=True)
                 Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self.attn_impl)
+                              impl=self._attn_impl(True, True, R + n), n_ring=R, base_pos=P)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -208,7 +222,7 @@ class Engine:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self.attn_impl)
+                             impl=self._attn_impl(False, True, P + n))
 
         x = self.embed(ids)  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -240,16 +254,18 @@ class Engine:
         zero = torch.zeros((), dtype=torch.int64, device=dev)
         # per-key visibility (0 = visible, -1 = not): the live window of the ring, then the canvas itself
         slide_kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), zero, neg), torch.zeros(C, dtype=torch.int64, device=dev)])
-        full_kpos = torch.where(torch.arange(key_rows, device=dev) < L + C, zero, neg)
+        nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
+        full_kpos = torch.where(torch.arange(key_rows, device=dev) < nlive, zero, neg)
         ring_canvas_slots = R + ar
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
-                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self.attn_impl)
+                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False, R + C))
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
-            return attention(q, K, V, full_kpos, key_rows, out_dtype=self.dtype, impl=self.attn_impl)
+            return attention(q, K, V, full_kpos, key_rows, out_dtype=self.dtype,
+                             impl=self._attn_impl(False, False, key_rows), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
         logits = h @ self.w.embed.T

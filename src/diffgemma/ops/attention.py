@@ -52,7 +52,8 @@ def attention_ref(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fal
     H, n, d = q.shape
     KV = k.shape[0]
     kf = k[:, :n_keys].float().repeat_interleave(H // KV, 0)
-    vf = v[:, :n_keys].float().repeat_interleave(H // KV, 0)
+    vf = v[:, :n_keys].float().masked_fill((kpos[:n_keys] < 0)[None, :, None], 0.0)  # never visible, never read
+    vf = vf.repeat_interleave(H // KV, 0)
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     for s in range(0, n, q_block):
         qb = q[:, s: s + q_block].float()
@@ -86,10 +87,36 @@ def attention_sdpa(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fa
 if HAVE_TRITON:
 
     @triton.jit
-    def _attn_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, o_ptr, n_q, n_keys, k_head_stride, window,
-                     G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+    def _attn_block(n0, m_i, l_i, acc, q_rows, row_ok, qp, kb, vb, kpos_ptr, n_keys, window,
+                    dk, dcols, HD: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
         LOG2E: tl.constexpr = 1.4426950408889634
+        keys = n0 + tl.arange(0, BN)
+        key_in = keys < n_keys
+        kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
+        s = tl.zeros((q_rows.shape[0], BN), dtype=tl.float32)
+        for d0 in tl.static_range(0, HD, BK):
+            qc = tl.load(q_rows + d0 + dk[None, :], mask=row_ok[:, None], other=0.0)
+            kc = tl.load(kb + keys[:, None].to(tl.int64) * HD + d0 + dk[None, :], mask=key_in[:, None], other=0.0)
+            s += tl.dot(qc, tl.trans(kc))
+        if CAUSAL:
+            ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
+        else:
+            ok = (kp >= 0)[None, :]
+        s = tl.where(ok, s * LOG2E, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p = 0 on masked keys, but 0·NaN would not be: masked V rows are not read
+        vt = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=(key_in & (kp >= 0))[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, nlive_ptr, o_ptr, n_q, n_keys, k_head_stride, window,
+                     n_ring, base_pos,
+                     G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr):
         g = tl.program_id(1)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)  # folded rows of KV head g
         row_ok = rows < G * n_q
@@ -98,42 +125,34 @@ if HAVE_TRITON:
         q_rows = q_ptr + (g * G * n_q + rows).to(tl.int64)[:, None] * HD
         dk = tl.arange(0, BK)
         dcols = tl.program_id(2) * BD + tl.arange(0, BD)
-        if CAUSAL:
-            qp = tl.load(qpos_ptr + t, mask=row_ok, other=0)
-            qmax = tl.max(tl.where(row_ok, qp, -1), axis=0)
-            qmin = tl.min(tl.where(row_ok, qp, 2**30), axis=0)
         kb = k_ptr + g.to(tl.int64) * k_head_stride
         vb = v_ptr + g.to(tl.int64) * k_head_stride
         m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: an all-masked block leaves rows untouched
         l_i = tl.zeros((BM,), dtype=tl.float32)
         acc = tl.zeros((BM, BD), dtype=tl.float32)
-        for n0 in range(0, n_keys, BN):
-            keys = n0 + tl.arange(0, BN)
-            key_in = keys < n_keys
-            kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
-            if CAUSAL:
-                any_k = (kp >= 0) & (kp <= qmax) & (kp > qmin - window)
-            else:
-                any_k = kp >= 0
-            if tl.max(any_k.to(tl.int32), axis=0) > 0:
-                s = tl.zeros((BM, BN), dtype=tl.float32)
-                for d0 in tl.static_range(0, HD, BK):
-                    qc = tl.load(q_rows + d0 + dk[None, :], mask=row_ok[:, None], other=0.0)
-                    kc = tl.load(kb + keys[:, None].to(tl.int64) * HD + d0 + dk[None, :], mask=key_in[:, None], other=0.0)
-                    s += tl.dot(qc, tl.trans(kc))
-                if CAUSAL:
-                    ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
-                else:
-                    ok = (kp >= 0)[None, :]
-                s = tl.where(ok, s * LOG2E, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=(key_in & (kp >= 0))[:, None],
-                             other=0.0)  # p = 0 there, but 0·NaN would not be
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m_i = m_new
+        if CAUSAL:
+            # keys [0, n_ring): an unordered ring (masked per key); keys [n_ring, n_keys): position-ordered,
+            # key i at base_pos + i - n_ring. Loop only over what some row of this block can see.
+            qp = tl.load(qpos_ptr + t, mask=row_ok, other=0)
+            qmax = tl.max(tl.where(row_ok, qp, -1), axis=0)
+            qmin = tl.min(tl.where(row_ok, qp, 2**30), axis=0)
+            first = qmin - window + 1  # oldest position any row sees
+            ring_hi = tl.where(first < base_pos, n_ring, 0)
+            for n0 in range(0, ring_hi, BN):
+                m_i, l_i, acc = _attn_block(n0, m_i, l_i, acc, q_rows, row_ok, qp, kb, vb, kpos_ptr,
+                                            tl.minimum(n_keys, n_ring), window, dk, dcols, HD, BK, BN, CAUSAL)
+            lo = n_ring + tl.maximum(first - base_pos, 0)
+            hi = tl.minimum(n_keys, n_ring + qmax + 1 - base_pos)
+            for n0 in range(lo, hi, BN):
+                m_i, l_i, acc = _attn_block(n0, m_i, l_i, acc, q_rows, row_ok, qp, kb, vb, kpos_ptr,
+                                            hi, window, dk, dcols, HD, BK, BN, CAUSAL)
+        else:
+            hi = n_keys
+            if HAS_NLIVE:  # a device-side bound (CUDA graphs): keys past it are never visible
+                hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
+            for n0 in range(0, hi, BN):
+                m_i, l_i, acc = _attn_block(n0, m_i, l_i, acc, q_rows, row_ok, t, kb, vb, kpos_ptr,
+                                            hi, window, dk, dcols, HD, BK, BN, CAUSAL)
         o = acc / l_i[:, None]
         optr = o_ptr + t.to(tl.int64)[:, None] * (G * tl.num_programs(1) * HD) + (h * HD)[:, None] + dcols[None, :]
         tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -144,7 +163,10 @@ def _config(d, causal):
     return dict(BM=64, BN=64, BK=min(64, d), BD=min(d, 256), num_warps=8, num_stages=2)
 
 
-def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, **cfg):
+def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
+                     n_ring=0, base_pos=0, nlive=None, **cfg):
+    """Kernel-only hints (the twins ignore them, they only bound the loops): causal keys [n_ring, n_keys)
+    are position-ordered from base_pos; nlive (device scalar) bounds the visible keys of a bidirectional call."""
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
@@ -152,15 +174,36 @@ def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     G = H // KV
     grid = (triton.cdiv(G * n, c["BM"]), KV, d // c["BD"])
-    _attn_kernel[grid](q, k, v, kpos, qpos if causal else kpos, out, n, n_keys, k.stride(0), int(window),
+    _attn_kernel[grid](q, k, v, kpos, qpos if causal else kpos, nlive if nlive is not None else kpos, out, n, n_keys,
+                       k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos),
                        G=G, HD=d, BD=c["BD"], BK=c["BK"], BM=c["BM"], BN=c["BN"], CAUSAL=causal,
+                       HAS_NLIVE=nlive is not None,
                        num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
 
-def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None):
+_triton_failed: str | None = None  # set when the kernel could not compile/launch here: the SDPA path takes over
+
+
+def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
+              n_ring=0, base_pos=0, nlive=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'sdpa' or 'ref'."""
+    global _triton_failed
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
-    fn = {"triton": attention_triton, "sdpa": attention_sdpa, "ref": attention_ref}[impl]
-    return fn(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
+    if impl == "triton" and (q.shape[-1] < 16 or _triton_failed):  # tl.dot needs K >= 16
+        impl = "sdpa" if q.is_cuda else "ref"
+    kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
+    if impl == "triton":
+        try:
+            return attention_triton(q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
+        except Exception as e:  # never wrong, only slower: say why and use SDPA from now on
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            import warnings
+
+            _triton_failed = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"diffgemma attention: Triton kernel unavailable, using SDPA ({_triton_failed})")
+            impl = "sdpa"
+    fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]
+    return fn(q, k, v, kpos, n_keys, **kw)

@@ -1,13 +1,15 @@
-"""MoE router in one kernel: f32 router GEMM, softmax, top-k (ties → lower expert), renorm, per-expert scale.
+"""MoE router: the f32 router GEMM, then ONE kernel for softmax, top-k (ties → lower expert), renorm, scale.
 
-Routing is control flow, so its logits stay (near) f32: the kernel multiplies the f32 router input
-by the f32 router weight on the tensor cores with `tf32x3` (three tf32 products, ~f32 accuracy,
-f32 accumulate) instead of the f32 SIMT GEMM. Then, per row and without leaving registers:
+Routing is control flow, so its logits stay f32 (cuBLAS f32 GEMM, ~12 µs at T=256). A variant that
+did the GEMM inside the kernel with `tf32x3` tensor-core products measured 47 µs per call on the
+H200 (16 programs streaming the whole router weight each), so the GEMM stays on cuBLAS and the
+logits are bit-identical to an f32 reference GEMM: routing cannot flip from the GEMM. The kernel
+replaces round 1's softmax + radix sort + slice + sum + div + gather + mul: per row, in registers,
 p = softmax(logits); k times: take the largest p, the LOWEST column holding it (the tie-break of
 ARCHITECTURE §2.1), mask it; w = picked / Σpicked · per_expert_scale[e].
 
   route_ref      the torch twin: f32 matmul + `moe.route` (stable sort)
-  route_triton   the kernel (one program per BT rows, the whole expert axis in registers)
+  route_triton   f32 matmul + the kernel (one program per BT rows, the whole expert axis in registers)
   route_fused    dispatch
 """
 
@@ -31,22 +33,14 @@ def route_ref(router_in, router_w, k, per_expert_scale):
 if HAVE_TRITON:
 
     @triton.jit
-    def _route_kernel(x_ptr, w_ptr, s_ptr, wout_ptr, eout_ptr, T, H,
-                      E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                      BT: tl.constexpr, BH: tl.constexpr):
+    def _route_kernel(lg_ptr, s_ptr, wout_ptr, eout_ptr, T,
+                      E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         row_ok = rows < T
         ecols = tl.arange(0, EP)
         e_ok = ecols < E
-        hh = tl.arange(0, BH)
-        acc = tl.zeros((BT, EP), dtype=tl.float32)
-        for h0 in range(0, H, BH):
-            h_ok = (h0 + hh) < H
-            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * H + h0 + hh[None, :],
-                        mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-            b = tl.load(w_ptr + ecols[:, None] * H + h0 + hh[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            acc += tl.dot(a, tl.trans(b), input_precision="tf32x3")
-        logits = tl.where(e_ok[None, :], acc, -float("inf"))
+        logits = tl.load(lg_ptr + rows[:, None].to(tl.int64) * E + ecols[None, :],
+                         mask=row_ok[:, None] & e_ok[None, :], other=-float("inf"))
         m = tl.max(logits, axis=1)
         ex = tl.exp(logits - m[:, None])
         p = ex / tl.sum(ex, axis=1)[:, None]
@@ -70,15 +64,14 @@ if HAVE_TRITON:
         tl.store(eout_ptr + out_off, idxs, mask=omask)
 
 
-def route_triton(router_in, router_w, k, per_expert_scale, block_t: int = 16, block_h: int = 64):
-    x = router_in.contiguous().float()
-    T, H = x.shape
-    E = router_w.shape[0]
-    w = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    e = torch.empty(T, k, dtype=torch.int32, device=x.device)
-    _route_kernel[(triton.cdiv(T, block_t),)](
-        x, router_w.contiguous(), per_expert_scale.float().contiguous(), w, e, T, H,
-        E=E, EP=max(16, next_pow2(E)), K=k, KP=next_pow2(k), BT=block_t, BH=block_h, num_warps=4)
+def route_triton(router_in, router_w, k, per_expert_scale, block_t: int = 8):
+    logits = (router_in.float() @ router_w.float().T).contiguous()
+    T, E = logits.shape
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    e = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    _route_kernel[(triton.cdiv(T, block_t),)](logits, per_expert_scale.float().contiguous(), w, e, T,
+                                              E=E, EP=max(16, next_pow2(E)), K=k, KP=next_pow2(k), BT=block_t,
+                                              num_warps=4)
     return w, e
 
 
