@@ -89,7 +89,7 @@ def bench_attention(contexts) -> dict:
     from diffgemma.ops import attention as attn
 
     out = {}
-    variants = {"default": {}, "bn32": dict(BN=32), "bn32_st3": dict(BN=32, num_stages=3), "w4": dict(num_warps=4)}
+    variants = {"default": {}, "bn64_st2_w8": dict(BN=64, num_stages=2, num_warps=8)}
     shapes = []
     for T in contexts:
         shapes.append((f"denoise full ctx{T}", 2, 512, 256, T + 256, False))

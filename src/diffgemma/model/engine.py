@@ -144,17 +144,20 @@ class Engine:
 
     # ------------------------------------------------------------------ attention implementation
 
-    # Full layers (hd 512, 2 KV heads): on the H200 (bench/RESULTS.md, round 2 run 1) the Triton kernel
-    # beat SDPA's mem-efficient path for the canvas at 1k context (0.16 vs 0.27 ms) but not at 8k/32k
-    # (1.23 vs 1.09, 4.67 vs 3.76 ms) nor for causal 8k chunks (117 vs 76 ms); sliding layers (hd 256)
-    # are Triton everywhere (0.14 vs 0.22 ms canvas, 2.3 vs 9.5 ms per 8k chunk). A fixed rule, not a
-    # run-time race, so the same inputs always take the same kernels (bit-stable outputs).
-    full_triton_max_keys = 4096 + 256
+    # Which attention runs where, from graphed A/B steps and kernel timings on the H200 (bench/RESULTS.md,
+    # round 2): sliding canvas (hd 256, ~1.5k keys): SDPA (cuDNN flash, 85 µs/call in the graphed step,
+    # ahead of the Triton kernel's ~120 µs); sliding causal chunks: Triton (0.85 vs 9.7 ms per 8k chunk);
+    # full canvas (hd 512) over more than ~4k keys: Triton (0.90 / 3.28 vs 1.22 / 3.87 ms at 8k / 32k),
+    # SDPA below (137 µs/call at 1k); full causal chunks: SDPA (76 vs 83 ms for the last 8k chunk of 32k).
+    # A fixed rule, not a run-time race, so the same inputs always take the same kernels (bit-stable).
+    full_triton_min_keys = 4096 + 256
 
     def _attn_impl(self, sliding: bool, causal: bool, keys: int):
-        if self.attn_impl is not None or self.device.type != "cuda" or sliding:
+        if self.attn_impl is not None or self.device.type != "cuda":
             return self.attn_impl
-        return None if (not causal and keys <= self.full_triton_max_keys) else "sdpa"
+        if sliding:
+            return None if causal else "sdpa"
+        return None if (not causal and keys >= self.full_triton_min_keys) else "sdpa"
 
     # ------------------------------------------------------------------ the layer
 

@@ -159,8 +159,13 @@ if HAVE_TRITON:
 
 
 def _config(d, causal):
-    # BD caps the f32 accumulator at [64, 256] per program (hd 512: two output halves per row block)
-    return dict(BM=64, BN=64, BK=min(64, d), BD=min(d, 256), num_warps=8, num_stages=2)
+    # Measured on the H200 (bench/RESULTS.md, round 2 run 2). hd 512: BN=64 with a 2-stage pipeline asks for
+    # 262 KB of shared memory (> 232 KB); BN=32 with 3 stages fits and was the fastest variant (canvas over
+    # 8k / 32k keys: 0.90 / 3.28 ms vs SDPA 1.22 / 3.87). hd 256: 4 warps was the fastest variant.
+    # BD caps the f32 accumulator at [64, 256] per program (hd 512: two output halves per row block).
+    if d >= 512:
+        return dict(BM=64, BN=32, BK=64, BD=256, num_warps=8, num_stages=3)
+    return dict(BM=64, BN=64, BK=min(64, d), BD=min(d, 256), num_warps=4, num_stages=2)
 
 
 def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
@@ -182,16 +187,16 @@ def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=
     return out
 
 
-_triton_failed: str | None = None  # set when the kernel could not compile/launch here: the SDPA path takes over
+_triton_failed: dict = {}  # (head_dim, causal) -> why the kernel could not compile/launch here; SDPA takes over
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'sdpa' or 'ref'."""
-    global _triton_failed
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
-    if impl == "triton" and (q.shape[-1] < 16 or _triton_failed):  # tl.dot needs K >= 16
+    sig = (q.shape[-1], causal)
+    if impl == "triton" and (q.shape[-1] < 16 or sig in _triton_failed):  # tl.dot needs K >= 16
         impl = "sdpa" if q.is_cuda else "ref"
     kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
     if impl == "triton":
@@ -202,8 +207,9 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
                 raise
             import warnings
 
-            _triton_failed = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"diffgemma attention: Triton kernel unavailable, using SDPA ({_triton_failed})")
+            _triton_failed[sig] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"diffgemma attention: Triton kernel unavailable for head_dim {sig[0]} causal={sig[1]}, "
+                          f"using SDPA ({_triton_failed[sig]})")
             impl = "sdpa"
     fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]
     return fn(q, k, v, kpos, n_keys, **kw)
