@@ -767,6 +767,28 @@ def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: s
     return res
 
 
+def plot(loss_log: Path, out: Path):
+    """Loss curve PNG (matplotlib is a tool-time extra, not a package dependency)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = json.loads(loss_log.read_text())
+    steps = [r["step"] for r in log["log"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.plot(steps, [r["loss"] for r in log["log"]], lw=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (batch %d blocks of %d tokens)" % (log["batch"], DEMO_CANVAS))
+    ax.set_ylabel("weighted canvas cross-entropy")
+    ax.set_title("diffgemma demo model: %d steps, %.0f s on one H200" % (log["steps"], log["train_seconds"]))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -794,8 +816,13 @@ def main(argv=None):
     v.add_argument("--semantics", default="contract", choices=["contract", "hf"])
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", type=Path, required=True)
+    pl = sub.add_parser("plot", help="loss curve PNG from a loss_log.json (needs matplotlib)")
+    pl.add_argument("--log", type=Path, required=True)
+    pl.add_argument("--out", type=Path, default=HERE.parent / "docs" / "demo_loss.png")
     args = ap.parse_args(argv)
-    if args.cmd == "eval":
+    if args.cmd == "plot":
+        plot(args.log, args.out)
+    elif args.cmd == "eval":
         eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed)
     elif args.cmd == "prepare":
         prepare(args.out, args.n_train, args.heldout_per_family, args.vocab)
