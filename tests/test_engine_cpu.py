@@ -16,6 +16,16 @@ from tiny_checkpoints import CONFIGS, build_model, save
 pytest.importorskip("transformers")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core box their spinning made this
+    # file take ~100 s instead of ~15 s. Restored afterwards for the other modules.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def ref(request, tmp_path_factory):
     hf = build_model(CONFIGS[request.param], canvas_length=8)
@@ -117,3 +127,4 @@ def test_engine_rejects_bad_inputs(ref):
     with pytest.raises(InputError, match="not both"):
         eng.denoise(cache, torch.zeros(C, dtype=torch.long), sc_logits=torch.zeros(C, V),
                     sc_embeds=torch.zeros(C, ref.config.hidden_size))
+

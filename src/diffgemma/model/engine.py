@@ -208,10 +208,7 @@ class Engine:
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
-            if cfg.layers[li].is_sliding:
-                if not need_out:
-                    self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_slots)
-                    return None
+            if cfg.layers[li].is_sliding:  # (transformers forces the last layer to be full: need_out is True here)
                 # Attend over the ring as it was before this chunk, then store the chunk: a long chunk's
                 # own writes would otherwise clobber window positions its earlier queries still need.
                 q, kv = self._qkv(li, qkv, pos, dense_kv=True)
