@@ -189,6 +189,9 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
         if T == contexts[0]:
             r["profile"] = profile_step(eng, cache, ids, sc)
             log(r["profile"])
+        if T == 8192:  # where prefill time goes (issue 5's 50k tok/s bar is at 8k)
+            r["prefill_profile"] = profile_fn(do_prefill)
+            log(r["prefill_profile"])
         eng.use_graphs = True
         # K+V bytes one step reads: full layers T positions, sliding layers their ring
         kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
@@ -216,13 +219,17 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
 
 def profile_step(eng, cache, ids, sc) -> str:
     """Top GPU kernels of one eager denoise step (where the time goes; graphs hide kernel names)."""
+    return profile_fn(lambda: eng.denoise(cache, ids, sc_logits=sc))
+
+
+def profile_fn(fn) -> str:
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        eng.denoise(cache, ids, sc_logits=sc)
+        fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.denoise(cache, ids, sc_logits=sc)
+            fn()
             torch.cuda.synchronize()
         avg = prof.key_averages()
         for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
