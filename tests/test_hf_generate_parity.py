@@ -1,0 +1,204 @@
+"""semantics="hf" is token-identical to transformers' DiffusionGemmaForBlockDiffusion.generate().
+
+Both sides get the same noise: transformers draws its canvas (EntropyBoundSampler.initialize_canvas,
+also used for renoising) and its tempered categorical draw (torch.multinomial) from torch's RNG; the
+test swaps both for draws from one diffgemma LCG stream seeded like ours, consumed in transformers'
+order (canvas, then per step: one uniform per row for the draw, one id per position for the renoise).
+Everything else (temperature, entropy, accept, stop, SC, block chaining, eos handling) is
+transformers' own code.
+
+Transformers pads every canvas out to whole blocks and replaces what follows the first eos with pad;
+diffgemma returns exactly max_new_tokens and ends before the stop token, so the comparison cuts
+transformers' new tokens at the first stop id and at max_new_tokens.
+
+Two model sides:
+- transformers' own forward behind diffgemma's model API: the loops must agree token for token on every
+  run (same forward, same noise: any difference is a loop difference).
+- diffgemma's reference model (diffgemma.load): its logits agree with transformers' to ~3e-6, but on
+  the random tiny checkpoints the self-conditioning feedback is chaotic: it amplifies such differences
+  ~3-10x per step (measured 3e-6 -> 0.5 after 8 steps at T=0.4-0.8), so ~1 run in 8-30 flips a
+  discrete decision. With the SC MLP's output projection scaled by 0.1 the same measurement stays
+  below 3e-5 after 8 steps, so the reference-model comparison uses that damped checkpoint and must
+  be exact on every run.
+"""
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.generate import generate
+from diffgemma.sampling.rng import Lcg, categorical
+from diffgemma.settings import GenerationSettings
+from tiny_checkpoints import CONFIGS, build_model, save
+
+hfgen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+STOP_IDS = [1, 2, 3]  # several stop ids so that some runs end early, mid-block
+KNOBS = {
+    # transformers' stop (stable argmax + confident) never fires on a random model: every block runs all steps
+    "max_steps": dict(max_denoising_steps=6, entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
+                      confidence_threshold=0.005),
+    # stability 0: the confident stop fires once mean entropy < 3 nats, at a different step per block
+    "early_stop": dict(max_denoising_steps=8, entropy_bound=2.0, t_min=0.3, t_max=0.9, stability_threshold=0,
+                       confidence_threshold=3.0),
+}
+
+
+def transformers_generate(hf, prompt, seed, max_new_tokens, knobs):
+    """hf.generate() with its random draws taken from Lcg(seed); returns (new tokens, decoder forwards)."""
+    rng = Lcg(seed)
+    sampler_cls = hfgen.EntropyBoundSampler
+    original_init, original_multinomial, original_forward = sampler_cls.initialize_canvas, torch.multinomial, hf.forward
+    forwards = []
+
+    def initialize_canvas(self, batch_size, device):
+        return rng.randint(batch_size * self.canvas_length, self.vocab_size, device).view(batch_size, -1)
+
+    def multinomial(probs, num_samples):
+        assert num_samples == 1 and probs.dim() == 2
+        return categorical(probs, rng.uniform(probs.shape[0], probs.device))[:, None]
+
+    def counting_forward(*args, **kwargs):
+        forwards.append(1)
+        return original_forward(*args, **kwargs)
+
+    knobs = dict(knobs)
+    sampler = hfgen.EntropyBoundSamplerConfig(entropy_bound=knobs.pop("entropy_bound"))
+    sampler_cls.initialize_canvas, torch.multinomial, hf.forward = initialize_canvas, multinomial, counting_forward
+    try:
+        out = hf.generate(prompt[None], max_new_tokens=max_new_tokens, sampler_config=sampler,
+                          eos_token_id=STOP_IDS, pad_token_id=0, **knobs)
+    finally:
+        sampler_cls.initialize_canvas, torch.multinomial = original_init, original_multinomial
+        del hf.forward
+    new = out.sequences[0, prompt.numel():].tolist()
+    cut = next((i for i, t in enumerate(new) if t in STOP_IDS), len(new))
+    return new[:min(cut, max_new_tokens)], len(forwards)
+
+
+def ours_generate(model, prompt, seed, max_new_tokens, knobs):
+    settings = GenerationSettings.resolve({}, env={}, overrides=dict(
+        semantics="hf", seed=seed, max_new_tokens=max_new_tokens, stop_ids=STOP_IDS, **knobs))
+    return generate(model, prompt, settings=settings)
+
+
+@pytest.fixture(scope="module", params=["gqa2_mixed", "mha_realsplit", "gqa4_samehd"])
+def checkpoint(request, tmp_path_factory):
+    canvas, seed = random.choice([6, 8]), random.getrandbits(31)
+    hf = build_model(CONFIGS[request.param], canvas_length=canvas, seed=seed)
+    damped = build_model(CONFIGS[request.param], canvas_length=canvas, seed=seed)
+    with torch.no_grad():
+        damped.model.decoder.self_conditioning.down_proj.weight.mul_(0.1)
+    reference = diffgemma.load(save(damped, tmp_path_factory.mktemp(request.param)))
+    return hf, _TransformersBehindOurApi(hf), damped, reference
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+def test_hf_preset_matches_transformers_generate(checkpoint, knobs):
+    hf, model, _, _ = checkpoint
+    vocab, canvas = model.config.vocab_size, model.config.canvas_length
+    early_stops = 0
+    for seed in random.sample(range(2**32), 3 if knobs == "early_stop" else 2):
+        prompt = torch.randint(4, vocab, (random.randint(1, 9),))
+        max_new = random.choice([2 * canvas + 3, 3 * canvas])  # multi-block, one budget ending mid-block
+        want, hf_forwards = transformers_generate(hf, prompt, seed, max_new, KNOBS[knobs])
+        got = ours_generate(model, prompt, seed, max_new, KNOBS[knobs])
+        assert got.tokens == want, f"seed {seed}"
+        assert got.forwards == hf_forwards, f"seed {seed}"
+        assert got.retries == 0
+        early_stops += sum(r == "confident" for r in got.stop_reasons)
+        if len(got.tokens) < max_new:
+            assert got.stop_token in STOP_IDS
+    if knobs == "early_stop":
+        assert early_stops > 0  # the stop branch really ran
+    else:
+        assert early_stops == 0
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+def test_hf_preset_on_the_reference_model_matches_transformers_generate(checkpoint, knobs):
+    _, _, hf, reference = checkpoint
+    canvas = reference.config.canvas_length
+    for seed in random.sample(range(2**32), 2):
+        prompt = torch.randint(4, reference.config.vocab_size, (random.randint(1, 9),))
+        max_new = random.choice([2 * canvas + 3, 3 * canvas])
+        want, hf_forwards = transformers_generate(hf, prompt, seed, max_new, KNOBS[knobs])
+        got = ours_generate(reference, prompt, seed, max_new, KNOBS[knobs])
+        assert (got.tokens, got.forwards) == (want, hf_forwards), f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------
+# The same comparison with transformers' own forward behind diffgemma's model API: isolates the loop
+# from the (separately tested) reference forward, and covers the sc_embeds path of denoise().
+
+class _TransformersBehindOurApi:
+    def __init__(self, hf):
+        t = hf.config.text_config
+        self.hf = hf
+        self.config = SimpleNamespace(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                                      canvas_length=hf.config.canvas_length, pad_token_id=t.pad_token_id,
+                                      bos_token_id=t.bos_token_id, eos_token_ids=(1,),
+                                      embed_scale=math.sqrt(t.hidden_size))
+        self.generation_config, self.tokenizer = {}, None
+        self.embedding = hf.model.decoder.embed_tokens.weight
+        self._sc_embeds = None
+        # the SC MLP receives the soft embedding as its 2nd argument: substitute ours when given
+        hf.model.decoder.self_conditioning.register_forward_pre_hook(
+            lambda mod, args: None if self._sc_embeds is None else (args[0], self._sc_embeds[None]))
+
+    def new_cache(self, max_tokens):
+        cache = DynamicCache(config=self.hf.config.get_text_config(decoder=True))
+        cache.length = 0
+        return cache
+
+    @torch.no_grad()
+    def prefill(self, cache, ids):
+        n, start = ids.numel(), cache.length
+        pos = torch.arange(start, start + n, dtype=torch.int32)[None]
+        masks = self.hf.model.encoder.create_masks_for_generate(
+            config=self.hf.config, inputs_embeds=torch.empty(1, n, 0), cache=cache, position_ids=pos,
+            attention_mask=torch.ones(1, start + n, dtype=torch.bool))
+        self.hf.model.encoder(input_ids=ids[None], attention_mask=masks, cache=cache, position_ids=pos)
+        cache.length += n
+
+    @torch.no_grad()
+    def denoise(self, cache, canvas, sc_logits=None, sc_embeds=None):
+        c, start = canvas.numel(), cache.length
+        masks = self.hf.model.decoder.create_diffusion_decoder_attention_mask(
+            config=self.hf.config, inputs_embeds=canvas[None, :, None], cache=cache,
+            decoder_attention_mask=torch.ones(1, start + c, dtype=torch.bool))
+        self._sc_embeds = sc_embeds
+        try:
+            out = self.hf(decoder_input_ids=canvas[None], cache=cache, decoder_attention_mask=masks,
+                          self_conditioning_logits=None if sc_logits is None else sc_logits[None],
+                          decoder_position_ids=torch.arange(start, start + c, dtype=torch.int32)[None])
+        finally:
+            self._sc_embeds = None
+        return out.logits[0]
+
+    def embed(self, ids):
+        return self.hf.model.decoder.embed_tokens(ids)
+
+
+def test_sc_embeds_path_equals_sc_logits_path_in_transformers_forward():
+    """denoise(sc_embeds=exact soft embedding) == denoise(sc_logits=...): the sparse/seed SC route is sound."""
+    from diffgemma.sampling.self_condition import exact_soft_embed, sparse_soft_embed
+
+    model = _TransformersBehindOurApi(build_model(CONFIGS["gqa2_mixed"], canvas_length=8))
+    vocab = model.config.vocab_size
+    cache = model.new_cache(64)
+    model.prefill(cache, torch.randint(4, vocab, (5,)))
+    canvas = torch.randint(0, vocab, (8,))
+    sc = torch.randn(8, vocab) * 3
+    scale = model.config.embed_scale
+    via_logits = model.denoise(cache, canvas, sc_logits=sc)
+    via_embeds = model.denoise(cache, canvas, sc_embeds=exact_soft_embed(sc, model.embedding, scale))
+    assert torch.allclose(via_logits, via_embeds, atol=1e-5)
+    via_sparse = model.denoise(cache, canvas, sc_embeds=sparse_soft_embed(sc, model.embedding, scale, 10.0))
+    assert (via_sparse - via_logits).abs().max() < 1e-2
+    assert (model.denoise(cache, canvas) - via_logits).abs().max() > 1e-2  # SC really changes the output
