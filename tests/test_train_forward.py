@@ -123,11 +123,19 @@ def test_batcher_blocks_cover_the_answer():
          "prompt_len": torch.tensor([3]), "target_len": torch.tensor([9])}
     b = td.Batcher(d, 4, "cpu")
     assert b.n_blocks.tolist() == [3]
-    prefix, n_pad, canvas = b.block(torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]))
+    prefix, n_pad, canvas = b.block(torch.tensor([0, 0, 0]), torch.tensor([0, 4, 8]))
     assert canvas.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 0, 0, 0]]
     assert n_pad.tolist() == [8, 4, 0]
     assert prefix[2].tolist() == [5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17]
     assert prefix[0, 8:].tolist() == [5, 6, 7]
+    # a mid-block start (the engine's commit trim): prefix = prompt + 6 answer tokens
+    prefix, n_pad, canvas = b.block(torch.tensor([0]), torch.tensor([6]))
+    assert prefix[0].tolist() == [5, 6, 7, 10, 11, 12, 13, 14, 15] and canvas[0].tolist() == [16, 17, 18, 0]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
+    ex, start = b.draw(400, g, cut_prob=0.0)
+    assert set(start.tolist()) == {0, 4, 8}
+    ex, start = b.draw(400, g, cut_prob=1.0)
+    assert set(start.tolist()) == set(range(9))
 
 
 def test_train_step_learns_on_cpu():
@@ -145,5 +153,5 @@ def test_train_step_learns_on_cpu():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0], losses[::10]

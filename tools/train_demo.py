@@ -421,10 +421,11 @@ class Batcher:
         self.n_blocks = (self.tlen + canvas - 1) // canvas
         self.N = self.off.numel()
 
-    def block(self, ex: torch.Tensor, k: torch.Tensor):
-        """Examples ex [B] with block index k [B] -> prefix [B, Lp], n_pad [B], clean canvas [B, C]."""
+    def block(self, ex: torch.Tensor, start: torch.Tensor):
+        """Examples ex [B], canvas starting `start` [B] answer tokens in -> prefix [B, Lp], n_pad [B],
+        clean canvas [B, C]. The prefix is the prompt plus the answer's first `start` tokens."""
         C = self.C
-        pe = self.plen[ex] + k * C  # prefix length: prompt + k committed blocks
+        pe = self.plen[ex] + start
         Lp = int(pe.max())
         j = torch.arange(Lp, device=self.dev)[None]
         n_pad = Lp - pe
@@ -436,11 +437,17 @@ class Batcher:
         canvas = torch.where(c < end, self.tokens[idx], PAD_ID)
         return prefix, n_pad, canvas
 
-    def draw(self, B: int, gen: torch.Generator):
-        """B random (example, block index) pairs; every block of an answer is equally likely."""
+    def draw(self, B: int, gen: torch.Generator, cut_prob: float = 0.0):
+        """B random (example, canvas start) pairs. A canvas starts at a block boundary k*C (every block of
+        an answer equally likely), or with probability cut_prob at any answer token: the engine's commit
+        trim hands the next canvas an answer cut mid-block, which block-aligned training never shows."""
         ex = torch.randint(0, self.N, (B,), device=self.dev, generator=gen)
         k = (torch.rand(B, device=self.dev, generator=gen) * self.n_blocks[ex]).long()
-        return ex, k
+        start = k * self.C
+        if cut_prob > 0:
+            any_tok = (torch.rand(B, device=self.dev, generator=gen) * self.tlen[ex]).long()
+            start = torch.where(torch.rand(B, device=self.dev, generator=gen) < cut_prob, any_tok, start)
+        return ex, start
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,7 +590,7 @@ def evaluate(model: DemoModel, d: dict, canvas: int, seed: int = 0, batch: int =
 
 
 def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, device: str, seed: int,
-          chunks: int = 4, eval_per_family: int | None = None, log_every: int = 25):
+          chunks: int = 4, cut_prob: float = 0.0, eval_per_family: int | None = None, log_every: int = 25):
     torch.manual_seed(seed)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -617,10 +624,10 @@ def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, devi
         loss_sum = 0.0
         # Prefix lengths vary 10x (arithmetic vs tool declarations / later blocks of long answers): sort the
         # batch by length and run it as chunks, so short prefixes are not padded to the longest one.
-        ex, k = batcher.draw(batch, gen)
-        order = (batcher.plen[ex] + k * DEMO_CANVAS).argsort()
+        ex, start = batcher.draw(batch, gen, cut_prob)
+        order = (batcher.plen[ex] + start).argsort()
         for chunk in order.chunk(chunks):
-            prefix, n_pad, clean = batcher.block(ex[chunk], k[chunk])
+            prefix, n_pad, clean = batcher.block(ex[chunk], start[chunk])
             with autocast:
                 loss, _ = train_step(model, prefix, n_pad, clean, gen, a.vocab)
             (loss * (chunk.numel() / batch)).backward()
@@ -806,6 +813,9 @@ def main(argv=None):
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-per-family", type=int, default=None)
+    t.add_argument("--chunks", type=int, default=4, help="length-sorted chunks per batch (gradient accumulation)")
+    t.add_argument("--cut-prob", type=float, default=0.0,
+                   help="fraction of canvases starting mid-block (run 1 used 0; recommended 0.25)")
     e = sub.add_parser("export")
     e.add_argument("--ckpt", type=Path, required=True)
     e.add_argument("--tokenizer", type=Path, default=Path("build/demo/tokenizer"))
@@ -828,7 +838,7 @@ def main(argv=None):
         prepare(args.out, args.n_train, args.heldout_per_family, args.vocab)
     elif args.cmd == "train":
         train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed,
-              eval_per_family=args.eval_per_family)
+              chunks=args.chunks, cut_prob=args.cut_prob, eval_per_family=args.eval_per_family)
     else:
         export(args.ckpt, args.tokenizer, args.out)
 
