@@ -25,6 +25,16 @@ from diffgemma.sampling.self_condition import sparse_soft_embed
 from diffgemma.sampling.stats import entropy
 from diffgemma.settings import GenerationSettings
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core box their spinning makes the
+    # reference model many times slower. Restored afterwards for the other modules.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 V, H, PAD, BOS, EOS = 32, 8, 0, 2, 1
 CONTROL = {PAD, BOS, EOS}
 
@@ -389,6 +399,7 @@ def test_contract_defaults_on_the_reference_model_are_deterministic_and_keep_the
 _CHILD = """
 import json, sys, torch, diffgemma
 from diffgemma.generate import generate
+torch.set_num_threads(1)  # same configuration as the parent (float reductions depend on the thread split)
 model = diffgemma.load(sys.argv[1])
 out = generate(model, json.loads(sys.argv[2]), seed=int(sys.argv[3]), sc_mode=sys.argv[4],
                max_denoising_steps=8, max_new_tokens=20)
