@@ -68,7 +68,8 @@ class FakeModel:
     def __init__(self, script, *, canvas=8, steps=16, t_min=0.4, t_max=0.8):
         self.config = SimpleNamespace(vocab_size=V, hidden_size=H, canvas_length=canvas, pad_token_id=PAD,
                                       bos_token_id=BOS, eos_token_ids=(EOS,), embed_scale=math.sqrt(H))
-        self.generation_config = {"max_denoising_steps": steps, "t_min": t_min, "t_max": t_max}
+        # exact SC by default: a block's first step is then recognisable (no sc_logits); see denoise()
+        self.generation_config = {"max_denoising_steps": steps, "t_min": t_min, "t_max": t_max, "sc_mode": "exact"}
         self.tokenizer = None
         self.embedding = torch.randn(V, H)
         self.script = script
@@ -88,7 +89,8 @@ class FakeModel:
 
     def denoise(self, cache, canvas, sc_logits=None, sc_embeds=None):
         assert sc_logits is None or sc_embeds is None
-        # a block's first step is the only one without a previous step's SC signal (at most the seed)
+        # a block's first step is the only one without a previous step's SC signal (at most the seed);
+        # later steps carry sc_logits (exact SC) or, in the sparse test, a soft embedding of random logits
         first = sc_logits is None and (sc_embeds is None or torch.allclose(sc_embeds, self.embed(canvas)))
         step = 1 if first or not self.calls else self.calls[-1].step + 1
         temp = float(temperature(self._steps - step + 1, self._steps, *self._t))
@@ -283,7 +285,7 @@ def test_first_step_sc_seed_then_previous_logits_and_lcg_renoise():
     seed = random.getrandbits(32)
     model = FakeModel(lambda call: base[call.step - 1] * call.temperature, steps=3)
     steps = [e for e in _events(model, seed=seed, max_new_tokens=8, plateau_steps=0, entropy_stop=0,
-                                confidence_threshold=0.0, empty_reply_retry=0, entropy_bound=3.0)
+                                confidence_threshold=0.0, empty_reply_retry=0, entropy_bound=3.0, sc_mode="exact")
              if isinstance(e, StepEvent)]
     rng = Lcg(seed)
     canvas0 = rng.randint(8, V)

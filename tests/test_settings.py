@@ -10,7 +10,7 @@ from diffgemma.settings import FIELD_NAMES, HF_PRESET, GenerationSettings, regis
 
 DOCUMENTED_DEFAULTS = dict(
     entropy_bound=0.1, max_denoising_steps=48, t_min=0.4, t_max=0.8, stability_threshold=1,
-    confidence_threshold=0.005, max_new_tokens=256, commit="argmax", sc_seed=True, sc_mode="exact",
+    confidence_threshold=0.005, max_new_tokens=256, commit="argmax", sc_seed=True, sc_mode="sparse",
     sc_sparse_log_ratio=10.0, freeze=False, plateau_steps=8, plateau_entropy=0.05, pad_gate=True,
     entropy_stop=0.05, entropy_stop_min_steps=12, empty_reply_retry=3, confidence_trim=0.9, seed=0,
     canvas_length=None, stop_ids=None, semantics="contract",
@@ -49,8 +49,8 @@ def test_layering_env_over_config_over_defaults_and_overrides_over_env():
            "DIFFGEMMA_PAD_GATE": "off", "DIFFGEMMA_STOP_IDS": "1, 106,50"}
     s = GenerationSettings.resolve(gc, env=env)
     assert (s.max_new_tokens, s.seed, s.t_min, s.pad_gate, s.stop_ids) == (100, seed_env, 0.2, False, (1, 106, 50))
-    s = GenerationSettings.resolve(gc, env=env, overrides=[f"seed={seed_set}", "max-new-tokens=7", "sc_mode=Sparse"])
-    assert (s.seed, s.max_new_tokens, s.sc_mode) == (seed_set, 7, "sparse")
+    s = GenerationSettings.resolve(gc, env=env, overrides=[f"seed={seed_set}", "max-new-tokens=7", "sc_mode=Exact"])
+    assert (s.seed, s.max_new_tokens, s.sc_mode) == (seed_set, 7, "exact")
     s = GenerationSettings.resolve(gc, env=env, overrides={"seed": seed_set, "entropy_bound": 1, "freeze": "yes"})
     assert (s.seed, s.entropy_bound, s.freeze) == (seed_set, 1.0, True)
     assert isinstance(s.entropy_bound, float)

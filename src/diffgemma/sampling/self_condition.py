@@ -10,15 +10,19 @@ logits already divided by that step's temperature.
   tail_mass = the probability of the dropped tokens; `sparse_error_bound` computes it. The SC MLP's
   RMSNorm is scale-invariant, so the missing tail mass itself (a uniform shrink) does not matter.
 
-Which is faster (CPU, 2 shared cores, 2026-11-30, best of 1-2 runs, C = canvas rows):
-    V=128     H=32   C=8   f32, 16 survivors/row:   exact ~1-12 ms   sparse ~0.4-125 ms (noisy host)
-    V=4096    H=256  C=64  f32, 16-256 survivors:   exact 20-26 ms   sparse 187-224 ms
-    V=262144  H=2816 C=256 f32, 16 survivors/row:   exact 4632 ms    sparse 1234 ms
-    V=262144  H=2816 C=256 f32, 256 survivors/row:  exact 4743 ms    sparse 2694 ms
-    V=262144  H=2816 C=256 f32, 2048 survivors/row: exact 7331 ms    sparse 24965 ms
-    V=262144  H=2816 C=256 bf16, 256 survivors/row: exact 2469 ms    sparse 4286 ms
-so GenerationSettings.sc_mode defaults to "exact"; sparse only wins for f32 at the real vocabulary
-with few survivors. Not yet measured on the GPU.
+Which is faster (CPU, one intra-op thread, busy 2-core host, 2026-11-30, median of 3-7 runs; C = canvas
+rows, survivors = tokens per row within 10 nats of the max):
+    V=128     H=32   C=8   f32,  16 survivors:  exact    0.0 ms   sparse    0.1 ms
+    V=4096    H=256  C=64  f32,  16 survivors:  exact    1.4 ms   sparse    2.2 ms
+    V=4096    H=256  C=64  f32, 256 survivors:  exact    2.4 ms   sparse   52.1 ms
+    V=262144  H=2816 C=256 f32,  16 survivors:  exact 5707 ms     sparse 1130 ms
+    V=262144  H=2816 C=256 bf16, 16 survivors:  exact 2324 ms     sparse 1156 ms
+    V=262144  H=2816 C=256 f32, 256 survivors:  exact 5677 ms     sparse 3117 ms
+    V=262144  H=2816 C=256 bf16,256 survivors:  exact 2246 ms     sparse 2204 ms
+(With two threads fighting other jobs the same shapes were erratic: tiny-vocab sparse 125 ms, and
+2048 survivors/row made sparse 3.4x slower than exact.) So GenerationSettings.sc_mode defaults to
+"sparse": it wins where it matters (the real vocabulary) and costs well under a millisecond on tiny
+models. Not yet measured on the GPU.
 """
 
 from __future__ import annotations
