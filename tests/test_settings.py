@@ -118,3 +118,5 @@ def test_foreign_diffgemma_variables_can_be_registered():
         GenerationSettings.resolve({}, env={name: "x"})
     register_env_var(name)
     assert GenerationSettings.resolve({}, env={name: "x"}) == GenerationSettings()
+    # the variables other modules read today are known without registering
+    assert GenerationSettings.resolve({}, env={"DIFFGEMMA_NO_TRITON": "1", "DIFFGEMMA_HF_HOME": "/x"}) == GenerationSettings()

@@ -27,8 +27,12 @@ ENV_PREFIX = "DIFFGEMMA_"
 
 # DIFFGEMMA_* variables owned by other parts of the package (model path, device, kernels, ...). An
 # unknown DIFFGEMMA_* variable is an error (a typo'd arm must die before any model load), so other
-# modules declare theirs here through register_env_var().
-_FOREIGN_ENV_VARS: set[str] = set()
+# modules declare theirs here through register_env_var(), or are listed with their owner below (a module
+# that is not imported before resolve() runs cannot register in time).
+_FOREIGN_ENV_VARS: set[str] = {
+    "DIFFGEMMA_NO_TRITON",  # ops/_backend.py: force the torch path on CUDA
+    "DIFFGEMMA_HF_HOME",  # quant/overlay.py: Hugging Face cache root for overlay packs
+}
 
 
 def register_env_var(name: str) -> None:
