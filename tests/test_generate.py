@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diffgemma.errors import InputError
-from diffgemma.generate import BlockEvent, DoneEvent, StepEvent, generate, generate_stream
+from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate, generate_stream
 from diffgemma.sampling.rng import Lcg, block_seed, categorical
 from diffgemma.sampling.schedule import temperature
 from diffgemma.sampling.self_condition import sparse_soft_embed
@@ -400,7 +400,7 @@ def test_contract_defaults_on_the_reference_model_are_deterministic_and_keep_the
 
 _CHILD = """
 import json, sys, torch, diffgemma
-from diffgemma.generate import generate
+from diffgemma.generation import generate
 torch.set_num_threads(1)  # same configuration as the parent (float reductions depend on the thread split)
 model = diffgemma.load(sys.argv[1])
 out = generate(model, json.loads(sys.argv[2]), seed=int(sys.argv[3]), sc_mode=sys.argv[4],

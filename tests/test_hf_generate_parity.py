@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import diffgemma
-from diffgemma.generate import generate
+from diffgemma.generation import generate
 from diffgemma.sampling.rng import Lcg, categorical
 from diffgemma.settings import GenerationSettings
 from tiny_checkpoints import CONFIGS, build_model, save

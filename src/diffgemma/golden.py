@@ -50,7 +50,7 @@ CASES = (
 
 
 def run_case(model, case: Case) -> dict:
-    from .generate import generate
+    from .generation import generate
     from .session import Session
     from .settings import GenerationSettings
 

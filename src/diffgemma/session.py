@@ -73,7 +73,7 @@ class Session:
                                                   enable_thinking=self.think)
 
     def ask(self, content: str, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
-        from .generate import generate
+        from .generation import generate
 
         self.messages.append({"role": "user", "content": content})
         ids = self.render()
