@@ -36,7 +36,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 V, H, PAD, BOS, EOS = 32, 8, 0, 2, 1
-CONTROL = {PAD, BOS, EOS}
+CONTROL = {PAD, BOS, EOS, V - 1}  # V - 1: the filler sentinel (last vocabulary id)
 
 
 @dataclass
@@ -318,8 +318,13 @@ def test_sample_commit_draws_the_tempered_categorical_from_the_lcg():
     assert torch.equal(model.calls[1].canvas, draw)
 
 
+def _no_control(logits):
+    logits[:, sorted(CONTROL)] -= 100.0  # no stop/pad/filler argmax: the block is committed whole
+    return logits
+
+
 def test_freeze_keeps_accepted_tokens_and_commits_them():
-    model = FakeModel(lambda call: torch.randn(8, V) * 4 * call.temperature, steps=6)
+    model = FakeModel(lambda call: _no_control(torch.randn(8, V) * 4) * call.temperature, steps=6)
     events = _events(model, max_new_tokens=8, freeze=True, entropy_bound=0.0, empty_reply_retry=0,
                      confidence_trim=0, plateau_steps=0, entropy_stop=0)
     steps = [e for e in events if isinstance(e, StepEvent)]

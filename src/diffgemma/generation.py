@@ -42,7 +42,7 @@ from .sampling.rng import Lcg, block_seed, categorical
 from .sampling.schedule import remaining, temperature
 from .sampling.self_condition import sparse_soft_embed
 from .sampling.stats import entropy, max_prob
-from .sampling.stops import FILLER_ID, StopRules
+from .sampling.stops import StopRules, filler_id
 from .sampling.trim import trim_cut
 from .settings import GenerationSettings
 
@@ -159,7 +159,7 @@ def generate_stream(
     canvas_len = s.canvas_length or cfg.canvas_length
     stop_ids = tuple(s.stop_ids) if s.stop_ids is not None else tuple(cfg.eos_token_ids)
     # a first block opening with one of these is the empty-reply attractor (§6 guard)
-    control_ids = set(stop_ids) | {cfg.pad_token_id, FILLER_ID}
+    control_ids = set(stop_ids) | {cfg.pad_token_id, filler_id(vocab)}
     if cfg.bos_token_id is not None:
         control_ids.add(cfg.bos_token_id)
     hf = s.semantics == "hf"
@@ -259,7 +259,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: Lcg, length: int, b
     vocab = model.config.vocab_size
     hf = s.semantics == "hf"
     steps_total = s.max_denoising_steps
-    stops = StopRules.from_settings(s, model.config.pad_token_id)
+    stops = StopRules.from_settings(s, model.config.pad_token_id, vocab)
 
     canvas = rng.randint(length, vocab, device)
     frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None

@@ -20,7 +20,12 @@ from collections import deque
 
 import torch
 
-FILLER_ID = 262143  # the reference engine's invalid-logits sentinel (last id of the real vocabulary)
+FILLER_ID = 262143  # the reference engine's invalid-logits sentinel: the last id of the real vocabulary
+
+
+def filler_id(vocab_size: int) -> int:
+    """The filler sentinel is the last vocabulary id (262143 on the real model, vocab-1 on any other)."""
+    return vocab_size - 1
 
 CONFIDENT = "confident"
 PLATEAU = "plateau"
@@ -56,7 +61,7 @@ class StopRules:
         self._mask_run = 0
 
     @classmethod
-    def from_settings(cls, s, pad_token_id: int) -> "StopRules":
+    def from_settings(cls, s, pad_token_id: int, vocab_size: int = FILLER_ID + 1) -> "StopRules":
         return cls(
             max_steps=s.max_denoising_steps,
             stability_threshold=s.stability_threshold,
@@ -66,7 +71,7 @@ class StopRules:
             entropy_stop=s.entropy_stop,
             entropy_stop_min_steps=s.entropy_stop_min_steps,
             pad_gate=s.pad_gate,
-            pad_ids=(pad_token_id, FILLER_ID),
+            pad_ids=(pad_token_id, filler_id(vocab_size)),
         )
 
     def update(self, step: int, argmax: torch.Tensor, mean_entropy: float, accepted: torch.Tensor) -> str | None:
