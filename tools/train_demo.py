@@ -24,6 +24,7 @@ first-step seed (the embedding of the noisy canvas itself).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -740,7 +741,7 @@ def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: s
     sys.path.insert(0, str(HERE))
     import demo_data
     import diffgemma
-    from diffgemma.generate import generate
+    from diffgemma.generation import generate
 
     model = diffgemma.load(model_dir, device="cpu", dtype=torch.float32)
     tok = model.tokenizer
@@ -754,7 +755,8 @@ def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: s
         rows.append({"family": ex.family, "ok": ok, "n_tokens": len(r.tokens) + (r.stop_token is not None),
                      "forwards": r.forwards, "steps_per_block": r.steps_per_block, "stop_reasons": r.stop_reasons,
                      "retries": r.retries, "answer": ex.answer, "text": tok.decode(r.tokens)})
-    res = {"semantics": semantics, "seed": seed, "per_family": per_family, "seconds": time.time() - t0}
+    res = {"semantics": semantics, "seed": seed, "per_family": per_family, "seconds": time.time() - t0,
+           "settings": dataclasses.asdict(r.settings) if getattr(r, "settings", None) is not None else None}
     for fam in list(demo_data.FAMILIES) + ["_all"]:
         rs = [r for r in rows if fam in (r["family"], "_all")]
         if not rs:
