@@ -591,7 +591,8 @@ def evaluate(model: DemoModel, d: dict, canvas: int, seed: int = 0, batch: int =
 
 
 def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, device: str, seed: int,
-          chunks: int = 4, cut_prob: float = 0.0, eval_per_family: int | None = None, log_every: int = 25):
+          chunks: int = 4, cut_prob: float = 0.0, eval_per_family: int | None = None, log_every: int = 25,
+          init: Path | None = None, warm: int = 200):
     torch.manual_seed(seed)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -599,7 +600,18 @@ def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, devi
         torch.backends.cudnn.allow_tf32 = True
     d = torch.load(data_dir / "data.pt")
     a = Arch.from_dict(DEMO_TEXT_CONFIG)
-    model = DemoModel(a).to(dev)
+    model = DemoModel(a)
+    if init is not None:
+        # Continue from an exported checkpoint (checkpoint names == this module's parameter names).
+        from safetensors.torch import load_file
+
+        own = model.state_dict()
+        found = {k: v.float() for k, v in load_file(str(init)).items() if k in own}
+        missing = sorted(set(own) - set(found))
+        assert not missing, f"--init {init} lacks {missing[:3]}"
+        model.load_state_dict(found)
+        print(f"initialised from {init} ({len(found)} tensors)", flush=True)
+    model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M  device {dev}  torch {torch.__version__}", flush=True)
     batcher = Batcher(d["train"], DEMO_CANVAS, dev)
@@ -611,7 +623,6 @@ def train(data_dir: Path, out: Path, seconds: float, batch: int, lr: float, devi
     log = []
     t0 = time.time()
     step = 0
-    warm = 200
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     while True:
         el = time.time() - t0
@@ -816,6 +827,8 @@ def main(argv=None):
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-per-family", type=int, default=None)
     t.add_argument("--chunks", type=int, default=4, help="length-sorted chunks per batch (gradient accumulation)")
+    t.add_argument("--init", type=Path, default=None, help="start from this model.safetensors (continue training)")
+    t.add_argument("--warmup", type=int, default=200, help="linear warm-up steps")
     t.add_argument("--cut-prob", type=float, default=0.0,
                    help="fraction of canvases starting mid-block (run 1 used 0; recommended 0.25)")
     e = sub.add_parser("export")
@@ -840,7 +853,8 @@ def main(argv=None):
         prepare(args.out, args.n_train, args.heldout_per_family, args.vocab)
     elif args.cmd == "train":
         train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed,
-              chunks=args.chunks, cut_prob=args.cut_prob, eval_per_family=args.eval_per_family)
+              chunks=args.chunks, cut_prob=args.cut_prob, eval_per_family=args.eval_per_family,
+              init=args.init, warm=args.warmup)
     else:
         export(args.ckpt, args.tokenizer, args.out)
 
