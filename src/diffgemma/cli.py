@@ -7,11 +7,12 @@ with status 2; nothing else is printed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 
-from .errors import DiffgemmaError
+from .errors import DiffgemmaError, InputError
 
 EXIT_USAGE = 2
 
@@ -26,6 +27,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint or pack directory (default: the embedded demo model)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--tools", default=None, metavar="JSON",
+                   help="tool declarations (a JSON list, OpenAI style), e.g. examples/tools.json")
     p.add_argument("--think", action="store_true", help="let the model think first (thought channel on)")
     p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
     p.add_argument("--seed", type=int, default=None)
@@ -87,11 +90,32 @@ def _load(args):
     return load(args.model, device=device)
 
 
+def _read_tools(path):
+    import json
+
+    if path is None:
+        return None
+    try:
+        tools = json.loads(open(path).read())
+    except OSError as e:
+        raise InputError(f"--tools {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"--tools {path}: not valid JSON ({e})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InputError(f"--tools {path}: expected a JSON list of tool declarations")
+    return tools
+
+
 def _print_reply(reply, args, out=None) -> None:
     out = out or sys.stdout
     if reply.thought is not None and args.show_thought:
         print(f"[thought]\n{reply.thought}\n[/thought]", file=out)
     print(reply.answer, file=out)
+    for call in reply.tool_calls:
+        if call.ok:
+            print(f"[tool call] {call.name}({json.dumps(call.arguments)})", file=sys.stderr)
+        else:
+            print(f"[malformed tool call: {call.error}] {call.raw}", file=sys.stderr)
     if args.stats:
         r = reply.result
         print(f"[blocks={len(r.steps_per_block)} steps={r.steps_per_block} stops={r.stop_reasons} "
@@ -104,9 +128,10 @@ def cmd_ask(args) -> int:
     from .session import Session
 
     _validate_early(args)
+    tools = _read_tools(args.tools)
     model = _load(args)
     settings = _settings(model, args)
-    session = Session(model, system=args.system, think=args.think)
+    session = Session(model, system=args.system, think=args.think, tools=tools)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
     reply = session.ask(args.prompt, settings=settings, on_step=view)
     if view is not None:
@@ -119,10 +144,14 @@ def cmd_chat(args) -> int:
     from .session import Session
 
     _validate_early(args)
+    tools = _read_tools(args.tools)
     model = _load(args)
     settings = _settings(model, args)
-    session = Session(model, system=args.system, think=args.think)
+    session = Session(model, system=args.system, think=args.think, tools=tools)
     interactive = sys.stdin.isatty()
+    if interactive:
+        print("diffgemma chat: /exit to quit; after a tool call, answer it with /tool RESULT (JSON or text)",
+              file=sys.stderr)
     while True:
         if interactive:
             print("you> ", end="", flush=True)
@@ -135,7 +164,11 @@ def cmd_chat(args) -> int:
         if line in ("/exit", "/quit"):
             break
         view = CanvasView(model.tokenizer) if args.show_canvas else None
-        reply = session.ask(line, settings=settings, on_step=view)
+        if line.startswith("/tool "):
+            reply = session.tool_result(_last_call_name(session), _tool_content(line[6:]), settings=settings,
+                                        on_step=view)
+        else:
+            reply = session.ask(line, settings=settings, on_step=view)
         if view is not None:
             view.finish()
         if interactive:
@@ -143,6 +176,21 @@ def cmd_chat(args) -> int:
         _print_reply(reply, args)
         sys.stdout.flush()
     return 0
+
+
+def _last_call_name(session) -> str:
+    calls = (session.messages[-1].get("tool_calls") or []) if session.messages else []
+    if not calls:
+        raise InputError("/tool: the model made no tool call to answer")
+    return calls[-1]["function"]["name"]
+
+
+def _tool_content(text: str):
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()
+    return value if isinstance(value, dict) else text.strip()
 
 
 class CanvasView:

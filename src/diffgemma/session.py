@@ -9,9 +9,10 @@ new turn, not of the whole history.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import InputError
+from .tool_calls import parse_tool_calls
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
 THOUGHT_LABEL = "thought"
@@ -25,6 +26,7 @@ class Reply:
     result: object  # the GenerationResult
     reused_tokens: int  # prompt tokens served from the cache
     prefilled_tokens: int  # prompt tokens prefilled this turn
+    tool_calls: list = field(default_factory=list)  # parsed <|tool_call> blocks (diffgemma.tool_calls.ToolCall)
 
 
 def split_thought(raw: str) -> tuple[str | None, str]:
@@ -72,10 +74,14 @@ class Session:
         return self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
                                                   enable_thinking=self.think)
 
-    def ask(self, content: str, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
+    def ask(self, content: str, **kw) -> Reply:
+        """A user turn: render, reuse the cached prefix, generate the model's reply."""
+        self.messages.append({"role": "user", "content": content})
+        return self._generate_turn(**kw)
+
+    def _generate_turn(self, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
         from .generation import generate
 
-        self.messages.append({"role": "user", "content": content})
         ids = self.render()
         keep = _common_prefix(self.cached_ids, ids)
         if keep == len(ids):  # the model needs at least one new token to condition on
@@ -89,10 +95,23 @@ class Session:
         raw = self.tokenizer.decode(result.tokens, skip_special_tokens=False)
         thought, answer = split_thought(raw)
         answer = _strip_padding(answer, self.tokenizer).strip()
+        calls = parse_tool_calls(answer)
         # History keeps the answer only: reasoning never crosses a turn boundary.
-        self.messages.append({"role": "assistant", "content": answer})
+        if calls and all(c.ok for c in calls):
+            prose = answer[:answer.find("<|tool_call>")].strip()
+            self.messages.append({"role": "assistant", "content": prose, "tool_calls": [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]})
+        else:
+            self.messages.append({"role": "assistant", "content": answer})
         return Reply(answer=answer, thought=thought, raw_text=raw, result=result, reused_tokens=keep,
-                     prefilled_tokens=len(new))
+                     prefilled_tokens=len(new), tool_calls=calls)
+
+    def tool_result(self, name: str, content, **kw) -> Reply:
+        """Answer the model's tool call with its result (a dict or text) and let the model continue its turn."""
+        if not self.messages or not self.messages[-1].get("tool_calls"):
+            raise InputError("tool_result: the last assistant message made no tool call")
+        self.messages.append({"role": "tool", "name": name, "content": content})
+        return self._generate_turn(**kw)
 
 
 def chat(model, messages: list[dict], *, think: bool = False, tools=None, **overrides) -> str:

@@ -1,0 +1,109 @@
+"""Gemma-4 tool-call grammar: `<|tool_call>call:NAME{key:value,...}<tool_call|>` → {"name", "arguments"}.
+
+Values: strings between `<|"|>` delimiters, numbers, true/false/null, lists `[..]` and objects `{..}` with
+unquoted keys. A call that does not parse is reported as malformed (with the reason), never guessed at,
+so a caller can retry or repair it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+CALL_OPEN, CALL_CLOSE, STR = "<|tool_call>", "<tool_call|>", '<|"|>'
+_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class ToolCall:
+    name: str | None
+    arguments: dict | None
+    raw: str
+    error: str | None = None  # None = well-formed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<|tool_call>…` in text, in order; an unclosed one is malformed."""
+    calls = []
+    pos = 0
+    while (start := text.find(CALL_OPEN, pos)) >= 0:
+        body_start = start + len(CALL_OPEN)
+        end = text.find(CALL_CLOSE, body_start)
+        raw = text[start:] if end < 0 else text[start:end + len(CALL_CLOSE)]
+        if end < 0:
+            calls.append(ToolCall(None, None, raw, "no closing <tool_call|>"))
+            break
+        calls.append(_parse_one(text[body_start:end], raw))
+        pos = end + len(CALL_CLOSE)
+    return calls
+
+
+def _parse_one(body: str, raw: str) -> ToolCall:
+    if not body.startswith("call:"):
+        return ToolCall(None, None, raw, "expected 'call:NAME{...}'")
+    m = _KEY.match(body, 5)
+    if not m:
+        return ToolCall(None, None, raw, "missing tool name")
+    name = m.group(0)
+    try:
+        value, end = _value(body, m.end())
+        if not isinstance(value, dict):
+            raise _Malformed("arguments must be an object {...}")
+        if end != len(body):
+            raise _Malformed(f"unexpected text after the arguments: {body[end:end + 20]!r}")
+    except _Malformed as e:
+        return ToolCall(name, None, raw, str(e))
+    return ToolCall(name, value, raw)
+
+
+def _value(s: str, i: int):
+    if s.startswith(STR, i):
+        j = s.find(STR, i + len(STR))
+        if j < 0:
+            raise _Malformed("unterminated string")
+        return s[i + len(STR):j], j + len(STR)
+    if s.startswith("{", i):
+        out, i = {}, i + 1
+        if s.startswith("}", i):
+            return out, i + 1
+        while True:
+            m = _KEY.match(s, i)
+            if not m or not s.startswith(":", m.end()):
+                raise _Malformed(f"expected 'key:' at {s[i:i + 20]!r}")
+            out[m.group(0)], i = _value(s, m.end() + 1)
+            if s.startswith(",", i):
+                i += 1
+            elif s.startswith("}", i):
+                return out, i + 1
+            else:
+                raise _Malformed(f"expected ',' or '}}' at {s[i:i + 20]!r}")
+    if s.startswith("[", i):
+        out, i = [], i + 1
+        if s.startswith("]", i):
+            return out, i + 1
+        while True:
+            v, i = _value(s, i)
+            out.append(v)
+            if s.startswith(",", i):
+                i += 1
+            elif s.startswith("]", i):
+                return out, i + 1
+            else:
+                raise _Malformed(f"expected ',' or ']' at {s[i:i + 20]!r}")
+    for word, v in (("true", True), ("false", False), ("null", None)):
+        if s.startswith(word, i):
+            return v, i + len(word)
+    m = _NUMBER.match(s, i)
+    if m:
+        text = m.group(0)
+        return (float(text) if any(c in text for c in ".eE") else int(text)), m.end()
+    raise _Malformed(f"unexpected value at {s[i:i + 20]!r}")

@@ -1,0 +1,73 @@
+"""Session: thought-channel split, tool-call grammar, tool round trips, and KV reuse across turns."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.session import Session, split_thought
+from diffgemma.tool_calls import parse_tool_calls
+
+TOOLS = json.loads((Path(__file__).parents[1] / "examples" / "tools.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return diffgemma.load()
+
+
+def test_split_thought():
+    assert split_thought("<|channel>thought\nsix times seven<channel|>42") == ("six times seven", "42")
+    assert split_thought("plain answer") == (None, "plain answer")
+    assert split_thought("<|channel>thought\nstill thinking") == ("still thinking", "")
+
+
+def test_tool_call_grammar():
+    (call,) = parse_tool_calls('x <|tool_call>call:f{a:<|"|>b, c<|"|>,n:-3,x:2.5,ok:true,l:[1,<|"|>z<|"|>],o:{k:null}}<tool_call|>')
+    assert call.ok and call.name == "f"
+    assert call.arguments == {"a": "b, c", "n": -3, "x": 2.5, "ok": True, "l": [1, "z"], "o": {"k": None}}
+    two = parse_tool_calls("<|tool_call>call:a{}<tool_call|><|tool_call>call:b{x:1}<tool_call|>")
+    assert [(c.name, c.arguments) for c in two] == [("a", {}), ("b", {"x": 1})]
+    for bad, why in [
+        ("<|tool_call>call:f{a:1", "no closing"),
+        ("<|tool_call>f{a:1}<tool_call|>", "call:NAME"),
+        ('<|tool_call>call:f{a:<|"|>x}<tool_call|>', "unterminated string"),
+        ("<|tool_call>call:f{a 1}<tool_call|>", "key:"),
+        ("<|tool_call>call:f[1]<tool_call|>", "object"),
+        ("<|tool_call>call:f{a:1}junk<tool_call|>", "after the arguments"),
+    ]:
+        (c,) = parse_tool_calls(bad)
+        assert not c.ok and why in c.error, (bad, c.error)
+
+
+def test_demo_model_makes_a_well_formed_tool_call_and_uses_the_result(demo):
+    session = Session(demo, tools=TOOLS)
+    reply = session.ask("What's the weather in Paris?")
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert reply.result.stop_token == demo.tokenizer.tool_response_id  # the turn pauses for the host
+    follow = session.tool_result("get_weather", {"temperature": 17, "condition": "cloudy"})
+    assert "17" in follow.answer and "cloudy" in follow.answer and "Paris" in follow.answer
+    assert follow.reused_tokens > 150  # the tool turn continued on the cached prefix
+
+
+def test_second_turn_reuses_cache_and_equals_a_fresh_prefill(demo):
+    session = Session(demo)
+    first = session.ask("What is 21 + 14?")
+    second = session.ask("What is 3 + 4?")
+    assert first.answer == "35"  # (the demo model was trained on single turns only; turn 2 is not scored)
+    assert second.reused_tokens > 10 and second.prefilled_tokens < len(session.cached_ids)
+    fresh = demo.new_cache(4096)
+    demo.prefill(fresh, torch.tensor(session.cached_ids))
+    assert session.cache.length == len(session.cached_ids)
+    # Same K/V up to f32 rounding (chunked and one-shot prefill accumulate in different orders).
+    for mine, ref in zip(session.cache.keys + session.cache.values, fresh.keys + fresh.values):
+        assert (mine - ref).abs().max() < 1e-3
+
+
+def test_thinking_drops_the_thought_from_history(demo):
+    session = Session(demo, think=True)
+    reply = session.ask("What is 12 + 30?")
+    assert reply.thought is not None and "<|channel>" not in reply.answer
+    assert session.messages[-1] == {"role": "assistant", "content": reply.answer}
