@@ -105,3 +105,17 @@ def test_console_script_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "diffgemma.cli", "ask", "hi", "--set", "bogus=1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def test_ask_with_the_models_own_tools_prints_a_parsed_call(capsys):
+    code, out, err = run(["ask", "What's the weather in Oslo?", "--tools", "model", "--device", "cpu"], capsys)
+    assert code == 0
+    assert out.strip() == '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+    assert '[tool call] get_weather({"city": "Oslo"})' in err
+
+
+def test_bad_tools_file_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "tools.json"
+    bad.write_text("{not json")
+    code, out, err = run(["ask", "hi", "--tools", str(bad)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not valid JSON" in err

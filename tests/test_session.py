@@ -10,7 +10,9 @@ import diffgemma
 from diffgemma.session import Session, split_thought
 from diffgemma.tool_calls import parse_tool_calls
 
-TOOLS = json.loads((Path(__file__).parents[1] / "examples" / "tools.json").read_text())
+from diffgemma.loader import embedded_model_path
+
+TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--tools", default=None, metavar="JSON",
-                   help="tool declarations (a JSON list, OpenAI style), e.g. examples/tools.json")
+                   help="tool declarations: a JSON file (a list, OpenAI style), or 'model' for the checkpoint's own "
+                        "tools.json (the demo model ships one)")
     p.add_argument("--think", action="store_true", help="let the model think first (thought channel on)")
     p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
     p.add_argument("--seed", type=int, default=None)
@@ -90,11 +91,16 @@ def _load(args):
     return load(args.model, device=device)
 
 
-def _read_tools(path):
-    import json
-
+def _read_tools(path, model=None):
     if path is None:
         return None
+    if path == "model":
+        from .golden import model_tools
+
+        tools = model_tools(model)
+        if tools is None:
+            raise InputError(f"--tools model: {model.path} has no tools.json")
+        return tools
     try:
         tools = json.loads(open(path).read())
     except OSError as e:
@@ -128,8 +134,9 @@ def cmd_ask(args) -> int:
     from .session import Session
 
     _validate_early(args)
-    tools = _read_tools(args.tools)
+    tools = None if args.tools == "model" else _read_tools(args.tools)
     model = _load(args)
+    tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
     session = Session(model, system=args.system, think=args.think, tools=tools)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
@@ -144,8 +151,9 @@ def cmd_chat(args) -> int:
     from .session import Session
 
     _validate_early(args)
-    tools = _read_tools(args.tools)
+    tools = None if args.tools == "model" else _read_tools(args.tools)
     model = _load(args)
+    tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
     session = Session(model, system=args.system, think=args.think, tools=tools)
     interactive = sys.stdin.isatty()

@@ -27,13 +27,9 @@ class Case:
     settings: dict = field(default_factory=dict)
     think: bool = False
     system: str | None = None
-    tools: tuple = ()
+    tools: bool = False  # declare the checkpoint's own tools.json in the system turn
     raw_prompt: str | None = None  # bypass the chat template: this exact text is the prompt
 
-
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 CASES = (
     Case("arith_default", "What is 17 + 25?"),
@@ -41,12 +37,20 @@ CASES = (
     Case("arith_exact_sc", "What is 38 + 45?", {"sc_mode": "exact"}),
     Case("arith_sparse_sc", "What is 38 + 45?", {"sc_mode": "sparse"}),
     Case("multi_block", "Count from 1 to 60.", {"max_new_tokens": 400}),
-    Case("thinking_on", "What is 12 * 3?", think=True),
-    Case("tool_call", "What is the weather in Paris?", tools=(WEATHER_TOOL,)),
+    Case("thinking_on", "What is 12 + 30 + 7?", think=True),
+    Case("tool_call", "What's the weather in Paris?", tools=True),
     Case("sort_seed7", "Sort these numbers: 9 2 7 4 1", {"seed": 7}),
-    # The model turn is already closed, so the first canvas opens on a stop id: the re-roll path.
-    Case("empty_reply_retry", "", raw_prompt="<bos><|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n"),
+    # The model turn is already closed, so the first canvas opens on a stop/pad id: the re-roll path.
+    # (All-pad canvases never stop early, by the pad gate: few steps keep the case cheap.)
+    Case("empty_reply_retry", "", {"max_denoising_steps": 6, "max_new_tokens": 64},
+         raw_prompt="<bos><|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n"),
 )
+
+
+def model_tools(model) -> list | None:
+    """The tool declarations a checkpoint ships (tools.json beside it), e.g. the demo model's."""
+    path = Path(model.path) / "tools.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def run_case(model, case: Case) -> dict:
@@ -62,7 +66,8 @@ def run_case(model, case: Case) -> dict:
         result = generate(model, ids, cache=cache, settings=settings)
         kv = cache.fingerprint()
     else:
-        session = Session(model, system=case.system, think=case.think, tools=list(case.tools) or None, max_tokens=4096)
+        session = Session(model, system=case.system, think=case.think, max_tokens=4096,
+                          tools=model_tools(model) if case.tools else None)
         result = session.ask(case.prompt, settings=settings).result
         kv = session.cache.fingerprint()
     return {

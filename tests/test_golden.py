@@ -1,0 +1,46 @@
+"""Golden byte-identity on the embedded demo model: token ids and KV hashes pinned per case."""
+
+import json
+
+import pytest
+
+import diffgemma
+from diffgemma import golden
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return diffgemma.load()
+
+
+def test_golden_cases_are_byte_identical(demo):
+    expected = golden.load_fixture(golden.fixture_path(demo))
+    assert set(expected) == {c.name for c in golden.CASES}
+    got = golden.run_all(demo)
+    problems = golden.diff(expected, got)
+    assert not problems, "\n".join(problems) + "\n(if the change is intended: diffgemma golden --bless)"
+
+
+def test_the_matrix_exercises_what_it_claims():
+    cases = golden.load_fixture(golden.fixture_path(diffgemma.load()))
+    assert len(cases["multi_block"]["steps_per_block"]) > 1
+    assert cases["empty_reply_retry"]["retries"] > 0
+    assert "<|channel>thought" in cases["thinking_on"]["text"]
+    assert cases["tool_call"]["text"].startswith("<|tool_call>call:get_weather")
+
+
+def test_diff_names_the_first_differing_token_and_bless_is_atomic(tmp_path):
+    base = {"a": {"tokens": [1, 2, 3], "text": "x", "steps_per_block": [2], "stop_reasons": ["confident"],
+                  "retries": 0, "kv_sha256": "00"}}
+    changed = json.loads(json.dumps(base))
+    changed["a"]["tokens"][1] = 9
+    changed["a"]["kv_sha256"] = "11"
+    lines = golden.diff(base, changed)
+    assert any("tokens differ from index 1" in l for l in lines) and any("kv_sha256" in l for l in lines)
+    assert golden.diff(base, base) == []
+    path = tmp_path / "golden.json"
+    golden.bless(base, path)
+    assert golden.load_fixture(path) == base
+    with pytest.raises(TypeError):
+        golden.bless({"a": object()}, path)  # not serialisable: the old fixture must survive
+    assert golden.load_fixture(path) == base and len(list(tmp_path.iterdir())) == 1
