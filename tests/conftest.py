@@ -10,3 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # `import triton` anywhere in the session, so it lives here rather than in one test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Test shapes are tiny: intra-op threads only spin, and on a busy 2-core machine that made some modules
+# many times slower. One thread for the whole session (subprocess tests set their own).
+torch.set_num_threads(1)

@@ -16,14 +16,6 @@ from tiny_checkpoints import CONFIGS, build_model, save
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core box their spinning made this
-    # file take ~100 s instead of ~15 s. Restored afterwards for the other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -26,14 +26,6 @@ from diffgemma.sampling.stats import entropy
 from diffgemma.settings import GenerationSettings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core box their spinning makes the
-    # reference model many times slower. Restored afterwards for the other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 V, H, PAD, BOS, EOS = 32, 8, 0, 2, 1
 CONTROL = {PAD, BOS, EOS, V - 1}  # V - 1: the filler sentinel (last vocabulary id)

@@ -39,14 +39,6 @@ hfgen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diff
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core box their spinning makes the
-    # reference model many times slower. Restored afterwards for the other modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 STOP_IDS = [1, 2, 3]  # several stop ids so that some runs end early, mid-block
 KNOBS = {

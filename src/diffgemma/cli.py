@@ -130,15 +130,20 @@ def _print_reply(reply, args, out=None) -> None:
               f"total={r.timings.get('total_s', 0):.2f}s]", file=sys.stderr)
 
 
-def cmd_ask(args) -> int:
+def _open_session(args):
+    """Validate flags and environment, then load the model: (model, settings, session)."""
     from .session import Session
 
     _validate_early(args)
-    tools = None if args.tools == "model" else _read_tools(args.tools)
+    tools = None if args.tools == "model" else _read_tools(args.tools)  # a bad file fails before the load
     model = _load(args)
     tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
-    session = Session(model, system=args.system, think=args.think, tools=tools)
+    return model, settings, Session(model, system=args.system, think=args.think, tools=tools)
+
+
+def cmd_ask(args) -> int:
+    model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
     reply = session.ask(args.prompt, settings=settings, on_step=view)
     if view is not None:
@@ -148,14 +153,7 @@ def cmd_ask(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .session import Session
-
-    _validate_early(args)
-    tools = None if args.tools == "model" else _read_tools(args.tools)
-    model = _load(args)
-    tools = tools or _read_tools(args.tools, model)
-    settings = _settings(model, args)
-    session = Session(model, system=args.system, think=args.think, tools=tools)
+    model, settings, session = _open_session(args)
     interactive = sys.stdin.isatty()
     if interactive:
         print("diffgemma chat: /exit to quit; after a tool call, answer it with /tool RESULT (JSON or text)",
