@@ -96,7 +96,8 @@ def test_prefill_in_pieces_equals_prefill_at_once(pair):
     for chunk in torch.split(ids, 3):
         ours.prefill(pieces, chunk)
     assert whole.length == pieces.length == len(ids)
-    assert (ours.denoise(whole, canvas) - ours.denoise(pieces, canvas)).abs().max() < 1e-5
+    # Different chunkings accumulate in different orders: equal up to f32 rounding.
+    assert (ours.denoise(whole, canvas) - ours.denoise(pieces, canvas)).abs().max() < TOL_F32
 
 
 def test_truncate_rewinds_exactly(pair):
