@@ -95,7 +95,7 @@ def _read_tools(path, model=None):
     if path is None:
         return None
     if path == "model":
-        from .golden import model_tools
+        from .loader import model_tools
 
         tools = model_tools(model)
         if tools is None:

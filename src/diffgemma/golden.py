@@ -47,14 +47,9 @@ CASES = (
 )
 
 
-def model_tools(model) -> list | None:
-    """The tool declarations a checkpoint ships (tools.json beside it), e.g. the demo model's."""
-    path = Path(model.path) / "tools.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def run_case(model, case: Case) -> dict:
     from .generation import generate
+    from .loader import model_tools
     from .session import Session
     from .settings import GenerationSettings
 

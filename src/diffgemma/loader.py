@@ -31,13 +31,9 @@ def resolve_path(path) -> Path:
 
 def open_source(directory: Path) -> TensorSource:
     """Pick the TensorSource for a directory: a quantized pack or an HF safetensors checkpoint."""
-    try:
-        from .quant.source import is_pack, open_pack  # optional until packs exist
-    except ImportError:
-        is_pack = None
-    if is_pack is not None and is_pack(directory):
-        return open_pack(directory)
-    return SafetensorsSource(directory)
+    from .quant.source import is_pack, open_pack
+
+    return open_pack(directory) if is_pack(directory) else SafetensorsSource(directory)
 
 
 def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
@@ -113,6 +109,12 @@ class _ProgressSource:
         if self._bar is not None:
             self._bar.update(1)
         return t
+
+
+def model_tools(model) -> list | None:
+    """The tool declarations a checkpoint ships beside its weights (tools.json), e.g. the demo model's."""
+    path = Path(model.path) / "tools.json"
+    return read_json(path, "tools.json") if path.is_file() else None
 
 
 def _load_tokenizer(directory: Path):
