@@ -106,18 +106,23 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _ffn_inputs_kernel(x_ptr, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        n = _row_norm(x, mask, n_cols, eps)
+    def _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr):
+        """The three feed-forward inputs of one normed row: dense (·w1), experts (·w2), router (·wr, f32)."""
         w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
         tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
         tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
+
+    @triton.jit
+    def _ffn_inputs_kernel(x_ptr, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        n = _row_norm(x, mask, n_cols, eps)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr)
 
     @triton.jit
     def _layer_finish_kernel(res_ptr, m_ptr, e_ptr, w1_ptr, w2_ptr, w3_ptr, out_ptr, n_cols, eps, scalar,
@@ -135,7 +140,6 @@ if HAVE_TRITON:
         y = (r + _row_norm(s, mask, n_cols, eps) * w3) * scalar
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _attn_finish_kernel(res_ptr, a_ptr, w_ptr, w1_ptr, w2_ptr, wr_ptr, x_ptr, o1_ptr, o2_ptr, or_ptr,
                             n_cols, eps, BLOCK: tl.constexpr):
@@ -148,12 +152,7 @@ if HAVE_TRITON:
         xo = (r + _row_norm(a, mask, n_cols, eps) * w).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * n_cols + cols, xo, mask=mask)
         n = _row_norm(xo.to(tl.float32), mask, n_cols, eps)  # normed from the rounded residual, like the twin
-        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
-        tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
-        tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr)
 
     @triton.jit
     def _layer_finish_moe_kernel(res_ptr, m_ptr, y_ptr, inv_ptr, wts_ptr, w1_ptr, w2_ptr, w3_ptr, wn_ptr,
