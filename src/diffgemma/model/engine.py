@@ -42,7 +42,7 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..ops.attention import NO_WINDOW, attention
 from ..ops.gelu_mul import gelu_mul
-from ..ops.moe import _grouped_mm
+from ..ops.moe import expert_ffn
 from ..ops.moe_plan import moe_plan
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
@@ -175,7 +175,7 @@ class Engine:
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
         src, inv, offs = moe_plan(experts, cfg.num_experts)
         xs = moe_in.index_select(0, src)  # routes grouped by expert, stable
-        y = _grouped_mm(gelu_mul(_grouped_mm(xs, lw.experts_gu, offs)), lw.experts_down, offs)
+        y = expert_ffn(xs, lw.experts_gu, lw.experts_down, offs)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 
@@ -243,7 +243,7 @@ class Engine:
         if mode != "none":
             s = self.soft_embed(torch.softmax(sc.float(), dim=-1)) if mode == "logits" else sc.to(self.dtype)
             s = rms_norm(s, self.w.sc_pre_norm, eps)
-            s = gelu_mul(s @ self.w.sc_gu.T) @ self.w.sc_down.T
+            s = self._sc_mlp(s)
             x = rms_norm(x.float() + s.float(), None, eps, out_dtype=self.dtype)
         else:  # a zero SC signal goes through the SC MLP as exactly zero
             x = rms_norm(x, None, eps)
@@ -270,6 +270,10 @@ class Engine:
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
         logits = h @ self.w.embed.T
         return logits if raw else softcap(logits, cfg.final_logit_softcapping)
+
+    def _sc_mlp(self, s):
+        """The self-conditioning MLP (gate‖up, gelu·up, down) on its normed input."""
+        return gelu_mul(s @ self.w.sc_gu.T) @ self.w.sc_down.T
 
     def context_bucket(self, cache: EngineKVCache) -> int:
         b = _BUCKET0

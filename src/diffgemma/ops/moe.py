@@ -56,6 +56,14 @@ def _grouped_mm(a, w, offs):
         return out
 
 
+def expert_ffn(xs, gate_up, down, offs):
+    """The engine's expert FFN over routes already grouped by expert: xs [M, H] (rows of expert g in
+    offs[g-1]:offs[g]) -> [M, H] in xs.dtype. One seam, so packed expert formats can plug in here."""
+    from .gelu_mul import gelu_mul
+
+    return _grouped_mm(gelu_mul(_grouped_mm(xs, gate_up, offs)), down, offs)
+
+
 def experts_grouped(x, weights, experts, gate_up, down):
     T, H = x.shape
     k = experts.shape[1]
