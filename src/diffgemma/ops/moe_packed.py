@@ -1,0 +1,294 @@
+"""Packed (quantized) weights on the device, and the GEMMs that read them without a bf16 copy.
+
+A `PackedWeight` is one pack record (quant/codecs.py byte layouts) uploaded to the device as it is:
+one uint8 buffer, with zero-copy [R, row_bytes] views of its planes. Every plane is 64-byte aligned
+in the record, so the kernels may use wide typed loads on it.
+
+  grouped_mm_packed     out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as
+                        torch._grouped_mm), W a packed [E, N, K] stack in q4 / q5 / q6 / nvfp4.
+                        Triton: the weight tile is dequantized in registers and fed straight to
+                        tl.dot (f32 accumulation). The product is computed transposed (acc[BN, BM] =
+                        W_tile · x_tileᵀ, "swap AB"): N is large and rows per expert are few at
+                        denoise (2048 routes / 128 experts ≈ 16), so N fills the MMA's wide side.
+                        One program per (N tile, expert) loops over that expert's row tiles, so the
+                        grid is fixed by shapes (graph-safe, no host sync) and every SM streams weights.
+  dequantize            torch twin of the decode, device-agnostic (any tensor ops, no kernel).
+  dequantize_triton     the same decode as a kernel: the prefill path (many rows per expert) dequantizes
+                        one layer's stack into a bf16 scratch and runs the CUTLASS grouped GEMM, which is
+                        compute bound there and faster than a dequant-in-the-loop GEMM (see PREFILL_ROWS).
+  linear                x @ W^T for a plain tensor or a packed q8 per-row weight (the SC MLP):
+                        x @ codesᵀ in x.dtype (int8 codes are exact in bf16), times the row scale in f32.
+  expert_ffn_packed_ref the twin of the packed expert FFN: dequantize, then the bf16 grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TensorError
+from ..quant import codecs
+from ._backend import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
+_FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
+_AFFINE_HI_BITS = {"q5": 1, "q6": 2}
+
+# Rows per expert at and above which the expert FFN dequantizes the layer's stack to a bf16 scratch and
+# uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
+# in-kernel dequant streams the packed bytes once. DIFFGEMMA_PACKED_PREFILL=kernel forces the kernel.
+PREFILL_ROWS = 128
+
+
+@dataclass
+class PackedWeight:
+    """One quantized tensor on a device: its whole record (uint8) and zero-copy views of its planes."""
+
+    fmt: str
+    shape: tuple  # the logical tensor shape, K last ([E, N, K] for an expert stack, [N, K] for a linear)
+    record: torch.Tensor  # uint8 [record_nbytes]
+    planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
+    tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
+
+    @classmethod
+    def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
+        shape = tuple(int(s) for s in shape)
+        need = codecs.record_nbytes(fmt, shape)
+        if record.dtype != torch.uint8 or record.dim() != 1 or record.numel() != need:
+            raise TensorError(f"{fmt} record for shape {list(shape)} must be {need} uint8 bytes, "
+                              f"got {record.dtype} {list(record.shape)}")
+        if record.data_ptr() % codecs.ALIGN:
+            raise TensorError(f"{fmt} record for shape {list(shape)} is not {codecs.ALIGN}-byte aligned on {record.device}")
+        planes = {p.name: record[p.offset:p.offset + p.nbytes].view(p.rows, p.row_bytes) for p in codecs.planes(fmt, shape)}
+        tscale = 1.0
+        if fmt == "nvfp4":  # the one f32 tensor scale: a kernel argument, read to the host once
+            tscale = float(planes["tscale"].cpu().view(torch.float32)[0, 0])
+        return cls(fmt, shape, record, planes, tscale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.record.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.record.device
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+# ----------------------------------------------------------------------------------------- torch twins
+
+_E2M1 = torch.tensor(codecs.E2M1_VALUES + tuple(-v for v in codecs.E2M1_VALUES), dtype=torch.float32)
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/2] -> int32 [R, K]: element 2j from the low nibble, 2j+1 from the high one."""
+    b = b.to(torch.int32)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
+
+
+def _bits(b: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=b.device) * bits
+    return ((b.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], -1)
+
+
+def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
+    """The whole tensor, decoded in f32 on its own device, returned as `dtype` in its logical shape."""
+    r, k = codecs.rows_k(pw.shape)
+    p = pw.planes
+    if pw.fmt in ("q4", "q5", "q6"):
+        q = _nibbles(p["codes" if pw.fmt == "q4" else "lo"])
+        if pw.fmt in _AFFINE_HI_BITS:
+            q = q | (_bits(p["hi"], _AFFINE_HI_BITS[pw.fmt]) << 4)
+        s = p["scale"].view(torch.float16).float().unsqueeze(-1)
+        m = p["min"].view(torch.float16).float().unsqueeze(-1)
+        w = q.reshape(r, k // 32, 32).float() * s + m
+    elif pw.fmt == "q8":
+        w = p["codes"].view(torch.int8).float() * p["scale"].view(torch.float32)
+    elif pw.fmt == "nvfp4":
+        val = _E2M1.to(pw.device)[_nibbles(p["codes"]).long()].reshape(r, k // 16, 16)
+        w = val * (p["scale"].view(torch.float8_e4m3fn).float() * pw.tscale).unsqueeze(-1)
+    else:
+        raise TensorError(f"cannot dequantize format {pw.fmt!r}")
+    return w.reshape(pw.shape).to(dtype)
+
+
+def _grouped_mm_bf16(xs, w, offs):
+    from .moe import _grouped_mm
+
+    return _grouped_mm(xs, w, offs)
+
+
+def grouped_mm_packed_ref(xs, w: PackedWeight, offs):
+    return _grouped_mm_bf16(xs, dequantize(w, xs.dtype), offs)
+
+
+def expert_ffn_packed_ref(xs, gate_up: PackedWeight, down: PackedWeight, offs):
+    from .gelu_mul import gelu_mul_ref
+
+    return grouped_mm_packed_ref(gelu_mul_ref(grouped_mm_packed_ref(xs, gate_up, offs)), down, offs)
+
+
+def linear_ref(x, w):
+    return x @ (dequantize(w, x.dtype) if isinstance(w, PackedWeight) else w).T
+
+
+def linear(x, w):
+    """x [M, K] @ W^T for a plain [N, K] tensor or a packed q8 per-row weight (other formats: dequantized)."""
+    if not isinstance(w, PackedWeight):
+        return x @ w.T
+    if w.fmt != "q8":
+        return linear_ref(x, w)
+    codes = w.planes["codes"].view(torch.int8)
+    y = x @ codes.to(x.dtype).T  # |code| <= 127: exact in bf16 and f16
+    return (y.float() * w.planes["scale"].view(torch.float32).reshape(1, -1)).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------- Triton
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
+                      FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+        """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK].
+
+        Columns past K come back 0 (their codes, scales and mins load as 0)."""
+        GS: tl.constexpr = 16 if FMT == 3 else 32
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        c = tl.load(p0 + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        c = c.to(tl.int32)
+        q = tl.reshape(tl.join(c & 0xF, c >> 4), (BR, BK // GS, GS))  # element 2j low nibble, 2j+1 high
+        kg = k0 // GS + tl.arange(0, BK // GS)
+        gmask = row_ok[:, None] & (kg < K // GS)[None, :]
+        if FMT == 1:  # q5: bit 4 of element 8j+b is bit b of hi byte j
+            kh = k0 // 8 + tl.arange(0, BK // 8)
+            h = tl.load(p1 + rows[:, None] * (K // 8) + kh[None, :], mask=row_ok[:, None] & (kh < K // 8)[None, :], other=0)
+            hb = (h.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+            q = q | (tl.reshape(hb, (BR, BK // GS, GS)) << 4)
+        if FMT == 2:  # q6: bits 4-5 of element 4j+b are bits 2b..2b+1 of hi byte j
+            kh = k0 // 4 + tl.arange(0, BK // 4)
+            h = tl.load(p1 + rows[:, None] * (K // 4) + kh[None, :], mask=row_ok[:, None] & (kh < K // 4)[None, :], other=0)
+            hb = (h.to(tl.int32)[:, :, None] >> (2 * tl.arange(0, 4))[None, None, :]) & 3
+            q = q | (tl.reshape(hb, (BR, BK // GS, GS)) << 4)
+        if FMT == 3:  # nvfp4: sign bit 3, e2m1 magnitude code in bits 0-2; e4m3 group scales; f32 tensor scale
+            mag = q & 7
+            e = mag >> 1
+            mb = (mag & 1).to(tl.float32)
+            v = tl.where(e == 0, 0.5 * mb, (2.0 + mb) * tl.exp2((e - 2).to(tl.float32)))
+            v = tl.where((q & 8) != 0, -v, v)
+            b = tl.load(p2 + rows[:, None] * (K // 16) + kg[None, :], mask=gmask, other=0).to(tl.int32)
+            be = (b >> 3) & 0xF
+            bm = (b & 7).to(tl.float32)
+            s = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32))) * tscale
+            w = v * s[:, :, None]
+        else:
+            s = tl.load(p2 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
+            m = tl.load(p3 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * s[:, :, None] + m[:, :, None]
+        return tl.reshape(w, (BR, BK))
+
+    @triton.jit
+    def _packed_gmm_kernel(x_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
+                           FMT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        pid_n = tl.program_id(0)
+        g = tl.program_id(1)
+        start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
+        end = tl.load(offs_ptr + g)
+        n = pid_n * BN + tl.arange(0, BN)
+        n_ok = n < N
+        rows = g.to(tl.int64) * N + n  # plane rows of expert g
+        for m0 in range(start, end, BM):
+            m = m0 + tl.arange(0, BM)
+            m_ok = m < end
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, BN, BK)
+                xt = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + kk[:, None],
+                             mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
+            tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=n_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
+    def _dequant_kernel(out_ptr, p0, p1, p2, p3, tscale, R, K,
+                        FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        r_ok = r < R
+        k0 = tl.program_id(1) * BK
+        kk = k0 + tl.arange(0, BK)
+        w = _dequant_tile(p0, p1, p2, p3, tscale, r.to(tl.int64), r_ok, k0, K, FMT, BR, BK)
+        tl.store(out_ptr + r[:, None].to(tl.int64) * K + kk[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & (kk < K)[None, :])
+
+
+def _plane_args(w: PackedWeight):
+    """(p0, p1, p2, p3) kernel pointers: codes/lo, hi, scale, min (unused slots repeat p0)."""
+    p = w.planes
+    if w.fmt == "q4":
+        return p["codes"], p["codes"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
+    if w.fmt in ("q5", "q6"):
+        return p["lo"], p["hi"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
+    if w.fmt == "nvfp4":
+        return p["codes"], p["codes"], p["scale"], p["codes"]
+    raise TensorError(f"no packed GEMM kernel for format {w.fmt!r} (expert formats: {', '.join(EXPERT_FORMATS)})")
+
+
+# (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
+CONFIGS = {"stream": (64, 32, 128, 4, 3), "compute": (128, 64, 64, 8, 3)}
+
+
+def pick_config(m: int, experts: int) -> tuple:
+    return CONFIGS["stream" if m <= 48 * experts else "compute"]
+
+
+def grouped_mm_packed_triton(xs, w: PackedWeight, offs, config: tuple | None = None):
+    """xs [M, K] (rows grouped by expert), w packed [E, N, K], offs int32 [E] -> [M, N] in xs.dtype."""
+    E, N, K = w.shape
+    xs = xs.contiguous()
+    M = xs.shape[0]
+    if xs.shape[1] != K:
+        raise TensorError(f"grouped_mm_packed: xs has K={xs.shape[1]}, the packed weight {list(w.shape)} wants {K}")
+    out = torch.empty(M, N, dtype=xs.dtype, device=xs.device)
+    if M == 0:
+        return out
+    BN, BM, BK, warps, stages = config or pick_config(M, E)
+    offs = offs.to(torch.int32).contiguous()
+    _packed_gmm_kernel[(triton.cdiv(N, BN), E)](xs, out, offs, *_plane_args(w), float(w.tscale), N, K, xs.stride(0),
+                                                out.stride(0), FMT=_FMT_ID[w.fmt], BN=BN, BM=BM, BK=BK,
+                                                num_warps=warps, num_stages=stages)
+    return out
+
+
+def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor | None = None, BR: int = 32, BK: int = 256):
+    """The packed tensor decoded by a kernel into `out` (or a new tensor) of its logical shape."""
+    R, K = codecs.rows_k(w.shape)
+    out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
+    _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](out, *_plane_args(w), float(w.tscale), R, K,
+                                                              FMT=_FMT_ID[w.fmt], BR=BR, BK=BK, num_warps=4)
+    return out
+
+
+def grouped_mm_packed(xs, w: PackedWeight, offs):
+    if not use_triton(xs):
+        return grouped_mm_packed_ref(xs, w, offs)
+    rows_per_expert = xs.shape[0] / w.shape[0]
+    if rows_per_expert >= PREFILL_ROWS and os.environ.get("DIFFGEMMA_PACKED_PREFILL", "dequant") != "kernel":
+        return _grouped_mm_bf16(xs, dequantize_triton(w, xs.dtype), offs)
+    return grouped_mm_packed_triton(xs, w, offs)
+
+
+def expert_ffn_packed(xs, gate_up: PackedWeight, down: PackedWeight, offs):
+    """The expert FFN (gate‖up, gelu·up, down) over routes grouped by expert, on packed stacks."""
+    from .gelu_mul import gelu_mul
+
+    return grouped_mm_packed(gelu_mul(grouped_mm_packed(xs, gate_up, offs)), down, offs)
