@@ -110,6 +110,13 @@ class _ProgressSource:
             self._bar.update(1)
         return t
 
+    def record(self, name):
+        """A pack's raw record bytes (the fast engine keeps expert / SC records packed on the device)."""
+        r = self._source.record(name)
+        if self._bar is not None:
+            self._bar.update(1)
+        return r
+
 
 def model_tools(model) -> list | None:
     """The tool declarations a checkpoint ships beside its weights (tools.json), e.g. the demo model's."""

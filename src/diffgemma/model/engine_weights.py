@@ -9,6 +9,13 @@ Layout choices (all lossless reshuffles of the checkpoint tensors):
   layer scalars are plain floats (read once; they are baked into the CUDA graph).
 Norm weights stay in the activation dtype; experts stay [E, 2F, H] / [E, H, F] as stored.
 
+Packs (quant/): a source that says a tensor's `kind` is quantized hands out its record bytes. Expert
+stacks in q4 / q5 / q6 / nvfp4 and the SC MLP in q8 then stay packed on the device
+(ops.moe_packed.PackedWeight): each record is copied from the memory-mapped blob straight to the
+device, no bf16 copy is made, and the GEMMs dequantize on the fly. The SC gate and up records are
+concatenated row-wise (q8 is per-row, so that is lossless). Any other quantized tensor is
+dequantized once at load to `dtype`, as before.
+
 `random_source` builds checkpoint-named random tensors directly on a device (no file), for the
 benchmark at the real shapes and for tests.
 """
@@ -16,12 +23,14 @@ benchmark at the real shapes and for tests.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
+from ..ops.moe_packed import EXPERT_FORMATS, PackedWeight
 
 _NORMS = {
     "input_norm": "input_layernorm",
@@ -54,8 +63,8 @@ class LayerWeights:
     router_w: torch.Tensor
     router_in_scale: torch.Tensor
     per_expert_scale: torch.Tensor
-    experts_gu: torch.Tensor
-    experts_down: torch.Tensor
+    experts_gu: torch.Tensor | PackedWeight
+    experts_down: torch.Tensor | PackedWeight
     denoise_scalar: float
     prefill_scalar: float
 
@@ -65,8 +74,8 @@ class EngineWeights:
     embed: torch.Tensor  # [V, H], also the tied lm_head
     final_norm: torch.Tensor
     sc_pre_norm: torch.Tensor
-    sc_gu: torch.Tensor
-    sc_down: torch.Tensor
+    sc_gu: torch.Tensor | PackedWeight
+    sc_down: torch.Tensor | PackedWeight
     layers: list
 
 
@@ -81,11 +90,47 @@ def inv_freq_for(layer) -> torch.Tensor:
     return 1.0 / (rope.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
 
 
+def tensor_kind(source, name) -> str:
+    """'raw' for plain tensors, else the pack codec of `name` (sources without `kind` are all raw)."""
+    kind = getattr(source, "kind", None)
+    return kind(name) if kind is not None else "raw"
+
+
+def upload_record(source, name, device) -> torch.Tensor:
+    """A quantized tensor's record bytes as a uint8 tensor on `device`, copied from the source's mapping
+    (a source may generate them on the device itself: `record_tensor`, e.g. the benchmark's)."""
+    device = torch.device(device)
+    make = getattr(source, "record_tensor", None)
+    if make is not None:
+        return make(name, device)
+    mv = source.record(name)
+    with warnings.catch_warnings():  # a read-only mmap view; the copy below is what we keep
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+    return host.clone() if device.type == "cpu" else host.to(device)
+
+
+def _packed(source, name, device) -> PackedWeight:
+    return PackedWeight.from_record(tensor_kind(source, name), source.shape(name), upload_record(source, name, device))
+
+
 def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
     def get(name, dt=dtype):
         return source.get(name, dtype=dt, device=device)
 
+    def expert(name):
+        return _packed(source, name, device) if tensor_kind(source, name) in EXPERT_FORMATS else get(name)
+
     d = DECODER
+    sc = [d + f"self_conditioning.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if all(tensor_kind(source, n) == "q8" for n in sc):
+        g, u = (_packed(source, n, device) for n in sc[:2])
+        sc_gu = PackedWeight.from_record("q8", (g.shape[0] + u.shape[0], g.shape[1]), _cat_q8(g, u))
+        sc_down = _packed(source, sc[2], device)
+        del g, u
+    else:
+        sc_gu, sc_down = torch.cat([get(sc[0]), get(sc[1])], 0), get(sc[2])
+
     layers = []
     for layer in cfg.layers:
         p = f"{d}layers.{layer.index}."
@@ -109,8 +154,8 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             router_w=get(p + "router.proj.weight", torch.float32),
             router_in_scale=get(p + "router.scale", torch.float32) * cfg.hidden_size ** -0.5,
             per_expert_scale=get(p + "router.per_expert_scale", torch.float32),
-            experts_gu=get(p + "experts.gate_up_proj"),
-            experts_down=get(p + "experts.down_proj"),
+            experts_gu=expert(p + "experts.gate_up_proj"),
+            experts_down=expert(p + "experts.down_proj"),
             denoise_scalar=float(source.get(p + "layer_scalar", dtype=torch.float32)),
             prefill_scalar=float(source.get(f"{ENCODER_LAYERS}{layer.index}.layer_scalar", dtype=torch.float32)),
             **norms,
@@ -119,11 +164,21 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         embed=get(d + "embed_tokens.weight"),
         final_norm=get(d + "norm.weight"),
         sc_pre_norm=get(d + "self_conditioning.pre_norm.weight"),
-        sc_gu=torch.cat([get(d + "self_conditioning.gate_proj.weight"),
-                         get(d + "self_conditioning.up_proj.weight")], 0),
-        sc_down=get(d + "self_conditioning.down_proj.weight"),
+        sc_gu=sc_gu,
+        sc_down=sc_down,
         layers=layers,
     )
+
+
+def _cat_q8(a: PackedWeight, b: PackedWeight) -> torch.Tensor:
+    """The q8 record of rows(a) ‖ rows(b): codes and per-row scales concatenated plane by plane."""
+    from ..quant import codecs
+
+    shape = (a.shape[0] + b.shape[0], a.shape[1])
+    rec = torch.zeros(codecs.record_nbytes("q8", shape), dtype=torch.uint8, device=a.device)
+    for p in codecs.planes("q8", shape):
+        rec[p.offset:p.offset + p.nbytes].view(p.rows, p.row_bytes).copy_(torch.cat([a.planes[p.name], b.planes[p.name]], 0))
+    return rec
 
 
 class DictSource:

@@ -58,9 +58,13 @@ def _grouped_mm(a, w, offs):
 
 def expert_ffn(xs, gate_up, down, offs):
     """The engine's expert FFN over routes already grouped by expert: xs [M, H] (rows of expert g in
-    offs[g-1]:offs[g]) -> [M, H] in xs.dtype. One seam, so packed expert formats can plug in here."""
+    offs[g-1]:offs[g]) -> [M, H] in xs.dtype. gate_up / down are bf16 stacks or packed ones
+    (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM)."""
     from .gelu_mul import gelu_mul
+    from .moe_packed import PackedWeight, expert_ffn_packed
 
+    if isinstance(gate_up, PackedWeight) or isinstance(down, PackedWeight):
+        return expert_ffn_packed(xs, gate_up, down, offs)
     return _grouped_mm(gelu_mul(_grouped_mm(xs, gate_up, offs)), down, offs)
 
 

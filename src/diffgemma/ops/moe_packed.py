@@ -278,7 +278,9 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
     return out
 
 
-def grouped_mm_packed(xs, w: PackedWeight, offs):
+def grouped_mm_packed(xs, w, offs):
+    if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
+        return _grouped_mm_bf16(xs, w, offs)
     if not use_triton(xs):
         return grouped_mm_packed_ref(xs, w, offs)
     rows_per_expert = xs.shape[0] / w.shape[0]
