@@ -272,8 +272,11 @@ class Engine:
         return logits if raw else softcap(logits, cfg.final_logit_softcapping)
 
     def _sc_mlp(self, s):
-        """The self-conditioning MLP (gate‖up, gelu·up, down) on its normed input."""
-        return gelu_mul(s @ self.w.sc_gu.T) @ self.w.sc_down.T
+        """The self-conditioning MLP (gate‖up, gelu·up, down) on its normed input; the weights are
+        plain tensors or packed q8 (ops.moe_packed.linear dequantizes on the fly)."""
+        from ..ops.moe_packed import linear
+
+        return linear(gelu_mul(linear(s, self.w.sc_gu)), self.w.sc_down)
 
     def context_bucket(self, cache: EngineKVCache) -> int:
         b = _BUCKET0
