@@ -1,0 +1,171 @@
+"""Packed-weight GEMMs (ops/moe_packed.py): kernels in the Triton interpreter vs their torch twins, the
+twins vs the codecs, and the fast engine on a quantized pack vs the reference model on the same pack.
+
+Random weights and inputs are fresh each run; ragged expert groups include empty ones at the start, in
+the middle and at the end, and shapes that are not multiples of the tiles (masked edges).
+"""
+
+import os
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.errors import TensorError
+from diffgemma.model.engine import build_engine
+from diffgemma.ops import moe, moe_packed as mp
+from diffgemma.quant import PackSource, codecs, quantize
+from tiny_checkpoints import FULL, S, build_model, save
+
+FORMATS = ("q4", "q5", "q6", "nvfp4")
+interpreted = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs CUDA or the Triton interpreter")
+
+
+def packed(fmt, shape, scale=0.1, device="cpu"):
+    """(PackedWeight of a random tensor, that tensor's float32 decode by the codecs)."""
+    x = torch.randn(shape) * scale * (1 + torch.rand(shape[:-1] + (1,)))  # row ranges vary
+    rec = codecs.assemble(fmt, shape, codecs.encode(fmt, x))
+    want = codecs.decode(fmt, rec, shape)
+    t = torch.frombuffer(bytearray(rec), dtype=torch.uint8).clone().to(device)  # clone: an aligned allocation
+    return mp.PackedWeight.from_record(fmt, shape, t), want
+
+
+def ragged_offs(E, M):
+    """Cumulative ends with experts 0, E//2 and E-1 empty, the rest random (sums to M)."""
+    cuts = torch.sort(torch.randint(0, M + 1, (E - 4,))).values
+    ends = torch.cat([torch.zeros(1, dtype=torch.long), cuts[: E // 2 - 1], cuts[E // 2 - 2: E // 2 - 1], cuts[E // 2 - 1:],
+                      torch.tensor([M, M])])
+    assert len(ends) == E and ends[0] == 0 and ends[E // 2] == ends[E // 2 - 1] and ends[-1] == ends[-2] == M
+    return ends.to(torch.int32)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ------------------------------------------------------------------------------------ torch twins
+
+@pytest.mark.parametrize("fmt", FORMATS + ("q8",))
+def test_dequantize_equals_codecs_decode(fmt):
+    shape = (24, 64) if fmt == "q8" else (3, 24, 96)
+    pw, want = packed(fmt, shape)
+    got = mp.dequantize(pw)
+    assert got.shape == shape and torch.equal(got, want)
+    assert pw.nbytes == codecs.record_nbytes(fmt, shape)
+
+
+def test_from_record_refuses_wrong_size_and_dtype():
+    shape = (2, 8, 32)
+    n = codecs.record_nbytes("q4", shape)
+    with pytest.raises(TensorError, match="must be"):
+        mp.PackedWeight.from_record("q4", shape, torch.zeros(n - 1, dtype=torch.uint8))
+    with pytest.raises(TensorError, match="must be"):
+        mp.PackedWeight.from_record("q4", shape, torch.zeros(n // 2, dtype=torch.int16))
+    with pytest.raises(TensorError):
+        mp.PackedWeight.from_record("q4", (2, 8, 20), torch.zeros(n, dtype=torch.uint8))  # K not a multiple of 32
+
+
+def test_linear_q8_matches_dequantized_linear():
+    pw, w = packed("q8", (40, 96))
+    x = torch.randn(7, 96)
+    got = mp.linear(x, pw)
+    assert rel(got, x @ w.T) < 1e-5 and rel(mp.linear_ref(x, pw), x @ w.T) < 1e-6
+    plain = torch.randn(40, 96)
+    assert torch.equal(mp.linear(x, plain), x @ plain.T)
+
+
+# ------------------------------------------------------------------------------------ kernels (interpreter)
+
+@interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", [(16, 16, 64, 4, 1), (32, 16, 32, 4, 1)])
+def test_grouped_kernel_matches_twin(fmt, config):
+    E, N, K, M = 6, 40, 96, 53  # N, K, M not multiples of the tiles
+    pw, w = packed(fmt, (E, N, K))
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    out = mp.grouped_mm_packed_triton(xs, pw, offs, config=config)
+    want = mp.grouped_mm_packed_ref(xs, pw, offs)
+    assert out.shape == (M, N) and torch.isfinite(out).all()
+    assert rel(out, want) < 1e-5
+    # and the twin is the plain per-expert product with the codecs' decode
+    loop = torch.cat([xs[int(a):int(b)] @ w[g].T for g, (a, b) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
+    assert rel(want, loop) < 1e-5
+
+
+@interpreted
+def test_grouped_kernel_all_rows_in_one_expert_and_no_rows():
+    pw, w = packed("q4", (4, 32, 64))
+    xs = torch.randn(37, 64)
+    offs = torch.tensor([0, 0, 37, 37], dtype=torch.int32)  # 3 row tiles of 16 in one expert
+    assert rel(mp.grouped_mm_packed_triton(xs, pw, offs, config=(16, 16, 32, 4, 1)), xs @ w[2].T) < 1e-5
+    assert mp.grouped_mm_packed_triton(xs[:0], pw, torch.zeros(4, dtype=torch.int32)).shape == (0, 32)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequant_kernel_equals_codecs(fmt):
+    shape = (3, 20, 96)
+    pw, want = packed(fmt, shape)
+    assert torch.equal(mp.dequantize_triton(pw, torch.float32, BR=16, BK=64), want)
+
+
+@interpreted
+@pytest.mark.parametrize("rows_per_expert_threshold", [1, 10**9])  # prefill (dequant + grouped GEMM) / kernel path
+def test_expert_ffn_dispatch_on_packed_weights(monkeypatch, rows_per_expert_threshold):
+    E, H, Fe, M = 5, 64, 32, 41
+    gu, gu_w = packed("q4", (E, 2 * Fe, H))
+    dn, dn_w = packed("q6", (E, H, Fe))
+    xs = torch.randn(M, H)
+    offs = ragged_offs(E, M)
+    want = moe.expert_ffn(xs, gu_w, dn_w, offs)  # the bf16 path on the decoded stacks
+    assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5  # CPU: the torch twin
+    monkeypatch.setattr(mp, "use_triton", lambda t: True)
+    monkeypatch.setattr(mp, "PREFILL_ROWS", rows_per_expert_threshold)
+    monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
+    assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5
+
+
+# ------------------------------------------------------------------------------------ the engine on a pack
+
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=6,
+            layer_types=[S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+CANVAS = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return save(build_model(TEXT, canvas_length=CANVAS).to(torch.bfloat16), tmp_path_factory.mktemp("ckpt") / "m")
+
+
+@pytest.mark.parametrize("profile", ["q4", "q6", "nvfp4x"])
+def test_engine_on_pack_matches_reference_on_pack(ckpt, tmp_path, profile):
+    """Same dequantized weights on both sides (the reference dequantizes at load, the engine inside its GEMMs),
+    f32 activations and KV: the logits agree to f32 rounding."""
+    pack = quantize(ckpt, tmp_path / profile, profile=profile, progress=False)
+    ref = diffgemma.load(pack)  # CPU: the reference model, dequantized f32 weights
+    eng = build_engine(ref.config, PackSource(pack), "cpu", torch.float32, kv_dtype=torch.float32)
+    fast = diffgemma.load(pack, engine="fast", dtype=torch.float32)  # the loader's pack branch
+    for e in (eng, fast):
+        lw = e.w.layers[0]
+        assert isinstance(lw.experts_gu, mp.PackedWeight) and isinstance(lw.experts_down, mp.PackedWeight)
+        assert lw.experts_gu.fmt == {"nvfp4x": "nvfp4"}.get(profile, profile)
+        assert isinstance(e.w.sc_gu, mp.PackedWeight) and e.w.sc_gu.fmt == "q8" and e.w.sc_gu.shape == (128, 64)
+    V = ref.config.vocab_size
+    prompt, canvas, sc = torch.randint(0, V, (11,)), torch.randint(0, V, (CANVAS,)), torch.randn(CANVAS, V) * 4
+    outs = []
+    for m in (ref, eng):
+        cache = m.new_cache(64)
+        m.prefill(cache, prompt)
+        outs.append((m.denoise(cache, canvas), m.denoise(cache, canvas, sc_logits=sc)))
+    for (a, b) in zip(*outs):
+        err = (a - b).abs().max().item()
+        assert err < 1e-4 * max(1.0, a.abs().max().item()), err
+    # the pack's quantization is really in play: the unquantized checkpoint gives other logits
+    base = diffgemma.load(ckpt)
+    cache = base.new_cache(64)
+    base.prefill(cache, prompt)
+    assert (base.denoise(cache, canvas) - outs[0][0]).abs().max().item() > 1e-3
