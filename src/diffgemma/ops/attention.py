@@ -21,7 +21,8 @@ recomputing QK over the full 512): it keeps the f32 accumulator at [BM, BD] in r
 
   attention_ref     f32 twin, scores materialised per query block (tests, and the CPU path)
   attention_sdpa    torch SDPA with a boolean mask (round 1's path; for A/B on the GPU)
-  attention_triton  the kernel
+  attention_triton  the round-2 kernel (impl 'triton1'; kept for A/B)
+  attention_flash   the round-3 kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
   attention         dispatch: the kernel on CUDA, the twin elsewhere (`impl` overrides)
 """
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAVE_TRITON, use_triton
+from .attention_flash import attention_flash
 
 if HAVE_TRITON:
     import triton
@@ -187,28 +189,30 @@ def attention_triton(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=
     return out
 
 
-_triton_failed: dict = {}  # (head_dim, causal) -> why the kernel could not compile/launch here; SDPA takes over
+_KERNELS = {"triton": attention_flash, "triton1": attention_triton}
+_triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here; SDPA takes over
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
-    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'sdpa' or 'ref'."""
+    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton' (round 3), 'triton1' (round 2),
+    'sdpa' or 'ref'."""
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
-    sig = (q.shape[-1], causal)
-    if impl == "triton" and (q.shape[-1] < 16 or sig in _triton_failed):  # tl.dot needs K >= 16
+    sig = (q.shape[-1], causal, impl)
+    if impl in _KERNELS and (q.shape[-1] < 16 or sig in _triton_failed):  # tl.dot needs K >= 16
         impl = "sdpa" if q.is_cuda else "ref"
     kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
-    if impl == "triton":
+    if impl in _KERNELS:
         try:
-            return attention_triton(q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
+            return _KERNELS[impl](q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
         except Exception as e:  # never wrong, only slower: say why and use SDPA from now on
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
             import warnings
 
             _triton_failed[sig] = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"diffgemma attention: Triton kernel unavailable for head_dim {sig[0]} causal={sig[1]}, "
+            warnings.warn(f"diffgemma attention: Triton kernel {sig[2]} unavailable for head_dim {sig[0]} causal={sig[1]}, "
                           f"using SDPA ({_triton_failed[sig]})")
             impl = "sdpa"
     fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]

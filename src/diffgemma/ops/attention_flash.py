@@ -1,0 +1,206 @@
+"""Round-3 attention kernel: Q resident per program, and the canvas's key range split across programs.
+
+Same contract and layouts as `attention.py` (q [H, n, d] head-major, k/v [KV, rows, d], kpos per key,
+-1 = not a key; scale 1; GQA folded into the query rows, row r of KV head g = query head g·G + r // n,
+token r % n). What changed against the round-2 kernel, and why:
+
+* Q is loaded once per program ([BM, d], loop-invariant) instead of once per key block and head-dim
+  chunk: the round-2 kernel re-read its whole Q tile from L2 for every key block, as many bytes as K.
+* One QK^T dot over the whole head dim per key block (hd 512: a [BN, 512] K tile).
+* Split-KV for the bidirectional canvas (flash-decoding). At batch 1 a canvas call is 16 heads ×
+  256 queries: 8–32 programs of 64 rows, on 132 SMs. Here each program also takes one of S slices of
+  the key range and writes an unnormalised partial (acc, m, l); `_combine_kernel` merges the S
+  partials. S is a function of the static key count (a graph's `key_rows` bucket), never of the live
+  length: the device-scalar `nlive` only shortens each slice's loop (slices past it are empty and
+  write m = -1e30, l = 0, which the merge weighs as 0), so one capture serves every step.
+* Output head-dim halves (BD < d) are a grid axis: each half recomputes QK^T but keeps its f32
+  accumulator at [BM, BD] in registers (hd 512 × BM 64 in f32 is 128 KB: too many registers).
+
+Causal key ranges are as in round 2: keys [0, n_ring) are an unordered ring (masked per key), keys
+[n_ring, n_keys) are position-ordered (key i holds position base_pos + i - n_ring); only the blocks
+some row of the program can see are visited.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._backend import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+NO_WINDOW = 1 << 30
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, n_keys, window, dq, dcols,
+                     HD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+        LOG2E: tl.constexpr = 1.4426950408889634
+        keys = n0 + tl.arange(0, BN)
+        key_in = keys < n_keys
+        kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
+        k = tl.load(kb + keys[:, None].to(tl.int64) * HD + dq[None, :], mask=key_in[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        if CAUSAL:
+            ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
+        else:
+            ok = (kp >= 0)[None, :]
+        s = tl.where(ok, s * LOG2E, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p = 0 on masked keys, but 0·NaN would not be: masked V rows are not read
+        v = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=(key_in & (kp >= 0))[:, None],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _flash_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, nlive_ptr, o_ptr, po_ptr, pml_ptr,
+                      n_q, n_keys, k_head_stride, window, n_ring, base_pos, split_len,
+                      G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr):
+        NDH: tl.constexpr = HD // BD
+        g = tl.program_id(1)
+        split = tl.program_id(2) // NDH
+        dh = tl.program_id(2) % NDH
+        R = G * n_q  # folded rows of one KV head
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        row_ok = rows < R
+        t = rows % n_q
+        hrow = (g * R + rows).to(tl.int64)  # = head · n_q + t: the row of q (and of the partials)
+        dq = tl.arange(0, HD)
+        kb = k_ptr + g.to(tl.int64) * k_head_stride
+        vb = v_ptr + g.to(tl.int64) * k_head_stride
+        q = tl.load(q_ptr + hrow[:, None] * HD + dq[None, :], mask=row_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+        dcols = dh * BD + tl.arange(0, BD)
+        m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: an all-masked block leaves rows untouched
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        acc = tl.zeros((BM, BD), dtype=tl.float32)
+        if CAUSAL:
+            qp = tl.load(qpos_ptr + t, mask=row_ok, other=0)
+            qmax = tl.max(tl.where(row_ok, qp, -1), axis=0)
+            qmin = tl.min(tl.where(row_ok, qp, 2**30), axis=0)
+            first = qmin - window + 1  # oldest position any row sees
+            ring_hi = tl.where(first < base_pos, n_ring, 0)
+            for n0 in range(0, ring_hi, BN):
+                m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, tl.minimum(n_keys, n_ring),
+                                             window, dq, dcols, HD, BN, CAUSAL)
+            lo = n_ring + tl.maximum(first - base_pos, 0)
+            hi = tl.minimum(n_keys, n_ring + qmax + 1 - base_pos)
+            for n0 in range(lo, hi, BN):
+                m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
+                                             HD, BN, CAUSAL)
+        else:
+            hi = n_keys
+            if HAS_NLIVE:  # a device-side bound (CUDA graphs): keys past it are never visible
+                hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
+            lo = split * split_len
+            hi = tl.minimum(hi, lo + split_len)
+            for n0 in range(lo, hi, BN):
+                m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, t, kb, vb, kpos_ptr, hi, window, dq, dcols,
+                                             HD, BN, CAUSAL)
+        if SPLIT:  # unnormalised partials; the merge rescales them
+            RT = R * tl.num_programs(1)  # rows of all heads
+            pbase = split.to(tl.int64) * RT
+            tl.store(po_ptr + (pbase + hrow)[:, None] * HD + dcols[None, :], acc, mask=row_ok[:, None])
+            if dh == 0:  # every head-dim half computed the same m, l
+                tl.store(pml_ptr + 2 * pbase + hrow, m_i, mask=row_ok)
+                tl.store(pml_ptr + 2 * pbase + RT + hrow, l_i, mask=row_ok)
+        else:
+            o = acc / l_i[:, None]
+            h = g * G + rows // n_q
+            optr = o_ptr + t.to(tl.int64)[:, None] * (G * tl.num_programs(1) * HD) + (h * HD)[:, None] + dcols[None, :]
+            tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _combine_kernel(po_ptr, pml_ptr, o_ptr, n_q, RT, n_split, HD: tl.constexpr, BR: tl.constexpr,
+                        BD: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)  # head-major rows, head · n_q + t
+        ok = rows < RT
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        m = tl.full((BR,), -1.0e30, dtype=tl.float32)
+        for s in range(0, n_split):
+            m = tl.maximum(m, tl.load(pml_ptr + 2 * s * RT + rows, mask=ok, other=-1.0e30))
+        num = tl.zeros((BR, BD), dtype=tl.float32)
+        den = tl.zeros((BR,), dtype=tl.float32)
+        for s in range(0, n_split):
+            w = tl.exp2(tl.load(pml_ptr + 2 * s * RT + rows, mask=ok, other=-1.0e30) - m)
+            den += w * tl.load(pml_ptr + 2 * s * RT + RT + rows, mask=ok, other=0.0)
+            acc = tl.load(po_ptr + (s * RT + rows).to(tl.int64)[:, None] * HD + cols[None, :], mask=ok[:, None],
+                          other=0.0)
+            num += w[:, None] * acc
+        o = num / den[:, None]
+        h = rows // n_q
+        t = rows % n_q
+        optr = o_ptr + t.to(tl.int64)[:, None] * ((RT // n_q) * HD) + (h * HD)[:, None] + cols[None, :]
+        tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
+
+
+def flash_config(d: int, causal: bool) -> dict:
+    """Tile shapes per (head dim, mode): BM query rows × BN keys per step; BD output columns per program;
+    waves = how many programs per SM the canvas split aims at (0 = never split)."""
+    if d >= 512:
+        return dict(BM=64, BN=32, BD=256, num_warps=4, num_stages=2, waves=1)
+    return dict(BM=64, BN=64, BD=min(d, 256), num_warps=4, num_stages=2, waves=1)
+
+
+def num_splits(n_keys: int, base_programs: int, BN: int, sm_count: int, waves: float) -> tuple[int, int]:
+    """-> (S, keys per split). A function of static quantities only (the key-row bucket, the shapes, the
+    device): enough slices to give every SM `waves` programs, but never slices under 2·BN keys."""
+    if waves <= 0 or n_keys <= 0:
+        return 1, max(n_keys, 1)
+    want = max(1, -(-int(sm_count * waves) // base_programs))
+    s = max(1, min(want, n_keys // (2 * BN)))
+    per = -(-n_keys // s)
+    per = -(-per // BN) * BN  # whole key blocks per slice
+    return -(-n_keys // per), per
+
+
+def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
+                    n_ring=0, base_pos=0, nlive=None, splits=None, **cfg):
+    """The kernel (+ the merge when the canvas key range is split). `splits` overrides the split count
+    (tests); cfg overrides the tile config."""
+    H, n, d = q.shape
+    KV = k.shape[0]
+    assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
+    c = dict(flash_config(d, causal), **cfg)
+    BM, BN, BD = c["BM"], c["BN"], c["BD"]
+    G = H // KV
+    out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
+    row_blocks = triton.cdiv(G * n, BM)
+    if causal or n_keys == 0:
+        S, per = 1, max(n_keys, 1)
+    elif splits is not None:
+        per = -(-(-(-n_keys // splits)) // BN) * BN
+        S = -(-n_keys // per)
+    else:
+        S, per = num_splits(n_keys, row_blocks * KV * (d // BD), BN,
+                            _sm_count(q.device.index or 0) if q.is_cuda else 132, c["waves"])
+    if S > 1:
+        po = torch.empty(S, H * n, d, dtype=torch.float32, device=q.device)
+        pml = torch.empty(S, 2, H * n, dtype=torch.float32, device=q.device)
+    else:
+        po = pml = out  # unused
+    grid = (row_blocks, KV, S * (d // BD))
+    _flash_kernel[grid](q, k, v, kpos, qpos if causal else kpos, nlive if nlive is not None else kpos, out, po, pml,
+                        n, n_keys, k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos), per,
+                        G=G, HD=d, BD=BD, BM=BM, BN=BN, CAUSAL=causal, HAS_NLIVE=nlive is not None, SPLIT=S > 1,
+                        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if S > 1:
+        BR, BDc = 32, min(d, 128)
+        _combine_kernel[(triton.cdiv(H * n, BR), d // BDc)](po, pml, out, n, H * n, S, HD=d, BR=BR, BD=BDc,
+                                                             num_warps=4)
+    return out

@@ -1,0 +1,124 @@
+"""The round-3 attention kernel (ops/attention_flash.py) against the f32 twin, through TRITON_INTERPRET=1.
+
+Tiny shapes with the real layouts: GQA folded rows, the sliding ring (unordered, with empty slots and a
+wrap), the canvas scratch rows, a graph's padded bucket (nlive < key rows), head dims scaled down from
+256 / 512 (the 512 stand-in uses two output halves, BD = d/2, as the real config does). Key rows that
+must never be read hold NaN. Fresh random data every run.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from diffgemma.ops import attention as attn  # noqa: E402
+from diffgemma.ops import attention_flash as fl  # noqa: E402
+
+TILE = dict(BM=16, BN=16, num_warps=4, num_stages=1)
+
+
+def qkv(H, KV, n, rows, d):
+    q = torch.randn(H, n, d).half()
+    k = (torch.randn(KV, rows, d) * d ** -0.5 * 3).half()  # logits of a few units: a peaked softmax
+    v = torch.randn(KV, rows, d).half()
+    return q, k, v
+
+
+def check(got, exp):
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), exp, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("d,BD,splits", [(32, 32, 1), (32, 32, 3), (64, 32, 2), (64, 32, None)])
+def test_canvas_split_kv(d, BD, splits):
+    """Bidirectional canvas over a sliding layer's rows: ring slots (some empty or out of the window),
+    then the canvas scratch. Split or not, the merge must give the twin's numbers."""
+    H, KV, C, ring = 4, 2, 12, 37
+    q, k, v = qkv(H, KV, C, ring + C + 5, d)
+    n_keys = ring + C
+    kpos = torch.where(torch.rand(n_keys) < 0.35, -1, 0)
+    kpos[ring:] = 0  # the canvas always sees itself
+    k[:, n_keys:] = float("nan")  # rows past n_keys are never read
+    v[:, :n_keys][:, kpos < 0] = float("nan")  # masked V rows are never read
+    got = fl.attention_flash(q, k, v, kpos, n_keys, out_dtype=torch.bfloat16, splits=splits, BD=BD, **TILE)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
+    check(got, exp)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_canvas_nlive_bucket(splits):
+    """A full layer's canvas in a graph bucket: rows [0, nlive) visible, [nlive, key_rows) padding (NaN,
+    never read); the last split lies wholly past nlive and must count for nothing in the merge."""
+    H, KV, C, d = 8, 2, 8, 32
+    key_rows, live = 96, 41
+    q, k, v = qkv(H, KV, C, key_rows, d)
+    kpos = torch.where(torch.arange(key_rows) < live, 0, -1)
+    k[:, live:] = v[:, live:] = float("nan")
+    got = fl.attention_flash(q, k, v, kpos, key_rows, out_dtype=torch.bfloat16, nlive=torch.tensor(live),
+                             splits=splits, BD=32, **TILE)
+    exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32)
+    check(got, exp)
+    auto = fl.num_splits(key_rows, 1, 16, 132, 1)
+    assert auto[0] * auto[1] >= key_rows and (auto[0] - 1) * auto[1] < key_rows
+
+
+def test_num_splits_is_static_and_covers():
+    for n_keys in (1, 100, 1280, 1535, 8448, 33024):
+        for base, BN in ((32, 64), (8, 32), (128, 64)):
+            S, per = fl.num_splits(n_keys, base, BN, 132, 1)
+            assert S >= 1 and per % BN == 0 or S == 1
+            assert S * per >= n_keys and (S - 1) * per < n_keys  # every key in exactly one slice, none empty
+    assert fl.num_splits(33024, 32, 32, 132, 1)[0] == 5  # fills the 132 SMs
+    assert fl.num_splits(200, 32, 64, 132, 1)[0] == 1  # too few keys to split
+
+
+@pytest.mark.parametrize("d,BD,window", [(32, 32, 9), (64, 32, 9), (64, 32, attn.NO_WINDOW)])
+def test_causal_ring_then_chunk(d, BD, window):
+    """Sliding prefill layout: the ring as it was (wrapped: slot order != position order, some empty),
+    then the chunk's own keys in position order; window-restricted causal mask."""
+    H, KV, n, ring, P = 4, 2, 40, 13, 57
+    q, k, v = qkv(H, KV, n, ring + n + 3, d)
+    ring_pos = torch.arange(P - ring, P)
+    ring_pos = torch.roll(ring_pos, int(torch.randint(1, ring, ())))  # the wrap
+    ring_pos[torch.rand(ring) < 0.2] = -1  # empty slots
+    kpos = torch.cat([ring_pos, torch.arange(P, P + n)])
+    n_keys = ring + n
+    k[:, n_keys:] = float("nan")
+    v[:, :n_keys][:, kpos < 0] = float("nan")
+    qpos = torch.arange(P, P + n)
+    got = fl.attention_flash(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=True, out_dtype=torch.bfloat16,
+                             n_ring=ring, base_pos=P, BD=BD, **TILE)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=True, out_dtype=torch.float32)
+    check(got, exp)
+
+
+@pytest.mark.parametrize("d,BD,BM", [(64, 32, 16), (32, 32, 32)])
+def test_causal_full_layer(d, BD, BM):
+    """Full-layer prefill: key i holds position i, the chunk's queries are the last n positions; n not a
+    multiple of BM, so a row block straddles two heads of the folded group."""
+    H, KV, n, P = 8, 2, 27, 50
+    q, k, v = qkv(H, KV, n, P + n + 4, d)
+    n_keys = P + n
+    k[:, n_keys:] = v[:, n_keys:] = float("nan")
+    kpos, qpos = torch.arange(n_keys), torch.arange(P, P + n)
+    got = fl.attention_flash(q, k, v, kpos, n_keys, qpos=qpos, causal=True, out_dtype=torch.bfloat16, BD=BD,
+                             **dict(TILE, BM=BM))
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, causal=True, out_dtype=torch.float32)
+    check(got, exp)
+
+
+def test_dispatcher_routes_to_flash():
+    """attention(impl='triton') is the round-3 kernel; its numbers equal a direct call bit for bit."""
+    H, KV, C, d = 4, 2, 16, 32
+    q, k, v = qkv(H, KV, C, 64, d)
+    kpos = torch.where(torch.rand(64) < 0.3, -1, 0)
+    kpos[-C:] = 0
+    v[:, kpos < 0] = 0.0
+    a = attn.attention(q, k, v, kpos, 64, impl="triton", out_dtype=torch.float32)
+    b = fl.attention_flash(q, k, v, kpos, 64, out_dtype=torch.float32)
+    assert torch.equal(a, b)
+    check(a, attn.attention_ref(q, k, v, kpos, 64, out_dtype=torch.float32))
