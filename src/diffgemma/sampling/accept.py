@@ -25,16 +25,29 @@ def accept_mask(
     """Bool mask [C] of accepted positions for per-position entropies [C] (nats)."""
     if final_step:
         return frozen.clone() if frozen is not None else torch.zeros_like(entropy, dtype=torch.bool)
-    if frozen is not None and bool(frozen.any()):
-        free = ~frozen
-        mask = frozen.clone()
-        if bool(free.any()):
-            mask[free] = accept_mask(entropy[free], bound)
-        return mask
-    sorted_h, order = torch.sort(entropy, dim=-1, descending=False)
+    if frozen is not None:
+        # Frozen positions sort last as +inf, so the free ones form the same sorted prefix (and prefix sums)
+        # as sorting the free subset alone; a frozen row's `before` is inf - inf = nan, never <= bound.
+        # No data-dependent branch: this stays on the device (no host sync).
+        # Stable sort, so equal entropies keep index order in both the full and the subset view.
+        return frozen | _sorted_prefix(entropy.masked_fill(frozen, float("inf")), bound, stable=True)
+    return _sorted_prefix(entropy, bound)
+
+
+def _sorted_prefix(entropy: torch.Tensor, bound: float, stable: bool = False) -> torch.Tensor:
+    sorted_h, order = torch.sort(entropy, dim=-1, descending=False, stable=stable)
     before = torch.cumsum(sorted_h, dim=-1) - sorted_h
     sorted_ok = before <= bound
     return torch.zeros_like(sorted_ok).scatter(-1, order, sorted_ok)
+
+
+def accept_mask_frozen_reference(entropy: torch.Tensor, bound: float, frozen: torch.Tensor) -> torch.Tensor:
+    """The freeze rule spelled out on the free subset (syncs; the twin the tests compare accept_mask to)."""
+    mask = frozen.clone()
+    free = ~frozen
+    if bool(free.any()):
+        mask[free] = _sorted_prefix(entropy[free], bound, stable=True)
+    return mask
 
 
 def accept_mask_reference(entropy: list[float], bound: float) -> list[bool]:

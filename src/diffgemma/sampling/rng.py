@@ -89,3 +89,59 @@ def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms.to(device=cdf.device, dtype=torch.float64) * cdf[:, -1]
     idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+_device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables_on(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_1..A_n, C_1..C_n) as int64 tensors on `device` (the uint64 bits reinterpreted), cached per device.
+
+    Copied to the device once per size increase (a block-level event), never per step.
+    """
+    key = str(device)
+    have = _device_tables.get(key)
+    if have is None or len(have[0]) < n:
+        size = max(n, 256 if have is None else 2 * len(have[0]))
+        a, c = _jump_tables(size)
+        have = (torch.from_numpy(a.view(np.int64).copy()).to(device), torch.from_numpy(c.view(np.int64).copy()).to(device))
+        _device_tables[key] = have
+    return have[0][:n], have[1][:n]
+
+
+class DeviceLcg:
+    """The same LCG as `Lcg`, with its state in a 0-d int64 tensor on `device`: draws never leave the device.
+
+    int64 multiply/add wrap mod 2**64 exactly like the uint64 recurrence (the low 64 bits of a product do
+    not depend on signedness), so every draw is bit-identical to `Lcg`'s. Reading `state` syncs; the
+    generation loop never does.
+    """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        start = (int(seed) + 1) & _MASK64
+        self._state = torch.tensor(start - (1 << 64) if start >= 1 << 63 else start, dtype=torch.int64, device=self.device)
+
+    @property
+    def state(self) -> int:
+        return int(self._state) & _MASK64
+
+    def u32(self, n: int) -> torch.Tensor:
+        """The next n draws as an int64 tensor of 32-bit values, advancing the state by n."""
+        if n <= 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        a, c = _tables_on(self.device, n)
+        states = a * self._state + c
+        self._state = states[-1].clone()
+        return (states >> 32) & 0xFFFFFFFF
+
+    def uniform(self, n: int, device=None) -> torch.Tensor:
+        """n uniforms in [0, 1) as float64: draw / 2**32 (exact)."""
+        return self.u32(n).double() / 4294967296.0
+
+    def randint(self, n: int, high: int, device=None) -> torch.Tensor:
+        """n ids uniform in [0, high): floor(draw * high / 2**32). draw * high < 2**64, so the wrapped int64
+        product holds its exact bits and the high word, masked, is the quotient."""
+        if not 1 <= high <= 1 << 32:
+            raise ValueError(f"randint: high={high} must be in [1, 2**32]")
+        return ((self.u32(n) * high) >> 32) & 0xFFFFFFFF

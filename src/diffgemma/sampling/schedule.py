@@ -10,6 +10,7 @@ It is computed as a float32 tensor the way transformers does (int32 step / max i
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -23,3 +24,16 @@ def temperature(cur: int, max_steps: int, t_min: float, t_max: float) -> torch.T
 def remaining(step: int, max_steps: int) -> int:
     """`cur` for the 1-based executed step number: step 1 -> max_steps, step max_steps -> 1."""
     return max_steps - step + 1
+
+
+def temperature_value(cur: int, max_steps: int, t_min: float, t_max: float) -> float:
+    """`temperature(...)` as a Python float, computed on the host without torch (no tensor, no sync).
+
+    Mirrors torch's float32 arithmetic step by step: int32 / int -> float32 quotient; the Python-float
+    operands are rounded to float32 before the float32 multiply and add (a wrapped Python scalar does not
+    promote a float32 tensor). The tests pin it bit for bit against `temperature`.
+    """
+    if not 1 <= cur <= max_steps:
+        raise ValueError(f"temperature: cur={cur} must be in [1, {max_steps}]")
+    frac = np.float32(cur) / np.float32(max_steps)
+    return float(np.float32(t_min) + np.float32(t_max - t_min) * frac)

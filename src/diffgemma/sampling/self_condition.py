@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.rowstats import tempered_survivors
+
 
 def exact_soft_embed(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
     """[C, V] logits -> [C, H] soft embedding in the embedding's dtype (probs in float32, then cast)."""
@@ -59,3 +61,37 @@ def sparse_error_bound(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: 
     probs = torch.softmax(logits, dim=-1)
     tail = (probs * (~survivors(logits, log_ratio))).sum(dim=-1)
     return float(tail.max()) * scale * float(embedding.abs().max())
+
+
+class SparsePlan:
+    """Sparse SC split in two around the generation loop's one host read per step.
+
+    Before the read (`SparsePlan(stats, log_ratio)`): the survivor mask and its total count stay on the
+    device; the count travels in the step's status. After the read (`soft_embed(n, ...)`): a fixed-size
+    nonzero (no sync, since n is known) gathers the survivors. On the torch path every number is the one
+    `sparse_soft_embed(stats.processed, ...)` computes (same mask, same order, same index_add_); on the
+    fused path the mask comes from the Triton survivor kernel and log Z from the row-stats kernel.
+    """
+
+    def __init__(self, stats, log_ratio: float):
+        self.stats = stats
+        if stats.fused:
+            self.mask, counts = tempered_survivors(stats.logits, stats.temp, stats.rowmax - log_ratio)
+            self.log_z = stats.lse
+            self.count = counts.sum(dtype=torch.int64)
+        else:
+            self._z = stats.processed.float()
+            self.log_z = self._z.logsumexp(dim=-1)
+            self.mask = survivors(self._z, log_ratio)
+            self.count = self.mask.sum(dtype=torch.int64)
+
+    def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, cols = torch.nonzero_static(self.mask, size=n).unbind(1)
+        if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
+            z = self.stats.logits[rows, cols] / self.stats._temp_t
+        else:
+            z = self._z[rows, cols]
+        weights = torch.exp(z - self.log_z[rows])
+        out = torch.zeros(self.mask.shape[0], embedding.shape[1], dtype=torch.float32, device=embedding.device)
+        out.index_add_(0, rows, weights[:, None] * embedding[cols].float())
+        return (out * scale).to(embedding.dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.rowstats import tempered_rowstats, use_triton
+
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits - logits.logsumexp(dim=-1, keepdim=True)
@@ -26,3 +28,44 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 def max_prob(logits: torch.Tensor) -> torch.Tensor:
     """p_max per row of softmax(logits): [..., V] -> [...]."""
     return torch.exp(logits.max(dim=-1).values - logits.logsumexp(dim=-1))
+
+
+class StepStats:
+    """Row stats of one step's tempered logits z = logits / T, computed once and shared by the accept mask,
+    the stop rules, the trim and self-conditioning.
+
+    Two ways to get them, same fields:
+    - torch (CPU, and anywhere Triton is off): z is materialised and entropy / argmax use the functions
+      above, so the CPU path is bit-identical to the loop before fusion (the golden fixture pins it).
+    - fused (CUDA + Triton, f32 logits): one kernel read of the logits gives entropy, argmax, row max and
+      logsumexp (ops/rowstats.py); z exists only if someone asks for `processed` (exact SC, sampling).
+      z, its max and argmax are bit-identical to the torch path; entropy and lse differ by float rounding.
+    """
+
+    def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None):
+        self.logits = logits
+        self.temp = temp
+        self._temp_t = torch.full((), temp, dtype=torch.float32, device=logits.device)  # a fill, not a copy
+        self._processed: torch.Tensor | None = None
+        if fused is None:
+            fused = use_triton(logits) and logits.dtype == torch.float32
+        self.fused = fused
+        if fused:
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp)
+        else:
+            z = self.processed
+            self.entropy = entropy(z)
+            self.argmax = z.argmax(dim=-1)
+            self.rowmax = self.lse = None
+
+    @property
+    def processed(self) -> torch.Tensor:
+        """logits / T (materialised on first use)."""
+        if self._processed is None:
+            self._processed = self.logits / self._temp_t
+        return self._processed
+
+    def max_prob(self) -> torch.Tensor:
+        if self.fused:
+            return torch.exp(self.rowmax - self.lse)
+        return max_prob(self.processed)

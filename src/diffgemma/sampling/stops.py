@@ -102,3 +102,58 @@ class StopRules:
         if step >= self.max_steps:
             return MAX_STEPS
         return None
+
+
+# Stop codes of DeviceStopRules: index into REASONS (0 = keep denoising).
+REASONS: tuple[str | None, ...] = (None, CONFIDENT, PLATEAU, ENTROPY, MAX_STEPS)
+
+
+class DeviceStopRules(StopRules):
+    """The same rules with every data-dependent quantity kept on the device: `update` returns a 0-d int64
+    stop code (an index into REASONS) without a host sync, so the loop reads it with its one per-step copy.
+
+    Host-known facts (step number, thresholds, how many argmax canvases the history holds) stay Python;
+    argmax equality, the mask-run counter and the pad gate are device tensors. Mean entropy arrives as a
+    0-d float64 tensor and is compared in float64, exactly like the host rules compare a Python float.
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._run_t: torch.Tensor | None = None
+
+    def update(self, step: int, argmax: torch.Tensor, mean_entropy: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        dev = argmax.device
+        if self.stability_threshold == 0:
+            stable = None  # always stable
+        else:
+            if len(self._history) == self.stability_threshold:
+                stable = torch.stack([(h == argmax).all() for h in self._history]).all()
+            else:
+                stable = False  # fewer than N previous canvases
+            self._history.append(argmax.clone())
+
+        if self._last_mask is None:
+            self._run_t = torch.ones((), dtype=torch.int64, device=dev)
+        else:
+            same = (self._last_mask == accepted).all()
+            self._run_t = torch.where(same, self._run_t + 1, torch.ones_like(self._run_t))
+        self._last_mask = accepted.clone()
+
+        h = mean_entropy.double()
+        live = torch.ones((), dtype=torch.bool, device=dev)
+        if self.pad_gate:
+            pad = torch.zeros_like(argmax, dtype=torch.bool)
+            for pid in self.pad_ids:
+                pad |= argmax == pid
+            live = ~pad.all()
+
+        code = torch.full((), 4 if step >= self.max_steps else 0, dtype=torch.int64, device=dev)
+        # lowest priority first, so a higher-priority rule overwrites it
+        if self.entropy_stop > 0 and step >= self.entropy_stop_min_steps:
+            code = torch.where(live & (h < self.entropy_stop), 3, code)
+        if self.plateau_steps > 0:
+            code = torch.where(live & (self._run_t >= self.plateau_steps) & (h < self.plateau_entropy), 2, code)
+        if stable is not False:
+            confident = live & (h < self.confidence_threshold)
+            code = torch.where(confident if stable is None else confident & stable, 1, code)
+        return code

@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def trim_cut(argmax: torch.Tensor, p_max: torch.Tensor, tau: float, answer_len: int) -> int | None:
-    """Row index to cut at (keep rows [0, cut)), or None when nothing qualifies or tau == 0."""
+def trim_cut(argmax, p_max, tau: float, answer_len: int) -> int | None:
+    """Row index to cut at (keep rows [0, cut)), or None when nothing qualifies or tau == 0.
+
+    argmax / p_max: tensors [C], or the host lists the generation loop already read (no second sync).
+    """
     if tau <= 0 or answer_len <= 1:
         return None
-    ids = argmax.tolist()
-    conf = p_max.tolist()
+    ids = argmax.tolist() if isinstance(argmax, torch.Tensor) else list(argmax)
+    conf = p_max.tolist() if isinstance(p_max, torch.Tensor) else list(p_max)
     for i in range(1, min(answer_len, len(ids))):
         if conf[i] < tau and (ids[i] == ids[i - 1] or (i + 1 < len(ids) and ids[i] == ids[i + 1])):
             return i
