@@ -24,6 +24,12 @@ RNG layout: with semantics="contract" every (block, re-roll attempt) gets its ow
 block_seed(seed, block, attempt) (§7 "re-seed the canvas RNG"); with semantics="hf" one LCG(seed)
 stream serves the whole call in transformers' order (canvas init, then per step: categorical draw
 (commit="sample" only) and renoise of the full canvas). Both are deterministic across processes.
+
+Host syncs: a denoise step does all its sampler work on the model's device (row stats, accept mask,
+LCG renoise, stop rules with their argmax history and mask-run counter, the sparse-SC survivor count) and
+the host reads ONE small packed status per step (`_read_status`: stop code, mean entropy, survivor
+count). The temperature is a host float. Block-level work (the degenerate-opening check, the stop scan,
+the trim, the prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ import torch
 
 from .errors import InputError
 from .sampling.accept import accept_mask
-from .sampling.rng import Lcg, block_seed, categorical
-from .sampling.schedule import remaining, temperature
-from .sampling.self_condition import sparse_soft_embed
-from .sampling.stats import entropy, max_prob
-from .sampling.stops import StopRules, filler_id
+from .sampling.rng import DeviceLcg, block_seed, categorical
+from .sampling.schedule import remaining, temperature_value
+from .sampling.self_condition import SparsePlan
+from .sampling.stats import StepStats
+from .sampling.stops import REASONS, DeviceStopRules, filler_id
 from .sampling.trim import trim_cut
 from .settings import GenerationSettings
 
@@ -104,11 +110,21 @@ class DoneEvent:
 
 @dataclass
 class _Proposal:
-    committed: torch.Tensor  # [C] ids
-    argmax: torch.Tensor  # [C] last step's argmax
-    p_max: torch.Tensor  # [C] last step's max prob (tempered)
+    committed: torch.Tensor  # [C] ids (device)
+    argmax: torch.Tensor  # [C] last step's argmax (device)
+    p_max: torch.Tensor | None  # [C] last step's max prob (tempered); None when the trim is off
     steps: int
     stop_reason: str
+
+
+def _read_status(status: torch.Tensor) -> list[float]:
+    """THE per-step device->host read: a few float64 numbers packed by _denoise_block."""
+    return status.tolist()
+
+
+def _read_block(packed: torch.Tensor) -> list[float]:
+    """The per-attempt read of a proposed block: [committed ids | argmax ids | max probs] as float64."""
+    return packed.tolist()
 
 
 def resolve_settings(model, settings: GenerationSettings | None, overrides: dict[str, Any]) -> GenerationSettings:
@@ -177,7 +193,7 @@ def generate_stream(
         model.prefill(cache, prompt)
         timings["prefill_s"] += time.perf_counter() - t
 
-    hf_rng = Lcg(s.seed) if hf else None
+    hf_rng = DeviceLcg(s.seed, device) if hf else None
     tokens: list[int] = []
     steps_per_block: list[int] = []
     stop_reasons: list[str] = []
@@ -191,12 +207,17 @@ def generate_stream(
         attempt = 0
         while True:
             length = canvas_len if attempt == 0 else max(canvas_len >> attempt, canvas_len >> 2, 1)
-            rng = hf_rng if hf else Lcg(block_seed(s.seed, block, attempt))
+            rng = hf_rng if hf else DeviceLcg(block_seed(s.seed, block, attempt), device)
             t = time.perf_counter()
             proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt)
             timings["denoise_s"] += time.perf_counter() - t
             forwards += proposal.steps
-            degenerate = int(proposal.committed[0]) in control_ids
+            # one read per attempt: committed ids (+ argmax and max probs for the trim)
+            parts = [proposal.committed] if proposal.p_max is None else [proposal.committed, proposal.argmax,
+                                                                         proposal.p_max]
+            flat = _read_block(torch.cat([x.double() for x in parts]))
+            committed = [int(x) for x in flat[:length]]
+            degenerate = committed[0] in control_ids
             if block == 0 and degenerate and attempt < s.empty_reply_retry:
                 attempt += 1
                 retries += 1
@@ -205,11 +226,14 @@ def generate_stream(
         if attempt > 0:
             max_blocks += 1  # a shrunk re-rolled block commits less: it does not use up a block of budget
 
-        committed = proposal.committed.tolist()
         limit = min(len(committed), s.max_new_tokens - len(tokens))
         stop_pos = next((i for i in range(limit) if committed[i] in stop_ids), None)
         answer_len = stop_pos if stop_pos is not None else limit
-        cut = trim_cut(proposal.argmax, proposal.p_max, s.confidence_trim, answer_len)
+        cut = None
+        if proposal.p_max is not None:
+            n = len(committed)
+            argmax_ids = [int(x) for x in flat[n: 2 * n]]
+            cut = trim_cut(argmax_ids, flat[2 * n:], s.confidence_trim, answer_len)
         stop_token = None
         if cut is not None:
             keep, end = committed[:cut], TRIMMED
@@ -221,7 +245,7 @@ def generate_stream(
 
         if keep:
             t = time.perf_counter()
-            model.prefill(cache, torch.tensor(keep, dtype=torch.long, device=device))
+            model.prefill(cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
             timings["prefill_s"] += time.perf_counter() - t
         tokens.extend(keep)
         steps_per_block.append(proposal.steps)
@@ -253,13 +277,17 @@ def generate_stream(
     yield DoneEvent(result)
 
 
-def _denoise_block(model, cache, s: GenerationSettings, rng: Lcg, length: int, block: int, attempt: int):
-    """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal."""
+def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int, attempt: int):
+    """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
+
+    Per step everything stays on the model's device; `_read_status` is the only host read.
+    """
     device = model.embedding.device
     vocab = model.config.vocab_size
     hf = s.semantics == "hf"
+    sparse_sc = s.sc_mode != "exact"
     steps_total = s.max_denoising_steps
-    stops = StopRules.from_settings(s, model.config.pad_token_id, vocab)
+    stops = DeviceStopRules.from_settings(s, model.config.pad_token_id, vocab)
 
     canvas = rng.randint(length, vocab, device)
     frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
@@ -267,17 +295,16 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: Lcg, length: int, b
     sc_embeds = model.embed(canvas) if s.sc_seed else None  # first-step SC seed (§4.1, §9 #2)
     reason = None
     step = 0
-    processed = argmax = None
+    stats = None
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)
-        temp = temperature(cur, steps_total, s.t_min, s.t_max).to(device)
+        temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
         logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
-        processed = logits / temp
-        h = entropy(processed)
-        argmax = processed.argmax(dim=-1)
+        stats = StepStats(logits, temp)
+        h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":
-            probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+            probs = torch.softmax(stats.processed, dim=-1, dtype=torch.float32)
             proposal = categorical(probs, rng.uniform(length, device))
         else:
             proposal = argmax
@@ -289,21 +316,26 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: Lcg, length: int, b
             frozen = mask
         noise = rng.randint(length, vocab, device)
         canvas = torch.where(mask, proposal, noise)
-        mean_h = float(h.mean())
-        reason = stops.update(step, argmax, mean_h, mask)
-        yield StepEvent(block=block, attempt=attempt, step=step, temperature=float(temp), draft=argmax,
-                        accepted=mask, mean_entropy=mean_h, stop_reason=reason)
+        mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
+        code = stops.update(step, argmax, mean_h, mask)
+        # the survivor count rides in the status; not needed when this step is the last one for sure
+        plan = SparsePlan(stats, s.sc_sparse_log_ratio) if sparse_sc and step < steps_total else None
+        packed = [code.double(), mean_h] + ([plan.count.double()] if plan is not None else [])
+        status = _read_status(torch.stack(packed))  # the step's one host sync
+        reason = REASONS[int(status[0])]
+        yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
+                        accepted=mask, mean_entropy=status[1], stop_reason=reason)
         if reason is None:
             # the next step self-conditions on these tempered logits (§5)
-            if s.sc_mode == "exact":
-                sc_logits, sc_embeds = processed, None
-            else:
+            if sparse_sc:
                 sc_logits = None
-                sc_embeds = sparse_soft_embed(processed, model.embedding, model.config.embed_scale,
-                                              s.sc_sparse_log_ratio)
+                sc_embeds = plan.soft_embed(int(status[2]), model.embedding, model.config.embed_scale)
+            else:
+                sc_logits, sc_embeds = stats.processed, None
 
-    committed = argmax if frozen is None else torch.where(frozen, canvas, argmax)
-    return _Proposal(committed=committed, argmax=argmax, p_max=max_prob(processed), steps=step, stop_reason=reason)
+    committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
+    p_max = stats.max_prob() if s.confidence_trim > 0 else None
+    return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
 
 
 def _as_ids(input_ids, vocab: int, device) -> torch.Tensor:
