@@ -158,11 +158,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
-                      FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
         """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK].
 
-        Columns past K come back 0 (their codes, scales and mins load as 0)."""
-        GS: tl.constexpr = 16 if FMT == 3 else 32
+        Columns past K come back 0 (their codes, scales and mins load as 0). GS: the group size (nvfp4 16)."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         c = tl.load(p0 + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0)
         c = c.to(tl.int32)
@@ -198,7 +197,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _packed_gmm_kernel(x_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
-                           FMT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
         pid_n = tl.program_id(0)
         g = tl.program_id(1)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -212,7 +211,7 @@ if HAVE_TRITON:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
-                w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, BN, BK)
+                w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
                 xt = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + kk[:, None],
                              mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
@@ -221,12 +220,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dequant_kernel(out_ptr, p0, p1, p2, p3, tscale, R, K,
-                        FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                        FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         r_ok = r < R
         k0 = tl.program_id(1) * BK
         kk = k0 + tl.arange(0, BK)
-        w = _dequant_tile(p0, p1, p2, p3, tscale, r.to(tl.int64), r_ok, k0, K, FMT, BR, BK)
+        w = _dequant_tile(p0, p1, p2, p3, tscale, r.to(tl.int64), r_ok, k0, K, FMT, GS, BR, BK)
         tl.store(out_ptr + r[:, None].to(tl.int64) * K + kk[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & (kk < K)[None, :])
 
@@ -264,7 +263,7 @@ def grouped_mm_packed_triton(xs, w: PackedWeight, offs, config: tuple | None = N
     BN, BM, BK, warps, stages = config or pick_config(M, E)
     offs = offs.to(torch.int32).contiguous()
     _packed_gmm_kernel[(triton.cdiv(N, BN), E)](xs, out, offs, *_plane_args(w), float(w.tscale), N, K, xs.stride(0),
-                                                out.stride(0), FMT=_FMT_ID[w.fmt], BN=BN, BM=BM, BK=BK,
+                                                out.stride(0), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK,
                                                 num_warps=warps, num_stages=stages)
     return out
 
@@ -274,7 +273,7 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
     R, K = codecs.rows_k(w.shape)
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
     _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](out, *_plane_args(w), float(w.tscale), R, K,
-                                                              FMT=_FMT_ID[w.fmt], BR=BR, BK=BK, num_warps=4)
+                                                              FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], BR=BR, BK=BK, num_warps=4)
     return out
 
 

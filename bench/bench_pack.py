@@ -1,0 +1,271 @@
+"""Benchmark: the fast engine on q4-packed experts at DiffusionGemma's full size, one GPU, one run.
+
+    PYTHONPATH=src python bench/bench_pack.py [--reps 30] [--json out.json]
+
+Builds the real shapes (bench_engine.py's TEXT) on the GPU with bench_engine's random non-expert
+weights (RandomSource) and random q4 expert records + q8 SC records generated directly in the pack
+layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would not fit the run), then:
+  engine  pack bytes (what a q4 pack of these tensors holds, the vision tower aside); GPU memory with an
+          8k context (after an 8k prefill and a graphed denoise on it); denoise ms/step at 1k context
+          (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
+          chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
+  kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
+          prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights.
+  bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
+          at 8k, and the logits agreement q4 vs bf16 on one step.
+Sections run in that order and the JSON is rewritten after each, so a time-out keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import CANVAS, TEXT, profile_fn, time_cuda  # noqa: E402  (also puts src/ on the path)
+from diffgemma.checkpoint import expected_tensors  # noqa: E402
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
+from diffgemma.ops import moe_packed as mp  # noqa: E402
+from diffgemma.ops.moe import _grouped_mm  # noqa: E402
+from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
+
+BW = 4.3e12  # device-to-device copy bandwidth measured on an H200 (bytes read + written per second)
+GiB = 2**30
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def med(fn, reps=20, warmup=3) -> float:
+    return statistics.median(time_cuda(fn, reps=reps, warmup=warmup))
+
+
+def engine_weight_bytes(w) -> int:
+    total = 0
+    for t in [w.embed, w.final_norm, w.sc_pre_norm, w.sc_gu, w.sc_down] + [v for lw in w.layers for v in vars(lw).values()]:
+        if isinstance(t, mp.PackedWeight):
+            total += t.nbytes
+        elif isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def bench_engine_q4(res, eng, cfg, reps):
+    V = cfg.vocab_size
+    r = res.setdefault("engine_q4", {})
+    # warm-up: compile every kernel once (prefill of a small prompt, one denoise)
+    c0 = eng.new_cache(2048)
+    eng.prefill(c0, torch.randint(0, V, (1024,), device="cuda"))
+    eng.denoise(c0, torch.randint(0, V, (CANVAS,), device="cuda"))
+    del c0
+    torch.cuda.synchronize()
+    # denoise at 1k
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
+    ids = torch.randint(0, V, (CANVAS,), device="cuda")
+    sc = torch.randn(CANVAS, V, device="cuda") * 3
+    eng.denoise(cache, ids, sc_logits=sc)  # capture
+    t = time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=3)
+    r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
+    r["graph_error"] = eng.graph_error
+    log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
+    res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc)
+    res["_q4_case"] = (cache, ids, sc)
+    eng.use_graphs = False
+    r["denoise_1k_eager_ms"] = med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3, warmup=1)
+    r["profile_denoise_1k"] = profile_fn(lambda: eng.denoise(cache, ids, sc_logits=sc))
+    log(r["profile_denoise_1k"])
+    eng.use_graphs = True
+    # prefill 8k and memory with an 8k context
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    c8 = eng.new_cache(8192)
+    prompt = torch.randint(0, V, (8192,), device="cuda")
+
+    def do_prefill():
+        c8.truncate(0)
+        eng.prefill(c8, prompt)
+
+    for strategy, n in (("dequant", 3), ("kernel", 2)):
+        os.environ["DIFFGEMMA_PACKED_PREFILL"] = strategy
+        try:
+            ms = med(do_prefill, reps=n, warmup=1)
+            r[f"prefill_8k_{strategy}_tok_s"] = 8192 / (ms / 1e3)
+            r[f"prefill_8k_{strategy}_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            log(f"[q4] prefill 8k ({strategy}): {r[f'prefill_8k_{strategy}_tok_s']:.0f} tok/s, "
+                f"peak {r[f'prefill_8k_{strategy}_peak_gib']:.2f} GiB")
+        except Exception as e:
+            r[f"prefill_8k_{strategy}_tok_s"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"[q4] prefill 8k ({strategy}) failed: {r[f'prefill_8k_{strategy}_tok_s']}")
+        torch.cuda.reset_peak_memory_stats()
+    os.environ["DIFFGEMMA_PACKED_PREFILL"] = "dequant"
+    do_prefill()
+    ids8 = torch.randint(0, V, (CANVAS,), device="cuda")
+    eng.denoise(c8, ids8, sc_logits=sc)  # capture at the 8k bucket
+    r["denoise_8k_ms"] = med(lambda: eng.denoise(c8, ids8, sc_logits=sc), reps=reps)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    r["mem_8k_allocated_gib"] = torch.cuda.memory_allocated() / GiB
+    r["mem_8k_reserved_gib"] = torch.cuda.memory_reserved() / GiB
+    r["mem_8k_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB  # since the last prefill
+    r["mem_8k_device_used_gib"] = (total - free) / GiB
+    log(f"[q4] 8k context: denoise {r['denoise_8k_ms']:.3f} ms; allocated {r['mem_8k_allocated_gib']:.2f} GiB, "
+        f"reserved {r['mem_8k_reserved_gib']:.2f}, peak {r['mem_8k_peak_allocated_gib']:.2f}, "
+        f"device used {r['mem_8k_device_used_gib']:.2f} GiB")
+    del c8
+    eng._graphs = {k: v for k, v in eng._graphs.items() if k[0] == id(cache)}
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_kernels(res, reps):
+    r = res.setdefault("kernels", {})
+    E, H, Fe, k = 128, 2816, 704, 8
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1)
+    from diffgemma.model.engine_weights import random_record
+
+    for T, label in ((256, "denoise"), (8192, "prefill")):
+        experts = torch.randint(0, E, (T, k), device="cuda")
+        if T == 256:
+            experts = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+        srcrows, _, offs = moe_plan(experts, E)
+        M = T * k
+        for fmt in (("q4", "q5", "q6", "nvfp4") if label == "denoise" else ("q4",)):
+            for name, shape, K in (("gate_up", (E, 2 * Fe, H), H), ("down", (E, H, Fe), Fe)):
+                if fmt != "q4" and name == "down":
+                    continue
+                pw = mp.PackedWeight.from_record(fmt, shape, random_record(fmt, shape, "cuda", gen, 0.02))
+                xs = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                flops = 2 * M * shape[1] * K
+                row = {"packed_bytes": pw.nbytes}
+                if fmt == "q4":
+                    wb = mp.dequantize_triton(pw, torch.bfloat16)
+                    row["bf16_grouped_mm_ms"] = med(lambda: _grouped_mm(xs, wb, offs), reps=reps)
+                    if label == "prefill":
+                        row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
+                    del wb
+                configs = [mp.CONFIGS["stream"], (64, 16, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 64, 4, 4),
+                           (32, 32, 128, 4, 3)] if (label == "denoise" and fmt == "q4") else \
+                    [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
+                for cfg in configs:
+                    key = "kernel_" + "_".join(map(str, cfg)) + "_ms"
+                    try:
+                        row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg), reps=reps)
+                    except Exception as e:
+                        row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                best = min((v for kk, v in row.items() if kk.startswith("kernel_") and isinstance(v, float)), default=None)
+                if best:
+                    row["best_kernel_GBps"] = pw.nbytes / best / 1e6
+                    row["best_kernel_TFLOPs"] = flops / best / 1e9
+                if "bf16_grouped_mm_ms" in row:
+                    row["bf16_TFLOPs"] = flops / row["bf16_grouped_mm_ms"] / 1e9
+                    row["bf16_GBps"] = shape[0] * shape[1] * K * 2 / row["bf16_grouped_mm_ms"] / 1e6
+                r[f"{label}_{fmt}_{name}"] = row
+                log(f"[kernel] {label} {fmt} {name} M={M}: " + ", ".join(
+                    f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()))
+                del pw, xs
+                torch.cuda.empty_cache()
+
+
+def bench_bf16(res, eng, cfg, reps):
+    r = res.setdefault("engine_bf16_same_weights", {})
+    V = cfg.vocab_size
+    for lw in eng.w.layers:  # same weights, experts as bf16 stacks
+        lw.experts_gu = mp.dequantize_triton(lw.experts_gu, torch.bfloat16)
+        lw.experts_down = mp.dequantize_triton(lw.experts_down, torch.bfloat16)
+    torch.cuda.synchronize()
+    eng._graphs.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    cache, ids, sc = res.pop("_q4_case")
+    eng.denoise(cache, ids, sc_logits=sc)
+    t = time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=3)
+    r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
+    g = eng.denoise(cache, ids, sc_logits=sc)
+    q = res.pop("_q4_logits")
+    r["logits_cos_q4_vs_bf16"] = torch.nn.functional.cosine_similarity(g.flatten(), q.flatten(), dim=0).item()
+    r["argmax_agree_q4_vs_bf16"] = (g.argmax(-1) == q.argmax(-1)).float().mean().item()
+    log(f"[bf16] denoise 1k: {r['denoise_1k_ms']:.3f} ms; q4 vs bf16 logits cos {r['logits_cos_q4_vs_bf16']:.6f}, "
+        f"argmax agree {r['argmax_agree_q4_vs_bf16']:.4f}")
+    c8 = eng.new_cache(8192)
+    prompt = torch.randint(0, V, (8192,), device="cuda")
+
+    def do_prefill():
+        c8.truncate(0)
+        eng.prefill(c8, prompt)
+
+    r["prefill_8k_tok_s"] = 8192 / (med(do_prefill, reps=2, warmup=1) / 1e3)
+    log(f"[bf16] prefill 8k: {r['prefill_8k_tok_s']:.0f} tok/s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: kernels,bf16")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def dump():
+        if args.json:
+            Path(args.json).write_text(json.dumps({k: v for k, v in res.items() if not k.startswith("_")}, indent=1))
+
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
+    t0 = time.time()
+    src = RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8")
+    eng = build_engine(cfg, src, "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    names = expected_tensors(cfg)
+    res["pack_bytes"] = sum(src.record_nbytes(n) for n in names)
+    res["pack_expert_bytes"] = sum(src.record_nbytes(n) for n in names if ".experts." in n)
+    res["engine_weight_bytes"] = engine_weight_bytes(eng.w)
+    res["byte_floor_ms"] = res["engine_weight_bytes"] / BW * 1e3
+    log(f"[q4] built in {time.time() - t0:.1f}s: pack {res['pack_bytes'] / 1e9:.2f} GB (experts "
+        f"{res['pack_expert_bytes'] / 1e9:.2f} GB), engine weights {res['engine_weight_bytes'] / 1e9:.2f} GB, "
+        f"allocated {torch.cuda.memory_allocated() / GiB:.2f} GiB; weight-byte floor {res['byte_floor_ms']:.2f} ms/step")
+    dump()
+    sections = [("engine_q4", lambda: bench_engine_q4(res, eng, cfg, args.reps)),
+                ("kernels", lambda: bench_kernels(res, 20)),
+                ("bf16", lambda: bench_bf16(res, eng, cfg, args.reps))]
+    for name, fn in sections:
+        if name in skip:
+            continue
+        t = time.time()
+        try:
+            fn()
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        log(f"[section {name}] {time.time() - t:.1f}s")
+        dump()
+    q = res.get("engine_q4", {})
+    log("\n| metric | q4 | bar |\n|---|---|---|")
+    log(f"| denoise ms/step at 1k (graphed, median) | {q.get('denoise_1k_ms')} | <= 6 |")
+    log(f"| GPU memory at 8k context, GiB (allocated / device used) | {q.get('mem_8k_allocated_gib')} / "
+        f"{q.get('mem_8k_device_used_gib')} | <= 20 |")
+    log(f"| prefill tok/s at 8k (dequant / kernel) | {q.get('prefill_8k_dequant_tok_s')} / "
+        f"{q.get('prefill_8k_kernel_tok_s')} | >= 40000 |")
+    log(f"| bf16 (same weights) denoise 1k ms / prefill 8k tok/s | "
+        f"{res.get('engine_bf16_same_weights', {}).get('denoise_1k_ms')} / "
+        f"{res.get('engine_bf16_same_weights', {}).get('prefill_8k_tok_s')} | |")
+
+
+if __name__ == "__main__":
+    main()
