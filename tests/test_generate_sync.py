@@ -1,0 +1,400 @@
+"""generate with one host sync per denoise step: the device-side pieces against their host twins, the whole
+loop against the pre-fusion host loop, and a count of every host read the loop makes.
+
+- DeviceLcg / temperature_value / DeviceStopRules / the sync-free freeze mask / SparsePlan: bit-identical
+  to Lcg / temperature() / StopRules / the subset freeze rule / sparse_soft_embed.
+- The tempered row-stats and survivor kernels (Triton interpreter) against their torch twins.
+- The loop: generate_stream with `_denoise_block` swapped for the host-sync loop it replaced gives the same
+  events and results (torch path), and the fused (Triton-interpreted) path gives the same tokens.
+- The sync count: every Python-level way to read a tensor on the host (item/tolist/bool/float/int/index/
+  numpy, torch.equal, nonzero, boolean-mask indexing) is counted outside the model's own forward; between
+  two steps of a block only `_read_status` may read, once; per attempt `_read_block` reads once.
+"""
+
+import math
+import random
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from diffgemma import generation
+from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate_stream
+from diffgemma.ops import rowstats
+from diffgemma.sampling import stats as stats_mod
+from diffgemma.sampling.accept import accept_mask, accept_mask_frozen_reference
+from diffgemma.sampling.rng import DeviceLcg, Lcg, categorical
+from diffgemma.sampling.schedule import remaining, temperature, temperature_value
+from diffgemma.sampling.self_condition import SparsePlan, sparse_soft_embed
+from diffgemma.sampling.stats import StepStats, entropy, max_prob
+from diffgemma.sampling.stops import REASONS, DeviceStopRules, StopRules
+from diffgemma.settings import GenerationSettings
+
+
+# ---------------------------------------------------------------------------------- device pieces
+
+def test_device_lcg_draws_are_bit_identical_to_the_host_lcg():
+    seeds = [0, 2**63 - 1, 2**63, 2**64 - 1] + [random.getrandbits(64) for _ in range(20)]
+    for seed in seeds:
+        host, dev = Lcg(seed), DeviceLcg(seed)
+        for n, high in [(8, 96), (300, 262144), (5, 2**32), (7, 2**31 + 5), (1, 1), (600, 3)]:
+            assert torch.equal(dev.randint(n, high), host.randint(n, high)), (seed, n, high)
+        assert torch.equal(dev.uniform(33), host.uniform(33))
+        assert dev.state == host.state
+
+
+def test_temperature_value_is_the_float32_schedule_bit_for_bit():
+    for _ in range(3000):
+        n = random.randint(1, 300)
+        cur = random.randint(1, n)
+        t_min, t_max = sorted(random.uniform(0.01, 3.0) for _ in range(2))
+        assert temperature_value(cur, n, t_min, t_max) == float(temperature(cur, n, t_min, t_max))
+    for cur in range(1, 49):
+        assert temperature_value(cur, 48, 0.4, 0.8) == float(temperature(cur, 48, 0.4, 0.8))
+
+
+def test_device_stop_rules_match_the_host_rules():
+    for _ in range(300):
+        kw = dict(max_steps=random.randint(1, 30), stability_threshold=random.randint(0, 3),
+                  confidence_threshold=random.choice([0.005, 0.3, 1.0]), plateau_steps=random.choice([0, 2, 3]),
+                  plateau_entropy=random.choice([0.05, 0.5]), entropy_stop=random.choice([0.0, 0.1, 0.4]),
+                  entropy_stop_min_steps=random.randint(1, 6), pad_gate=random.random() < 0.5, pad_ids=(0, 9))
+        host, dev = StopRules(**kw), DeviceStopRules(**kw)
+        pool = [torch.randint(0, 10, (6,)) for _ in range(2)] + [torch.tensor([0, 9, 0, 0, 9, 0])]
+        masks = [torch.rand(6) > 0.5 for _ in range(2)]
+        for step in range(1, kw["max_steps"] + 1):
+            argmax, mask = random.choice(pool), random.choice(masks)
+            h = torch.rand(6) * random.choice([0.001, 0.1, 1.0])
+            want = host.update(step, argmax, float(h.mean()), mask)
+            code = dev.update(step, argmax, h.mean().double(), mask)
+            assert code.shape == () and code.dtype == torch.int64
+            assert REASONS[int(code)] == want, (kw, step)
+            if want:
+                break
+
+
+def test_device_stop_rules_compare_mean_entropy_in_float64():
+    # the default 0.005 rounds DOWN to float32: a float32 mean equal to float32(0.005) is below 0.005 in
+    # float64 (the host rule's comparison) but not in float32
+    f32 = torch.tensor(0.005, dtype=torch.float32)
+    assert float(f32) < 0.005 and not bool(f32 < f32)
+    kw = dict(max_steps=10, stability_threshold=0, confidence_threshold=0.005)
+    assert REASONS[int(DeviceStopRules(**kw).update(1, torch.zeros(3), f32.double(), torch.ones(3, dtype=torch.bool)))] \
+        == StopRules(**kw).update(1, torch.zeros(3), float(f32), torch.ones(3, dtype=torch.bool)) == "confident"
+
+
+def test_sync_free_freeze_mask_matches_the_subset_rule_with_ties():
+    for _ in range(500):
+        n = random.randint(1, 40)
+        h = torch.rand(n) * random.random() * 0.3
+        if random.random() < 0.5:
+            h = h.round(decimals=2)  # many ties
+        frozen = torch.rand(n) < random.random()
+        bound = random.choice([0.0, 0.05, 0.1, 1.0])
+        assert torch.equal(accept_mask(h, bound, frozen=frozen), accept_mask_frozen_reference(h, bound, frozen))
+    assert accept_mask(torch.rand(4), 0.1, frozen=torch.ones(4, dtype=torch.bool)).all()
+
+
+def _logits(rows, vocab, peaks=True):
+    x = torch.tanh(torch.randn(rows, vocab) * 3) * 30
+    if peaks:  # some confident rows, a tie, a flat row
+        x[0, random.randrange(vocab)] = 30.0
+        j, k = random.sample(range(vocab), 2)
+        x[1, j] = x[1, k] = 29.0
+        x[2] = random.uniform(-3, 3)
+    return x
+
+
+@pytest.mark.parametrize("vocab", [96, 3001])
+def test_tempered_rowstats_kernel_matches_its_twin_and_the_loop_entropy(vocab):
+    x = _logits(6, vocab)
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    got = rowstats.tempered_rowstats_triton(x, temp, block=1024)
+    ent, amax, rmax, lse = rowstats.tempered_rowstats_ref(x, temp)
+    z = x / torch.tensor(temp)
+    assert torch.equal(got[1], amax) and torch.equal(got[1], z.argmax(-1))  # exact: correctly rounded z
+    assert torch.equal(got[2], rmax) and torch.equal(got[2], z.max(-1).values)
+    truth = entropy(z.double())
+    assert (got[0].double() - truth).abs().max() < 2e-6  # tighter than the f32 torch formula
+    assert (ent.double() - truth).abs().max() < 5e-5
+    assert (got[3].double() - torch.logsumexp(z.double(), -1)).abs().max() < 1e-5
+    thr = rmax - 10.0
+    mask, counts = rowstats.tempered_survivors_triton(x, temp, thr, block=1024)
+    want_mask, want_counts = rowstats.tempered_survivors_ref(x, temp, thr)
+    assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts)
+    assert torch.equal(mask, z >= z.max(-1, keepdim=True).values - 10.0)
+
+
+def test_step_stats_torch_path_is_the_pre_fusion_arithmetic():
+    x = _logits(8, 96)
+    temp = temperature_value(7, 16, 0.4, 0.8)
+    st = StepStats(x, temp, fused=False)
+    processed = x / temperature(7, 16, 0.4, 0.8)
+    assert torch.equal(st.processed, processed)
+    assert torch.equal(st.entropy, entropy(processed)) and torch.equal(st.argmax, processed.argmax(-1))
+    assert torch.equal(st.max_prob(), max_prob(processed))
+    fused = StepStats(x, temp, fused=True)  # the fused data flow (torch twins of the kernels on the CPU)
+    assert torch.equal(fused.argmax, st.argmax)
+    assert torch.allclose(fused.entropy, st.entropy, atol=5e-5)
+    assert torch.allclose(fused.max_prob(), st.max_prob(), atol=1e-5)
+
+
+def test_sparse_plan_is_bit_identical_to_sparse_soft_embed():
+    emb = torch.randn(300, 16)
+    for ratio in (2.0, 10.0):
+        x = _logits(8, 300)
+        temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+        st = StepStats(x, temp, fused=False)
+        plan = SparsePlan(st, ratio)
+        n = int(plan.count)
+        assert torch.equal(plan.soft_embed(n, emb, 4.0), sparse_soft_embed(st.processed, emb, 4.0, ratio))
+        fused = SparsePlan(StepStats(x, temp, fused=True), ratio)
+        assert int(fused.count) == n
+        assert torch.allclose(fused.soft_embed(n, emb, 4.0), sparse_soft_embed(st.processed, emb, 4.0, ratio),
+                              atol=1e-4)
+
+
+# ------------------------------------------------------------------------- the loop on a tiny model
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    pytest.importorskip("transformers")
+    import diffgemma
+    from tiny_checkpoints import CONFIGS, build_model, save
+
+    return diffgemma.load(save(build_model(CONFIGS["gqa2_mixed"], canvas_length=8), tmp_path_factory.mktemp("sync")))
+
+
+# settings arms: every branch of the step (SC modes, sample commit, freeze, hf, stop rules, trim, retries)
+ARMS = [
+    {},
+    {"sc_mode": "exact"},
+    {"semantics": "hf"},
+    {"commit": "sample", "entropy_bound": 2.0},
+    {"freeze": True, "confidence_trim": 0.0},
+    {"stability_threshold": 0, "confidence_threshold": 3.0, "plateau_steps": 2, "plateau_entropy": 5.0},
+    {"entropy_stop": 4.0, "entropy_stop_min_steps": 3, "confidence_trim": 0.99},
+]
+
+
+def _settings(model, **extra):
+    base = dict(max_denoising_steps=6, max_new_tokens=20, seed=random.getrandbits(32))
+    base.update(extra)
+    return GenerationSettings.resolve(model.generation_config, env={}, overrides=base)
+
+
+def _host_sync_block(model, cache, s, rng, length, block, attempt):
+    """The step loop as it was before the one-sync rewrite (host floats, torch.equal stops): the twin."""
+    device = model.embedding.device
+    vocab = model.config.vocab_size
+    hf = s.semantics == "hf"
+    stops = StopRules.from_settings(s, model.config.pad_token_id, vocab)
+    canvas = rng.randint(length, vocab, device)
+    frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
+    sc_logits, sc_embeds = None, (model.embed(canvas) if s.sc_seed else None)
+    reason, step = None, 0
+    while reason is None:
+        step += 1
+        cur = remaining(step, s.max_denoising_steps)
+        temp = temperature(cur, s.max_denoising_steps, s.t_min, s.t_max).to(device)
+        logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        processed = logits / temp
+        h = entropy(processed)
+        argmax = processed.argmax(dim=-1)
+        if s.commit == "sample":
+            proposal = categorical(torch.softmax(processed, dim=-1, dtype=torch.float32), rng.uniform(length, device))
+        else:
+            proposal = argmax
+        if cur == 1 and not hf:
+            mask = frozen.clone() if frozen is not None else torch.zeros(length, dtype=torch.bool)
+        elif frozen is not None:
+            mask = accept_mask_frozen_reference(h, s.entropy_bound, frozen)
+        else:
+            mask = accept_mask(h, s.entropy_bound)
+        if frozen is not None:
+            proposal = torch.where(frozen, canvas, proposal)
+            frozen = mask
+        canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
+        mean_h = float(h.mean())
+        reason = stops.update(step, argmax, mean_h, mask)
+        yield StepEvent(block=block, attempt=attempt, step=step, temperature=float(temp), draft=argmax,
+                        accepted=mask, mean_entropy=mean_h, stop_reason=reason)
+        if reason is None:
+            if s.sc_mode == "exact":
+                sc_logits, sc_embeds = processed, None
+            else:
+                sc_logits = None
+                sc_embeds = sparse_soft_embed(processed, model.embedding, model.config.embed_scale,
+                                              s.sc_sparse_log_ratio)
+    committed = argmax if frozen is None else torch.where(frozen, canvas, argmax)
+    return generation._Proposal(committed=committed, argmax=argmax, p_max=max_prob(processed), steps=step,
+                                stop_reason=reason)
+
+
+def _summary(events):
+    out = []
+    for e in events:
+        if isinstance(e, StepEvent):
+            out.append(("step", e.block, e.attempt, e.step, e.temperature, e.draft.tolist(), e.accepted.tolist(),
+                        e.mean_entropy, e.stop_reason))
+        elif isinstance(e, BlockEvent):
+            out.append(("block", e.block, e.tokens, e.steps, e.stop_reason, e.end, e.attempts, e.stop_token,
+                        e.trimmed_at))
+        else:
+            r = e.result
+            out.append(("done", r.tokens, r.steps_per_block, r.stop_reasons, r.retries, r.stop_token, r.forwards,
+                        r.block_ends))
+    return out
+
+
+@pytest.mark.parametrize("arm", range(len(ARMS)))
+def test_one_sync_loop_equals_the_host_sync_loop(tiny_model, monkeypatch, arm):
+    s = _settings(tiny_model, **ARMS[arm])
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (random.randint(2, 7),))
+    new = _summary(generate_stream(tiny_model, prompt, settings=s))
+    monkeypatch.setattr(generation, "_denoise_block", _host_sync_block)
+    old = _summary(generate_stream(tiny_model, prompt, settings=s))
+    assert new == old
+    assert sum(1 for e in new if e[0] == "step") >= 2
+
+
+def test_degenerate_first_block_retries_through_the_block_read(tiny_model, monkeypatch):
+    # every id is a stop id: each attempt opens "degenerate", so all re-rolls run and the turn ends empty
+    s = _settings(tiny_model, stop_ids=list(range(tiny_model.config.vocab_size)), max_denoising_steps=3)
+    new = _summary(generate_stream(tiny_model, torch.tensor([5, 6, 7]), settings=s))
+    monkeypatch.setattr(generation, "_denoise_block", _host_sync_block)
+    assert new == _summary(generate_stream(tiny_model, torch.tensor([5, 6, 7]), settings=s))
+    assert new[-1][4] == 3 and new[-1][1] == []  # three retries, no tokens
+
+
+@pytest.mark.parametrize("sc_mode", ["exact", "sparse"])
+def test_fused_triton_step_gives_the_torch_path_tokens(tiny_model, monkeypatch, sc_mode):
+    """The fused path (Triton row stats + survivor kernels, interpreted on the CPU) vs the torch path.
+
+    Exact SC sees bit-identical tempered logits on both paths, so everything must match. Sparse SC uses
+    the kernel's lse (float rounding away), which the chaotic random model may amplify: there only the
+    first step of each block is compared exactly."""
+    s = _settings(tiny_model, sc_mode=sc_mode)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
+    torch_path = [e for e in generate_stream(tiny_model, prompt, settings=s)]
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    fused_path = [e for e in generate_stream(tiny_model, prompt, settings=s)]
+    steps_a = [e for e in torch_path if isinstance(e, StepEvent)]
+    steps_b = [e for e in fused_path if isinstance(e, StepEvent)]
+    if sc_mode == "exact":
+        assert torch_path[-1].result.tokens == fused_path[-1].result.tokens
+        pairs = list(zip(steps_a, steps_b))
+        assert len(steps_a) == len(steps_b)
+    else:
+        pairs = [(steps_a[0], steps_b[0])]
+    for a, b in pairs:
+        assert a.draft.tolist() == b.draft.tolist() and a.accepted.tolist() == b.accepted.tolist()
+        assert a.mean_entropy == pytest.approx(b.mean_entropy, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------ sync count
+
+class SyncCounter:
+    """Counts Python-level host reads of tensors, except inside `quiet()` (the model, the allowed reads)."""
+
+    METHODS = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero",
+               "__array__", "cpu"]
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        self.where: list[str] = []
+        self._quiet = 0
+        for name in self.METHODS:
+            self._wrap(monkeypatch, torch.Tensor, name)
+        for name in ["equal", "nonzero", "unique", "masked_select", "isin"]:
+            self._wrap(monkeypatch, torch, name)
+        original_getitem = torch.Tensor.__getitem__
+
+        def getitem(t, idx):  # boolean-mask indexing is a nonzero in disguise
+            items = idx if isinstance(idx, tuple) else (idx,)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                self._hit("__getitem__[bool]")
+            return original_getitem(t, idx)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+
+    def _hit(self, name):
+        if not self._quiet:
+            self.count += 1
+            self.where.append(name)
+
+    def _wrap(self, monkeypatch, owner, name):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            self._hit(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    @contextmanager
+    def quiet(self):
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def silence(self, monkeypatch, owner, name, calls: list | None = None):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if calls is not None:
+                calls.append(name)
+            with self.quiet():
+                return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("arm", range(len(ARMS)))
+def test_one_host_read_per_step_and_one_per_block_attempt(tiny_model, monkeypatch, arm):
+    model = tiny_model
+    s = _settings(model, **ARMS[arm])
+    prompt = torch.randint(4, model.config.vocab_size, (5,))
+    counter = SyncCounter(monkeypatch)
+    status_reads, block_reads = [], []
+    for name in ("denoise", "prefill", "embed"):  # the forward is not the loop's to count
+        counter.silence(monkeypatch, model, name)
+    counter.silence(monkeypatch, generation, "_read_status", status_reads)
+    counter.silence(monkeypatch, generation, "_read_block", block_reads)
+
+    stream = generate_stream(model, prompt, settings=s)
+    first = next(stream)  # prompt checks (range of input ids) happen before the first step: call-level
+    assert isinstance(first, StepEvent)
+    counter.count, counter.where = 0, []
+    prev = first
+    reads_at_prev = len(status_reads)
+    steps, attempts = 1, 1
+    assert reads_at_prev == 1
+    for event in stream:
+        if isinstance(event, StepEvent):
+            steps += 1
+            if (event.block, event.attempt) == (prev.block, prev.attempt):
+                assert counter.count == 0, counter.where  # nothing else read between two steps of a block
+                assert len(status_reads) - reads_at_prev == 1  # exactly one status read per step
+            else:
+                attempts += 1
+            reads_at_prev = len(status_reads)
+            prev = event
+        elif isinstance(event, DoneEvent):
+            result = event.result
+    assert counter.count == 0, counter.where  # block bookkeeping reads only through _read_block
+    assert len(status_reads) == steps == result.forwards
+    assert len(block_reads) == attempts == len(result.steps_per_block) + result.retries
+
+
+def test_the_counter_sees_the_reads_it_claims_to(monkeypatch):
+    counter = SyncCounter(monkeypatch)
+    t = torch.rand(4)
+    float(t[0]), bool(t.any()), t.tolist(), torch.equal(t, t), t[t > 0.5], t.nonzero(), int(t.argmax())
+    assert counter.count == 7, counter.where
+    with counter.quiet():
+        t[0].item()
+    assert counter.count == 7
