@@ -120,7 +120,9 @@ class DeviceLcg:
     def __init__(self, seed: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         start = (int(seed) + 1) & _MASK64
-        self._state = torch.tensor(start - (1 << 64) if start >= 1 << 63 else start, dtype=torch.int64, device=self.device)
+        # a fill, not a host->device copy (a copy from pageable memory would sync)
+        self._state = torch.full((), start - (1 << 64) if start >= 1 << 63 else start, dtype=torch.int64,
+                                 device=self.device)
 
     @property
     def state(self) -> int:

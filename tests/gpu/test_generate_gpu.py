@@ -1,0 +1,142 @@
+"""GPU checks for the one-sync generate loop on the fast engine (skips without CUDA).
+
+- Syncs per step: with torch.cuda.set_sync_debug_mode("warn") every synchronizing CUDA call warns; between two
+  denoise steps of one block exactly one may happen (the loop's packed status read), forward included.
+- Fused vs torch step: the Triton row-stats step and the torch step (the CPU semantics) give the same tokens
+  on a tiny and a mid-size random engine (exact SC, where both paths see bit-identical tempered logits).
+- The tempered row-stats / survivor kernels at the real shape [256, 262144] against their torch twins;
+  with -s, their time next to the torch step's.
+"""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from diffgemma import generation  # noqa: E402
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.generation import StepEvent, generate_stream  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine_weights import RandomSource  # noqa: E402
+from diffgemma.ops import rowstats  # noqa: E402
+from diffgemma.sampling import stats as stats_mod  # noqa: E402
+from diffgemma.sampling.stats import StepStats  # noqa: E402
+from diffgemma.settings import GenerationSettings  # noqa: E402
+
+DEV = "cuda"
+S, FULL = "sliding_attention", "full_attention"
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=5,
+            layer_types=[S, FULL, S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=8)
+MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
+           num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
+           layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,
+           rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0},
+                            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+
+
+def make_engine(tc, canvas):
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": dict(tc, model_type="diffusion_gemma_text"),
+                                 "canvas_length": canvas})
+    return build_engine(cfg, RandomSource(cfg, DEV, torch.bfloat16, seed=random.getrandbits(31), std=0.05), DEV,
+                        torch.bfloat16, prefill_chunk=256)
+
+
+def settings(**kw):
+    base = dict(max_denoising_steps=8, max_new_tokens=3 * 64, seed=random.getrandbits(32))
+    base.update(kw)
+    return GenerationSettings.resolve({}, env={}, overrides=base)
+
+
+@pytest.fixture(scope="module", params=["tiny", "mid"])
+def engine(request):
+    return make_engine(TINY, 8) if request.param == "tiny" else make_engine(MID, 64)
+
+
+ARMS = [{}, {"sc_mode": "exact"}, {"semantics": "hf"}, {"freeze": True}, {"confidence_trim": 0.0}]
+
+
+@pytest.mark.parametrize("arm", range(len(ARMS)))
+def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
+    s = settings(**ARMS[arm])
+    V = engine.config.vocab_size
+    prompt = torch.randint(4, V, (37,), device=DEV)
+    cache = engine.new_cache(1024)
+    # warm-up with the same seed on the same cache: graph captures and Triton compiles happen here
+    list(generate_stream(engine, prompt, settings=s, cache=cache))
+    cache.truncate(len(prompt))
+    torch.cuda.synchronize()
+    reads = []
+    original = generation._read_status
+    monkeypatch.setattr(generation, "_read_status", lambda status: (reads.append(1), original(status))[1])
+    per_step = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            prev = None
+            mark = 0
+            for event in generate_stream(engine, [], settings=s, cache=cache):
+                if isinstance(event, StepEvent):
+                    syncs = [w for w in caught[mark:] if "synchroniz" in str(w.message).lower()]
+                    if prev is not None and (event.block, event.attempt) == (prev.block, prev.attempt):
+                        per_step.append((len(syncs), [str(w.message)[:120] + f" @{w.filename}:{w.lineno}" for w in syncs]))
+                    prev, mark = event, len(caught)
+                else:
+                    mark = len(caught)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert per_step, "no two consecutive steps in one block"
+    counts = [n for n, _ in per_step]
+    print(f"\n[generate syncs {ARMS[arm]}] steps checked {len(per_step)}: syncs per step {sorted(set(counts))}")
+    worst = max(per_step, key=lambda x: x[0])
+    assert max(counts) <= 1, worst[1]
+    assert len(reads) >= len(per_step)
+
+
+@pytest.mark.parametrize("sc_mode", ["exact"])
+def test_fused_step_gives_the_torch_step_tokens(engine, sc_mode, monkeypatch):
+    s = settings(sc_mode=sc_mode)
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    fused = [e for e in generate_stream(engine, prompt, settings=s)]
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: False)  # the CPU semantics' step, same forward
+    plain = [e for e in generate_stream(engine, prompt, settings=s)]
+    a = [e for e in fused if isinstance(e, StepEvent)]
+    b = [e for e in plain if isinstance(e, StepEvent)]
+    assert fused[-1].result.tokens == plain[-1].result.tokens
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.draft, y.draft) and torch.equal(x.accepted, y.accepted)
+        assert abs(x.mean_entropy - y.mean_entropy) < 1e-4
+    print(f"\n[fused vs torch step] {len(a)} steps, {len(fused[-1].result.tokens)} tokens identical")
+
+
+def test_tempered_rowstats_real_shape():
+    logits = torch.tanh(torch.randn(256, 262144, device=DEV) * 0.5) * 30
+    temp = 0.6083333492279053
+    got = rowstats.tempered_rowstats_triton(logits, temp)
+    exp = rowstats.tempered_rowstats_ref(logits, temp)
+    assert torch.equal(got[1], exp[1]) and torch.equal(got[2], exp[2])
+    assert (got[0] - exp[0]).abs().max().item() < 1e-3 and (got[3] - exp[3]).abs().max().item() < 1e-4
+    thr = exp[2] - 10.0
+    m, c = rowstats.tempered_survivors_triton(logits, temp, thr)
+    me, ce = rowstats.tempered_survivors_ref(logits, temp, thr)
+    assert torch.equal(m, me) and torch.equal(c, ce)
+
+    def timed(fn, n=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    fused_ms = timed(lambda: StepStats(logits, temp, fused=True))
+    torch_ms = timed(lambda: StepStats(logits, temp, fused=False))
+    surv_ms = timed(lambda: rowstats.tempered_survivors_triton(logits, temp, thr))
+    print(f"\n[step stats 256x262144 f32] fused {fused_ms:.3f} ms, torch {torch_ms:.3f} ms, survivors {surv_ms:.3f} ms")
