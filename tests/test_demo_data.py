@@ -38,8 +38,10 @@ def test_heldout_items_never_appear_in_training():
 
 
 def test_tool_cities_split_is_shared_by_call_and_answer_families():
-    held_cities = {c for c in dd.CITIES if dd.split_of(f"city:{c}") == "heldout"}
-    assert held_cities and len(held_cities) < len(dd.CITIES)
+    all_cities = dd.CITIES + dd.SYNTHETIC_CITIES
+    held_cities = {c for c in all_cities if dd.split_of(f"city:{c}") == "heldout"}
+    assert held_cities and len(held_cities) < len(all_cities)
+    assert not set(dd.CITIES) & set(dd.SYNTHETIC_CITIES)
     for e in dd.heldout_set(30):
         if e.family in ("tool_call", "tool_answer") and "city:" in e.key:
             assert e.key.split(":", 1)[1] in held_cities
@@ -124,3 +126,16 @@ def test_every_family_renders_through_the_chat_template(family):
         assert text.endswith("<tool_response|>")
     else:
         assert text.endswith("<|turn>model\n")
+
+
+def test_history_turns_precede_the_item_and_keep_its_split():
+    exs = dd.generate("train", 300, seed=3, history_prob=0.5)
+    multi = [e for e in exs if sum(m["role"] == "user" for m in e.messages) > 1]
+    assert 60 < len(multi) < 240  # about half, one or two earlier exchanges each
+    for e in multi:
+        roles = [m["role"] for m in e.messages]
+        first_user = roles.index("user")
+        assert roles[first_user + 1] == "assistant"  # each earlier question is answered
+        assert e.split == "train"
+    single = dd.generate("train", 50, seed=3)
+    assert all(sum(m["role"] == "user" for m in e.messages) == 1 for e in single)

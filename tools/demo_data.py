@@ -201,6 +201,24 @@ CITIES = [
     "Geneva", "Milan", "Naples", "Munich", "Hamburg", "Lyon", "Nice", "Porto", "Seville", "Valencia",
     "Kyoto", "Osaka", "Busan", "Taipei", "Dubai", "Doha", "Tunis", "Accra", "Dakar", "Oxford", "Leeds",
 ]
+# Made-up city names (syllable strings), so the model learns to COPY the city from the request instead of
+# recalling one of 62 memorised names. They split by name like the real ones: held-out names never occur
+# in training.
+_SYLLABLES = ["ka", "lo", "mi", "ren", "ta", "vi", "sor", "an", "bel", "du", "fen", "gra", "hol", "is", "jun",
+              "ker", "lun", "mar", "nor", "ost", "pel", "qua", "ris", "sel", "tor", "ul", "ven", "wes", "yar", "zan",
+              "bra", "cel", "dor", "el", "fal", "gan", "ha", "ino", "lar", "mo", "na", "or", "pra", "ros", "sten"]
+
+
+def _synthetic_cities(n: int = 1500, seed: int = 7) -> list[str]:
+    rng, names = random.Random(seed), set()
+    while len(names) < n:
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in CITIES:
+            names.add(name)
+    return sorted(names)
+
+
+SYNTHETIC_CITIES = _synthetic_cities()
 _CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 
 
@@ -228,14 +246,18 @@ def tool_call_text(name: str, args: dict) -> str:
 _SYSTEMS = [None, "You are a helpful assistant.", "You can call tools."]
 
 
+def _city(rng: random.Random) -> str:
+    return rng.choice(CITIES) if rng.random() < 0.5 else rng.choice(SYNTHETIC_CITIES)
+
+
 def _tool_request(rng: random.Random):
     kind = rng.choice(["weather", "time", "add"])
     if kind == "weather":
-        city = rng.choice(CITIES)
+        city = _city(rng)
         q = rng.choice(["What's the weather in {c}?", "what is the weather like in {c}?", "Is it raining in {c}?"])
         return kind, city, q.format(c=city), "get_weather", {"city": city}
     if kind == "time":
-        city = rng.choice(CITIES)
+        city = _city(rng)
         q = rng.choice(["What time is it in {c}?", "what is the local time in {c}?"])
         return kind, city, q.format(c=city), "get_time", {"city": city}
     a, b = rng.randint(100, 9999), rng.randint(100, 9999)
@@ -333,18 +355,34 @@ FAMILIES = {
 }
 # Sampling weights for training: the harder families get more of the budget.
 WEIGHTS = {
-    "arith": 3.0, "facts": 1.5, "count": 1.5, "think": 1.5, "tool_call": 1.0, "tool_answer": 1.5,
-    "sort": 1.5, "brackets": 0.7, "fillin": 0.7, "greet": 0.1,
+    "arith": 3.0, "facts": 2.5, "count": 1.5, "think": 1.5, "tool_call": 2.0, "tool_answer": 2.0,
+    "sort": 1.5, "brackets": 0.7, "fillin": 1.5, "greet": 0.1,
 }
+# Earlier exchanges prepended to some training conversations, so a second chat turn is not out of
+# distribution (the split is still decided by the last turn's item).
+HISTORY_FAMILIES = ("arith", "facts", "sort", "brackets", "fillin", "greet")
 EASY_FAMILIES = ("arith", "facts", "brackets", "fillin", "tool_call")
 # Families whose held-out split can be empty of items (greetings are a fixed table) are evaluated on train items.
 NO_HELDOUT = ("greet",)
 
 
-def generate(split: str, n: int, seed: int, families=None) -> list[Example]:
+def with_history(ex: Example, rng: random.Random, turns: int) -> Example:
+    """ex with `turns` earlier user/model exchanges inserted before its conversation (after a system turn)."""
+    history = []
+    for _ in range(turns):
+        prev = FAMILIES[rng.choice(HISTORY_FAMILIES)](rng)
+        history += prev.messages[-1:] + [{"role": "assistant", "content": prev.answer}]
+    msgs = ex.messages
+    head = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
+    return Example(ex.family, ex.key, head + history + msgs[len(head):], ex.target, tools=ex.tools,
+                   enable_thinking=ex.enable_thinking, answer=ex.answer, meta=ex.meta)
+
+
+def generate(split: str, n: int, seed: int, families=None, history_prob: float = 0.0) -> list[Example]:
     """n examples of the given split ("train" or "heldout"), deterministic in seed.
 
-    Rejection-samples on the split so both sets are drawn from the same distribution."""
+    Rejection-samples on the split so both sets are drawn from the same distribution. With probability
+    history_prob an example gets one or two earlier exchanges (multi-turn chats)."""
     fams = list(families or FAMILIES)
     weights = [WEIGHTS[f] for f in fams]
     rng = random.Random(seed)
@@ -357,6 +395,8 @@ def generate(split: str, n: int, seed: int, families=None) -> list[Example]:
         fam = rng.choices(fams, weights)[0]
         ex = FAMILIES[fam](rng)
         if ex.split == split or (fam in NO_HELDOUT and split == "heldout"):
+            if history_prob and rng.random() < history_prob:
+                ex = with_history(ex, rng, rng.randint(1, 2))
             out.append(ex)
     return out
 

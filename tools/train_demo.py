@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -363,8 +364,12 @@ def build_masks(n_pad: torch.Tensor, Lp: int, C: int, window: int, device) -> di
 # data
 
 
-def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int):
-    """Tokenizer + tokenized data as torch tensors (the GPU side needs only torch)."""
+def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int, tokenizer: Path | None = None,
+            history_prob: float = 0.1):
+    """Tokenizer + tokenized data as torch tensors (the GPU side needs only torch).
+
+    tokenizer: reuse this directory's tokenizer instead of training one (continued training must keep the
+    ids of the checkpoint it starts from)."""
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "src"))
     import build_tokenizer
@@ -375,8 +380,12 @@ def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int):
     tok_dir = out / "tokenizer"
     tok_dir.mkdir(exist_ok=True)
     t0 = time.time()
-    build_tokenizer.main([str(tok_dir), "--vocab", str(vocab)])
-    (tok_dir / "chat_template.jinja").write_text(build_tokenizer.TEMPLATE_PATH.read_text())
+    if tokenizer is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(tokenizer / f, tok_dir / f)
+    else:
+        build_tokenizer.main([str(tok_dir), "--vocab", str(vocab)])
+        (tok_dir / "chat_template.jinja").write_text(build_tokenizer.TEMPLATE_PATH.read_text())
     tok = Tokenizer.from_dir(tok_dir)
     print(f"tokenizer {time.time() - t0:.0f}s", flush=True)
     fams = list(demo_data.FAMILIES)
@@ -400,7 +409,7 @@ def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int):
         }
 
     t0 = time.time()
-    train = demo_data.generate("train", n_train, seed=20261130)
+    train = demo_data.generate("train", n_train, seed=20261130, history_prob=history_prob)
     held = demo_data.heldout_set(n_heldout_per_family)
     data = {"train": encode(train), "heldout": encode(held), "families": fams,
             "heldout_answers": [e.answer for e in held], "heldout_keys": [e.key for e in held]}
@@ -722,7 +731,6 @@ GENERATION_CONFIG = {
 
 
 def export(ckpt: Path, tok_dir: Path, out: Path):
-    import shutil
 
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -817,6 +825,8 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=150_000)
     p.add_argument("--heldout-per-family", type=int, default=100)
     p.add_argument("--vocab", type=int, default=DEMO_TEXT_CONFIG["vocab_size"])
+    p.add_argument("--tokenizer", type=Path, default=None, help="reuse this tokenizer dir (continued training)")
+    p.add_argument("--history-prob", type=float, default=0.1, help="share of multi-turn training chats")
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, default=Path("build/demo"))
     t.add_argument("--out", type=Path, required=True)
@@ -850,7 +860,7 @@ def main(argv=None):
     elif args.cmd == "eval":
         eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed)
     elif args.cmd == "prepare":
-        prepare(args.out, args.n_train, args.heldout_per_family, args.vocab)
+        prepare(args.out, args.n_train, args.heldout_per_family, args.vocab, args.tokenizer, args.history_prob)
     elif args.cmd == "train":
         train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed,
               chunks=args.chunks, cut_prob=args.cut_prob, eval_per_family=args.eval_per_family,
