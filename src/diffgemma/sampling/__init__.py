@@ -1,14 +1,19 @@
-"""The sampler pieces of the generation loop, one job per module (see diffgemma.generate for the loop)."""
+"""The sampler pieces of the generation loop, one job per module (see diffgemma.generate for the loop).
+
+Each host-side rule has a device-side twin the loop actually runs (no host sync per step): Lcg / DeviceLcg,
+temperature / temperature_value, StopRules / DeviceStopRules, sparse_soft_embed / SparsePlan.
+"""
 
 from .accept import accept_mask
-from .rng import Lcg, block_seed, categorical
-from .schedule import temperature
-from .self_condition import exact_soft_embed, sparse_error_bound, sparse_soft_embed
-from .stats import entropy, max_prob
-from .stops import FILLER_ID, StopRules
+from .rng import DeviceLcg, Lcg, block_seed, categorical
+from .schedule import temperature, temperature_value
+from .self_condition import SparsePlan, exact_soft_embed, sparse_error_bound, sparse_soft_embed
+from .stats import StepStats, entropy, max_prob
+from .stops import FILLER_ID, DeviceStopRules, StopRules
 from .trim import trim_cut
 
 __all__ = [
-    "Lcg", "block_seed", "categorical", "temperature", "accept_mask", "entropy", "max_prob",
-    "StopRules", "FILLER_ID", "exact_soft_embed", "sparse_soft_embed", "sparse_error_bound", "trim_cut",
+    "Lcg", "DeviceLcg", "block_seed", "categorical", "temperature", "temperature_value", "accept_mask", "entropy",
+    "max_prob", "StepStats", "StopRules", "DeviceStopRules", "FILLER_ID", "exact_soft_embed", "sparse_soft_embed",
+    "SparsePlan", "sparse_error_bound", "trim_cut",
 ]
