@@ -170,7 +170,7 @@ def variants(case):
                 dict(BM=128, BN=64, BD=256, num_warps=8, num_stages=2)]
     if not causal:  # the default config at other split counts first, then the other configs at each
         waves = (1, 2, 4) if d >= 512 else (0, 1, 2)
-        dflt = F.flash_config(d, causal)
+        dflt = F.flash_config(d, causal, case["n_keys"])
         out += [("flash", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
         return out + [("flash", dict(c, waves=w)) for c in cfgs for w in waves]
     return out + [("flash", c) for c in cfgs]

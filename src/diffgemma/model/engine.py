@@ -144,20 +144,16 @@ class Engine:
 
     # ------------------------------------------------------------------ attention implementation
 
-    # Which attention runs where, from graphed A/B steps and kernel timings on the H200 (bench/RESULTS.md,
-    # round 2): sliding canvas (hd 256, ~1.5k keys): SDPA (cuDNN flash, 85 µs/call in the graphed step,
-    # ahead of the Triton kernel's ~120 µs); sliding causal chunks: Triton (0.85 vs 9.7 ms per 8k chunk);
-    # full canvas (hd 512) over more than ~4k keys: Triton (0.90 / 3.28 vs 1.22 / 3.87 ms at 8k / 32k),
-    # SDPA below (137 µs/call at 1k); full causal chunks: SDPA (76 vs 83 ms for the last 8k chunk of 32k).
-    # A fixed rule, not a run-time race, so the same inputs always take the same kernels (bit-stable).
-    full_triton_min_keys = 4096 + 256
-
+    # Which attention runs where: the round-3 kernel (ops/attention_flash.py) everywhere on CUDA. Kernel
+    # timings on the H200 (bench/bench_attention.py at commit 8f24671; GPU µs per call, graphed):
+    # sliding canvas 32.8 vs SDPA 103.5; full canvas 67 / 362 / 1320 vs SDPA 165 / 936 / 3554 at 1k / 8k /
+    # 32k keys; 8k prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0),
+    # sliding 0.82 vs the round-2 kernel 1.12 and SDPA 9.5. It won every shape measured, so the rule has
+    # no thresholds. A fixed rule, not a run-time race: the same inputs always take the same kernels.
     def _attn_impl(self, sliding: bool, causal: bool, keys: int):
         if self.attn_impl is not None or self.device.type != "cuda":
             return self.attn_impl
-        if sliding:
-            return None if causal else "sdpa"
-        return None if (not causal and keys >= self.full_triton_min_keys) else "sdpa"
+        return "triton"
 
     # ------------------------------------------------------------------ the layer
 

@@ -14,7 +14,8 @@ token r % n). What changed against the round-2 kernel, and why:
   length: the device-scalar `nlive` only shortens each slice's loop (slices past it are empty and
   write m = -1e30, l = 0, which the merge weighs as 0), so one capture serves every step.
 * Output head-dim halves (BD < d) are a grid axis: each half recomputes QK^T but keeps its f32
-  accumulator at [BM, BD] in registers (hd 512 × BM 64 in f32 is 128 KB: too many registers).
+  accumulator at [BM, BD] in registers. hd 512 causal keeps the whole [64, 512] accumulator at 8 warps
+  (128 registers a thread; no recompute), the canvas measured faster with BM 128 and two halves.
 
 Causal key ranges are as in round 2: keys [0, n_ring) are an unordered ring (masked per key), keys
 [n_ring, n_keys) are position-ordered (key i holds position base_pos + i - n_ring); only the blocks
@@ -153,19 +154,27 @@ def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
 
 
-def flash_config(d: int, causal: bool) -> dict:
-    """Tile shapes per (head dim, mode): BM query rows × BN keys per step; BD output columns per program;
-    waves = how many programs per SM the canvas split aims at (0 = never split). Every choice here was
-    compiled for sm_90 with Triton 3.6 (the device's) and reads no spills and fits the 227 KB of
-    shared memory: hd 512 keeps the whole [64, 512] f32 accumulator in registers at 8 warps (BD = 512,
-    no QK^T recompute); hd 256 [64|128, 256]."""
+def flash_config(d: int, causal: bool, n_keys: int = 0) -> dict:
+    """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
+    columns per program; waves = programs per SM the canvas split aims at (0 = never split).
+
+    The fastest of a sweep on the H200 (bench/bench_attention.py at commit 8f24671), each also
+    compiled offline with Triton 3.6 for sm_90 and read back with no spills, under 227 KB of shared memory:
+      canvas hd 256 (1535 keys): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs (SDPA 103.5);
+      canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps: 67.2 / 362 / 1320 µs at
+          1k / 8k / 32k keys (SDPA 165 / 936 / 3554); one wave of splits up to 4k keys, two above
+          (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs);
+      causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute):
+          45.6 ms per 8k chunk at 24k (SDPA 75.5), 6.5 ms at 0 (SDPA 17.7);
+      causal hd 256 (window 1024): BM 64, BN 32, 4 warps: 0.82 / 0.69 ms (round-2 kernel 1.12 / 0.93).
+    """
     if d >= 512:
         if causal:
-            return dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=3, waves=0)
-        return dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2, waves=1)
+            return dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2, waves=0)
+        return dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2, waves=2 if n_keys > 4096 + 256 else 1)
     if causal:
-        return dict(BM=128, BN=32, BD=d, num_warps=8, num_stages=2, waves=0)
-    return dict(BM=64, BN=64, BD=d, num_warps=8, num_stages=2, waves=1)
+        return dict(BM=64, BN=32, BD=d, num_warps=4, num_stages=2, waves=0)
+    return dict(BM=128, BN=64, BD=d, num_warps=8, num_stages=2, waves=1)
 
 
 def num_splits(n_keys: int, base_programs: int, BN: int, sm_count: int, waves: float) -> tuple[int, int]:
@@ -187,7 +196,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
-    c = dict(flash_config(d, causal), **cfg)
+    c = dict(flash_config(d, causal, n_keys), **cfg)
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
     G = H // KV
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
