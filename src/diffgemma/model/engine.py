@@ -149,11 +149,10 @@ class Engine:
     # sliding canvas 32.8 vs SDPA 103.5; full canvas 67 / 362 / 1320 vs SDPA 165 / 936 / 3554 at 1k / 8k /
     # 32k keys; 8k prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0),
     # sliding 0.82 vs the round-2 kernel 1.12 and SDPA 9.5. It won every shape measured, so the rule has
-    # no thresholds. A fixed rule, not a run-time race: the same inputs always take the same kernels.
+    # no thresholds (None = the dispatcher's default: that kernel on CUDA unless DIFFGEMMA_NO_TRITON=1).
+    # A fixed rule, not a run-time race: the same inputs always take the same kernels.
     def _attn_impl(self, sliding: bool, causal: bool, keys: int):
-        if self.attn_impl is not None or self.device.type != "cuda":
-            return self.attn_impl
-        return "triton"
+        return self.attn_impl
 
     # ------------------------------------------------------------------ the layer
 
