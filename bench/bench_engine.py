@@ -243,23 +243,58 @@ def profile_fn(fn) -> str:
 
 
 def bench_generate(eng) -> dict:
-    """Wall time of generate outside the forwards: total − prefill − forwards × measured step time."""
+    """generate() time outside the forwards: total − prefill − Σ(CUDA-event time of each denoise call).
+
+    The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
+    run replays them. Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
+    """
     try:
-        import diffgemma.generate as G
-    except Exception as e:  # the generate module belongs to another helper
+        import diffgemma.generation as G
+    except Exception as e:
         return {"error": f"import: {e}"}
     try:
         V = eng.config.vocab_size
         prompt = torch.randint(0, V, (1024,), device="cuda")
         cache = eng.new_cache(4096)
         G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: captures graphs
-        cache = eng.new_cache(4096)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - t
-        return {"total_s": total, "forwards": getattr(out, "forwards", None), "timings": getattr(out, "timings", None)}
+        cache.truncate(0)
+        events = []
+        inner = eng.denoise
+
+        def timed_denoise(*a, **k):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = inner(*a, **k)
+            e.record()
+            events.append((s, e))
+            return out
+
+        reads = {"n": 0}
+        read_status = getattr(G, "_read_status", None)
+        if read_status is not None:
+            def counted(*a, **k):
+                reads["n"] += 1
+                return read_status(*a, **k)
+            G._read_status = counted
+        eng.denoise = timed_denoise
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t
+        finally:
+            eng.denoise = inner
+            if read_status is not None:
+                G._read_status = read_status
+        fwd_s = sum(s.elapsed_time(e) for s, e in events) / 1e3
+        prefill_s = out.timings.get("prefill_s", 0.0)
+        outside = total - prefill_s - fwd_s
+        return {"total_s": total, "prefill_s": prefill_s, "forward_s": fwd_s, "forwards": out.forwards,
+                "outside_s": outside, "outside_share": outside / max(total, 1e-9),
+                "outside_ms_per_step": outside / max(out.forwards, 1) * 1e3,
+                "status_reads_per_step": reads["n"] / max(out.forwards, 1) if read_status is not None else None,
+                "tokens": len(out.tokens), "timings": out.timings}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
