@@ -38,10 +38,11 @@ def test_heldout_items_never_appear_in_training():
 
 
 def test_tool_cities_split_is_shared_by_call_and_answer_families():
-    all_cities = dd.CITIES + dd.SYNTHETIC_CITIES
+    all_cities = dd.CITIES + dd.SYNTHETIC_CITIES + dd.TOKEN_WORDS
     held_cities = {c for c in all_cities if dd.split_of(f"city:{c}") == "heldout"}
     assert held_cities and len(held_cities) < len(all_cities)
-    assert not set(dd.CITIES) & set(dd.SYNTHETIC_CITIES)
+    assert not set(dd.CITIES) & (set(dd.SYNTHETIC_CITIES) | set(dd.TOKEN_WORDS))
+    assert len(dd.TOKEN_WORDS) > 100  # read from the shipped tokenizer
     for e in dd.heldout_set(30):
         if e.family in ("tool_call", "tool_answer") and "city:" in e.key:
             assert e.key.split(":", 1)[1] in held_cities

@@ -219,6 +219,23 @@ def _synthetic_cities(n: int = 1500, seed: int = 7) -> list[str]:
 
 
 SYNTHETIC_CITIES = _synthetic_cities()
+
+
+def _token_words() -> list[str]:
+    """Alphabetic single tokens of the shipped demo tokenizer, used as city names too. Real city names are
+    often one BPE token each (Dublin, Lisbon), and a held-out city's token never appears in any training
+    target; copying many other single tokens teaches the model to copy a token it has never written."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
+    if not path.exists():
+        return []
+    vocab = json.loads(path.read_text())["model"]["vocab"]
+    return sorted(t for t in vocab if t.isascii() and t.isalpha() and len(t) >= 3 and t not in CITIES)
+
+
+TOKEN_WORDS = _token_words()
 _CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 
 
@@ -247,7 +264,10 @@ _SYSTEMS = [None, "You are a helpful assistant.", "You can call tools."]
 
 
 def _city(rng: random.Random) -> str:
-    return rng.choice(CITIES) if rng.random() < 0.5 else rng.choice(SYNTHETIC_CITIES)
+    u = rng.random()
+    if u < 0.4 or not TOKEN_WORDS:
+        return rng.choice(CITIES) if u < 0.5 else rng.choice(SYNTHETIC_CITIES)
+    return rng.choice(SYNTHETIC_CITIES) if u < 0.7 else rng.choice(TOKEN_WORDS)
 
 
 def _tool_request(rng: random.Random):
