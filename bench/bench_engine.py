@@ -406,9 +406,18 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--extra-chunks", default="", help="prefill chunk sizes to also time at the largest context")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--generate-only", action="store_true", help="only the generate-overhead measurement")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if a.generate_only:
+        cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
+        eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
+        res = {"generate": bench_generate(eng)}
+        log(f"[ours] generate: {json.dumps(res['generate'], default=str)}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+        return
     ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x])
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
     try:

@@ -126,7 +126,8 @@ def bench_engine_q4(res, eng, cfg, reps):
         f"reserved {r['mem_8k_reserved_gib']:.2f}, peak {r['mem_8k_peak_allocated_gib']:.2f}, "
         f"device used {r['mem_8k_device_used_gib']:.2f} GiB")
     del c8
-    eng._graphs = {k: v for k, v in eng._graphs.items() if k[0] == id(cache)}
+    for other in [c for c in eng._graphs if c is not cache]:
+        del eng._graphs[other]
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -120,3 +120,37 @@ def test_engine_rejects_bad_inputs(ref):
         eng.denoise(cache, torch.zeros(C, dtype=torch.long), sc_logits=torch.zeros(C, V),
                     sc_embeds=torch.zeros(C, ref.config.hidden_size))
 
+
+
+def test_graphs_die_with_their_cache(ref, monkeypatch):
+    # A captured graph reads its cache's buffers: it must never be replayed for another cache, even one
+    # that Python allocates at the address of a freed one (the id-keyed table did exactly that).
+    import gc
+
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    V = ref.config.vocab_size
+    captures = []
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    def fake_capture(cache, C, key_rows, mode, sc):
+        captures.append(C)
+        return FakeGraph(), torch.zeros(C, dtype=torch.long), None, torch.randn(C, V)
+
+    monkeypatch.setattr(eng, "_capture", fake_capture)
+    ids = torch.randint(0, V, (4,))
+    c1 = eng.new_cache(64)
+    eng._denoise_graphed(c1, ids, "none", None)
+    eng._denoise_graphed(c1, ids, "none", None)
+    assert len(captures) == 1 and len(eng._graphs) == 1  # replayed, not re-captured
+    del c1
+    gc.collect()
+    assert len(eng._graphs) == 0
+    for _ in range(3):  # fresh caches (often at a recycled address) always capture their own graph
+        c = eng.new_cache(64)
+        eng._denoise_graphed(c, ids, "none", None)
+        del c
+        gc.collect()
+    assert len(captures) == 4

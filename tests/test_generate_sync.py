@@ -154,6 +154,21 @@ def test_sparse_plan_is_bit_identical_to_sparse_soft_embed():
                               atol=1e-4)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_plan_dense_fallback_sums_the_same_survivors(monkeypatch, fused):
+    # flat rows keep most of the vocabulary: above the gather budget the plan takes one dense product
+    emb = torch.randn(500, 24)
+    x = _logits(8, 500)
+    x[3:] = torch.randn(5, 500) * 0.5  # flat rows: nearly everything survives
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    plan = SparsePlan(StepStats(x, temp, fused=fused), 10.0)
+    n = int(plan.count)
+    gathered = plan.soft_embed(n, emb, 4.0)
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", n * emb.shape[1] * 4 - 1)
+    dense = plan.soft_embed(n, emb, 4.0)
+    torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------- the loop on a tiny model
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
     s = settings(**ARMS[arm])
     V = engine.config.vocab_size
     prompt = torch.randint(4, V, (37,), device=DEV)
-    cache = engine.new_cache(1024)
+    cache = engine.new_cache(1024, rewind_slack=512)  # the timed run rewinds past the warm-up's answer
     # warm-up with the same seed on the same cache: graph captures and Triton compiles happen here
     list(generate_stream(engine, prompt, settings=s, cache=cache))
     cache.truncate(len(prompt))

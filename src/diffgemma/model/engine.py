@@ -35,6 +35,7 @@ raw bf16 logits; the softcap runs after the replay into a fresh f32 tensor (no c
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -74,7 +75,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
-        self._graphs: dict = {}
+        # cache -> {(canvas, key rows, SC mode, attention impl): captured graph}. Weakly keyed: a graph reads
+        # its cache's buffers, so it must die with that cache; keying by id(cache) would let a new cache at a
+        # recycled address replay a graph over freed memory.
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
 
@@ -282,11 +286,12 @@ class Engine:
     def _denoise_graphed(self, cache: EngineKVCache, ids, mode: str, sc) -> torch.Tensor:
         C = len(ids)
         key_rows = self.context_bucket(cache) + C
-        key = (id(cache), C, key_rows, mode, self.attn_impl)
-        entry = self._graphs.get(key)
+        key = (C, key_rows, mode, self.attn_impl)
+        graphs = self._graphs.setdefault(cache, {})
+        entry = graphs.get(key)
         if entry is None:
             entry = self._capture(cache, C, key_rows, mode, sc)
-            self._graphs[key] = entry
+            graphs[key] = entry
         graph, ids_buf, sc_buf, out = entry
         ids_buf.copy_(ids)
         if sc_buf is not None:

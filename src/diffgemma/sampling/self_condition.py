@@ -85,7 +85,15 @@ class SparsePlan:
             self.mask = survivors(self._z, log_ratio)
             self.count = self.mask.sum(dtype=torch.int64)
 
+    # Above this many bytes of gathered embedding rows (n survivors x hidden x f32) the survivors are summed
+    # as one dense product of the masked probabilities instead: flat rows (random weights, an unconverged
+    # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (78 GiB seen on
+    # the full-size random model). Converging canvases keep a few tokens per row and take the gather.
+    gather_bytes_limit = 256 * 2**20
+
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+        if n * embedding.shape[1] * 4 > self.gather_bytes_limit:
+            return self._dense_soft_embed(embedding, scale)
         rows, cols = torch.nonzero_static(self.mask, size=n).unbind(1)
         if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
             z = self.stats.logits[rows, cols] / self.stats._temp_t
@@ -95,3 +103,9 @@ class SparsePlan:
         out = torch.zeros(self.mask.shape[0], embedding.shape[1], dtype=torch.float32, device=embedding.device)
         out.index_add_(0, rows, weights[:, None] * embedding[cols].float())
         return (out * scale).to(embedding.dtype)
+
+    def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+        """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""
+        z = self.stats.logits.float() / self.stats._temp_t if self.stats.fused else self._z
+        probs = torch.where(self.mask, torch.exp(z - self.log_z[:, None]), 0.0)
+        return ((probs.to(embedding.dtype) @ embedding).float() * scale).to(embedding.dtype)
