@@ -5,6 +5,7 @@ path), and measure (1) cosine and top-1 agreement of denoise logits against the 
 held-out prompts with random canvases, and (2) exact match of diffgemma.generate on held-out prompts.
 
     python bench/quant_fidelity.py [--per-family 12] [--profiles q4,q5,q6,nvfp4,nvfp4x]
+    python bench/quant_fidelity.py --mid      # a mid-size random transformers checkpoint: logits agreement only
 """
 
 from __future__ import annotations
@@ -61,11 +62,71 @@ def exact_match(model, items):
     return {f: sum(v) / len(v) for f, v in per.items()}
 
 
+S, FULL = "sliding_attention", "full_attention"
+MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
+           num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
+           layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,
+           max_position_embeddings=4096)
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+
+
+def mid_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A mid-size DiffusionGemma with transformers' random init, saved in bf16 like a real checkpoint."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(seed)
+    cfg = DiffusionGemmaConfig(text_config=MID, vision_config=TINY_VISION, canvas_length=64)
+    DiffusionGemmaForBlockDiffusion(cfg).to(torch.bfloat16).save_pretrained(str(directory))
+    return directory
+
+
+def expert_cosine(src: Path, pack: Path, layer: int = 0, rows: int = 256, seed: int = 2) -> float:
+    """Cosine of one layer's expert FFN output, packed vs bf16 weights, on the same random inputs and routes:
+    the quantization error itself, before a random model's near-tied routing amplifies it."""
+    from safetensors.torch import load_file
+
+    from diffgemma.ops.moe import experts_ref
+    from diffgemma.quant.source import open_pack
+
+    name = f"model.decoder.layers.{layer}.experts."
+    ref = load_file(str(src / "model.safetensors"))
+    packed = open_pack(pack)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, MID["hidden_size"], generator=gen)
+    experts = torch.stack([torch.randperm(MID["num_experts"], generator=gen)[: MID["top_k_experts"]] for _ in range(rows)])
+    w = torch.rand(rows, MID["top_k_experts"], generator=gen)
+    a = experts_ref(x, w, experts, ref[name + "gate_up_proj"].float(), ref[name + "down_proj"].float())
+    b = experts_ref(x, w, experts, packed.get(name + "gate_up_proj", torch.float32), packed.get(name + "down_proj", torch.float32))
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
+
+
+def main_mid(profiles, n_prompts: int = 8):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = mid_checkpoint(Path(tmp) / "mid")
+        base = diffgemma.load(src)
+        gen = torch.Generator().manual_seed(1)
+        items = [(None, torch.randint(3, MID["vocab_size"], (int(torch.randint(40, 300, (1,), generator=gen)),),
+                                      generator=gen).tolist(), None) for _ in range(n_prompts)]
+        print(f"mid-size random checkpoint ({sum(p.stat().st_size for p in src.glob('*.safetensors')):,} bytes bf16), "
+              f"{n_prompts} random prompts x canvas 64, CPU, torch {torch.__version__}")
+        print("| weights | expert FFN output cosine (layer 0, 256 random rows, top-4) | logits cosine vs bf16 | top-1 agreement |")
+        print("|---|---|---|---|")
+        for profile in profiles:
+            out = Path(tmp) / profile
+            quantize(src, out, profile=profile, progress=False)
+            cos, top1 = logits_agreement(base, diffgemma.load(out), items)
+            print(f"| {profile} | {expert_cosine(src, out):.5f} | {cos:.5f} | {top1:.4f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-family", type=int, default=12)
     ap.add_argument("--profiles", default="q4,q5,q6,nvfp4,nvfp4x")
+    ap.add_argument("--mid", action="store_true", help="the mid-size random checkpoint instead of the demo model")
     args = ap.parse_args()
+    if args.mid:
+        return main_mid(args.profiles.split(","))
     src = embedded_model_path()
     base = diffgemma.load(src)
     items = prompts(base.tokenizer, args.per_family)

@@ -154,3 +154,16 @@ def test_graphs_die_with_their_cache(ref, monkeypatch):
         del c
         gc.collect()
     assert len(captures) == 4
+
+
+def test_fast_engine_generates_the_golden_tokens():
+    # The demo model's golden cases through the fast engine's code path (torch twins on the CPU, f32
+    # compute, the contract's f16 KV cache): every token equal to the reference-pinned fixture.
+    from diffgemma import golden
+
+    ref = diffgemma.load(None, device="cpu")
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    fixture = golden.load_fixture(golden.fixture_path(ref))
+    expected = fixture.get("cases", fixture)
+    for case in golden.CASES:
+        assert golden.run_case(eng, case)["tokens"] == expected[case.name]["tokens"], case.name
