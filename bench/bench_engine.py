@@ -328,7 +328,6 @@ def bench_hf(contexts, reps) -> dict:
     res["experts_impl"] = str(getattr(model.config.get_text_config(), "_experts_implementation", "?"))
     log(f"[hf {transformers.__version__}] built in {time.time() - t0:.1f}s, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
         f"experts={res['experts_impl']}")
-    tc = hcfg.text_config
     V = TEXT["vocab_size"]
     for T in contexts:
         r = {}

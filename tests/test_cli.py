@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from diffgemma.cli import main
 from diffgemma.loader import embedded_model_path

@@ -11,7 +11,6 @@ loop against the pre-fusion host loop, and a count of every host read the loop m
   two steps of a block only `_read_status` may read, once; per attempt `_read_block` reads once.
 """
 
-import math
 import random
 from contextlib import contextmanager
 

@@ -85,7 +85,6 @@ def test_norm_rope_matches_rotate_half_convention():
 
 
 def test_ring_wrap_slots_write_the_last_ring_positions():
-    from diffgemma.config import ModelConfig  # noqa: F401  (cache needs only a few config fields)
     from types import SimpleNamespace
     from diffgemma.model.engine_cache import EngineKVCache
 

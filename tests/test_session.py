@@ -1,7 +1,6 @@
 """Session: thought-channel split, tool-call grammar, tool round trips, and KV reuse across turns."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
