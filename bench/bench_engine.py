@@ -84,48 +84,6 @@ def weight_bytes(w) -> int:
     return total
 
 
-def bench_attention(contexts) -> dict:
-    """The attention kernel alone at the engine's shapes: Triton configs vs SDPA (CUDA events, median)."""
-    from diffgemma.ops import attention as attn
-
-    out = {}
-    variants = {"default": {}, "bn64_st2_w8": dict(BN=64, num_stages=2, num_warps=8)}
-    shapes = []
-    for T in contexts:
-        shapes.append((f"denoise full ctx{T}", 2, 512, 256, T + 256, False))
-    shapes.append(("denoise sliding", 8, 256, 256, 1279 + 256, False))
-    T = contexts[-1]
-    shapes.append((f"prefill full last 8k chunk of {T}", 2, 512, 8192, T, True))
-    shapes.append(("prefill sliding 8k chunk", 8, 256, 8192, 1279 + 8192, True))
-    for name, KV, hd, n, keys, causal in shapes:
-        q = torch.randn(16, n, hd, device="cuda", dtype=torch.float16)
-        k = torch.randn(KV, keys, hd, device="cuda", dtype=torch.float16) * hd ** -0.5 * 4
-        v = torch.randn_like(k)
-        kpos = torch.arange(keys, device="cuda") if causal else torch.zeros(keys, dtype=torch.int64, device="cuda")
-        qpos = torch.arange(keys - n, keys, device="cuda")
-        window = 1024 if KV == 8 else attn.NO_WINDOW
-        row = {}
-        for vn, cfg in variants.items():
-            try:
-                hints = {} if causal else {"nlive": torch.tensor(keys, device="cuda")}
-                fn = lambda: attn.attention_triton(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal,
-                                                   out_dtype=torch.bfloat16, **hints, **cfg)
-                row[vn] = statistics.median(time_cuda(fn, reps=5, warmup=1))
-            except Exception as e:
-                row[vn] = f"{type(e).__name__}: {str(e)[:120]}"
-        try:
-            fn = lambda: attn.attention_sdpa(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal,
-                                             out_dtype=torch.bfloat16)
-            row["sdpa"] = statistics.median(time_cuda(fn, reps=5, warmup=1))
-        except Exception as e:
-            row["sdpa"] = f"{type(e).__name__}: {str(e)[:120]}"
-        log(f"[attn] {name}: " + ", ".join(f"{a}={b:.3f} ms" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()))
-        out[name] = row
-        del q, k, v
-        torch.cuda.empty_cache()
-    return out
-
-
 def bench_ours(contexts, reps, extra_chunks=()) -> dict:
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     t0 = time.time()
@@ -209,7 +167,6 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
             eng.prefill_chunk = 8192
         del cache
         eng._graphs.clear()
-    res["attention"] = bench_attention(contexts)
     res["generate"] = bench_generate(eng)
     del eng
     gc.collect()

@@ -15,7 +15,7 @@ from diffgemma.errors import TensorError
 from diffgemma.model.engine import build_engine
 from diffgemma.ops import moe, moe_packed as mp
 from diffgemma.quant import PackSource, codecs, quantize
-from tiny_checkpoints import FULL, S, build_model, save
+from tiny_checkpoints import PACKABLE, build_model, save
 
 FORMATS = ("q4", "q5", "q6", "nvfp4")
 interpreted = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -129,9 +129,7 @@ def test_expert_ffn_dispatch_on_packed_weights(monkeypatch, rows_per_expert_thre
 
 # ------------------------------------------------------------------------------------ the engine on a pack
 
-TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=6,
-            layer_types=[S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+TEXT = PACKABLE
 CANVAS = 16
 
 

@@ -251,8 +251,8 @@ def test_attention_kernel(case):
             kpos[live - n: live] = 0
             hints = dict(nlive=torch.tensor(live))
         v[:, :n_keys][:, kpos < 0] = float("nan")
-    got = attn.attention_triton(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal,
-                                out_dtype=torch.bfloat16, BM=16, BN=16, BK=16, BD=16, num_warps=4, num_stages=1, **hints)
+    got = attn.attention_flash(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal,
+                               out_dtype=torch.bfloat16, BM=16, BN=16, BD=16, num_warps=4, num_stages=1, **hints)
     exp = attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.float32)
     assert got.shape == (n, H * d) and not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), exp, atol=1e-2, rtol=1e-2)

@@ -19,14 +19,11 @@ from diffgemma.quant import PackSource, codecs, quantize, repack_monolithic, rep
 from diffgemma.quant.commands import add_subcommands
 from diffgemma.quant.pack import BLOB, MANIFEST
 from diffgemma.quant.policy import make_policy
-from tiny_checkpoints import CONFIGS, FULL, S, build_model, save
+from tiny_checkpoints import CONFIGS, PACKABLE, build_model, save
 
 pytest.importorskip("transformers")
 
-# Dimensions chosen so every profile applies: K multiples of 32 for the experts, 16 for nvfp4 linears.
-TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=6,
-            layer_types=[S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+TEXT = PACKABLE
 CANVAS = 16
 
 

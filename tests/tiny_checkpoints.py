@@ -30,6 +30,18 @@ CONFIGS = {
                         moe_intermediate_size=4),
 }
 
+# Mid-size: the real model's head-dim ratio, RoPE kinds and a 6-layer pattern at GPU-test scale.
+MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
+           num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
+           layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,
+           rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0},
+                            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+
+# Dimensions chosen so every pack profile applies: K multiples of 32 for the experts, 16 for nvfp4 linears.
+PACKABLE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=6,
+                layer_types=[S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
 
 def build_model(text_config: dict, canvas_length: int = 8, seed: int | None = None):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion

@@ -265,9 +265,9 @@ _SYSTEMS = [None, "You are a helpful assistant.", "You can call tools."]
 
 def _city(rng: random.Random) -> str:
     u = rng.random()
-    if u < 0.4 or not TOKEN_WORDS:
-        return rng.choice(CITIES) if u < 0.5 else rng.choice(SYNTHETIC_CITIES)
-    return rng.choice(SYNTHETIC_CITIES) if u < 0.7 else rng.choice(TOKEN_WORDS)
+    if not TOKEN_WORDS:  # no shipped tokenizer to read: real and made-up names only
+        return rng.choice(CITIES if u < 0.5 else SYNTHETIC_CITIES)
+    return rng.choice(CITIES if u < 0.4 else SYNTHETIC_CITIES if u < 0.7 else TOKEN_WORDS)
 
 
 def _tool_request(rng: random.Random):

@@ -16,8 +16,11 @@ from diffgemma.model.engine_weights import DictSource, RandomSource  # noqa: E40
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
 from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
 
+from tiny_checkpoints import CONFIGS, MID  # noqa: E402
+
 DEV = "cuda"
-S, FULL = "sliding_attention", "full_attention"
+
+TINY = CONFIGS["gqa2_mixed"]
 
 
 def rel(a, b):
@@ -85,14 +88,6 @@ def make_config(tc, canvas):
     return ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": tc, "canvas_length": canvas})
 
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=5,
-            layer_types=[S, FULL, S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=8)
-MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
-           num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
-           layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,
-           rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0},
-                            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
 
 
 @pytest.mark.parametrize("name,tc,canvas,prompt_len", [("tiny", TINY, 8, 17), ("mid", MID, 64, 700)])
@@ -218,7 +213,7 @@ def test_attention_real_shape(causal, KV, hd, n, keys):
         qpos, window = None, attn.NO_WINDOW
         kpos = torch.where(torch.rand(keys, device=DEV) < 0.1, -1, 0)
         kpos[-n:] = 0
-    got = attn.attention_triton(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.bfloat16)
+    got = attn.attention_flash(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.bfloat16)
     exp = attn.attention_ref(q, k, v, kpos, keys, qpos=qpos, window=window, causal=causal, out_dtype=torch.float32,
                              q_block=256)
     assert not torch.isnan(got).any()

@@ -26,16 +26,11 @@ from diffgemma.sampling import stats as stats_mod  # noqa: E402
 from diffgemma.sampling.stats import StepStats  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 
+from tiny_checkpoints import CONFIGS, MID  # noqa: E402
+
 DEV = "cuda"
-S, FULL = "sliding_attention", "full_attention"
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=5,
-            layer_types=[S, FULL, S, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=8)
-MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
-           num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
-           layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,
-           rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0},
-                            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+
+TINY = CONFIGS["gqa2_mixed"]
 
 
 def make_engine(tc, canvas):
