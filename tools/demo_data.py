@@ -16,6 +16,7 @@ Families (see MODEL_CARD.md):
   tool_answer the answer after a tool response                      (held-out: unseen cities)
   sort / brackets / fillin   constraint tasks                       (held-out: unseen lists)
   greet      a fixed self-description for greetings
+  echo       say one word of the tokenizer's vocabulary back           (held-out: unseen words)
 
 The target text ends with the stop token the engine scans for: "<turn|>" for a normal reply and
 "<|tool_response>" after a tool call (the host then appends the response and the model continues).
@@ -236,6 +237,25 @@ def _token_words() -> list[str]:
 
 
 TOKEN_WORDS = _token_words()
+
+
+def _vocab_words() -> list[str]:
+    """Every alphabetic token of the shipped tokenizer (with its byte-level space marker dropped), for the
+    echo family: a word the model never wrote in any training target gets its (tied) output embedding
+    pushed down by every softmax and cannot be copied later, e.g. a one-token city name in a tool call.
+    A real LM has written every token of its vocabulary somewhere; echo gives the demo model the same."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
+    if not path.exists():
+        return []
+    vocab = json.loads(path.read_text())["model"]["vocab"]
+    words = {t[1:] if t.startswith("\u0120") else t for t in vocab}
+    return sorted(w for w in words if w.isascii() and w.isalpha() and len(w) >= 2)
+
+
+VOCAB_WORDS = _vocab_words()
 _CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 
 
@@ -367,16 +387,22 @@ def greet(rng: random.Random) -> Example:
     return Example("greet", f"greet:{g}", _user(g), GREETING_REPLY + TURN_END, answer=GREETING_REPLY)
 
 
+def echo(rng: random.Random) -> Example:
+    word = rng.choice(VOCAB_WORDS or CITIES)
+    q = rng.choice(["Say the word {w}.", "Repeat this word: {w}", "echo {w}"])
+    return Example("echo", f"echo:{word}", _user(q.format(w=word)), word + TURN_END, answer=word)
+
+
 # ----------------------------------------------------------------------------------------------
 
 FAMILIES = {
     "arith": arith, "facts": facts, "count": count, "think": think, "tool_call": tool_call,
-    "tool_answer": tool_answer, "sort": sort_task, "brackets": brackets, "fillin": fillin, "greet": greet,
+    "tool_answer": tool_answer, "sort": sort_task, "brackets": brackets, "fillin": fillin, "greet": greet, "echo": echo,
 }
 # Sampling weights for training: the harder families get more of the budget.
 WEIGHTS = {
-    "arith": 3.0, "facts": 2.5, "count": 1.5, "think": 1.5, "tool_call": 2.0, "tool_answer": 2.0,
-    "sort": 1.5, "brackets": 0.7, "fillin": 1.5, "greet": 0.1,
+    "arith": 3.0, "facts": 2.5, "count": 1.5, "think": 1.5, "tool_call": 3.0, "tool_answer": 2.0,
+    "sort": 1.5, "brackets": 0.7, "fillin": 3.0, "greet": 0.1, "echo": 2.0,
 }
 # Earlier exchanges prepended to some training conversations, so a second chat turn is not out of
 # distribution (the split is still decided by the last turn's item).

@@ -1,0 +1,151 @@
+"""Does the random-weight benchmark route like a real model? (the validity of issue 5's and 6's step times)
+
+A real model's canvas (256 positions x top-8 routes) reaches every one of the 128 experts, so a denoise step
+streams all expert weights: issue 5's premise and our roofline. Random weights need not do that: if the
+canvas rows' hidden states are alike, they pick the same few experts and the grouped GEMM reads a fraction
+of the bytes, so a step looks faster than it would be on the real model.
+
+    PYTHONPATH=src python bench/bench_routing.py [--contexts 1024,8192] [--reps 20] [--json out.json]
+
+Builds the full-size random engine (bf16 experts, then q4 experts as in bench_pack.py) and, per context:
+  - counts, per layer, the distinct experts the canvas routes to and the largest rows-per-expert (eager pass,
+    the model's own routing);
+  - times the graphed denoise step (CUDA events, median) under the model's routing and under balanced
+    routing: route (t, j) -> expert (8t + j) mod 128, so every expert gets exactly 16 rows and every expert
+    weight is read. The router still runs (its cost stays in); only its expert ids are replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import diffgemma.model.engine as engine_module  # noqa: E402
+from bench_engine import BW, CANVAS, TEXT, time_cuda  # noqa: E402
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine_weights import RandomPackSource, RandomSource  # noqa: E402
+from diffgemma.ops.moe_packed import PackedWeight  # noqa: E402
+
+ORIGINAL_ROUTE = engine_module.route_fused
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def weight_bytes(w) -> int:
+    """Bytes of every weight the engine holds, packed records at their packed size."""
+    seen, total = set(), 0
+    for t in list(vars(w).values()) + [x for lw in w.layers for x in vars(lw).values()]:
+        if isinstance(t, PackedWeight):
+            t = t.record
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def balanced_route(router_in, router_w, k, per_expert_scale):
+    weights, experts = ORIGINAL_ROUTE(router_in, router_w, k, per_expert_scale)
+    T, E = experts.shape[0], router_w.shape[0]
+    return weights, (torch.arange(T * k, device=experts.device) % E).view(T, k).to(experts.dtype)
+
+
+def routing_stats(eng, cache, ids, sc) -> dict:
+    """Distinct experts and max rows per expert, per layer, under the model's own routing (eager, syncs)."""
+    seen = []
+
+    def counting_route(router_in, router_w, k, per_expert_scale):
+        weights, experts = ORIGINAL_ROUTE(router_in, router_w, k, per_expert_scale)
+        counts = torch.bincount(experts.flatten(), minlength=router_w.shape[0])
+        seen.append((int((counts > 0).sum()), int(counts.max())))
+        return weights, experts
+
+    engine_module.route_fused = counting_route
+    use_graphs, eng.use_graphs = eng.use_graphs, False
+    try:
+        eng.denoise(cache, ids, sc_logits=sc)
+    finally:
+        engine_module.route_fused = ORIGINAL_ROUTE
+        eng.use_graphs = use_graphs
+    distinct = [d for d, _ in seen]
+    return {"distinct_experts_per_layer": distinct, "max_rows_per_expert": [m for _, m in seen],
+            "distinct_min": min(distinct), "distinct_mean": sum(distinct) / len(distinct)}
+
+
+def timed_step(eng, cache, ids, sc, reps: int, route) -> float:
+    engine_module.route_fused = route
+    eng._graphs.clear()  # a captured graph holds the routing function it was captured with
+    try:
+        eng.denoise(cache, ids, sc_logits=sc)  # capture
+        return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2))
+    finally:
+        engine_module.route_fused = ORIGINAL_ROUTE
+        eng._graphs.clear()
+
+
+def bench(label: str, eng, cfg, contexts, reps) -> dict:
+    V, out = cfg.vocab_size, {"weight_bytes": weight_bytes(eng.w)}
+    c0 = eng.new_cache(2048)  # warm-up: compile kernels
+    eng.prefill(c0, torch.randint(0, V, (1024,), device="cuda"))
+    eng.denoise(c0, torch.randint(0, V, (CANVAS,), device="cuda"))
+    del c0
+    for T in contexts:
+        cache = eng.new_cache(T)
+        eng.prefill(cache, torch.randint(0, V, (T,), device="cuda"))
+        ids = torch.randint(0, V, (CANVAS,), device="cuda")
+        sc = torch.randn(CANVAS, V, device="cuda") * 3
+        r = routing_stats(eng, cache, ids, sc)
+        r["denoise_model_routing_ms"] = timed_step(eng, cache, ids, sc, reps, ORIGINAL_ROUTE)
+        r["denoise_balanced_routing_ms"] = timed_step(eng, cache, ids, sc, reps, balanced_route)
+        r["roofline_weights_ms"] = out["weight_bytes"] / BW * 1e3
+        log(f"[{label}] ctx {T}: distinct experts per layer min {r['distinct_min']} mean {r['distinct_mean']:.1f} "
+            f"(of {cfg.num_experts}); max rows/expert {max(r['max_rows_per_expert'])}; denoise graphed "
+            f"{r['denoise_model_routing_ms']:.2f} ms (model routing) / {r['denoise_balanced_routing_ms']:.2f} ms "
+            f"(balanced); weight-byte floor {r['roofline_weights_ms']:.2f} ms")
+        log(f"[{label}] ctx {T}: distinct per layer {r['distinct_experts_per_layer']}")
+        out[T] = r
+        del cache
+        gc.collect()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-q4", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    sources = [("bf16", lambda: RandomSource(cfg, "cuda", torch.bfloat16, seed=0))]
+    if not args.skip_q4:
+        sources.append(("q4", lambda: RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8")))
+    for label, make in sources:
+        t0 = time.time()
+        eng = build_engine(cfg, make(), "cuda", torch.bfloat16)
+        torch.cuda.synchronize()
+        log(f"[{label}] built in {time.time() - t0:.1f}s")
+        res[label] = bench(label, eng, cfg, contexts if label == "bf16" else contexts[:1], args.reps)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
