@@ -10,6 +10,11 @@ with peak memory. Then frees it and times transformers' DiffusionGemmaForBlockDi
 init on the GPU, bf16, sdpa) on the same shapes: its denoise over a DynamicCache filled with random
 K/V of that length, and its encoder prefill. One table at the end, with ratios and the weight-byte
 roofline (all weights read once per step at 4.3e12 B/s, the copy bandwidth measured on an H200).
+
+Routing: random weights route the canvas to only ~3/4 of the experts (bench_routing.py), which would time a
+step that reads fewer bytes than the real model's. So by default both engines run with balanced routing
+(balanced_routing.py: every expert gets the same number of rows; the routers still run); `--routing model`
+times the random model's own routing instead.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from balanced_routing import KINDS, balance_hf, routing  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomSource  # noqa: E402
@@ -256,7 +263,7 @@ def bench_generate(eng) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def bench_hf(contexts, reps) -> dict:
+def bench_hf(contexts, reps, routing_kind: str = "balanced") -> dict:
     res = {"ctx": {}}
     try:
         import transformers
@@ -283,6 +290,9 @@ def bench_hf(contexts, reps) -> dict:
         torch.set_default_dtype(torch.float32)
     torch.cuda.synchronize()
     res["experts_impl"] = str(getattr(model.config.get_text_config(), "_experts_implementation", "?"))
+    res["routing"] = routing_kind
+    if routing_kind == "balanced":
+        res["balanced_routers"] = len(balance_hf(model))
     log(f"[hf {transformers.__version__}] built in {time.time() - t0:.1f}s, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
         f"experts={res['experts_impl']}")
     V = TEXT["vocab_size"]
@@ -363,27 +373,30 @@ def main():
     ap.add_argument("--extra-chunks", default="", help="prefill chunk sizes to also time at the largest context")
     ap.add_argument("--json", default=None)
     ap.add_argument("--generate-only", action="store_true", help="only the generate-overhead measurement")
+    ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing (see the docstring)")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
-    log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  routing: {a.routing}")
     if a.generate_only:
         cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
         eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
-        res = {"generate": bench_generate(eng)}
+        with routing(a.routing):
+            res = {"generate": bench_generate(eng), "routing": a.routing}
         log(f"[ours] generate: {json.dumps(res['generate'], default=str)}")
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
         return
-    ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x])
+    with routing(a.routing):
+        ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x])
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
     try:
-        hf = {} if a.skip_hf else bench_hf(contexts, a.reps)
+        hf = {} if a.skip_hf else bench_hf(contexts, a.reps, a.routing)
     except Exception as e:  # report ours even if transformers' side breaks
         hf = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         log(f"[hf] failed: {hf['error']}")
         gc.collect()
         torch.cuda.empty_cache()
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ours": ours, "hf": hf}
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "routing": a.routing, "ours": ours, "hf": hf}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     log("\n" + table(ours, hf, contexts))

@@ -14,6 +14,7 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
           at 8k, and the logits agreement q4 vs bf16 on one step.
 Sections run in that order and the JSON is rewritten after each, so a time-out keeps what finished.
+The engine sections run with balanced expert routing unless `--routing model` (see balanced_routing.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from balanced_routing import KINDS, routing  # noqa: E402
 from bench_engine import CANVAS, TEXT, profile_fn, time_cuda  # noqa: E402  (also puts src/ on the path)
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
@@ -218,6 +220,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: kernels,bf16")
+    ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing the engine")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -243,12 +246,14 @@ def main():
     sections = [("engine_q4", lambda: bench_engine_q4(res, eng, cfg, args.reps)),
                 ("kernels", lambda: bench_kernels(res, 20)),
                 ("bf16", lambda: bench_bf16(res, eng, cfg, args.reps))]
+    res["routing"] = args.routing
     for name, fn in sections:
         if name in skip:
             continue
         t = time.time()
         try:
-            fn()
+            with routing(args.routing):
+                fn()
         except Exception as e:
             import traceback
 

@@ -31,14 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import diffgemma.model.engine as engine_module  # noqa: E402
+from balanced_routing import MODEL_ROUTE, balanced_route  # noqa: E402
 from bench_engine import BW, CANVAS, TEXT, time_cuda  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource, RandomSource  # noqa: E402
 from diffgemma.ops.moe_packed import PackedWeight  # noqa: E402
-
-ORIGINAL_ROUTE = engine_module.route_fused
-
 
 def log(*a):
     print(*a, flush=True)
@@ -56,18 +54,12 @@ def weight_bytes(w) -> int:
     return total
 
 
-def balanced_route(router_in, router_w, k, per_expert_scale):
-    weights, experts = ORIGINAL_ROUTE(router_in, router_w, k, per_expert_scale)
-    T, E = experts.shape[0], router_w.shape[0]
-    return weights, (torch.arange(T * k, device=experts.device) % E).view(T, k).to(experts.dtype)
-
-
 def routing_stats(eng, cache, ids, sc) -> dict:
     """Distinct experts and max rows per expert, per layer, under the model's own routing (eager, syncs)."""
     seen = []
 
     def counting_route(router_in, router_w, k, per_expert_scale):
-        weights, experts = ORIGINAL_ROUTE(router_in, router_w, k, per_expert_scale)
+        weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale)
         counts = torch.bincount(experts.flatten(), minlength=router_w.shape[0])
         seen.append((int((counts > 0).sum()), int(counts.max())))
         return weights, experts
@@ -77,7 +69,7 @@ def routing_stats(eng, cache, ids, sc) -> dict:
     try:
         eng.denoise(cache, ids, sc_logits=sc)
     finally:
-        engine_module.route_fused = ORIGINAL_ROUTE
+        engine_module.route_fused = MODEL_ROUTE
         eng.use_graphs = use_graphs
     distinct = [d for d, _ in seen]
     return {"distinct_experts_per_layer": distinct, "max_rows_per_expert": [m for _, m in seen],
@@ -91,7 +83,7 @@ def timed_step(eng, cache, ids, sc, reps: int, route) -> float:
         eng.denoise(cache, ids, sc_logits=sc)  # capture
         return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2))
     finally:
-        engine_module.route_fused = ORIGINAL_ROUTE
+        engine_module.route_fused = MODEL_ROUTE
         eng._graphs.clear()
 
 
@@ -107,7 +99,7 @@ def bench(label: str, eng, cfg, contexts, reps) -> dict:
         ids = torch.randint(0, V, (CANVAS,), device="cuda")
         sc = torch.randn(CANVAS, V, device="cuda") * 3
         r = routing_stats(eng, cache, ids, sc)
-        r["denoise_model_routing_ms"] = timed_step(eng, cache, ids, sc, reps, ORIGINAL_ROUTE)
+        r["denoise_model_routing_ms"] = timed_step(eng, cache, ids, sc, reps, MODEL_ROUTE)
         r["denoise_balanced_routing_ms"] = timed_step(eng, cache, ids, sc, reps, balanced_route)
         r["roofline_weights_ms"] = out["weight_bytes"] / BW * 1e3
         log(f"[{label}] ctx {T}: distinct experts per layer min {r['distinct_min']} mean {r['distinct_mean']:.1f} "

@@ -1,6 +1,6 @@
 """What the embedded demo model does, measured on held-out prompts and asserted at a fixed seed.
 
-The bars are set a little under what was measured (MODEL_CARD.md, run 4), so a regression in the model,
+The bars are set a little under what was measured (MODEL_CARD.md, run 5), so a regression in the model,
 the tokenizer, the chat template or the generation loop shows up here, not only in the golden fixture.
 """
 
@@ -24,7 +24,7 @@ def results():
     tok = model.tokenizer
     out = {}
     for ex in demo_data.heldout_set(N):
-        if ex.family not in ("arith", "facts", "sort", "brackets", "think", "count", "tool_call"):
+        if ex.family not in ("arith", "facts", "sort", "brackets", "think", "fillin", "count", "tool_call"):
             continue
         ids = tok.apply_chat_template(ex.messages, tools=ex.tools, enable_thinking=ex.enable_thinking)
         target = tok.encode(ex.target)
@@ -34,8 +34,8 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("family,min_correct", [("arith", 10), ("facts", 10), ("sort", 10), ("brackets", 11),
-                                                ("think", 10)])
+@pytest.mark.parametrize("family,min_correct", [("arith", 11), ("facts", 10), ("sort", 10), ("brackets", 11),
+                                                ("think", 10), ("fillin", 10)])
 def test_held_out_exact_match(results, family, min_correct):
     correct = sum(ok for ok, _ in results[family])
     assert len(results[family]) == N and correct >= min_correct, f"{family}: {correct}/{N}"
@@ -62,7 +62,7 @@ def test_tool_calls_are_well_formed_and_copy_multi_token_names(results):
     for ok, r in runs:  # every held-out request gets one parseable call, ended by the tool-response stop
         text = tok.decode(r.tokens)
         assert text.startswith("<|tool_call>call:") and text.endswith("<tool_call|>") and r.stop_token == 50, text
-    assert sum(ok for ok, _ in runs) >= 7  # misses: held-out names that are one never-written token
+    assert sum(ok for ok, _ in runs) >= 9  # run 5: 11/12; misses are one-token held-out names (MODEL_CARD)
 
 
 def test_held_out_set_commits_at_least_four_tokens_per_forward(results):
