@@ -140,3 +140,15 @@ def test_history_turns_precede_the_item_and_keep_its_split():
         assert e.split == "train"
     single = dd.generate("train", 50, seed=3)
     assert all(sum(m["role"] == "user" for m in e.messages) == 1 for e in single)
+
+
+def test_echo_writes_back_the_prompted_word_and_covers_the_one_token_city_names():
+    rng = random.Random()
+    for _ in range(200):
+        e = dd.echo(rng)
+        word = _user_text(e).rstrip(".").split()[-1]
+        assert e.answer == word and e.target == word + "<turn|>" and e.key == f"echo:{word}"
+    if dd.TOKEN_WORDS:  # with the shipped tokenizer: every one-token city word is an echo word too
+        assert set(dd.TOKEN_WORDS) <= set(dd.VOCAB_WORDS)
+        held = [w for w in dd.VOCAB_WORDS if dd.split_of(f"echo:{w}") == "heldout"]
+        assert 0 < len(held) < len(dd.VOCAB_WORDS) * 0.25  # echo keeps its own held-out words

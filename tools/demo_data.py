@@ -222,18 +222,20 @@ def _synthetic_cities(n: int = 1500, seed: int = 7) -> list[str]:
 SYNTHETIC_CITIES = _synthetic_cities()
 
 
-def _token_words() -> list[str]:
-    """Alphabetic single tokens of the shipped demo tokenizer, used as city names too. Real city names are
-    often one BPE token each (Dublin, Lisbon), and a held-out city's token never appears in any training
-    target; copying many other single tokens teaches the model to copy a token it has never written."""
+def _shipped_vocab() -> list[str]:
+    """The tokens of the shipped demo tokenizer ([] before one is built)."""
     import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
-    if not path.exists():
-        return []
-    vocab = json.loads(path.read_text())["model"]["vocab"]
-    return sorted(t for t in vocab if t.isascii() and t.isalpha() and len(t) >= 3 and t not in CITIES)
+    return list(json.loads(path.read_text())["model"]["vocab"]) if path.exists() else []
+
+
+def _token_words() -> list[str]:
+    """Alphabetic single tokens of the shipped demo tokenizer, used as city names too. Real city names are
+    often one BPE token each (Dublin, Lisbon), and a held-out city's token never appears in any training
+    target; copying many other single tokens teaches the model to copy a token it has never written."""
+    return sorted(t for t in _shipped_vocab() if t.isascii() and t.isalpha() and len(t) >= 3 and t not in CITIES)
 
 
 TOKEN_WORDS = _token_words()
@@ -244,14 +246,7 @@ def _vocab_words() -> list[str]:
     echo family: a word the model never wrote in any training target gets its (tied) output embedding
     pushed down by every softmax and cannot be copied later, e.g. a one-token city name in a tool call.
     A real LM has written every token of its vocabulary somewhere; echo gives the demo model the same."""
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
-    if not path.exists():
-        return []
-    vocab = json.loads(path.read_text())["model"]["vocab"]
-    words = {t[1:] if t.startswith("\u0120") else t for t in vocab}
+    words = {t[1:] if t.startswith("\u0120") else t for t in _shipped_vocab()}
     return sorted(w for w in words if w.isascii() and w.isalpha() and len(w) >= 2)
 
 
