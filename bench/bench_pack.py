@@ -10,7 +10,8 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
-          prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights.
+          prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights, and at the
+          denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
           at 8k, and the logits agreement q4 vs bf16 on one step.
 Sections run in that order and the JSON is rewritten after each, so a time-out keeps what finished.
@@ -39,6 +40,7 @@ from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
 from diffgemma.ops import moe_packed as mp  # noqa: E402
+from diffgemma.ops import moe_stream  # noqa: E402
 from diffgemma.ops.moe import _grouped_mm  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
 
@@ -158,6 +160,14 @@ def bench_kernels(res, reps):
                 if fmt == "q4":
                     wb = mp.dequantize_triton(pw, torch.bfloat16)
                     row["bf16_grouped_mm_ms"] = med(lambda: _grouped_mm(xs, wb, offs), reps=reps)
+                    if label == "denoise":  # the bf16 streaming kernel (ops/moe_stream.py) on the same weights
+                        for cfg in (moe_stream.CONFIG, (64, 16, 128, 4, 4), (128, 16, 128, 8, 4), (64, 32, 256, 4, 3),
+                                    (32, 16, 256, 4, 4), (128, 32, 64, 8, 5)):
+                            key = "bf16_stream_" + "_".join(map(str, cfg)) + "_ms"
+                            try:
+                                row[key] = med(lambda: moe_stream.grouped_mm_triton(xs, wb, offs, config=cfg), reps=reps)
+                            except Exception as e:
+                                row[key] = f"{type(e).__name__}: {str(e)[:200]}"
                     if label == "prefill":
                         row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
@@ -177,6 +187,10 @@ def bench_kernels(res, reps):
                 if "bf16_grouped_mm_ms" in row:
                     row["bf16_TFLOPs"] = flops / row["bf16_grouped_mm_ms"] / 1e9
                     row["bf16_GBps"] = shape[0] * shape[1] * K * 2 / row["bf16_grouped_mm_ms"] / 1e6
+                best_stream = min((v for kk, v in row.items() if kk.startswith("bf16_stream_") and isinstance(v, float)),
+                                  default=None)
+                if best_stream:
+                    row["bf16_stream_best_GBps"] = shape[0] * shape[1] * K * 2 / best_stream / 1e6
                 r[f"{label}_{fmt}_{name}"] = row
                 log(f"[kernel] {label} {fmt} {name} M={M}: " + ", ".join(
                     f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()))

@@ -62,10 +62,11 @@ def expert_ffn(xs, gate_up, down, offs):
     (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM)."""
     from .gelu_mul import gelu_mul
     from .moe_packed import PackedWeight, expert_ffn_packed
+    from .moe_stream import grouped_mm  # torch._grouped_mm unless DIFFGEMMA_EXPERT_GEMM=triton
 
     if isinstance(gate_up, PackedWeight) or isinstance(down, PackedWeight):
         return expert_ffn_packed(xs, gate_up, down, offs)
-    return _grouped_mm(gelu_mul(_grouped_mm(xs, gate_up, offs)), down, offs)
+    return grouped_mm(gelu_mul(grouped_mm(xs, gate_up, offs)), down, offs)
 
 
 def experts_grouped(x, weights, experts, gate_up, down):

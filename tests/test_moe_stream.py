@@ -1,0 +1,58 @@
+"""The bf16 streaming expert GEMM (ops/moe_stream.py): the kernel in the Triton interpreter vs its twin
+(torch._grouped_mm), on fresh random inputs with ragged groups (empty experts at the start, middle and end),
+shapes off the tile grid, an expert with more rows than one row tile, and the dispatcher's switch."""
+
+import pytest
+import torch
+
+from diffgemma.errors import TensorError
+from diffgemma.ops import moe, moe_stream
+from test_moe_packed import interpreted, ragged_offs, rel
+
+
+@interpreted
+@pytest.mark.parametrize("config", [(16, 16, 32, 4, 1), (32, 16, 64, 4, 1)])
+def test_stream_kernel_matches_twin(config):
+    E, N, K, M = 6, 40, 96, 53
+    w = torch.randn(E, N, K) * 0.1
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    out = moe_stream.grouped_mm_triton(xs, w, offs, config=config)
+    want = moe_stream.grouped_mm_ref(xs, w, offs)
+    assert out.shape == (M, N) and torch.isfinite(out).all()
+    assert rel(out, want) < 1e-5
+
+
+@interpreted
+def test_stream_kernel_one_expert_holding_every_row_and_no_rows():
+    w = torch.randn(4, 32, 64)
+    xs = torch.randn(37, 64)
+    offs = torch.tensor([0, 0, 37, 37], dtype=torch.int32)  # 3 row tiles of 16 in expert 2
+    assert rel(moe_stream.grouped_mm_triton(xs, w, offs, config=(16, 16, 32, 4, 1)), xs @ w[2].T) < 1e-5
+    assert moe_stream.grouped_mm_triton(xs[:0], w, torch.zeros(4, dtype=torch.int32)).shape == (0, 32)
+
+
+def test_stream_kernel_refuses_mismatched_operands():
+    with pytest.raises(TensorError, match="grouped_mm"):
+        moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 6), torch.tensor([2, 5]))
+    with pytest.raises(TensorError, match="dtype"):
+        moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 8, dtype=torch.float64), torch.tensor([2, 5]))
+
+
+@interpreted
+@pytest.mark.parametrize("switch,rows_per_expert", [("triton", 8), ("triton", 100), ("cutlass", 8)])
+def test_expert_ffn_takes_the_kernel_only_when_asked_and_at_the_denoise_shape(monkeypatch, switch, rows_per_expert):
+    E, H, Fe = 5, 64, 32
+    M = E * rows_per_expert
+    gate_up, down = torch.randn(E, 2 * Fe, H) * 0.1, torch.randn(E, H, Fe) * 0.1
+    xs = torch.randn(M, H)
+    offs = ragged_offs(E, M)
+    want = moe.expert_ffn(xs, gate_up, down, offs)  # CPU: the twin
+    calls = []
+    kernel = moe_stream.grouped_mm_triton
+    monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a: calls.append(1) or kernel(*a, config=(16, 16, 32, 4, 1)))
+    monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
+    monkeypatch.setenv("DIFFGEMMA_EXPERT_GEMM", switch)
+    got = moe.expert_ffn(xs, gate_up, down, offs)
+    assert len(calls) == (2 if switch == "triton" and rows_per_expert <= moe_stream.STREAM_MAX_ROWS else 0)
+    assert rel(got, want) < 1e-5
