@@ -9,7 +9,13 @@ Id layout (kept identical to the real Gemma-4 checkpoint where the engine depend
 Stop ids for generation_config.json: eos 1, <turn|> 106, <|tool_response> 50 -- the same {1, 106, 50} as the real model.
 Digits are split one per token (as Gemma does), so numbers are read and written digit by digit.
 
-    python tools/build_tokenizer.py OUT_DIR [--vocab 2048] [--examples 60000]
+--isolate-spaces (not the shipped tokenizer's setting): spaces become tokens of their own, so a word has the
+same ids after a space as at the start of a string. Byte-level BPE otherwise gives " Dublin" (in the request)
+and "Dublin" (inside a tool call's <|"|> delimiters) different ids, and copying an unseen one-token name into a
+call becomes a per-word lookup the demo model cannot learn from examples (MODEL_CARD.md, known gaps). Changing
+it changes every id: a model must be trained from scratch on it.
+
+    python tools/build_tokenizer.py OUT_DIR [--vocab 2048] [--examples 60000] [--isolate-spaces]
 writes OUT_DIR/tokenizer.json and OUT_DIR/tokenizer_config.json.
 """
 
@@ -49,12 +55,14 @@ def corpus(n: int, seed: int = 7):
         yield render_chat(template, ex.messages, tools=ex.tools, enable_thinking=ex.enable_thinking) + ex.target
 
 
-def build(vocab_size: int = 2048, n_examples: int = 60000):
+def build(vocab_size: int = 2048, n_examples: int = 60000, isolate_spaces: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    spaces = [pre_tokenizers.Split(" ", behavior="isolated")] if isolate_spaces else []
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
+        *spaces,
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -93,9 +101,10 @@ def main(argv=None):
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--examples", type=int, default=60000)
+    ap.add_argument("--isolate-spaces", action="store_true", help="spaces as tokens of their own (see above)")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build(args.vocab, args.examples)
+    tok = build(args.vocab, args.examples, args.isolate_spaces)
     tok.save(str(args.out_dir / "tokenizer.json"))
     (args.out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(args.vocab), indent=2) + "\n")
     print(f"wrote {args.out_dir}/tokenizer.json (vocab {tok.get_vocab_size()})")

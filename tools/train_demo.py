@@ -365,7 +365,7 @@ def build_masks(n_pad: torch.Tensor, Lp: int, C: int, window: int, device) -> di
 
 
 def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int, tokenizer: Path | None = None,
-            history_prob: float = 0.1):
+            history_prob: float = 0.1, isolate_spaces: bool = False):
     """Tokenizer + tokenized data as torch tensors (the GPU side needs only torch).
 
     tokenizer: reuse this directory's tokenizer instead of training one (continued training must keep the
@@ -384,7 +384,7 @@ def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int, toke
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(tokenizer / f, tok_dir / f)
     else:
-        build_tokenizer.main([str(tok_dir), "--vocab", str(vocab)])
+        build_tokenizer.main([str(tok_dir), "--vocab", str(vocab)] + (["--isolate-spaces"] if isolate_spaces else []))
         (tok_dir / "chat_template.jinja").write_text(build_tokenizer.TEMPLATE_PATH.read_text())
     tok = Tokenizer.from_dir(tok_dir)
     print(f"tokenizer {time.time() - t0:.0f}s", flush=True)
@@ -827,6 +827,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=DEMO_TEXT_CONFIG["vocab_size"])
     p.add_argument("--tokenizer", type=Path, default=None, help="reuse this tokenizer dir (continued training)")
     p.add_argument("--history-prob", type=float, default=0.1, help="share of multi-turn training chats")
+    p.add_argument("--isolate-spaces", action="store_true",
+                   help="a new tokenizer with spaces as tokens of their own (tools/build_tokenizer.py)")
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, default=Path("build/demo"))
     t.add_argument("--out", type=Path, required=True)
@@ -860,7 +862,10 @@ def main(argv=None):
     elif args.cmd == "eval":
         eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed)
     elif args.cmd == "prepare":
-        prepare(args.out, args.n_train, args.heldout_per_family, args.vocab, args.tokenizer, args.history_prob)
+        if args.isolate_spaces and args.tokenizer is not None:
+            p.error("--isolate-spaces builds a new tokenizer; it cannot be combined with --tokenizer")
+        prepare(args.out, args.n_train, args.heldout_per_family, args.vocab, args.tokenizer, args.history_prob,
+                args.isolate_spaces)
     elif args.cmd == "train":
         train(args.data, args.out, args.seconds, args.batch, args.lr, args.device, args.seed,
               chunks=args.chunks, cut_prob=args.cut_prob, eval_per_family=args.eval_per_family,
