@@ -206,7 +206,34 @@ def profile_fn(fn) -> str:
         return f"profile failed: {type(e).__name__}: {e}"
 
 
-def bench_generate(eng) -> dict:
+def profile_generate(eng, prompt, cache, trace: str | None) -> str:
+    """Where `generate`'s time outside the forwards goes: one warm generate under the profiler (CPU + CUDA).
+
+    Prints the CUDA kernels and the host ops by self time; `trace` also writes a Chrome trace (the idle gaps
+    between a step's status read and the next graph replay are visible there)."""
+    import diffgemma.generation as G
+    from torch.profiler import ProfilerActivity, profile
+
+    cache.truncate(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    avg = prof.key_averages()
+    out = []
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            out.append(avg.table(sort_by=key, row_limit=25, max_name_column_width=70))
+            break
+        except Exception:
+            continue
+    out.append(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    return "\n".join(out)
+
+
+def bench_generate(eng, profile_trace: str | None = None, profile: bool = False) -> dict:
     """generate() time outside the forwards: total − prefill − Σ(CUDA-event time of each denoise call).
 
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
@@ -254,6 +281,8 @@ def bench_generate(eng) -> dict:
         fwd_s = sum(s.elapsed_time(e) for s, e in events) / 1e3
         prefill_s = out.timings.get("prefill_s", 0.0)
         outside = total - prefill_s - fwd_s
+        if profile or profile_trace:
+            log(profile_generate(eng, prompt, cache, profile_trace))
         return {"total_s": total, "prefill_s": prefill_s, "forward_s": fwd_s, "forwards": out.forwards,
                 "outside_s": outside, "outside_share": outside / max(total, 1e-9),
                 "outside_ms_per_step": outside / max(out.forwards, 1) * 1e3,
@@ -374,6 +403,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--generate-only", action="store_true", help="only the generate-overhead measurement")
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing (see the docstring)")
+    ap.add_argument("--profile-generate", action="store_true", help="with --generate-only: profile one more generate")
+    ap.add_argument("--trace", default=None, help="with --profile-generate: also write a Chrome trace here")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  routing: {a.routing}")
@@ -381,7 +412,7 @@ def main():
         cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
         eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
         with routing(a.routing):
-            res = {"generate": bench_generate(eng), "routing": a.routing}
+            res = {"generate": bench_generate(eng, a.trace, a.profile_generate), "routing": a.routing}
         log(f"[ours] generate: {json.dumps(res['generate'], default=str)}")
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
