@@ -38,6 +38,7 @@ if HAVE_TRITON:
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
 _FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
+RAW = 4  # the grouped GEMM's FMT for unquantized weights (the bf16 streaming path of ops/moe_stream.py)
 _AFFINE_HI_BITS = {"q5": 1, "q6": 2}
 
 # Rows per expert at and above which the expert FFN dequantizes the layer's stack to a bf16 scratch and
@@ -211,7 +212,10 @@ if HAVE_TRITON:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
-                w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+                if FMT == 4:  # RAW: plain [E·N, K] weights in xs.dtype (ops/moe_stream.py), nothing to decode
+                    w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+                else:
+                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
                 xt = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + kk[:, None],
                              mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
                 acc = tl.dot(w.to(xt.dtype), xt, acc)

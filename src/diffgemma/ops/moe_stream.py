@@ -5,7 +5,7 @@
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
 45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.9 TB/s
 on the H200 with balanced routing (bench/RESULTS.md, round 4) against ~4.3 TB/s available. This kernel is
-the packed kernel's layout (ops/moe_packed.py) without the decode: the product is computed transposed
+the packed grouped GEMM of ops/moe_packed.py run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
 shapes (graph-safe, no host sync) and every SM streams weights.
@@ -26,11 +26,11 @@ import os
 import torch
 
 from ..errors import TensorError
+from . import moe_packed as mp
 from ._backend import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:
     import triton
-    import triton.language as tl
 
 # Above this many rows per expert (prefill: 8192 x 8 / 128 = 512) the GEMM is compute bound and CUTLASS's
 # tiles win; the streaming kernel is for the denoise shape (~16).
@@ -43,32 +43,6 @@ def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     from .moe import _grouped_mm
 
     return _grouped_mm(xs, w, offs)
-
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _stream_gmm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_o,
-                           BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-        pid_n = tl.program_id(0)
-        g = tl.program_id(1)
-        start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
-        end = tl.load(offs_ptr + g)
-        n = pid_n * BN + tl.arange(0, BN)
-        n_ok = n < N
-        w_rows = w_ptr + (g.to(tl.int64) * N + n[:, None]) * K  # rows of expert g's [N, K] slab
-        for m0 in range(start, end, BM):
-            m = m0 + tl.arange(0, BM)
-            m_ok = m < end
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + tl.arange(0, BK)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
-                xt = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + kk[:, None],
-                             mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                acc = tl.dot(w, xt, acc)
-            tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=n_ok[:, None] & m_ok[None, :])
 
 
 def grouped_mm_triton(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
@@ -85,8 +59,10 @@ def grouped_mm_triton(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, con
         return out
     BN, BM, BK, warps, stages = config or CONFIG
     offs = offs.to(torch.int32).contiguous()
-    _stream_gmm_kernel[(triton.cdiv(N, BN), E)](xs, w, out, offs, N, K, xs.stride(0), out.stride(0),
-                                                BN=BN, BM=BM, BK=BK, num_warps=warps, num_stages=stages)
+    # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
+    mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](xs, out, offs, w, w, w, w, 1.0, N, K, xs.stride(0), out.stride(0),
+                                                   FMT=mp.RAW, GS=32, BN=BN, BM=BM, BK=BK,
+                                                   num_warps=warps, num_stages=stages)
     return out
 
 
