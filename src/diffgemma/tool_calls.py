@@ -65,6 +65,31 @@ def _parse_one(body: str, raw: str) -> ToolCall:
     return ToolCall(name, value, raw)
 
 
+def _items(s: str, i: int, close: str, item, make):
+    """Comma-separated `item`s from s[i] up to `close` -> (make(items), index after close)."""
+    out = []
+    if s.startswith(close, i):
+        return make(out), i + 1
+    while True:
+        v, i = item(s, i)
+        out.append(v)
+        if s.startswith(",", i):
+            i += 1
+        elif s.startswith(close, i):
+            return make(out), i + 1
+        else:
+            raise _Malformed(f"expected ',' or '{close}' at {s[i:i + 20]!r}")
+
+
+def _member(s: str, i: int):
+    """key:value of an object -> ((key, value), index after it)."""
+    m = _KEY.match(s, i)
+    if not m or not s.startswith(":", m.end()):
+        raise _Malformed(f"expected 'key:' at {s[i:i + 20]!r}")
+    v, i = _value(s, m.end() + 1)
+    return (m.group(0), v), i
+
+
 def _value(s: str, i: int):
     if s.startswith(STR, i):
         j = s.find(STR, i + len(STR))
@@ -72,33 +97,9 @@ def _value(s: str, i: int):
             raise _Malformed("unterminated string")
         return s[i + len(STR):j], j + len(STR)
     if s.startswith("{", i):
-        out, i = {}, i + 1
-        if s.startswith("}", i):
-            return out, i + 1
-        while True:
-            m = _KEY.match(s, i)
-            if not m or not s.startswith(":", m.end()):
-                raise _Malformed(f"expected 'key:' at {s[i:i + 20]!r}")
-            out[m.group(0)], i = _value(s, m.end() + 1)
-            if s.startswith(",", i):
-                i += 1
-            elif s.startswith("}", i):
-                return out, i + 1
-            else:
-                raise _Malformed(f"expected ',' or '}}' at {s[i:i + 20]!r}")
+        return _items(s, i + 1, "}", _member, dict)
     if s.startswith("[", i):
-        out, i = [], i + 1
-        if s.startswith("]", i):
-            return out, i + 1
-        while True:
-            v, i = _value(s, i)
-            out.append(v)
-            if s.startswith(",", i):
-                i += 1
-            elif s.startswith("]", i):
-                return out, i + 1
-            else:
-                raise _Malformed(f"expected ',' or ']' at {s[i:i + 20]!r}")
+        return _items(s, i + 1, "]", _value, list)
     for word, v in (("true", True), ("false", False), ("null", None)):
         if s.startswith(word, i):
             return v, i + len(word)
