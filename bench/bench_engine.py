@@ -36,6 +36,7 @@ from balanced_routing import KINDS, balance_hf, routing  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomSource  # noqa: E402
+from diffgemma.ops.moe_packed import PackedWeight  # noqa: E402
 
 S, FULL = "sliding_attention", "full_attention"
 BW = 4.3e12
@@ -73,21 +74,14 @@ def peak_gib() -> float:
 
 
 def weight_bytes(w) -> int:
+    """Bytes of every weight the engine holds (each storage once; packed records at their packed size)."""
     seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
+    for t in [v for k, v in vars(w).items() if k != "layers"] + [v for lw in w.layers for v in vars(lw).values()]:
+        if isinstance(t, PackedWeight):
+            t = t.record
         if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-
-    for k, v in vars(w).items():
-        if k == "layers":
-            for lw in v:
-                for t in vars(lw).values():
-                    add(t)
-        else:
-            add(v)
     return total
 
 
@@ -186,6 +180,16 @@ def profile_step(eng, cache, ids, sc) -> str:
     return profile_fn(lambda: eng.denoise(cache, ids, sc_logits=sc))
 
 
+def gpu_table(avg, rows: int) -> str:
+    """The profiler's kernels by GPU time (the sort key's name differs between torch versions)."""
+    for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
+        try:
+            return avg.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+        except Exception:
+            continue
+    return "profile: no sortable key"
+
+
 def profile_fn(fn) -> str:
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -195,13 +199,7 @@ def profile_fn(fn) -> str:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        avg = prof.key_averages()
-        for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
-            try:
-                return avg.table(sort_by=key, row_limit=18, max_name_column_width=70)
-            except Exception:
-                continue
-        return "profile: no sortable key"
+        return gpu_table(prof.key_averages(), rows=18)
     except Exception as e:
         return f"profile failed: {type(e).__name__}: {e}"
 
@@ -222,15 +220,7 @@ def profile_generate(eng, prompt, cache, trace: str | None) -> str:
     if trace:
         prof.export_chrome_trace(trace)
     avg = prof.key_averages()
-    out = []
-    for key in ("self_device_time_total", "self_cuda_time_total"):
-        try:
-            out.append(avg.table(sort_by=key, row_limit=25, max_name_column_width=70))
-            break
-        except Exception:
-            continue
-    out.append(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-    return "\n".join(out)
+    return gpu_table(avg, rows=25) + "\n" + avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
 
 
 def bench_generate(eng, profile_trace: str | None = None, profile: bool = False) -> dict:

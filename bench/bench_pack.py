@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from balanced_routing import KINDS, routing  # noqa: E402
-from bench_engine import CANVAS, TEXT, profile_fn, time_cuda  # noqa: E402  (also puts src/ on the path)
+from bench_engine import CANVAS, TEXT, profile_fn, time_cuda, weight_bytes  # noqa: E402  (also puts src/ on the path)
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -54,16 +54,6 @@ def log(*a):
 
 def med(fn, reps=20, warmup=3) -> float:
     return statistics.median(time_cuda(fn, reps=reps, warmup=warmup))
-
-
-def engine_weight_bytes(w) -> int:
-    total = 0
-    for t in [w.embed, w.final_norm, w.sc_pre_norm, w.sc_gu, w.sc_down] + [v for lw in w.layers for v in vars(lw).values()]:
-        if isinstance(t, mp.PackedWeight):
-            total += t.nbytes
-        elif isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
-    return total
 
 
 def bench_engine_q4(res, eng, cfg, reps):
@@ -251,7 +241,7 @@ def main():
     names = expected_tensors(cfg)
     res["pack_bytes"] = sum(src.record_nbytes(n) for n in names)
     res["pack_expert_bytes"] = sum(src.record_nbytes(n) for n in names if ".experts." in n)
-    res["engine_weight_bytes"] = engine_weight_bytes(eng.w)
+    res["engine_weight_bytes"] = weight_bytes(eng.w)
     res["byte_floor_ms"] = res["engine_weight_bytes"] / BW * 1e3
     log(f"[q4] built in {time.time() - t0:.1f}s: pack {res['pack_bytes'] / 1e9:.2f} GB (experts "
         f"{res['pack_expert_bytes'] / 1e9:.2f} GB), engine weights {res['engine_weight_bytes'] / 1e9:.2f} GB, "

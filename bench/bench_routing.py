@@ -32,26 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import diffgemma.model.engine as engine_module  # noqa: E402
 from balanced_routing import MODEL_ROUTE, balanced_route  # noqa: E402
-from bench_engine import BW, CANVAS, TEXT, time_cuda  # noqa: E402
+from bench_engine import BW, CANVAS, TEXT, time_cuda, weight_bytes  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource, RandomSource  # noqa: E402
-from diffgemma.ops.moe_packed import PackedWeight  # noqa: E402
 
 def log(*a):
     print(*a, flush=True)
-
-
-def weight_bytes(w) -> int:
-    """Bytes of every weight the engine holds, packed records at their packed size."""
-    seen, total = set(), 0
-    for t in list(vars(w).values()) + [x for lw in w.layers for x in vars(lw).values()]:
-        if isinstance(t, PackedWeight):
-            t = t.record
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def routing_stats(eng, cache, ids, sc) -> dict:
