@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import diffgemma.model.engine as engine_module  # noqa: E402
-from balanced_routing import MODEL_ROUTE, balanced_route  # noqa: E402
+from balanced_routing import MODEL_ROUTE, routing  # noqa: E402
 from bench_engine import BW, CANVAS, TEXT, time_cuda, weight_bytes  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -63,14 +63,13 @@ def routing_stats(eng, cache, ids, sc) -> dict:
             "distinct_min": min(distinct), "distinct_mean": sum(distinct) / len(distinct)}
 
 
-def timed_step(eng, cache, ids, sc, reps: int, route) -> float:
-    engine_module.route_fused = route
+def timed_step(eng, cache, ids, sc, reps: int, kind: str) -> float:
     eng._graphs.clear()  # a captured graph holds the routing function it was captured with
     try:
-        eng.denoise(cache, ids, sc_logits=sc)  # capture
-        return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2))
+        with routing(kind):
+            eng.denoise(cache, ids, sc_logits=sc)  # capture
+            return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2))
     finally:
-        engine_module.route_fused = MODEL_ROUTE
         eng._graphs.clear()
 
 
@@ -86,8 +85,8 @@ def bench(label: str, eng, cfg, contexts, reps) -> dict:
         ids = torch.randint(0, V, (CANVAS,), device="cuda")
         sc = torch.randn(CANVAS, V, device="cuda") * 3
         r = routing_stats(eng, cache, ids, sc)
-        r["denoise_model_routing_ms"] = timed_step(eng, cache, ids, sc, reps, MODEL_ROUTE)
-        r["denoise_balanced_routing_ms"] = timed_step(eng, cache, ids, sc, reps, balanced_route)
+        r["denoise_model_routing_ms"] = timed_step(eng, cache, ids, sc, reps, "model")
+        r["denoise_balanced_routing_ms"] = timed_step(eng, cache, ids, sc, reps, "balanced")
         r["roofline_weights_ms"] = out["weight_bytes"] / BW * 1e3
         log(f"[{label}] ctx {T}: distinct experts per layer min {r['distinct_min']} mean {r['distinct_mean']:.1f} "
             f"(of {cfg.num_experts}); max rows/expert {max(r['max_rows_per_expert'])}; denoise graphed "
