@@ -40,8 +40,8 @@ def test_stream_kernel_refuses_mismatched_operands():
 
 
 @interpreted
-@pytest.mark.parametrize("switch,rows_per_expert", [("triton", 8), ("triton", 100), ("cutlass", 8)])
-def test_expert_ffn_takes_the_kernel_only_when_asked_and_at_the_denoise_shape(monkeypatch, switch, rows_per_expert):
+@pytest.mark.parametrize("switch,rows_per_expert", [(None, 8), ("triton", 8), ("triton", 100), ("cutlass", 8)])
+def test_expert_ffn_takes_the_kernel_by_default_at_the_denoise_shape_only(monkeypatch, switch, rows_per_expert):
     E, H, Fe = 5, 64, 32
     M = E * rows_per_expert
     gate_up, down = torch.randn(E, 2 * Fe, H) * 0.1, torch.randn(E, H, Fe) * 0.1
@@ -52,7 +52,20 @@ def test_expert_ffn_takes_the_kernel_only_when_asked_and_at_the_denoise_shape(mo
     kernel = moe_stream.grouped_mm_triton
     monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a: calls.append(1) or kernel(*a, config=(16, 16, 32, 4, 1)))
     monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
-    monkeypatch.setenv("DIFFGEMMA_EXPERT_GEMM", switch)
+    if switch is None:
+        monkeypatch.delenv(moe_stream.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(moe_stream.ENV_VAR, switch)
     got = moe.expert_ffn(xs, gate_up, down, offs)
-    assert len(calls) == (2 if switch == "triton" and rows_per_expert <= moe_stream.STREAM_MAX_ROWS else 0)
+    assert len(calls) == (2 if switch != "cutlass" and rows_per_expert <= moe_stream.STREAM_MAX_ROWS else 0)
     assert rel(got, want) < 1e-5
+
+
+def test_expert_gemm_switch_refuses_unknown_values_and_is_a_known_setting(monkeypatch):
+    from diffgemma.settings import GenerationSettings
+
+    monkeypatch.setenv(moe_stream.ENV_VAR, "cutlas")
+    with pytest.raises(ValueError, match="DIFFGEMMA_EXPERT_GEMM='cutlas'"):
+        moe_stream.expert_gemm_choice()
+    monkeypatch.setenv(moe_stream.ENV_VAR, "cutlass")
+    GenerationSettings.resolve({})  # generation settings do not reject the kernel switch

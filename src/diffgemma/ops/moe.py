@@ -62,7 +62,7 @@ def expert_ffn(xs, gate_up, down, offs):
     (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM)."""
     from .gelu_mul import gelu_mul
     from .moe_packed import PackedWeight, expert_ffn_packed
-    from .moe_stream import grouped_mm  # torch._grouped_mm unless DIFFGEMMA_EXPERT_GEMM=triton
+    from .moe_stream import grouped_mm  # the streaming kernel at denoise, torch._grouped_mm otherwise
 
     if isinstance(gate_up, PackedWeight) or isinstance(down, PackedWeight):
         return expert_ffn_packed(xs, gate_up, down, offs)

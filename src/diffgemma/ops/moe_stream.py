@@ -3,16 +3,16 @@
     out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as torch._grouped_mm)
 
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
-45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.9 TB/s
-on the H200 with balanced routing (bench/RESULTS.md, round 4) against ~4.3 TB/s available. This kernel is
+45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.8 TB/s
+on the H200 with balanced routing; this kernel at 3.65 TB/s (gate_up) and 3.15 TB/s (down), and the 1k denoise
+step drops from 22.4 to 17.6 ms (bench/RESULTS.md, round 5). It is
 the packed grouped GEMM of ops/moe_packed.py run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
 shapes (graph-safe, no host sync) and every SM streams weights.
 
-NOT the default: it is correct (tests: interpreter vs the twin, and tests/gpu at real shapes) but its speed
-has not been measured yet. `DIFFGEMMA_EXPERT_GEMM=triton` selects it for bf16 expert stacks on CUDA when the
-rows per expert are few (denoise); otherwise the engine uses torch._grouped_mm.
+The engine uses it for bf16 expert stacks on CUDA when the rows per expert are few (denoise), and
+torch._grouped_mm otherwise; `DIFFGEMMA_EXPERT_GEMM=cutlass` forces torch._grouped_mm everywhere.
 
   grouped_mm_ref      the twin: torch._grouped_mm (or its per-expert loop on builds without it)
   grouped_mm_triton   the kernel
@@ -35,8 +35,12 @@ if HAVE_TRITON:
 # Above this many rows per expert (prefill: 8192 x 8 / 128 = 512) the GEMM is compute bound and CUTLASS's
 # tiles win; the streaming kernel is for the denoise shape (~16).
 STREAM_MAX_ROWS = 48
-# (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes.
+# (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
+# projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
 CONFIG = (64, 32, 128, 4, 4)
+CONFIG_SHORT_K = (128, 32, 64, 8, 5)
+SHORT_K = 1024
+ENV_VAR = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
 
 
 def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ def grouped_mm_triton(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, con
     out = torch.empty(M, N, dtype=xs.dtype, device=xs.device)
     if M == 0:
         return out
-    BN, BM, BK, warps, stages = config or CONFIG
+    BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
     offs = offs.to(torch.int32).contiguous()
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
     mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](xs, out, offs, w, w, w, w, 1.0, N, K, xs.stride(0), out.stride(0),
@@ -66,8 +70,14 @@ def grouped_mm_triton(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, con
     return out
 
 
+def expert_gemm_choice() -> str:
+    choice = os.environ.get(ENV_VAR, "triton")
+    if choice not in ("triton", "cutlass"):
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected 'triton' or 'cutlass'")
+    return choice
+
+
 def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if (use_triton(xs) and os.environ.get("DIFFGEMMA_EXPERT_GEMM", "cutlass") == "triton"
-            and xs.shape[0] <= STREAM_MAX_ROWS * w.shape[0]):
+    if use_triton(xs) and xs.shape[0] <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
         return grouped_mm_triton(xs, w, offs)
     return grouped_mm_ref(xs, w, offs)
