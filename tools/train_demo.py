@@ -753,7 +753,8 @@ def export(ckpt: Path, tok_dir: Path, out: Path):
     print(f"exported to {out}")
 
 
-def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: str = "contract", seed: int = 0):
+def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: str = "contract", seed: int = 0,
+                families: list[str] | None = None):
     """Held-out exact match etc. measured through the package itself: diffgemma.load + diffgemma.generate."""
     import collections
 
@@ -767,13 +768,16 @@ def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: s
     rows = []
     t0 = time.time()
     for ex in demo_data.heldout_set(per_family):
+        if families and ex.family not in families:
+            continue
         ids = tok.apply_chat_template(ex.messages, tools=ex.tools, enable_thinking=ex.enable_thinking)
         target = tok.encode(ex.target)
         r = generate(model, torch.tensor(ids), seed=seed, max_new_tokens=400, semantics=semantics)
         ok = r.tokens == target[:-1] and r.stop_token == target[-1]
         rows.append({"family": ex.family, "ok": ok, "n_tokens": len(r.tokens) + (r.stop_token is not None),
                      "forwards": r.forwards, "steps_per_block": r.steps_per_block, "stop_reasons": r.stop_reasons,
-                     "retries": r.retries, "answer": ex.answer, "text": tok.decode(r.tokens)})
+                     "retries": r.retries, "answer": ex.answer, "text": tok.decode(r.tokens),
+                     "name_kind": tool_call_name_kind(ex, tok, demo_data) if ex.family == "tool_call" else None})
     res = {"semantics": semantics, "seed": seed, "per_family": per_family, "seconds": time.time() - t0,
            "settings": dataclasses.asdict(r.settings) if getattr(r, "settings", None) is not None else None}
     for fam in list(demo_data.FAMILIES) + ["_all"]:
@@ -786,13 +790,27 @@ def eval_engine(model_dir: Path | None, per_family: int, out: Path, semantics: s
                     "tokens_per_forward": sum(r["n_tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs)),
                     "mean_steps_per_block": sum(blocks) / max(1, len(blocks)), "stop_reasons": dict(stops),
                     "retries": sum(r["retries"] for r in rs)}
-    res["_failures"] = [r for r in rows if not r["ok"]][:60]
+    res["tool_call_by_name_kind"] = {
+        kind: f"{sum(r['ok'] for r in rows if r['name_kind'] == kind)}/{sum(r['name_kind'] == kind for r in rows)}"
+        for kind in sorted({r["name_kind"] for r in rows if r["name_kind"]})}
+    res["_failures"] = [r for fam in demo_data.FAMILIES for r in [r for r in rows if r["family"] == fam and not r["ok"]][:30]]
     out.write_text(json.dumps(res, indent=1))
     for fam, r in res.items():
         if isinstance(r, dict) and "exact_match" in r:
             print(f"{fam:12s} n={r['n']:4d} em={r['exact_match']:.2f} tpf={r['tokens_per_forward']:.2f} "
                   f"steps/block={r['mean_steps_per_block']:.1f} stops={r['stop_reasons']}", flush=True)
+    print("tool calls by held-out name:", res["tool_call_by_name_kind"], flush=True)
     return res
+
+
+def tool_call_name_kind(ex, tok, demo_data) -> str:
+    """What a held-out tool call has to copy: add_numbers' digits, or a city that is real or made up (a
+    syllable name, or an alphabetic token of the shipped tokenizer), written as one token or several."""
+    city = ex.meta["args"].get("city")
+    if city is None:
+        return "add_numbers"
+    pool = "real" if city in demo_data.CITIES else "made-up" if city in demo_data.SYNTHETIC_CITIES else "token-word"
+    return f"{pool}, {'one token' if len(tok.encode(city)) == 1 else 'several tokens'}"
 
 
 def plot(loss_log: Path, out: Path):
@@ -852,6 +870,7 @@ def main(argv=None):
     v.add_argument("--per-family", type=int, default=20)
     v.add_argument("--semantics", default="contract", choices=["contract", "hf"])
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--families", default=None, help="comma list: evaluate only these families")
     v.add_argument("--out", type=Path, required=True)
     pl = sub.add_parser("plot", help="loss curve PNG from a loss_log.json (needs matplotlib)")
     pl.add_argument("--log", type=Path, required=True)
@@ -860,7 +879,8 @@ def main(argv=None):
     if args.cmd == "plot":
         plot(args.log, args.out)
     elif args.cmd == "eval":
-        eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed)
+        eval_engine(args.model, args.per_family, args.out, args.semantics, args.seed,
+                    args.families.split(",") if args.families else None)
     elif args.cmd == "prepare":
         if args.isolate_spaces and args.tokenizer is not None:
             p.error("--isolate-spaces builds a new tokenizer; it cannot be combined with --tokenizer")
