@@ -1,6 +1,7 @@
 """What the embedded demo model does, measured on held-out prompts and asserted at a fixed seed.
 
-The bars are set a little under what was measured (MODEL_CARD.md, run 5), so a regression in the model,
+The bars are set a little under what was measured (MODEL_CARD.md, run 6: arith 12, facts 12, sort 12,
+brackets 12, think 11, fill-in 11, tool calls 10 of 12), so a regression in the model,
 the tokenizer, the chat template or the generation loop shows up here, not only in the golden fixture.
 """
 
@@ -34,7 +35,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("family,min_correct", [("arith", 11), ("facts", 10), ("sort", 10), ("brackets", 11),
+@pytest.mark.parametrize("family,min_correct", [("arith", 11), ("facts", 11), ("sort", 11), ("brackets", 11),
                                                 ("think", 10), ("fillin", 10)])
 def test_held_out_exact_match(results, family, min_correct):
     correct = sum(ok for ok, _ in results[family])
@@ -62,7 +63,7 @@ def test_tool_calls_are_well_formed_and_copy_multi_token_names(results):
     for ok, r in runs:  # every held-out request gets one parseable call, ended by the tool-response stop
         text = tok.decode(r.tokens)
         assert text.startswith("<|tool_call>call:") and text.endswith("<tool_call|>") and r.stop_token == 50, text
-    assert sum(ok for ok, _ in runs) >= 9  # run 5: 11/12; misses are one-token held-out names (MODEL_CARD)
+    assert sum(ok for ok, _ in runs) >= 9  # run 6: 10/12; misses are partly copied names (MODEL_CARD)
 
 
 def test_held_out_set_commits_at_least_four_tokens_per_forward(results):

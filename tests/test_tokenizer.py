@@ -115,23 +115,24 @@ def test_missing_special_token_is_a_checkpoint_error(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
-def test_isolated_spaces_give_a_name_the_same_ids_in_a_request_and_in_a_tool_call():
-    """tools/build_tokenizer.py --isolate-spaces: the property the demo model's unseen one-token city names need
-    (the shipped byte-level tokenizer gives ' Dublin' and 'Dublin' different ids)."""
+def test_isolated_spaces_give_a_name_the_same_ids_in_a_request_and_in_a_tool_call(tok):
+    """tools/build_tokenizer.py --isolate-spaces, the shipped tokenizer's setting since run 6: the property the
+    demo model's unseen one-token city names need (with spaces attached, ' Dublin' and 'Dublin' differ)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
     import build_tokenizer
 
-    tok = build_tokenizer.build(vocab_size=700, n_examples=1500, isolate_spaces=True)
+    built = build_tokenizer.build(vocab_size=700, n_examples=1500, isolate_spaces=True)
     names = ["Dublin", "Paris", "Zanlorvi", "Kyoto"]
-    for name in names:
-        request = tok.encode(f"What's the weather in {name}?").ids
-        call = tok.encode(f'<|tool_call>call:get_weather{{city:<|"|>{name}<|"|>}}<tool_call|>').ids
-        ids = tok.encode(name).ids
-        assert any(request[i:i + len(ids)] == ids for i in range(len(request))), (name, request, ids)
-        assert any(call[i:i + len(ids)] == ids for i in range(len(call))), (name, call, ids)
-    assert tok.decode(tok.encode("in Dublin, 42 days").ids) == "in Dublin, 42 days"
+    for encode in (lambda text: built.encode(text).ids, tok.encode):
+        for name in names:
+            request = encode(f"What's the weather in {name}?")
+            call = encode(f'<|tool_call>call:get_weather{{city:<|"|>{name}<|"|>}}<tool_call|>')
+            ids = encode(name)
+            assert any(request[i:i + len(ids)] == ids for i in range(len(request))), (name, request, ids)
+            assert any(call[i:i + len(ids)] == ids for i in range(len(call))), (name, call, ids)
+    assert built.decode(built.encode("in Dublin, 42 days").ids) == "in Dublin, 42 days"
     shipped = build_tokenizer.build(vocab_size=700, n_examples=1500)  # the shipped setting, for contrast
     assert shipped.encode(" Paris").ids != shipped.encode("Paris").ids

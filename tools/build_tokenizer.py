@@ -9,11 +9,11 @@ Id layout (kept identical to the real Gemma-4 checkpoint where the engine depend
 Stop ids for generation_config.json: eos 1, <turn|> 106, <|tool_response> 50 -- the same {1, 106, 50} as the real model.
 Digits are split one per token (as Gemma does), so numbers are read and written digit by digit.
 
---isolate-spaces (not the shipped tokenizer's setting): spaces become tokens of their own, so a word has the
+--isolate-spaces (the shipped tokenizer's setting since run 6): spaces become tokens of their own, so a word has the
 same ids after a space as at the start of a string. Byte-level BPE otherwise gives " Dublin" (in the request)
 and "Dublin" (inside a tool call's <|"|> delimiters) different ids, and copying an unseen one-token name into a
 call becomes a per-word lookup the demo model cannot learn from examples (MODEL_CARD.md, known gaps). Changing
-it changes every id: a model must be trained from scratch on it.
+it changes every id: a model trained on one needs tools/remap_vocab.py and more training to use the other.
 
     python tools/build_tokenizer.py OUT_DIR [--vocab 2048] [--examples 60000] [--isolate-spaces]
 writes OUT_DIR/tokenizer.json and OUT_DIR/tokenizer_config.json.
