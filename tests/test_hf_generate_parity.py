@@ -103,12 +103,12 @@ def checkpoint(request, tmp_path_factory):
     damped = damped.to(torch.float64)
     damped.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     reference = diffgemma.load(path, dtype=torch.float64)
-    return hf, _TransformersBehindOurApi(hf), damped, reference
+    return hf, _TransformersBehindOurApi(hf), damped, reference, f"checkpoint seed {seed}, canvas {canvas}"
 
 
 @pytest.mark.parametrize("knobs", list(KNOBS))
 def test_hf_preset_matches_transformers_generate(checkpoint, knobs):
-    hf, model, _, _ = checkpoint
+    hf, model, _, _, where = checkpoint
     vocab, canvas = model.config.vocab_size, model.config.canvas_length
     early_stops = 0
     for seed in random.sample(range(2**32), 3 if knobs == "early_stop" else 2):
@@ -116,8 +116,9 @@ def test_hf_preset_matches_transformers_generate(checkpoint, knobs):
         max_new = random.choice([2 * canvas + 3, 3 * canvas])  # multi-block, one budget ending mid-block
         want, hf_forwards = transformers_generate(hf, prompt, seed, max_new, KNOBS[knobs])
         got = ours_generate(model, prompt, seed, max_new, KNOBS[knobs])
-        assert got.tokens == want, f"seed {seed}"
-        assert got.forwards == hf_forwards, f"seed {seed}"
+        case = f"{where}, seed {seed}, prompt {prompt.tolist()}, max_new {max_new}"
+        assert got.tokens == want, case
+        assert got.forwards == hf_forwards, case
         assert got.retries == 0
         early_stops += sum(r == "confident" for r in got.stop_reasons)
         if len(got.tokens) < max_new:
@@ -130,14 +131,15 @@ def test_hf_preset_matches_transformers_generate(checkpoint, knobs):
 
 @pytest.mark.parametrize("knobs", list(KNOBS))
 def test_hf_preset_on_the_reference_model_matches_transformers_generate(checkpoint, knobs):
-    _, _, hf, reference = checkpoint
+    _, _, hf, reference, where = checkpoint
     canvas = reference.config.canvas_length
     for seed in random.sample(range(2**32), 2):
         prompt = torch.randint(4, reference.config.vocab_size, (random.randint(1, 9),))
         max_new = random.choice([2 * canvas + 3, 3 * canvas])
         want, hf_forwards = transformers_generate(hf, prompt, seed, max_new, KNOBS[knobs])
         got = ours_generate(reference, prompt, seed, max_new, KNOBS[knobs])
-        assert (got.tokens, got.forwards) == (want, hf_forwards), f"seed {seed}"
+        case = f"{where}, seed {seed}, prompt {prompt.tolist()}, max_new {max_new}"
+        assert (got.tokens, got.forwards) == (want, hf_forwards), case
 
 
 # ------------------------------------------------------------------------------------------------
