@@ -124,6 +124,59 @@ def test_tempered_rowstats_kernel_matches_its_twin_and_the_loop_entropy(vocab):
     assert torch.equal(mask, z >= z.max(-1, keepdim=True).values - 10.0)
 
 
+def test_segmented_row_kernels_match_their_twins_across_segment_boundaries():
+    """Rows cut into segments (one program each, partials combined): the row max, its first column and the
+    survivor mask stay exact, ties across segments resolve to the lower column, a max in the last (short)
+    segment is found, and entropy / lse agree with one segment per row to float rounding."""
+    vocab, block, segment = 3001, 256, 512  # 6 segments per row, the last one short
+    x = _logits(6, vocab)
+    x[3, 100] = x[3, 2900] = 40.0  # tie across segments 0 and 5: the lower column wins
+    x[4, 2999] = 45.0  # the max in the short last segment
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    one = rowstats.tempered_rowstats_triton(x, temp, block=block, segment=vocab)
+    many = rowstats.tempered_rowstats_triton(x, temp, block=block, segment=segment)
+    ent, amax, rmax, lse = rowstats.tempered_rowstats_ref(x, temp)
+    assert torch.equal(many[1], amax) and torch.equal(many[2], rmax)
+    assert many[1][3].item() == 100 and many[1][4].item() == 2999
+    z = (x / torch.tensor(temp)).double()
+    assert (many[0].double() - entropy(z)).abs().max() < 2e-6 and (many[0] - one[0]).abs().max() < 2e-6
+    assert (many[3].double() - torch.logsumexp(z, -1)).abs().max() < 1e-5
+
+    thr = rmax - random.uniform(2.0, 12.0)
+    mask, counts = rowstats.tempered_survivors_triton(x, temp, thr, block=block, segment=segment)
+    want_mask, want_counts = rowstats.tempered_survivors_ref(x, temp, thr)
+    assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        probs = rowstats.tempered_masked_probs_triton(x, temp, thr, lse, dtype, block=block, segment=segment)
+        want = rowstats.tempered_masked_probs_ref(x, temp, thr, lse, dtype)
+        assert probs.dtype == dtype and torch.equal(probs == 0, want == 0)  # the same survivors
+        tol = 1e-6 if dtype == torch.float32 else 8e-3  # the kernel's exp vs torch's: ulps, then bf16 rounding
+        assert ((probs.float() - want.float()).abs() <= tol * want.float().abs() + 1e-30).all()
+
+    raw = torch.randn(3, vocab) * 40
+    got = rowstats.softcap_rowstats_triton(raw, 30.0, 1.0, stats=False, block=block, segment=segment)[0]
+    torch.testing.assert_close(got, rowstats.softcap_ref(raw, 30.0), atol=2e-5, rtol=1e-5)
+
+
+def test_dense_sc_fallback_is_the_masked_softmax_product():
+    """SparsePlan's dense fallback (flat rows keep most of the vocabulary) on the fused data flow equals the
+    survivors' softmax times the embedding, computed directly."""
+    vocab, hidden = 500, 24
+    x = _logits(5, vocab, peaks=False) * 0.05  # flat rows: every token survives a 10-nat window
+    temp = 0.7
+    stats = StepStats(x, temp, fused=True)
+    plan = SparsePlan(stats, 10.0)
+    plan.gather_bytes_limit = 0  # force the dense product
+    emb = torch.randn(vocab, hidden)
+    got = plan.soft_embed(int(plan.count), emb, 2.5)
+    z = x / torch.tensor(temp)
+    keep = z >= z.max(-1, keepdim=True).values - 10.0
+    want = (torch.where(keep, torch.softmax(z, -1), 0.0) @ emb) * 2.5
+    assert keep.float().mean() > 0.9
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_step_stats_torch_path_is_the_pre_fusion_arithmetic():
     x = _logits(8, 96)
     temp = temperature_value(7, 16, 0.4, 0.8)

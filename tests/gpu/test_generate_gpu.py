@@ -120,6 +120,10 @@ def test_tempered_rowstats_real_shape():
     m, c = rowstats.tempered_survivors_triton(logits, temp, thr)
     me, ce = rowstats.tempered_survivors_ref(logits, temp, thr)
     assert torch.equal(m, me) and torch.equal(c, ce)
+    probs = rowstats.tempered_masked_probs_triton(logits, temp, thr, exp[3], torch.bfloat16)
+    want = rowstats.tempered_masked_probs_ref(logits, temp, thr, exp[3], torch.bfloat16)
+    assert torch.equal(probs == 0, want == 0)
+    assert ((probs.float() - want.float()).abs() <= 8e-3 * want.float().abs() + 1e-30).all()
 
     def timed(fn, n=20):
         fn()
@@ -134,4 +138,9 @@ def test_tempered_rowstats_real_shape():
     fused_ms = timed(lambda: StepStats(logits, temp, fused=True))
     torch_ms = timed(lambda: StepStats(logits, temp, fused=False))
     surv_ms = timed(lambda: rowstats.tempered_survivors_triton(logits, temp, thr))
-    print(f"\n[step stats 256x262144 f32] fused {fused_ms:.3f} ms, torch {torch_ms:.3f} ms, survivors {surv_ms:.3f} ms")
+    one_ms = timed(lambda: rowstats.tempered_rowstats_triton(logits, temp, segment=logits.shape[1]))
+    probs_ms = timed(lambda: rowstats.tempered_masked_probs_triton(logits, temp, thr, exp[3], torch.bfloat16))
+    probs_torch_ms = timed(lambda: rowstats.tempered_masked_probs_ref(logits, temp, thr, exp[3], torch.bfloat16))
+    print(f"\n[step stats 256x262144 f32] fused {fused_ms:.3f} ms (one program per row: {one_ms:.3f}), "
+          f"torch {torch_ms:.3f} ms, survivors {surv_ms:.3f} ms, masked probs {probs_ms:.3f} ms "
+          f"(torch {probs_torch_ms:.3f})")

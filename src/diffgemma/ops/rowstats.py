@@ -19,6 +19,19 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+# The sampler's rows are few and long (256 x 262144 at full size). One program per row leaves most of the
+# H200's memory parallelism idle: those kernels read 1.2-1.7 TB/s (bench/RESULTS.md, round 5). So the
+# column range of a row is cut into segments of SEGMENT columns, one program each; reductions write one
+# partial per segment and a small kernel combines them. A row of at most SEGMENT columns (the demo
+# model's 2048) is one segment, with the same arithmetic as one program per row.
+SEGMENT = 16384
+
+
+def _segments(n_cols: int, block: int, segment: int) -> tuple[int, int]:
+    """-> (segments per row, columns per segment: a whole number of blocks)."""
+    span = max(block, segment // block * block)
+    return -(-n_cols // span), span
+
 
 def softcap_ref(raw, cap):
     return torch.tanh(raw.float() / cap) * cap
@@ -42,18 +55,21 @@ def softcap_rowstats_ref(raw, cap, inv_temp):
 if HAVE_TRITON:
 
     @triton.jit
-    def _softcap_rowstats_kernel(raw_ptr, out_ptr, ent_ptr, amax_ptr, pmax_ptr, lse_ptr, n_cols, cap, inv_temp,
-                                 STATS: tl.constexpr, BLOCK: tl.constexpr):
+    def _softcap_rowstats_kernel(raw_ptr, out_ptr, ent_ptr, amax_ptr, pmax_ptr, lse_ptr, n_cols, span, cap,
+                                 inv_temp, STATS: tl.constexpr, BLOCK: tl.constexpr):
+        # STATS needs the whole row in one program (span >= n_cols); the plain softcap runs per segment
         row = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * span
+        last = tl.minimum(first + span, n_cols)
         offs = tl.arange(0, BLOCK)
         m = -float("inf")
         s = 0.0
         t = 0.0
         best = -float("inf")
         best_i = 0
-        for start in range(0, n_cols, BLOCK):
+        for start in range(first, last, BLOCK):
             cols = start + offs
-            mask = cols < n_cols
+            mask = cols < last
             x = tl.load(raw_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             y = x / cap
             # tanh via exp (portable to the interpreter); saturates cleanly: exp overflow -> 1
@@ -81,16 +97,17 @@ if HAVE_TRITON:
             tl.store(lse_ptr + row, lse)
 
 
-def softcap_rowstats_triton(raw, cap, inv_temp, stats=True, block=2048):
+def softcap_rowstats_triton(raw, cap, inv_temp, stats=True, block=2048, segment=SEGMENT):
     raw = raw.contiguous()
     rows, n = raw.shape
+    n_seg, span = _segments(n, block, segment) if not stats else (1, max(n, 1))
     out = torch.empty((rows, n), dtype=torch.float32, device=raw.device)
     ent = torch.empty(rows, dtype=torch.float32, device=raw.device)
     amax = torch.empty(rows, dtype=torch.int64, device=raw.device)
     pmax = torch.empty(rows, dtype=torch.float32, device=raw.device)
     lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
-    _softcap_rowstats_kernel[(rows,)](raw, out, ent, amax, pmax, lse, n, float(cap), float(inv_temp),
-                                      STATS=stats, BLOCK=block, num_warps=8)
+    _softcap_rowstats_kernel[(rows, n_seg)](raw, out, ent, amax, pmax, lse, n, span, float(cap), float(inv_temp),
+                                            STATS=stats, BLOCK=block, num_warps=8)
     return out, ent, amax, pmax, lse
 
 
@@ -136,23 +153,28 @@ def tempered_survivors_ref(logits, temp, thr):
 if HAVE_TRITON:
 
     @triton.jit
-    def _tempered_rowstats_kernel(x_ptr, ent_ptr, amax_ptr, max_ptr, lse_ptr, n_cols, temp, BLOCK: tl.constexpr):
+    def _tempered_rowstats_kernel(x_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+        """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
+        the first column holding m."""
         row = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1)
+        first = seg * span
+        last = tl.minimum(first + span, n_cols)
         offs = tl.arange(0, BLOCK)
-        # running over the columns seen so far: m = max z, s = sum e, u = sum e * (z - m), e = exp(z - m);
-        # then H = log s - u / s, with no cancellation against m (lse - sum p*z loses ~1e-4 nats at |z| ~ 100)
+        # running over the columns seen so far; H = log s - u / s needs no cancellation against m
+        # (lse - sum p*z loses ~1e-4 nats at |z| ~ 100)
         m = -float("inf")
         s = 0.0
         u = 0.0
         best_i = 0
-        for start in range(0, n_cols, BLOCK):
+        for start in range(first, last, BLOCK):
             cols = start + offs
-            mask = cols < n_cols
+            mask = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             z = tl.where(mask, tl.math.div_rn(x, temp), -float("inf"))
             cmax = tl.max(z, axis=0)
             # lowest column holding this block's max; strictly-greater keeps the earlier block on ties
-            cidx = tl.min(tl.where(z == cmax, cols, n_cols), axis=0)
+            cidx = tl.min(tl.where(z == cmax, cols, last), axis=0)
             best_i = tl.where(cmax > m, cidx, best_i)
             m_new = tl.maximum(m, cmax)
             alpha = tl.exp(m - m_new)
@@ -163,48 +185,114 @@ if HAVE_TRITON:
             u = alpha * (u + shift) + tl.sum(e * d, axis=0)
             s = s * alpha + tl.sum(e, axis=0)
             m = m_new
-        lse = m + tl.log(s)
-        tl.store(ent_ptr + row, tl.log(s) - u / s)
-        tl.store(amax_ptr + row, best_i.to(tl.int64))
-        tl.store(max_ptr + row, m)
-        tl.store(lse_ptr + row, lse)
+        at = row * tl.num_programs(1) + seg
+        tl.store(m_ptr + at, m)
+        tl.store(s_ptr + at, s)
+        tl.store(u_ptr + at, u)
+        tl.store(best_ptr + at, best_i.to(tl.int64))
 
     @triton.jit
-    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, temp, BLOCK: tl.constexpr):
+    def _rowstats_combine_kernel(m_ptr, s_ptr, u_ptr, best_ptr, ent_ptr, amax_ptr, max_ptr, lse_ptr, n_seg,
+                                 SEGS: tl.constexpr):
+        """One row's segment partials -> entropy, argmax, row max, lse. With one segment every rescale factor
+        is exp(0) = 1 and the results are the one-program kernel's, bit for bit."""
         row = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, SEGS)
+        valid = idx < n_seg
+        m = tl.load(m_ptr + row * n_seg + idx, mask=valid, other=-float("inf"))
+        s = tl.load(s_ptr + row * n_seg + idx, mask=valid, other=0.0)
+        u = tl.load(u_ptr + row * n_seg + idx, mask=valid, other=0.0)
+        best = tl.load(best_ptr + row * n_seg + idx, mask=valid, other=0)
+        top = tl.max(m, axis=0)
+        live = valid & (s > 0.0)
+        d = tl.where(live, m - top, 0.0)  # 0, not -inf - top, where a segment is padding: no 0 * inf
+        a = tl.where(live, tl.exp(d), 0.0)
+        s_all = tl.sum(a * s, axis=0)
+        u_all = tl.sum(a * (u + s * d), axis=0)
+        # the first segment holding the row max holds its first column (segments are in column order)
+        first = tl.min(tl.where(valid & (m == top), idx, SEGS), axis=0)
+        tl.store(ent_ptr + row, tl.log(s_all) - u_all / s_all)
+        tl.store(amax_ptr + row, tl.sum(tl.where(idx == first, best, 0), axis=0))
+        tl.store(max_ptr + row, top)
+        tl.store(lse_ptr + row, top + tl.log(s_all))
+
+    @triton.jit
+    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1)
+        first = seg * span
+        last = tl.minimum(first + span, n_cols)
         offs = tl.arange(0, BLOCK)
         thr = tl.load(thr_ptr + row)
         count = 0
-        for start in range(0, n_cols, BLOCK):
+        for start in range(first, last, BLOCK):
             cols = start + offs
-            inside = cols < n_cols
+            inside = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
             keep = (tl.math.div_rn(x, temp) >= thr) & inside
             tl.store(mask_ptr + row * n_cols + cols, keep.to(tl.int8), mask=inside)
             count += tl.sum(keep.to(tl.int32), axis=0)
-        tl.store(count_ptr + row, count)
+        tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
+
+    @triton.jit
+    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * span
+        last = tl.minimum(first + span, n_cols)
+        offs = tl.arange(0, BLOCK)
+        thr = tl.load(thr_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        for start in range(first, last, BLOCK):
+            cols = start + offs
+            inside = cols < last
+            x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+            z = tl.math.div_rn(x, temp)
+            p = tl.where(z >= thr, tl.exp(z - lse), 0.0)
+            tl.store(out_ptr + row * n_cols + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def tempered_rowstats_triton(logits, temp, block=2048):
+def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT):
     logits = logits.contiguous()
     rows, n = logits.shape
     dev = logits.device
+    n_seg, span = _segments(n, block, segment)
+    m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
+    best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
+    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), BLOCK=block, num_warps=8)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
-    _tempered_rowstats_kernel[(rows,)](logits, ent, amax, rowmax, lse, n, float(temp), BLOCK=block, num_warps=8)
+    _rowstats_combine_kernel[(rows,)](m, s, u, best, ent, amax, rowmax, lse, n_seg,
+                                      SEGS=triton.next_power_of_2(n_seg), num_warps=1)
     return ent, amax, rowmax, lse
 
 
-def tempered_survivors_triton(logits, temp, thr, block=2048):
+def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT):
     logits = logits.contiguous()
     rows, n = logits.shape
+    n_seg, span = _segments(n, block, segment)
     mask = torch.empty((rows, n), dtype=torch.int8, device=logits.device)
-    counts = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    _tempered_survivors_kernel[(rows,)](logits, thr.float().contiguous(), mask, counts, n, float(temp),
-                                        BLOCK=block, num_warps=8)
-    return mask.view(torch.bool), counts
+    counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
+    _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
+                                              BLOCK=block, num_warps=8)
+    return mask.view(torch.bool), counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
+
+
+def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
+    """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
+    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
+
+
+def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT):
+    logits = logits.contiguous()
+    rows, n = logits.shape
+    n_seg, span = _segments(n, block, segment)
+    out = torch.empty((rows, n), dtype=dtype, device=logits.device)
+    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out, n,
+                                                 span, float(temp), BLOCK=block, num_warps=8)
+    return out
 
 
 def tempered_rowstats(logits, temp):
@@ -219,3 +307,10 @@ def tempered_survivors(logits, temp, thr):
     if use_triton(logits):
         return tempered_survivors_triton(logits, temp, thr)
     return tempered_survivors_ref(logits, temp, thr)
+
+
+def tempered_masked_probs(logits, temp, thr, lse, dtype):
+    """The survivors' probabilities (0 elsewhere) as `dtype`: the sparse SC's dense fallback, in one pass."""
+    if use_triton(logits):
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype)
+    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import tempered_survivors
+from ..ops.rowstats import tempered_masked_probs, tempered_survivors
 
 
 def exact_soft_embed(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
@@ -76,7 +76,8 @@ class SparsePlan:
     def __init__(self, stats, log_ratio: float):
         self.stats = stats
         if stats.fused:
-            self.mask, counts = tempered_survivors(stats.logits, stats.temp, stats.rowmax - log_ratio)
+            self.thr = stats.rowmax - log_ratio
+            self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
             self.log_z = stats.lse
             self.count = counts.sum(dtype=torch.int64)
         else:
@@ -106,6 +107,8 @@ class SparsePlan:
 
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""
-        z = self.stats.logits.float() / self.stats._temp_t if self.stats.fused else self._z
-        probs = torch.where(self.mask, torch.exp(z - self.log_z[:, None]), 0.0)
-        return ((probs.to(embedding.dtype) @ embedding).float() * scale).to(embedding.dtype)
+        if self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
+            probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype)
+        else:
+            probs = torch.where(self.mask, torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
+        return ((probs @ embedding).float() * scale).to(embedding.dtype)
