@@ -17,10 +17,15 @@ Two model sides:
 - diffgemma's reference model (diffgemma.load): its logits agree with transformers' to ~3e-6 in f32, but
   on the random tiny checkpoints the self-conditioning feedback is chaotic: it amplifies such differences
   ~3-10x per step (measured 3e-6 -> 0.5 after 8 steps at T=0.4-0.8), so ~1 run in 8-30 flips a discrete
-  decision. Even in float64 transformers keeps its router and SC softmaxes in float32, so the noise
-  floor stays ~1e-7. The reference-model comparison therefore runs both sides in float64 on a checkpoint
-  whose SC MLP output projection is scaled by 0.01, and must then be exact on every run (60/60 runs
-  checked when this was written). The loop's SC handling is covered exactly by the first comparison.
+  decision. Even in float64 transformers keeps its router and SC softmaxes in float32, so the logits of the
+  two sides still differ by ~1e-5. The reference-model comparison therefore runs both sides in float64 on
+  a checkpoint whose SC MLP output projection is scaled by 0.01 and whose routers pick every expert
+  (top_k = num_experts): with top-k routing, a float32 near-tie between two experts flipped a choice and
+  moved the logits by O(1) in 1 of 2000 stress cases (checkpoint seed 1067617560, canvas 6, seed
+  3534804557), about one failing suite run in a few dozen. With every expert picked there is no discrete
+  choice left in the forward: 0 of 4400 stress cases differ (three configs, both knob sets). The loop's
+  SC handling and top-k routing are covered exactly by the first comparison and by the forward parity
+  tests.
 """
 
 import math
@@ -94,7 +99,8 @@ def ours_generate(model, prompt, seed, max_new_tokens, knobs):
 def checkpoint(request, tmp_path_factory):
     canvas, seed = random.choice([6, 8]), random.getrandbits(31)
     hf = build_model(CONFIGS[request.param], canvas_length=canvas, seed=seed)
-    damped = build_model(CONFIGS[request.param], canvas_length=canvas, seed=seed)
+    every_expert = dict(CONFIGS[request.param], top_k_experts=CONFIGS[request.param]["num_experts"])
+    damped = build_model(every_expert, canvas_length=canvas, seed=seed)
     with torch.no_grad():
         damped.model.decoder.self_conditioning.down_proj.weight.mul_(0.01)
     path = save(damped, tmp_path_factory.mktemp(request.param))
