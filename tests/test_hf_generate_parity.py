@@ -22,7 +22,7 @@ Two model sides:
   a checkpoint whose SC MLP output projection is scaled by 0.01 and whose routers pick every expert
   (top_k = num_experts): with top-k routing, a float32 near-tie between two experts flipped a choice and
   moved the logits by O(1) in 1 of 2000 stress cases (checkpoint seed 1067617560, canvas 6, seed
-  3534804557), about one failing suite run in a few dozen. With every expert picked there is no discrete
+  3534804557; a suite run has 12 such cases). With every expert picked there is no discrete
   choice left in the forward: 0 of 4400 stress cases differ (three configs, both knob sets). The loop's
   SC handling and top-k routing are covered exactly by the first comparison and by the forward parity
   tests.
