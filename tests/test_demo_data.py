@@ -152,3 +152,29 @@ def test_echo_writes_back_the_prompted_word_and_covers_the_one_token_city_names(
         assert set(dd.TOKEN_WORDS) <= set(dd.VOCAB_WORDS)
         held = [w for w in dd.VOCAB_WORDS if dd.split_of(f"echo:{w}") == "heldout"]
         assert 0 < len(held) < len(dd.VOCAB_WORDS) * 0.25  # echo keeps its own held-out words
+
+
+def test_prepare_draws_the_word_pools_from_the_tokenizer_it_prepares_for(tmp_path, monkeypatch):
+    """Data for a new tokenizer must teach (echo) and use as city names that tokenizer's words, not those of
+    whichever tokenizer is shipped (run 6's data was made with run 5's pools: MODEL_CARD.md)."""
+    import shutil
+
+    import build_tokenizer
+    import train_demo
+
+    monkeypatch.setattr(dd, "TOKEN_WORDS", dd.TOKEN_WORDS)  # restored after the test
+    monkeypatch.setattr(dd, "VOCAB_WORDS", dd.VOCAB_WORDS)
+    shipped = set(dd.VOCAB_WORDS)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    new_tok = build_tokenizer.build(vocab_size=600, n_examples=1500)  # spaces attached: unlike the shipped one
+    new_tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(__import__("json").dumps(build_tokenizer.tokenizer_config(600)))
+    shutil.copy(build_tokenizer.TEMPLATE_PATH, tok_dir / "chat_template.jinja")
+
+    train_demo.prepare(tmp_path / "data", n_train=30, n_heldout_per_family=1, vocab=600, tokenizer=tok_dir)
+    want = dd._vocab_words(list(new_tok.get_vocab()))
+    assert dd.VOCAB_WORDS == want and set(want) != shipped
+    assert dd.TOKEN_WORDS == dd._token_words(list(new_tok.get_vocab()))
+    rng = random.Random()
+    assert all(dd.echo(rng).answer in set(want) for _ in range(50))

@@ -231,26 +231,33 @@ def _shipped_vocab() -> list[str]:
     return list(json.loads(path.read_text())["model"]["vocab"]) if path.exists() else []
 
 
-def _token_words() -> list[str]:
-    """Alphabetic single tokens of the shipped demo tokenizer, used as city names too. Real city names are
-    often one BPE token each (Dublin, Lisbon), and a held-out city's token never appears in any training
-    target; copying many other single tokens teaches the model to copy a token it has never written."""
-    return sorted(t for t in _shipped_vocab() if t.isascii() and t.isalpha() and len(t) >= 3 and t not in CITIES)
+def _token_words(vocab: list[str]) -> list[str]:
+    """Alphabetic single tokens of the tokenizer, used as city names too. Real city names are often one BPE
+    token each (Dublin, Lisbon), and a held-out city's token never appears in any training target; copying
+    many other single tokens teaches the model to copy a token it has never written."""
+    return sorted(t for t in vocab if t.isascii() and t.isalpha() and len(t) >= 3 and t not in CITIES)
 
 
-TOKEN_WORDS = _token_words()
-
-
-def _vocab_words() -> list[str]:
-    """Every alphabetic token of the shipped tokenizer (with its byte-level space marker dropped), for the
-    echo family: a word the model never wrote in any training target gets its (tied) output embedding
-    pushed down by every softmax and cannot be copied later, e.g. a one-token city name in a tool call.
-    A real LM has written every token of its vocabulary somewhere; echo gives the demo model the same."""
-    words = {t[1:] if t.startswith("\u0120") else t for t in _shipped_vocab()}
+def _vocab_words(vocab: list[str]) -> list[str]:
+    """Every alphabetic token of the tokenizer (with its byte-level space marker dropped), for the echo
+    family: a word the model never wrote in any training target gets its (tied) output embedding pushed
+    down by every softmax and cannot be copied later, e.g. a one-token city name in a tool call. A real LM
+    has written every token of its vocabulary somewhere; echo gives the demo model the same."""
+    words = {t[1:] if t.startswith("\u0120") else t for t in vocab}
     return sorted(w for w in words if w.isascii() and w.isalpha() and len(w) >= 2)
 
 
-VOCAB_WORDS = _vocab_words()
+def use_vocab(vocab: list[str]) -> None:
+    """Draw the word pools (TOKEN_WORDS, VOCAB_WORDS) from this tokenizer's tokens. They default to the
+    shipped tokenizer's, which is what evaluation wants; data for a new tokenizer must use that one
+    (train_demo.py prepare does), or the echo family teaches the words of the old vocabulary."""
+    global TOKEN_WORDS, VOCAB_WORDS
+    TOKEN_WORDS, VOCAB_WORDS = _token_words(vocab), _vocab_words(vocab)
+
+
+TOKEN_WORDS: list[str] = []
+VOCAB_WORDS: list[str] = []
+use_vocab(_shipped_vocab())
 _CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 
 

@@ -387,6 +387,8 @@ def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int, toke
         build_tokenizer.main([str(tok_dir), "--vocab", str(vocab)] + (["--isolate-spaces"] if isolate_spaces else []))
         (tok_dir / "chat_template.jinja").write_text(build_tokenizer.TEMPLATE_PATH.read_text())
     tok = Tokenizer.from_dir(tok_dir)
+    # city-name and echo word pools from the tokenizer this data is for, not whichever one is shipped
+    demo_data.use_vocab(list(json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]))
     print(f"tokenizer {time.time() - t0:.0f}s", flush=True)
     fams = list(demo_data.FAMILIES)
 
