@@ -6,14 +6,17 @@ Builds the real shapes (bench_engine.py's TEXT) on the GPU with bench_engine's r
 weights (RandomSource) and random q4 expert records + q8 SC records generated directly in the pack
 layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would not fit the run), then:
   engine  pack bytes (what a q4 pack of these tensors holds, the vision tower aside); GPU memory with an
-          8k context (after an 8k prefill and a graphed denoise on it); denoise ms/step at 1k context
+          8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
+          the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then, which
+          they were not before commit COMMIT_AFTER_ROUND_5); denoise ms/step at 1k context
           (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
           prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights, and at the
           denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
-          at 8k, and the logits agreement q4 vs bf16 on one step.
+          at 8k, and the logits agreement q4 vs bf16 on one step (each model prefills the same 1k prompt
+          into its own cache).
 Sections run in that order and the JSON is rewritten after each, so a time-out keeps what finished.
 The engine sections run with balanced expert routing unless `--routing model` (see balanced_routing.py).
 """
@@ -67,7 +70,8 @@ def bench_engine_q4(res, eng, cfg, reps):
     torch.cuda.synchronize()
     # denoise at 1k
     cache = eng.new_cache(1024)
-    eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
+    prompt_1k = torch.randint(0, V, (1024,), device="cuda")
+    eng.prefill(cache, prompt_1k)
     ids = torch.randint(0, V, (CANVAS,), device="cuda")
     sc = torch.randn(CANVAS, V, device="cuda") * 3
     eng.denoise(cache, ids, sc_logits=sc)  # capture
@@ -75,14 +79,18 @@ def bench_engine_q4(res, eng, cfg, reps):
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     r["graph_error"] = eng.graph_error
     log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
-    res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc)
-    res["_q4_case"] = (cache, ids, sc)
+    # the bf16 section compares its logits with these on the same prompt (each model prefills its own cache)
+    res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc).cpu()
+    res["_q4_case"] = (prompt_1k, ids, sc)
     eng.use_graphs = False
     r["denoise_1k_eager_ms"] = med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3, warmup=1)
     r["profile_denoise_1k"] = profile_fn(lambda: eng.denoise(cache, ids, sc_logits=sc))
     log(r["profile_denoise_1k"])
     eng.use_graphs = True
-    # prefill 8k and memory with an 8k context
+    # prefill 8k and memory with an 8k context: what a session at 8k holds (weights, its cache, its graph),
+    # so the 1k cache and its graph go first
+    del cache
+    eng._graphs.clear()
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -120,8 +128,7 @@ def bench_engine_q4(res, eng, cfg, reps):
         f"reserved {r['mem_8k_reserved_gib']:.2f}, peak {r['mem_8k_peak_allocated_gib']:.2f}, "
         f"device used {r['mem_8k_device_used_gib']:.2f} GiB")
     del c8
-    for other in [c for c in eng._graphs if c is not cache]:
-        del eng._graphs[other]
+    eng._graphs.clear()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -198,12 +205,14 @@ def bench_bf16(res, eng, cfg, reps):
     eng._graphs.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    cache, ids, sc = res.pop("_q4_case")
+    prompt_1k, ids, sc = res.pop("_q4_case")
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, prompt_1k)
     eng.denoise(cache, ids, sc_logits=sc)
     t = time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=3)
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     g = eng.denoise(cache, ids, sc_logits=sc)
-    q = res.pop("_q4_logits")
+    q = res.pop("_q4_logits").to(g.device)
     r["logits_cos_q4_vs_bf16"] = torch.nn.functional.cosine_similarity(g.flatten(), q.flatten(), dim=0).item()
     r["argmax_agree_q4_vs_bf16"] = (g.argmax(-1) == q.argmax(-1)).float().mean().item()
     log(f"[bf16] denoise 1k: {r['denoise_1k_ms']:.3f} ms; q4 vs bf16 logits cos {r['logits_cos_q4_vs_bf16']:.6f}, "
