@@ -79,6 +79,13 @@ class Engine:
         # its cache's buffers, so it must die with that cache; keying by id(cache) would let a new cache at a
         # recycled address replay a graph over freed memory.
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # One memory pool for every denoise graph. A private pool per graph keeps that graph's intermediates
+        # ([canvas, vocab] logits among them, ~0.5 GB at full size) for as long as it lives, so a conversation
+        # growing through the context buckets would hold one set per bucket. Sharing is safe here: graphs
+        # replay one at a time on one stream, and each replay's output is read (softcap) right after that
+        # replay. A later graph's output may sit in an earlier graph's scratch, so another graph's replay
+        # may overwrite it, but only after it was read; its own next replay writes it again.
+        self._graph_pool = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
 
@@ -314,6 +321,8 @@ class Engine:
                 self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         return graph, ids_buf, sc_buf, out
