@@ -80,7 +80,8 @@ class Engine:
         # recycled address replay a graph over freed memory.
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # One memory pool for every denoise graph. A private pool per graph keeps that graph's intermediates
-        # ([canvas, vocab] logits among them, ~0.5 GB at full size) for as long as it lives, so a conversation
+        # (with SC from logits a [canvas, vocab] softmax among them: 134-268 MB at full size) for as long as
+        # it lives, so a conversation
         # growing through the context buckets would hold one set per bucket. Sharing is safe here: graphs
         # replay one at a time on one stream, and each replay's output is read (softcap) right after that
         # replay. A later graph's output may sit in an earlier graph's scratch, so another graph's replay
