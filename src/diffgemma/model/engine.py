@@ -81,11 +81,11 @@ class Engine:
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # One memory pool for every denoise graph. A private pool per graph keeps that graph's intermediates
         # (with SC from logits a [canvas, vocab] softmax among them: 134-268 MB at full size) for as long as
-        # it lives, so a conversation
-        # growing through the context buckets would hold one set per bucket. Sharing is safe here: graphs
-        # replay one at a time on one stream, and each replay's output is read (softcap) right after that
-        # replay. A later graph's output may sit in an earlier graph's scratch, so another graph's replay
-        # may overwrite it, but only after it was read; its own next replay writes it again.
+        # it lives, so a conversation growing through the context buckets would hold one set per bucket.
+        # Sharing is safe here: graphs replay one at a time on one stream, and each replay's output is read
+        # (softcap) right after that replay. A later graph's output may sit in an earlier graph's scratch,
+        # so another graph's replay may overwrite it, but only after it was read; its own next replay
+        # writes it again.
         self._graph_pool = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
