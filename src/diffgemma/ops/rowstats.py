@@ -130,9 +130,10 @@ def softcap_rowstats(raw, cap, inv_temp):
 # z = logits / T is a correctly rounded division (div_rn) so z, its max and its argmax are bit-identical to
 # torch's `logits / T`; entropy and lse come from the online formula above (float-rounding away from the
 # torch formula in sampling/stats.py, which stays the CPU path). One read of the [R, V] logits gives all of
-# entropy, argmax, row max and lse; `tempered_survivors` is the second (and last) full read of a step: the
-# sparse self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a
-# sync-free nonzero.
+# entropy, argmax, row max and lse; `tempered_survivors` is the second full read of a step: the sparse
+# self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a sync-free
+# nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
+# `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
 
 def tempered_rowstats_ref(logits, temp):
     """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp."""
