@@ -36,14 +36,21 @@ def balanced_route(router_in, router_w, k, per_expert_scale):
 
 
 @contextlib.contextmanager
-def routing(kind: str):
-    if kind not in KINDS:
-        raise ValueError(f"routing: expected one of {KINDS}, got {kind!r}")
-    engine_module.route_fused = balanced_route if kind == "balanced" else MODEL_ROUTE
+def route_with(route):
+    """The engine routes with `route` (same signature as route_fused) inside, with its own router after."""
+    engine_module.route_fused = route
     try:
         yield
     finally:
         engine_module.route_fused = MODEL_ROUTE
+
+
+@contextlib.contextmanager
+def routing(kind: str):
+    if kind not in KINDS:
+        raise ValueError(f"routing: expected one of {KINDS}, got {kind!r}")
+    with route_with(balanced_route if kind == "balanced" else MODEL_ROUTE):
+        yield
 
 
 def balance_hf(model) -> list:

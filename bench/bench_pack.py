@@ -7,8 +7,8 @@ weights (RandomSource) and random q4 expert records + q8 SC records generated di
 layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would not fit the run), then:
   engine  pack bytes (what a q4 pack of these tensors holds, the vision tower aside); GPU memory with an
           8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
-          the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then, which
-          they were not before commit d3127b7); denoise ms/step at 1k context
+          the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then);
+          denoise ms/step at 1k context
           (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the

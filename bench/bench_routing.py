@@ -30,8 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import diffgemma.model.engine as engine_module  # noqa: E402
-from balanced_routing import MODEL_ROUTE, routing  # noqa: E402
+from balanced_routing import MODEL_ROUTE, route_with, routing  # noqa: E402
 from bench_engine import BW, CANVAS, TEXT, time_cuda, weight_bytes  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -51,12 +50,11 @@ def routing_stats(eng, cache, ids, sc) -> dict:
         seen.append((int((counts > 0).sum()), int(counts.max())))
         return weights, experts
 
-    engine_module.route_fused = counting_route
     use_graphs, eng.use_graphs = eng.use_graphs, False
     try:
-        eng.denoise(cache, ids, sc_logits=sc)
+        with route_with(counting_route):
+            eng.denoise(cache, ids, sc_logits=sc)
     finally:
-        engine_module.route_fused = MODEL_ROUTE
         eng.use_graphs = use_graphs
     distinct = [d for d, _ in seen]
     return {"distinct_experts_per_layer": distinct, "max_rows_per_expert": [m for _, m in seen],

@@ -25,8 +25,10 @@ The target text ends with the stop token the engine scans for: "<turn|>" for a n
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 HELDOUT_FRACTION = 0.12
 TURN_END = "<turn|>"
@@ -222,13 +224,13 @@ def _synthetic_cities(n: int = 1500, seed: int = 7) -> list[str]:
 SYNTHETIC_CITIES = _synthetic_cities()
 
 
-def _shipped_vocab() -> list[str]:
-    """The tokens of the shipped demo tokenizer ([] before one is built)."""
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
+def vocab_of(path) -> list[str]:
+    """The tokens of a tokenizer.json ([] where there is none yet, e.g. before the first demo tokenizer)."""
+    path = Path(path)
     return list(json.loads(path.read_text())["model"]["vocab"]) if path.exists() else []
+
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "src" / "diffgemma" / "assets" / "demo" / "tokenizer.json"
 
 
 def _token_words(vocab: list[str]) -> list[str]:
@@ -257,7 +259,7 @@ def use_vocab(vocab: list[str]) -> None:
 
 TOKEN_WORDS: list[str] = []
 VOCAB_WORDS: list[str] = []
-use_vocab(_shipped_vocab())
+use_vocab(vocab_of(SHIPPED_TOKENIZER))
 _CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 
 

@@ -388,7 +388,7 @@ def prepare(out: Path, n_train: int, n_heldout_per_family: int, vocab: int, toke
         (tok_dir / "chat_template.jinja").write_text(build_tokenizer.TEMPLATE_PATH.read_text())
     tok = Tokenizer.from_dir(tok_dir)
     # city-name and echo word pools from the tokenizer this data is for, not whichever one is shipped
-    demo_data.use_vocab(list(json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]))
+    demo_data.use_vocab(demo_data.vocab_of(tok_dir / "tokenizer.json"))
     print(f"tokenizer {time.time() - t0:.0f}s", flush=True)
     fams = list(demo_data.FAMILIES)
 

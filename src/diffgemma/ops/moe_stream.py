@@ -5,8 +5,8 @@
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
 45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.8 TB/s
 on the H200 with balanced routing; this kernel at 3.65 TB/s (gate_up) and 3.15 TB/s (down), and the 1k denoise
-step drops from 22.4 to 17.6 ms (bench/RESULTS.md, round 5). It is
-the packed grouped GEMM of ops/moe_packed.py run with its RAW format (no decode): the product is computed transposed
+step drops from 22.4 to 17.6 ms (bench/RESULTS.md, round 5). It is the packed grouped GEMM of ops/moe_packed.py
+run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
 shapes (graph-safe, no host sync) and every SM streams weights.
@@ -28,6 +28,7 @@ import torch
 from ..errors import TensorError
 from . import moe_packed as mp
 from ._backend import HAVE_TRITON, use_triton
+from .moe import _grouped_mm
 
 if HAVE_TRITON:
     import triton
@@ -44,8 +45,6 @@ ENV_VAR = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.p
 
 
 def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    from .moe import _grouped_mm
-
     return _grouped_mm(xs, w, offs)
 
 
