@@ -48,6 +48,8 @@ TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hid
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=16)
 CANVAS = 256
+# (engine attribute, value, name) for the A/B timings of bench_ours; --ab picks by name
+AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton")]
 
 
 def log(*a):
@@ -85,7 +87,7 @@ def weight_bytes(w) -> int:
     return total
 
 
-def bench_ours(contexts, reps, extra_chunks=()) -> dict:
+def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), generate: bool = True) -> dict:
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     t0 = time.time()
     eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
@@ -126,23 +128,29 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
         r["denoise_min_ms"] = min(times)
         r["denoise_peak_gib"] = peak_gib()
         r["graph_error"] = eng.graph_error
-        # A/B: the same graphed step with every attention forced to SDPA (round 1's path) / to the Triton kernel
-        for impl in ("sdpa", "triton"):
-            eng.attn_impl = impl
+        # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
+        # SDPA (round 1's path) or to the Triton kernel
+        ab = {}
+        for attr, value, name in AB_VARIANTS:
+            if name not in ab_names:
+                continue
+            old = getattr(eng, attr)
+            setattr(eng, attr, value)
             try:
                 eng.denoise(cache, ids, sc_logits=sc)
-                r[f"denoise_{impl}_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
-                                                                      reps=max(3, reps // 2), warmup=2))
+                ab[f"denoise_{name}_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
+                                                                       reps=max(3, reps // 2), warmup=2))
             except Exception as e:
-                r[f"denoise_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+                ab[f"denoise_{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
             eng._graphs.clear()
             try:
                 times = time_cuda(do_prefill, reps=1, warmup=1)
-                r[f"prefill_{impl}_tok_s"] = T / (statistics.median(times) / 1e3)
+                ab[f"prefill_{name}_tok_s"] = T / (statistics.median(times) / 1e3)
             except Exception as e:
-                r[f"prefill_{impl}_tok_s"] = f"{type(e).__name__}: {str(e)[:200]}"
-        eng.attn_impl = None
-        log(f"[ours] ctx {T} A/B: " + json.dumps({a: b for a, b in r.items() if "sdpa" in a or "triton" in a}))
+                ab[f"prefill_{name}_tok_s"] = f"{type(e).__name__}: {str(e)[:200]}"
+            setattr(eng, attr, old)
+        r.update(ab)
+        log(f"[ours] ctx {T} A/B: " + json.dumps(ab))
         eng.use_graphs = False
         r["denoise_eager_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=3))
         if T == contexts[0]:
@@ -168,7 +176,7 @@ def bench_ours(contexts, reps, extra_chunks=()) -> dict:
             eng.prefill_chunk = 8192
         del cache
         eng._graphs.clear()
-    res["generate"] = bench_generate(eng)
+    res["generate"] = bench_generate(eng) if generate else {}
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -395,7 +403,14 @@ def main():
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing (see the docstring)")
     ap.add_argument("--profile-generate", action="store_true", help="with --generate-only: profile one more generate")
     ap.add_argument("--trace", default=None, help="with --profile-generate: also write a Chrome trace here")
+    ap.add_argument("--ab", default="sdpa,triton",
+                    help=f"A/B variants of the denoise step to also time (of {', '.join(v[2] for v in AB_VARIANTS)}; '' for none)")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generate-overhead measurement")
     a = ap.parse_args()
+    ab_names = [x for x in a.ab.split(",") if x]
+    unknown = set(ab_names) - {v[2] for v in AB_VARIANTS}
+    if unknown:
+        ap.error(f"--ab: unknown variant(s) {sorted(unknown)}; expected names from {[v[2] for v in AB_VARIANTS]}")
     contexts = [int(x) for x in a.contexts.split(",")]
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  routing: {a.routing}")
     if a.generate_only:
@@ -408,8 +423,11 @@ def main():
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
         return
     with routing(a.routing):
-        ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x])
+        ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x], ab_names,
+                          generate=not a.no_generate)
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
+    if a.json:  # ours survives a failure or time-out on transformers' side
+        Path(a.json).write_text(json.dumps({"ours": ours}, indent=1, default=str))
     try:
         hf = {} if a.skip_hf else bench_hf(contexts, a.reps, a.routing)
     except Exception as e:  # report ours even if transformers' side breaks

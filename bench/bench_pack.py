@@ -177,6 +177,11 @@ def bench_kernels(res, reps):
                         row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg), reps=reps)
                     except Exception as e:
                         row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                if label == "denoise" and fmt == "q4":
+                    # the round-5 decode (int->float convert) for comparison
+                    cfg = mp.CONFIGS["stream"]
+                    key = "convert_" + "_".join(map(str, cfg)) + "_ms"
+                    row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, magic=False), reps=reps)
                 best = min((v for kk, v in row.items() if kk.startswith("kernel_") and isinstance(v, float)), default=None)
                 if best:
                     row["best_kernel_GBps"] = pw.nbytes / best / 1e6

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine import Engine, build_engine  # noqa: E402
 from diffgemma.model.engine_weights import DictSource, RandomSource  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
 from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
@@ -146,6 +146,7 @@ def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
     first, grew = {}, []
     for name, (cache, kw) in cases.items():
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # capture empties the cache itself; measure only what the pool keeps
         before = torch.cuda.memory_reserved()
         first[name] = eng.denoise(cache, ids, **kw)  # captures
         torch.cuda.synchronize()
@@ -162,6 +163,32 @@ def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
         eager = eng.denoise(cache, ids, **kw)
         assert torch.nn.functional.cosine_similarity(eager.flatten(), first[name].flatten(), dim=0).item() > 0.9999
     assert grew[2] < grew[0]  # the third capture (short bucket again, other mode) reuses the shared scratch
+    # every graph dies with its cache; a capture after that must not reopen the released pool
+    eng.use_graphs = True
+    del short, long, cases
+    eng._graphs.clear()
+    again = eng.new_cache(1024 + 64)
+    eng.prefill(again, torch.randint(0, V, (300,), device=DEV))
+    eng.denoise(again, ids)
+    assert eng.graph_error is None, eng.graph_error
+    eng._graphs.clear()  # and the same with the cache still alive (what the benchmarks do)
+    eng.denoise(again, ids)
+    assert eng.graph_error is None, eng.graph_error
+
+
+def test_sc_probs_kernel_path_matches_softmax_real_shape():
+    """The graph's SC probabilities (row-stats lse, then exp(z - lse) in bf16) against torch's f32 softmax cast
+    to bf16, at the real [256, 262144]: equal up to one bf16 rounding of nearly equal f32 values."""
+    eng = object.__new__(Engine)
+    eng.dtype = torch.bfloat16
+    sc = torch.randn(256, 262144, device=DEV) * 4
+    sc[:, :7] += 25  # a few rows' worth of peaked mass, as a converging canvas has
+    got = eng._sc_probs(sc)
+    want = torch.softmax(sc, dim=-1).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    d = (got.float() - want.float()).abs()
+    assert (d <= want.float().abs() * 2**-7 + 1e-30).all(), d.max().item()
+    assert (got.float().sum(-1) - 1).abs().max().item() < 1e-2
 
 
 # ----------------------------------------------------------------------------------- round 2 kernels, real shapes

@@ -48,7 +48,8 @@ from ..ops.moe_plan import moe_plan
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
-from ..ops.rowstats import softcap
+from ..ops._backend import use_triton
+from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
 from .engine_cache import EngineKVCache
 from .engine_weights import DictSource, EngineWeights, load_weights
 
@@ -118,6 +119,11 @@ class Engine:
         cache.check_room(len(ids))
         for s in range(0, len(ids), self.prefill_chunk):
             self._prefill_chunk(cache, ids[s: s + self.prefill_chunk])
+        if self._dequantizes_in_prefill(min(len(ids), self.prefill_chunk)):
+            # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at
+            # full size; ops/moe_packed.PREFILL_ROWS). Left in the allocator's cache it would count against
+            # the memory a q4 model is for (a 24 GB card), so it goes back to the device after the prefill.
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
@@ -142,6 +148,13 @@ class Engine:
                 self.graph_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
         return self._denoise_core(cache, ids, mode, sc, key_rows=cache.length + C)
+
+    def _dequantizes_in_prefill(self, chunk: int) -> bool:
+        from ..ops import moe_packed
+
+        cfg = self.config
+        return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)
+                and chunk * cfg.top_k_experts / cfg.num_experts >= moe_packed.PREFILL_ROWS)
 
     # ------------------------------------------------------------------ checks
 
@@ -248,7 +261,7 @@ class Engine:
         pos = L + ar
         x = self.embed(ids)
         if mode != "none":
-            s = self.soft_embed(torch.softmax(sc.float(), dim=-1)) if mode == "logits" else sc.to(self.dtype)
+            s = self.soft_embed(self._sc_probs(sc)) if mode == "logits" else sc.to(self.dtype)
             s = rms_norm(s, self.w.sc_pre_norm, eps)
             s = self._sc_mlp(s)
             x = rms_norm(x.float() + s.float(), None, eps, out_dtype=self.dtype)
@@ -277,6 +290,15 @@ class Engine:
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
         logits = h @ self.w.embed.T
         return logits if raw else softcap(logits, cfg.final_logit_softcapping)
+
+    def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
+        """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's
+        logsumexp, then exp(z - lse) written straight in bf16 (ops/rowstats.py), so the graph never holds
+        the [canvas, vocab] f32 softmax (268 MB at full size) nor its bf16 copy as two tensors."""
+        if use_triton(sc) and sc.dtype == torch.float32:
+            lse = tempered_rowstats(sc, 1.0)[3]
+            return tempered_masked_probs(sc, 1.0, torch.full_like(lse, -float("inf")), lse, self.dtype)
+        return torch.softmax(sc.float(), dim=-1)
 
     def _sc_mlp(self, s):
         """The self-conditioning MLP (gate‖up, gelu·up, down) on its normed input; the weights are
@@ -322,7 +344,9 @@ class Engine:
                 self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
+        if not any(self._graphs.values()):
+            # A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies,
+            # and capturing into that dead handle again trips its internal assert (use_count > 0).
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
