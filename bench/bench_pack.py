@@ -168,7 +168,7 @@ def bench_kernels(res, reps):
                     if label == "prefill":
                         row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
-                configs = [mp.CONFIGS["stream"], (64, 16, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 64, 4, 4),
+                configs = [mp.CONFIGS["stream"], (64, 16, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 128, 4, 3),
                            (32, 32, 128, 4, 3)] if (label == "denoise" and fmt == "q4") else \
                     [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
                 for cfg in configs:
@@ -177,11 +177,6 @@ def bench_kernels(res, reps):
                         row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg), reps=reps)
                     except Exception as e:
                         row[key] = f"{type(e).__name__}: {str(e)[:200]}"
-                if label == "denoise" and fmt == "q4":
-                    # the round-5 decode (int->float convert) for comparison
-                    cfg = mp.CONFIGS["stream"]
-                    key = "convert_" + "_".join(map(str, cfg)) + "_ms"
-                    row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, magic=False), reps=reps)
                 best = min((v for kk, v in row.items() if kk.startswith("kernel_") and isinstance(v, float)), default=None)
                 if best:
                     row["best_kernel_GBps"] = pw.nbytes / best / 1e6

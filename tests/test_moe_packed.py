@@ -104,18 +104,6 @@ def test_grouped_kernel_all_rows_in_one_expert_and_no_rows():
 
 
 @interpreted
-@pytest.mark.parametrize("fmt", ["q4", "q6"])
-def test_code_bits_as_float_equal_the_convert(fmt):
-    """The codes read as f32 by their bits (MAGIC) decode to exactly what the int->float convert gives."""
-    pw, _ = packed(fmt, (6, 24, 96))
-    xs = torch.randn(29, 96)
-    offs = ragged_offs(6, 29)
-    a = mp.grouped_mm_packed_triton(xs, pw, offs, config=(16, 16, 32, 4, 1), magic=True)
-    b = mp.grouped_mm_packed_triton(xs, pw, offs, config=(16, 16, 32, 4, 1), magic=False)
-    assert torch.equal(a, b)
-
-
-@interpreted
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequant_kernel_equals_codecs(fmt):
     shape = (3, 20, 96)

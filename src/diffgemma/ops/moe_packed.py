@@ -159,7 +159,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
-                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr = True):
+                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
         """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK].
 
         Columns past K come back 0 (their codes, scales and mins load as 0). GS: the group size (nvfp4 16)."""
@@ -193,18 +193,12 @@ if HAVE_TRITON:
         else:
             s = tl.load(p2 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
             m = tl.load(p3 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
-            if MAGIC:  # q ORed into the bits of 2^23 reads as the float 2^23 + q; minus 2^23 is q exactly, with
-                # a logic op and a full-rate add instead of an int->float convert (a quarter-rate instruction)
-                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            else:
-                qf = q.to(tl.float32)
-            w = qf * s[:, :, None] + m[:, :, None]
+            w = q.to(tl.float32) * s[:, :, None] + m[:, :, None]
         return tl.reshape(w, (BR, BK))
 
     @triton.jit
     def _packed_gmm_kernel(x_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
-                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           MAGIC: tl.constexpr = True):
+                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
         pid_n = tl.program_id(0)
         g = tl.program_id(1)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -221,7 +215,7 @@ if HAVE_TRITON:
                 if FMT == 4:  # RAW: plain [E·N, K] weights in xs.dtype (ops/moe_stream.py), nothing to decode
                     w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
                 else:
-                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK, MAGIC)
+                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
                 xt = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + kk[:, None],
                              mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
@@ -253,7 +247,7 @@ def _plane_args(w: PackedWeight):
 
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
-# stream: BK 64 beat BK 128 (q4 gate_up 0.33-0.39 vs 0.39-0.44 ms on the H200, three runs; bench/RESULTS.md round 6)
+# stream: BK 64 beat round 5's BK 128 in four H200 runs (q4 gate_up 0.33-0.39 vs 0.39-0.44 ms; bench/RESULTS.md round 6)
 CONFIGS = {"stream": (64, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 
@@ -261,7 +255,7 @@ def pick_config(m: int, experts: int) -> tuple:
     return CONFIGS["stream" if m <= 48 * experts else "compute"]
 
 
-def grouped_mm_packed_triton(xs, w: PackedWeight, offs, config: tuple | None = None, magic: bool = True):
+def grouped_mm_packed_triton(xs, w: PackedWeight, offs, config: tuple | None = None):
     """xs [M, K] (rows grouped by expert), w packed [E, N, K], offs int32 [E] -> [M, N] in xs.dtype."""
     E, N, K = w.shape
     xs = xs.contiguous()
@@ -275,7 +269,7 @@ def grouped_mm_packed_triton(xs, w: PackedWeight, offs, config: tuple | None = N
     offs = offs.to(torch.int32).contiguous()
     _packed_gmm_kernel[(triton.cdiv(N, BN), E)](xs, out, offs, *_plane_args(w), float(w.tscale), N, K, xs.stride(0),
                                                 out.stride(0), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK,
-                                                MAGIC=magic, num_warps=warps, num_stages=stages)
+                                                num_warps=warps, num_stages=stages)
     return out
 
 
