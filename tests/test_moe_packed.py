@@ -105,6 +105,65 @@ def test_grouped_kernel_all_rows_in_one_expert_and_no_rows():
 
 @interpreted
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_kernel_gathers_rows_through_src(fmt):
+    from test_moe_stream import routes_of
+
+    T, k, E, N, K = 11, 4, 6, 40, 96
+    pw, _ = packed(fmt, (E, N, K))
+    x = torch.randn(T, K)
+    src, offs = routes_of(T, k, E)
+    cfg = (16, 16, 32, 4, 1)
+    got = mp.grouped_mm_packed_triton(x, pw, offs, config=cfg, src=src)
+    assert torch.equal(got, mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs, config=cfg))
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_kernel_fused_gelu_matches_twin(fmt):
+    from test_moe_stream import routes_of
+
+    from diffgemma.ops.gelu_mul import gelu_mul_ref
+
+    T, k, E, F, K = 11, 4, 6, 20, 96
+    pw, _ = packed(fmt, (E, 2 * F, K))
+    x = torch.randn(T, K)
+    src, offs = routes_of(T, k, E)
+    got = mp.grouped_mm_packed_triton(x, pw, offs, config=(16, 16, 32, 4, 1), src=src, glu=True)
+    want = gelu_mul_ref(mp.grouped_mm_packed_ref(x[src.long()], pw, offs))
+    assert got.shape == (T * k, F) and rel(got, want) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("packed_stacks", [False, True])
+def test_expert_ffn_with_src_equals_expert_ffn_on_gathered_rows(monkeypatch, packed_stacks):
+    """The engine's call (tokens + src) against the old one (gathered rows), on the kernels and on the torch twins."""
+    from test_moe_stream import routes_of
+
+    from diffgemma.ops import moe_stream
+
+    T, k, E, H, Fe = 9, 3, 5, 64, 32
+    if packed_stacks:
+        gu, _ = packed("q4", (E, 2 * Fe, H))
+        dn, _ = packed("q6", (E, H, Fe))
+    else:
+        gu, dn = torch.randn(E, 2 * Fe, H) * 0.1, torch.randn(E, H, Fe) * 0.1
+    x = torch.randn(T, H)
+    src, offs = routes_of(T, k, E)
+    want = moe.expert_ffn(x.index_select(0, src), gu, dn, offs)
+    assert torch.equal(moe.expert_ffn(x, gu, dn, offs, src=src), want)  # CPU: the twin gathers first
+    for mod in (mp, moe_stream):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(mp, "pick_config", lambda m, e, glu=False: (16, 16, 32, 4, 1))
+    monkeypatch.setattr(moe_stream, "CONFIG", (16, 16, 32, 4, 1))
+    monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K", (16, 16, 32, 4, 1))
+    monkeypatch.setattr(moe_stream, "CONFIG_GLU", (16, 16, 32, 4, 1))
+    kernels = moe.expert_ffn(x, gu, dn, offs, src=src)
+    assert torch.equal(kernels, moe.expert_ffn(x.index_select(0, src), gu, dn, offs))
+    assert rel(kernels, want) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_dequant_kernel_equals_codecs(fmt):
     shape = (3, 20, 96)
     pw, want = packed(fmt, shape)
@@ -123,7 +182,7 @@ def test_expert_ffn_dispatch_on_packed_weights(monkeypatch, rows_per_expert_thre
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5  # CPU: the torch twin
     monkeypatch.setattr(mp, "use_triton", lambda t: True)
     monkeypatch.setattr(mp, "PREFILL_ROWS", rows_per_expert_threshold)
-    monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
+    monkeypatch.setattr(mp, "pick_config", lambda m, e, glu=False: (16, 16, 32, 4, 1))
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5
 
 

@@ -32,6 +32,46 @@ def test_stream_kernel_one_expert_holding_every_row_and_no_rows():
     assert moe_stream.grouped_mm_triton(xs[:0], w, torch.zeros(4, dtype=torch.int32)).shape == (0, 32)
 
 
+def routes_of(T, k, E):
+    """(src [T·k] int32: each route's token, offs [E]) for a random top-k routing grouped by expert, stable."""
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    counts = torch.bincount(experts.reshape(-1), minlength=E)
+    return (order // k).to(torch.int32), torch.cumsum(counts, 0).to(torch.int32)
+
+
+@interpreted
+def test_stream_kernel_gathers_rows_through_src():
+    """Reading route m's row as x[src[m]] inside the kernel gives the kernel's result on the gathered rows, bit
+    for bit (same loads, same order), and the dispatcher's torch path gathers first."""
+    T, k, E, N, K = 13, 3, 6, 40, 96
+    x = torch.randn(T, K)
+    w = torch.randn(E, N, K) * 0.1
+    src, offs = routes_of(T, k, E)
+    cfg = (16, 16, 32, 4, 1)
+    got = moe_stream.grouped_mm_triton(x, w, offs, config=cfg, src=src)
+    assert torch.equal(got, moe_stream.grouped_mm_triton(x.index_select(0, src), w, offs, config=cfg))
+    assert rel(moe_stream.grouped_mm(x, w, offs, src=src), moe_stream.grouped_mm_ref(x[src.long()], w, offs)) < 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("config", [(16, 16, 32, 4, 1), (32, 16, 64, 4, 1)])
+def test_stream_kernel_fused_gelu_matches_gemm_then_gelu_mul(config):
+    """glu=True: the gate‖up GEMM with gelu_tanh(gate) · up in the epilogue, against the GEMM twin then gelu_mul's
+    twin; gathered through src as the engine calls it."""
+    from diffgemma.ops.gelu_mul import gelu_mul_ref
+
+    T, k, E, F, K = 13, 3, 6, 20, 96  # F off the tile grid
+    x = torch.randn(T, K)
+    w = torch.randn(E, 2 * F, K) * 0.3
+    src, offs = routes_of(T, k, E)
+    got = moe_stream.grouped_mm_triton(x, w, offs, config=config, src=src, glu=True)
+    want = gelu_mul_ref(moe_stream.grouped_mm_ref(x[src.long()], w, offs))
+    assert got.shape == (T * k, F) and rel(got, want) < 1e-5
+    with pytest.raises(TensorError, match="even N"):
+        moe_stream.grouped_mm_triton(x, torch.randn(E, 2 * F + 1, K), offs, src=src, glu=True)
+
+
 def test_stream_kernel_refuses_mismatched_operands():
     with pytest.raises(TensorError, match="grouped_mm"):
         moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 6), torch.tensor([2, 5]))
@@ -50,7 +90,7 @@ def test_expert_ffn_takes_the_kernel_by_default_at_the_denoise_shape_only(monkey
     want = moe.expert_ffn(xs, gate_up, down, offs)  # CPU: the twin
     calls = []
     kernel = moe_stream.grouped_mm_triton
-    monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a: calls.append(1) or kernel(*a, config=(16, 16, 32, 4, 1)))
+    monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k, config=(16, 16, 32, 4, 1)))
     monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
     if switch is None:
         monkeypatch.delenv(moe_stream.ENV_VAR, raising=False)

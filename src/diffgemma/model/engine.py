@@ -13,8 +13,8 @@ number of launches on CUDA:
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
   → route_fused (1: tf32x3 router GEMM, softmax, top-k ties→lower expert, renorm, scale)
-  → moe_plan (1: sort-free stable expert grouping) → row gather (1)
-  → grouped GEMM, gelu·up, grouped GEMM (3)
+  → moe_plan (1: sort-free stable expert grouping)
+  → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4)
   → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
     and the next layer's input norm).
 Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.
@@ -194,8 +194,7 @@ class Engine:
         dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
         src, inv, offs = moe_plan(experts, cfg.num_experts)
-        xs = moe_in.index_select(0, src)  # routes grouped by expert, stable
-        y = expert_ffn(xs, lw.experts_gu, lw.experts_down, offs)
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src)  # routes grouped by expert, stable
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 
