@@ -207,8 +207,10 @@ if HAVE_TRITON:
                      BN: tl.constexpr, BK: tl.constexpr):
         if FMT == 4:  # RAW: plain [E·N, K] weights in x's dtype (ops/moe_stream.py), nothing to decode
             kk = k0 + tl.arange(0, BK)
-            return tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
-        return _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+            w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+        else:  # (one return: the compiler types every return of a function, even in a pruned branch)
+            w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+        return w
 
     @triton.jit
     def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
@@ -273,8 +275,8 @@ def _plane_args(w: PackedWeight):
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
 # stream: BK 64 beat round 5's BK 128 in four H200 runs (q4 gate_up 0.33-0.39 vs 0.39-0.44 ms; bench/RESULTS.md round 6).
-# stream_glu: the fused gate_up reads two weight tiles per step, so half the N tile keeps the bytes per step.
-CONFIGS = {"stream": (64, 32, 64, 4, 4), "stream_glu": (32, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
+# stream_glu: glu=True (not used by the engine on packed stacks, see grouped_gate_up_packed), the best of five.
+CONFIGS = {"stream": (64, 32, 64, 4, 4), "stream_glu": (64, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 
 def pick_config(m: int, experts: int, glu: bool = False) -> tuple:
@@ -341,15 +343,13 @@ def grouped_mm_packed(x, w, offs, src=None):
 
 
 def grouped_gate_up_packed(x, w, offs, src=None):
-    """gelu_tanh(gate) · up of the gate‖up expert GEMM: fused into the kernel where it streams the packed
-    weights (denoise), else the GEMM then ops.gelu_mul."""
+    """gelu_tanh(gate) · up of the gate‖up expert GEMM. Packed stacks take the GEMM, then ops.gelu_mul: with
+    gelu·up fused into the packed kernel (glu=True) the q4 gate_up took 0.54-0.67 ms against 0.39 unfused on
+    the H200 (two dequantized tiles per step; bench/RESULTS.md round 6). A bf16 stack fuses."""
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_gate_up
 
         return grouped_gate_up(x, w, offs, src=src)
-    rows_per_expert = (x.shape[0] if src is None else src.shape[0]) / w.shape[0]
-    if use_triton(x) and (rows_per_expert < PREFILL_ROWS or os.environ.get("DIFFGEMMA_PACKED_PREFILL") == "kernel"):
-        return grouped_mm_packed_triton(x, w, offs, src=src, glu=True)
     return gelu_mul(grouped_mm_packed(x, w, offs, src=src))
 
 
