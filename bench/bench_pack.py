@@ -214,11 +214,12 @@ def bench_fused_gate_up(res, reps):
     wb = mp.dequantize_triton(pw, torch.bfloat16)
     r["bf16_unfused_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x.index_select(0, src), wb, offs)), reps=reps)
     r["q4_unfused_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs)), reps=reps)
+    r["q4_src_then_gelu_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x, pw, offs, src=src)), reps=reps)  # the engine's
     for name, fn, cfgs in (
             ("bf16", lambda c: moe_stream.grouped_mm_triton(x, wb, offs, config=c, src=src, glu=True),
-             [moe_stream.CONFIG_GLU, (64, 32, 128, 4, 3), (32, 32, 64, 4, 4), (64, 32, 64, 8, 4), (32, 16, 128, 4, 4)]),
+             [moe_stream.CONFIG_GLU, (32, 32, 128, 4, 4), (32, 32, 64, 4, 4), (64, 32, 64, 8, 4), (32, 16, 128, 4, 4)]),
             ("q4", lambda c: mp.grouped_mm_packed_triton(x, pw, offs, config=c, src=src, glu=True),
-             [mp.CONFIGS["stream_glu"], (64, 32, 64, 4, 4), (32, 32, 128, 4, 3), (32, 16, 64, 4, 4), (64, 32, 64, 8, 4)])):
+             [mp.CONFIGS["stream_glu"], (32, 32, 64, 4, 4), (32, 32, 128, 4, 3), (32, 16, 64, 4, 4), (64, 32, 64, 8, 4)])):
         for c in cfgs:
             key = f"{name}_fused_" + "_".join(map(str, c)) + "_ms"
             try:
