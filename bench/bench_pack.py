@@ -14,8 +14,8 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
           prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights, and at the
           denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
-  fused   the engine's gate_up call at the denoise shape, bf16 and q4: row gather + GEMM + gelu_mul against one
-          kernel that gathers through the routes' token ids and applies gelu·up in its epilogue, over configs.
+  gather  the engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 and q4: the routes' rows
+          gathered by index_select first, or by the kernel's own loads through the routes' token ids.
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
           at 8k, and the logits agreement q4 vs bf16 on one step (each model prefills the same 1k prompt
           into its own cache).
@@ -197,13 +197,13 @@ def bench_kernels(res, reps):
                 torch.cuda.empty_cache()
 
 
-def bench_fused_gate_up(res, reps):
-    """The engine's gate_up call at the denoise shape: unfused (row gather, GEMM, gelu_mul) vs one kernel that
-    gathers through src and applies gelu·up in its epilogue, for bf16 (streaming kernel) and q4, over configs."""
+def bench_gather(res, reps):
+    """The engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 (streaming kernel) and q4, with
+    the routes' rows gathered first (index_select) or by the kernel's own x loads through the token ids (src)."""
     from diffgemma.model.engine_weights import random_record
     from diffgemma.ops.gelu_mul import gelu_mul
 
-    r = res.setdefault("fused_gate_up", {})
+    r = res.setdefault("gather", {})
     E, H, Fe, T, k = 128, 2816, 704, 256, 8
     gen = torch.Generator(device="cuda")
     gen.manual_seed(2)
@@ -212,21 +212,13 @@ def bench_fused_gate_up(res, reps):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     pw = mp.PackedWeight.from_record("q4", (E, 2 * Fe, H), random_record("q4", (E, 2 * Fe, H), "cuda", gen, 0.02))
     wb = mp.dequantize_triton(pw, torch.bfloat16)
-    r["bf16_unfused_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x.index_select(0, src), wb, offs)), reps=reps)
-    r["q4_unfused_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs)), reps=reps)
-    r["q4_src_then_gelu_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x, pw, offs, src=src)), reps=reps)  # the engine's
-    for name, fn, cfgs in (
-            ("bf16", lambda c: moe_stream.grouped_mm_triton(x, wb, offs, config=c, src=src, glu=True),
-             [moe_stream.CONFIG_GLU, (32, 32, 128, 4, 4), (32, 32, 64, 4, 4), (64, 32, 64, 8, 4), (32, 16, 128, 4, 4)]),
-            ("q4", lambda c: mp.grouped_mm_packed_triton(x, pw, offs, config=c, src=src, glu=True),
-             [mp.CONFIGS["stream_glu"], (32, 32, 64, 4, 4), (32, 32, 128, 4, 3), (32, 16, 64, 4, 4), (64, 32, 64, 8, 4)])):
-        for c in cfgs:
-            key = f"{name}_fused_" + "_".join(map(str, c)) + "_ms"
-            try:
-                r[key] = med(lambda: fn(c), reps=reps)
-            except Exception as e:
-                r[key] = f"{type(e).__name__}: {str(e)[:200]}"
-    log("[fused gate_up] " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items()))
+    r["bf16_index_select_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x.index_select(0, src), wb, offs)),
+                                    reps=reps)
+    r["bf16_src_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x, wb, offs, src=src)), reps=reps)
+    r["q4_index_select_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs)),
+                                  reps=reps)
+    r["q4_src_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x, pw, offs, src=src)), reps=reps)
+    log("[gather] " + ", ".join(f"{a}={b:.4g}" for a, b in r.items()))
 
 
 def bench_bf16(res, eng, cfg, reps):
@@ -266,7 +258,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: engine_q4,kernels,fused,bf16")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: engine_q4,kernels,gather,bf16")
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing the engine")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -292,7 +284,7 @@ def main():
     dump()
     sections = [("engine_q4", lambda: bench_engine_q4(res, eng, cfg, args.reps)),
                 ("kernels", lambda: bench_kernels(res, 20)),
-                ("fused", lambda: bench_fused_gate_up(res, 20)),
+                ("gather", lambda: bench_gather(res, 20)),
                 ("bf16", lambda: bench_bf16(res, eng, cfg, args.reps))]
     res["routing"] = args.routing
     for name, fn in sections:

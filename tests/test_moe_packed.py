@@ -118,22 +118,6 @@ def test_grouped_kernel_gathers_rows_through_src(fmt):
 
 
 @interpreted
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_grouped_kernel_fused_gelu_matches_twin(fmt):
-    from test_moe_stream import routes_of
-
-    from diffgemma.ops.gelu_mul import gelu_mul_ref
-
-    T, k, E, F, K = 11, 4, 6, 20, 96
-    pw, _ = packed(fmt, (E, 2 * F, K))
-    x = torch.randn(T, K)
-    src, offs = routes_of(T, k, E)
-    got = mp.grouped_mm_packed_triton(x, pw, offs, config=(16, 16, 32, 4, 1), src=src, glu=True)
-    want = gelu_mul_ref(mp.grouped_mm_packed_ref(x[src.long()], pw, offs))
-    assert got.shape == (T * k, F) and rel(got, want) < 1e-5
-
-
-@interpreted
 @pytest.mark.parametrize("packed_stacks", [False, True])
 def test_expert_ffn_with_src_equals_expert_ffn_on_gathered_rows(monkeypatch, packed_stacks):
     """The engine's call (tokens + src) against the old one (gathered rows), on the kernels and on the torch twins."""
@@ -153,10 +137,9 @@ def test_expert_ffn_with_src_equals_expert_ffn_on_gathered_rows(monkeypatch, pac
     assert torch.equal(moe.expert_ffn(x, gu, dn, offs, src=src), want)  # CPU: the twin gathers first
     for mod in (mp, moe_stream):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(mp, "pick_config", lambda m, e, glu=False: (16, 16, 32, 4, 1))
+    monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG", (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K", (16, 16, 32, 4, 1))
-    monkeypatch.setattr(moe_stream, "CONFIG_GLU", (16, 16, 32, 4, 1))
     kernels = moe.expert_ffn(x, gu, dn, offs, src=src)
     assert torch.equal(kernels, moe.expert_ffn(x.index_select(0, src), gu, dn, offs))
     assert rel(kernels, want) < 1e-5
@@ -182,7 +165,7 @@ def test_expert_ffn_dispatch_on_packed_weights(monkeypatch, rows_per_expert_thre
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5  # CPU: the torch twin
     monkeypatch.setattr(mp, "use_triton", lambda t: True)
     monkeypatch.setattr(mp, "PREFILL_ROWS", rows_per_expert_threshold)
-    monkeypatch.setattr(mp, "pick_config", lambda m, e, glu=False: (16, 16, 32, 4, 1))
+    monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5
 
 

@@ -23,16 +23,7 @@ def gelu_mul_ref(gu):
     return (F.gelu(gu[..., :f].float(), approximate="tanh") * gu[..., f:].float()).to(gu.dtype)
 
 
-C0 = math.sqrt(2.0 / math.pi)
-
 if HAVE_TRITON:
-
-    @triton.jit
-    def gelu_tanh_mul(g, u, C0: tl.constexpr):
-        """gelu_tanh(g) · u in f32 (also the epilogue of the fused expert gate_up GEMM, ops/moe_packed.py)."""
-        y = C0 * (g + 0.044715 * g * g * g)
-        th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
-        return 0.5 * g * (1.0 + th) * u
 
     @triton.jit
     def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, C0: tl.constexpr, BLOCK: tl.constexpr):
@@ -41,7 +32,9 @@ if HAVE_TRITON:
         ok = cols < Fh
         g = tl.load(gu_ptr + row * 2 * Fh + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * Fh + Fh + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * Fh + cols, gelu_tanh_mul(g, u, C0).to(out_ptr.dtype.element_ty), mask=ok)
+        y = C0 * (g + 0.044715 * g * g * g)
+        th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
+        tl.store(out_ptr + row * Fh + cols, (0.5 * g * (1.0 + th) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def gelu_mul_triton(gu, block: int = 1024):
@@ -49,7 +42,7 @@ def gelu_mul_triton(gu, block: int = 1024):
     M, F2 = gu.shape
     out = torch.empty(M, F2 // 2, dtype=gu.dtype, device=gu.device)
     if M:
-        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, C0=C0, BLOCK=block)
+        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, C0=math.sqrt(2.0 / math.pi), BLOCK=block)
     return out
 
 

@@ -31,16 +31,11 @@ import torch
 from ..errors import TensorError
 from ..quant import codecs
 from ._backend import HAVE_TRITON, use_triton
-from .gelu_mul import C0 as _GELU_C0
 from .gelu_mul import gelu_mul
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    from .gelu_mul import gelu_tanh_mul
-
-    GELU_C0 = tl.constexpr(_GELU_C0)
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
 _FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
@@ -215,16 +210,14 @@ if HAVE_TRITON:
     @triton.jit
     def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
                            FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           HAS_SRC: tl.constexpr, GLU: tl.constexpr):
-        """GLU: the weight is a gate‖up stack [E, 2N, K] and the output [M, N] is gelu_tanh(gate) · up, each
-        product first rounded to out's dtype as the unfused GEMM would store it; else out [M, N] = x · Wᵀ."""
+                           HAS_SRC: tl.constexpr):
         pid_n = tl.program_id(0)
         g = tl.program_id(1)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
         end = tl.load(offs_ptr + g)
         n = pid_n * BN + tl.arange(0, BN)
         n_ok = n < N
-        rows = g.to(tl.int64) * (2 * N if GLU else N) + n  # plane rows of expert g (its gate rows if GLU)
+        rows = g.to(tl.int64) * N + n  # plane rows of expert g
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -233,19 +226,11 @@ if HAVE_TRITON:
             else:
                 x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_up = tl.zeros((BN, BM), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
                 xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
                 w = _weight_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
-                if GLU:
-                    wu = _weight_tile(p0, p1, p2, p3, tscale, rows + N, n_ok, k0, K, FMT, GS, BN, BK)
-                    acc_up = tl.dot(wu.to(xt.dtype), xt, acc_up)
-            if GLU:
-                gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-                up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-                acc = gelu_tanh_mul(gate, up, GELU_C0)
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
 
@@ -275,14 +260,11 @@ def _plane_args(w: PackedWeight):
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
 # stream: BK 64 beat round 5's BK 128 in four H200 runs (q4 gate_up 0.33-0.39 vs 0.39-0.44 ms; bench/RESULTS.md round 6).
-# stream_glu: glu=True (not used by the engine on packed stacks, see grouped_gate_up_packed), the best of five.
-CONFIGS = {"stream": (64, 32, 64, 4, 4), "stream_glu": (64, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
+CONFIGS = {"stream": (64, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 
-def pick_config(m: int, experts: int, glu: bool = False) -> tuple:
-    if m > 48 * experts:
-        return CONFIGS["compute"]
-    return CONFIGS["stream_glu" if glu else "stream"]
+def pick_config(m: int, experts: int) -> tuple:
+    return CONFIGS["stream" if m <= 48 * experts else "compute"]
 
 
 def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
@@ -290,32 +272,23 @@ def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
     return x if src is None else x.index_select(0, src)
 
 
-def _check_glu(N: int, glu: bool) -> int:
-    """Output columns of the grouped GEMM: N, or N / 2 when the gate‖up stack's product goes through gelu·up."""
-    if glu and N % 2:
-        raise TensorError(f"grouped gate_up GEMM: a gate‖up stack needs an even N, got {N}")
-    return N // 2 if glu else N
-
-
-def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, glu: bool = False):
+def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
-    done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype, or with glu=True
-    (w a gate‖up stack) -> gelu_tanh(gate) · up [M, N / 2]."""
+    done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
     E, N, K = w.shape
     x = x.contiguous()
     M = x.shape[0] if src is None else src.shape[0]
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
-    n_out = _check_glu(N, glu)
-    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    BN, BM, BK, warps, stages = config or pick_config(M, E, glu)
+    BN, BM, BK, warps, stages = config or pick_config(M, E)
     offs = offs.to(torch.int32).contiguous()
-    _packed_gmm_kernel[(triton.cdiv(n_out, BN), E)](x, x if src is None else src.contiguous(), out, offs, *_plane_args(w),
-                                                    float(w.tscale), n_out, K, x.stride(0), out.stride(0),
-                                                    FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK,
-                                                    HAS_SRC=src is not None, GLU=glu, num_warps=warps, num_stages=stages)
+    _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, *_plane_args(w),
+                                                float(w.tscale), N, K, x.stride(0), out.stride(0), FMT=_FMT_ID[w.fmt],
+                                                GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
+                                                num_warps=warps, num_stages=stages)
     return out
 
 
@@ -342,17 +315,6 @@ def grouped_mm_packed(x, w, offs, src=None):
     return grouped_mm_packed_triton(x, w, offs, src=src)
 
 
-def grouped_gate_up_packed(x, w, offs, src=None):
-    """gelu_tanh(gate) · up of the gate‖up expert GEMM. Packed stacks take the GEMM, then ops.gelu_mul: with
-    gelu·up fused into the packed kernel (glu=True) the q4 gate_up took 0.54-0.67 ms against 0.39 unfused on
-    the H200 (two dequantized tiles per step; bench/RESULTS.md round 6). A bf16 stack fuses."""
-    if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
-        from .moe_stream import grouped_gate_up
-
-        return grouped_gate_up(x, w, offs, src=src)
-    return gelu_mul(grouped_mm_packed(x, w, offs, src=src))
-
-
 def expert_ffn_packed(x, gate_up: PackedWeight, down: PackedWeight, offs, src=None):
     """The expert FFN (gate‖up, gelu·up, down) over routes grouped by expert, on packed stacks."""
-    return grouped_mm_packed(grouped_gate_up_packed(x, gate_up, offs, src=src), down, offs)
+    return grouped_mm_packed(gelu_mul(grouped_mm_packed(x, gate_up, offs, src=src)), down, offs)

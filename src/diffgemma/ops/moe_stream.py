@@ -16,8 +16,7 @@ torch._grouped_mm otherwise; `DIFFGEMMA_EXPERT_GEMM=cutlass` forces torch._group
 
   grouped_mm_ref      the twin: torch._grouped_mm (or its per-expert loop on builds without it)
   grouped_mm_triton   the kernel
-  grouped_mm          the dispatcher the expert FFN calls for the down projection
-  grouped_gate_up     the same for the gate‖up projection, with gelu·up fused into the kernel's epilogue
+  grouped_mm          the dispatcher the expert FFN calls
 """
 
 from __future__ import annotations
@@ -41,9 +40,6 @@ STREAM_MAX_ROWS = 48
 # projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
-# the fused gate_up (gelu·up in the epilogue) reads a gate and an up tile per step. Gather + gate_up + gelu_mul
-# took 0.321 ms per layer on the H200; fused, this config 0.305 ms ((32, 32, 128, 4, 4): 0.358; RESULTS round 6)
-CONFIG_GLU = (64, 32, 128, 4, 3)
 SHORT_K = 1024
 ENV_VAR = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
 
@@ -53,9 +49,9 @@ def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: tuple | None = None,
-                      src: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
-    """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w [E, N, K],
-    offs int32 [E] -> [M, N] in x.dtype, or with glu=True (w a gate‖up stack) gelu_tanh(gate) · up [M, N / 2]."""
+                      src: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
+    done by the kernel's x loads); w [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
         raise TensorError(f"grouped_mm: x {list(x.shape)} and w {list(w.shape)} do not make [M, K] x [E, N, K]")
     if w.dtype != x.dtype:
@@ -63,17 +59,15 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     E, N, K = w.shape
     x, w = x.contiguous(), w.contiguous()
     M = x.shape[0] if src is None else src.shape[0]
-    n_out = mp._check_glu(N, glu)
-    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    BN, BM, BK, warps, stages = config or (CONFIG_GLU if glu else CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
+    BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
     offs = offs.to(torch.int32).contiguous()
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
-    mp._packed_gmm_kernel[(triton.cdiv(n_out, BN), E)](x, x if src is None else src.contiguous(), out, offs, w, w, w, w,
-                                                       1.0, n_out, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32,
-                                                       BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None, GLU=glu,
-                                                       num_warps=warps, num_stages=stages)
+    mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, w, w, w, w,
+                                                   1.0, N, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32, BN=BN, BM=BM,
+                                                   BK=BK, HAS_SRC=src is not None, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -84,21 +78,9 @@ def expert_gemm_choice() -> str:
     return choice
 
 
-def _streams(x: torch.Tensor, w: torch.Tensor, src: torch.Tensor | None) -> bool:
-    M = x.shape[0] if src is None else src.shape[0]
-    return use_triton(x) and M <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton"
-
-
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
     """The streaming kernel at denoise (the gather of x[src] inside its loads), torch._grouped_mm otherwise."""
-    if _streams(x, w, src):
+    M = x.shape[0] if src is None else src.shape[0]
+    if use_triton(x) and M <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
         return grouped_mm_triton(x, w, offs, src=src)
     return grouped_mm_ref(mp.routed(x, src), w, offs)
-
-
-def grouped_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(gate) · up of the gate‖up expert GEMM: in the streaming kernel's epilogue at denoise, else
-    torch._grouped_mm then ops.gelu_mul."""
-    if _streams(x, w, src):
-        return grouped_mm_triton(x, w, offs, src=src, glu=True)
-    return mp.gelu_mul(grouped_mm_ref(mp.routed(x, src), w, offs))
