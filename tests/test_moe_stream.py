@@ -59,6 +59,11 @@ def test_stream_kernel_refuses_mismatched_operands():
         moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 6), torch.tensor([2, 5]))
     with pytest.raises(TensorError, match="dtype"):
         moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 8, dtype=torch.float64), torch.tensor([2, 5]))
+    with pytest.raises(TensorError, match="src must be a 1-D int32/int64"):
+        moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 8), torch.tensor([2, 5]),
+                                     src=torch.zeros(5, 1, dtype=torch.int32))
+    with pytest.raises(TensorError, match="src must be a 1-D int32/int64"):
+        moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 8), torch.tensor([2, 5]), src=torch.zeros(5))
 
 
 @interpreted

@@ -272,10 +272,21 @@ def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
     return x if src is None else x.index_select(0, src)
 
 
+def check_src(src: torch.Tensor | None, x: torch.Tensor) -> None:
+    """src, when given, names one row of x per route: a 1-D integer tensor on x's device (values are not
+    read here: that would cost a host sync; moe_plan makes them)."""
+    if src is None:
+        return
+    if src.dim() != 1 or src.dtype not in (torch.int32, torch.int64) or src.device != x.device:
+        raise TensorError(f"grouped GEMM: src must be a 1-D int32/int64 tensor on {x.device}, got "
+                          f"{src.dtype} {list(src.shape)} on {src.device}")
+
+
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
     E, N, K = w.shape
+    check_src(src, x)
     x = x.contiguous()
     M = x.shape[0] if src is None else src.shape[0]
     if x.shape[1] != K:

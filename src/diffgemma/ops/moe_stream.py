@@ -56,6 +56,7 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
         raise TensorError(f"grouped_mm: x {list(x.shape)} and w {list(w.shape)} do not make [M, K] x [E, N, K]")
     if w.dtype != x.dtype:
         raise TensorError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}; expected the same dtype")
+    mp.check_src(src, x)
     E, N, K = w.shape
     x, w = x.contiguous(), w.contiguous()
     M = x.shape[0] if src is None else src.shape[0]
