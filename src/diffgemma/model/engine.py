@@ -41,6 +41,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..ops import moe_packed
+from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
 from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
@@ -48,7 +50,6 @@ from ..ops.moe_plan import moe_plan
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
-from ..ops._backend import use_triton
 from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
 from .engine_cache import EngineKVCache
 from .engine_weights import DictSource, EngineWeights, load_weights
@@ -150,8 +151,6 @@ class Engine:
         return self._denoise_core(cache, ids, mode, sc, key_rows=cache.length + C)
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
-        from ..ops import moe_packed
-
         cfg = self.config
         return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)
                 and chunk * cfg.top_k_experts / cfg.num_experts >= moe_packed.PREFILL_ROWS)
@@ -302,9 +301,7 @@ class Engine:
     def _sc_mlp(self, s):
         """The self-conditioning MLP (gate‖up, gelu·up, down) on its normed input; the weights are
         plain tensors or packed q8 (ops.moe_packed.linear dequantizes on the fly)."""
-        from ..ops.moe_packed import linear
-
-        return linear(gelu_mul(linear(s, self.w.sc_gu)), self.w.sc_down)
+        return moe_packed.linear(gelu_mul(moe_packed.linear(s, self.w.sc_gu)), self.w.sc_down)
 
     def context_bucket(self, cache: EngineKVCache) -> int:
         b = _BUCKET0

@@ -272,23 +272,23 @@ def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
     return x if src is None else x.index_select(0, src)
 
 
-def check_src(src: torch.Tensor | None, x: torch.Tensor) -> None:
-    """src, when given, names one row of x per route: a 1-D integer tensor on x's device (values are not
-    read here: that would cost a host sync; moe_plan makes them)."""
+def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
+    """Rows of the grouped GEMM: x's, or src's when src names one row of x per route. src must be a 1-D
+    integer tensor on x's device (its values are not read here: that would cost a host sync; moe_plan makes them)."""
     if src is None:
-        return
+        return x.shape[0]
     if src.dim() != 1 or src.dtype not in (torch.int32, torch.int64) or src.device != x.device:
         raise TensorError(f"grouped GEMM: src must be a 1-D int32/int64 tensor on {x.device}, got "
                           f"{src.dtype} {list(src.shape)} on {src.device}")
+    return src.shape[0]
 
 
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
     E, N, K = w.shape
-    check_src(src, x)
+    M = route_count(x, src)
     x = x.contiguous()
-    M = x.shape[0] if src is None else src.shape[0]
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -320,7 +320,7 @@ def grouped_mm_packed(x, w, offs, src=None):
         return grouped_mm(x, w, offs, src=src)
     if not use_triton(x):
         return grouped_mm_packed_ref(routed(x, src), w, offs)
-    rows_per_expert = (x.shape[0] if src is None else src.shape[0]) / w.shape[0]
+    rows_per_expert = route_count(x, src) / w.shape[0]
     if rows_per_expert >= PREFILL_ROWS and os.environ.get("DIFFGEMMA_PACKED_PREFILL", "dequant") != "kernel":
         return _grouped_mm_bf16(routed(x, src), dequantize_triton(w, x.dtype), offs)
     return grouped_mm_packed_triton(x, w, offs, src=src)

@@ -56,10 +56,9 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
         raise TensorError(f"grouped_mm: x {list(x.shape)} and w {list(w.shape)} do not make [M, K] x [E, N, K]")
     if w.dtype != x.dtype:
         raise TensorError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}; expected the same dtype")
-    mp.check_src(src, x)
+    M = mp.route_count(x, src)
     E, N, K = w.shape
     x, w = x.contiguous(), w.contiguous()
-    M = x.shape[0] if src is None else src.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -81,7 +80,6 @@ def expert_gemm_choice() -> str:
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
     """The streaming kernel at denoise (the gather of x[src] inside its loads), torch._grouped_mm otherwise."""
-    M = x.shape[0] if src is None else src.shape[0]
-    if use_triton(x) and M <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
+    if use_triton(x) and mp.route_count(x, src) <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
         return grouped_mm_triton(x, w, offs, src=src)
     return grouped_mm_ref(mp.routed(x, src), w, offs)
