@@ -85,7 +85,8 @@ def call(case, impl, cfg, i):
     if impl == "sdpa":
         return A.attention_sdpa(q, k, v, case["kpos"], case["n_keys"], **kw)
     hints = dict(n_ring=case["n_ring"], base_pos=case["base_pos"], nlive=case["nlive"])
-    return F.attention_flash(q, k, v, case["kpos"], case["n_keys"], **kw, **hints, **cfg)
+    kpos = None if impl == "flash_nokpos" else case["kpos"]  # the engine's full-layer canvas call (every row a key)
+    return F.attention_flash(q, k, v, kpos, case["n_keys"], **kw, **hints, **cfg)
 
 
 def reference(case):
@@ -169,6 +170,9 @@ def variants(case):
     if not causal:  # the default config at other split counts first, then the other configs at each
         waves = (1, 2, 4) if d >= 512 else (0, 1, 2)
         dflt = F.flash_config(d, causal, case["n_keys"])
+        if d >= 512:  # the full canvas without per-key positions (the engine's call since round 7), every config
+            out += [("flash_nokpos", {})] + [("flash_nokpos", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
+            out += [("flash_nokpos", dict(c, waves=w)) for c in cfgs for w in (1, 2)]
         out += [("flash", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
         return out + [("flash", dict(c, waves=w)) for c in cfgs for w in waves]
     return out + [("flash", c) for c in cfgs]

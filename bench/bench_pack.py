@@ -170,15 +170,21 @@ def bench_kernels(res, reps):
                     if label == "prefill":
                         row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
-                configs = [mp.CONFIGS["stream"], (64, 16, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 128, 4, 3),
-                           (32, 32, 128, 4, 3)] if (label == "denoise" and fmt == "q4") else \
+                configs = [mp.CONFIGS["stream"], (64, 32, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 128, 4, 3),
+                           (128, 32, 64, 4, 4), (64, 32, 256, 4, 3)] if (label == "denoise" and fmt == "q4") else \
                     [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
                 for cfg in configs:
-                    key = "kernel_" + "_".join(map(str, cfg)) + "_ms"
-                    try:
-                        row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg), reps=reps)
-                    except Exception as e:
-                        row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                    # kernel_*: the side planes prefetched one K-step ahead (the default); inloop_*: loaded in the
+                    # step that uses them (the loop before round 7), timed beside it on the denoise shape
+                    for prefix, prefetch in (("kernel_", True), ("inloop_", False)):
+                        if not prefetch and label != "denoise":
+                            continue
+                        key = prefix + "_".join(map(str, cfg)) + "_ms"
+                        try:
+                            row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, prefetch=prefetch),
+                                           reps=reps)
+                        except Exception as e:
+                            row[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 best = min((v for kk, v in row.items() if kk.startswith("kernel_") and isinstance(v, float)), default=None)
                 if best:
                     row["best_kernel_GBps"] = pw.nbytes / best / 1e6

@@ -66,6 +66,27 @@ def test_canvas_nlive_bucket(splits):
     assert auto[0] * auto[1] >= key_rows and (auto[0] - 1) * auto[1] < key_rows
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_canvas_without_kpos_equals_kpos_below_nlive(splits):
+    """kpos=None (the full layers' canvas): every row below nlive is a key. Same numbers as the explicit
+    per-key mask, rows past nlive (NaN) never read, in the kernel and in the dispatch's twins."""
+    H, KV, C, d = 8, 2, 8, 32
+    key_rows, live = 96, 53
+    q, k, v = qkv(H, KV, C, key_rows, d)
+    k[:, live:] = v[:, live:] = float("nan")
+    kpos = torch.where(torch.arange(key_rows) < live, 0, -1)
+    nlive = torch.tensor(live)
+    got = fl.attention_flash(q, k, v, None, key_rows, out_dtype=torch.bfloat16, nlive=nlive, splits=splits, BD=32, **TILE)
+    with_kpos = fl.attention_flash(q, k, v, kpos, key_rows, out_dtype=torch.bfloat16, nlive=nlive, splits=splits,
+                                   BD=32, **TILE)
+    assert torch.equal(got, with_kpos)
+    exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32)
+    check(got, exp)
+    check(attn.attention(q, k, v, None, key_rows, out_dtype=torch.float32, impl="ref", nlive=nlive), exp)
+    with pytest.raises(ValueError, match="kpos=None"):
+        attn.attention(q, k, v, None, key_rows, qpos=torch.arange(C), causal=True, impl="ref")
+
+
 def test_num_splits_is_static_and_covers():
     for n_keys in (1, 100, 1280, 1535, 8448, 33024):
         for base, BN in ((32, 64), (8, 32), (128, 64)):

@@ -95,6 +95,21 @@ def test_grouped_kernel_matches_twin(fmt, config):
 
 
 @interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_kernel_prefetched_scales_equal_in_step_scales(fmt):
+    """The side planes loaded one K-step ahead give the very numbers of loading them in the step (K = 96 with
+    BK 64 and 32: a partial last step, so the prefetch past K must load zeros and never be used)."""
+    E, N, K, M = 5, 40, 96, 47
+    pw, _ = packed(fmt, (E, N, K))
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    for cfg in ((16, 16, 64, 4, 1), (32, 16, 32, 4, 1)):
+        new = mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg)
+        old = mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, prefetch=False)
+        assert torch.equal(new, old), (fmt, cfg)
+
+
+@interpreted
 def test_grouped_kernel_all_rows_in_one_expert_and_no_rows():
     pw, w = packed("q4", (4, 32, 64))
     xs = torch.randn(37, 64)

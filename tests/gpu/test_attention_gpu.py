@@ -59,10 +59,13 @@ def test_canvas_full_real_shape_padded_bucket(bucket):
     q, k, v = qkv(2, C, key_rows, 512)
     kpos = torch.where(torch.arange(key_rows, device=DEV) < live, 0, -1)
     k[:, live:] = v[:, live:] = float("nan")
-    got = fl.attention_flash(q, k, v, kpos, key_rows, out_dtype=torch.bfloat16, nlive=torch.tensor(live, device=DEV))
+    nlive = torch.tensor(live, device=DEV)
+    got = fl.attention_flash(q, k, v, kpos, key_rows, out_dtype=torch.bfloat16, nlive=nlive)
     exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32, q_block=128)
     assert not torch.isnan(got).any()
     assert rel(got, exp) < 1e-2
+    # the engine's call: no kpos, every row below nlive a key (the kernel reads no positions)
+    assert torch.equal(fl.attention_flash(q, k, v, None, key_rows, out_dtype=torch.bfloat16, nlive=nlive), got)
 
 
 def test_causal_sliding_real_shape():

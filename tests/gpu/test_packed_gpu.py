@@ -56,6 +56,13 @@ def test_packed_gemm_denoise_shape(fmt):
         assert r < 5e-3
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q5", "q6", "nvfp4"])
+def test_packed_gemm_prefetched_scales_equal_in_step_scales(fmt):
+    xs, offs = routed_rows(256)
+    for w, x in ((packed(fmt, (E, 2 * Fe, H)), xs), (packed(fmt, (E, H, Fe)), torch.randn(xs.shape[0], Fe, device=DEV, dtype=torch.bfloat16))):
+        assert torch.equal(mp.grouped_mm_packed_triton(x, w, offs), mp.grouped_mm_packed_triton(x, w, offs, prefetch=False))
+
+
 @pytest.mark.parametrize("fmt", ["q4", "nvfp4"])
 def test_packed_gate_up_through_src_denoise_shape(fmt):
     experts = torch.stack([torch.randperm(E, device=DEV)[:K_TOP] for _ in range(256)])

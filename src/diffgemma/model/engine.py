@@ -273,7 +273,6 @@ class Engine:
         # per-key visibility (0 = visible, -1 = not): the live window of the ring, then the canvas itself
         slide_kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), zero, neg), torch.zeros(C, dtype=torch.int64, device=dev)])
         nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
-        full_kpos = torch.where(torch.arange(key_rows, device=dev) < nlive, zero, neg)
         ring_canvas_slots = R + ar
 
         def attend(li, qkv, need_out):
@@ -282,7 +281,8 @@ class Engine:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
                 return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False, R + C))
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
-            return attention(q, K, V, full_kpos, key_rows, out_dtype=self.dtype,
+            # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
+            return attention(q, K, V, None, key_rows, out_dtype=self.dtype,
                              impl=self._attn_impl(False, False, key_rows), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)

@@ -3,7 +3,8 @@
 Shapes (the engine's layouts, so no copies around the call):
   q    [H, n, d]       head-major queries (qkv_prep writes them so)
   k, v [KV, rows, d]   the first `n_keys` rows are read (a cache buffer, or a dense K/V)
-  kpos [n_keys] int    position of each key, -1 = not a key (empty ring slot, padded bucket row)
+  kpos [n_keys] int    position of each key, -1 = not a key (empty ring slot, padded bucket row);
+                       None (canvas only) = every key below n_keys and nlive is visible
   qpos [n] int         query positions (causal mode only)
   out  [n, H·d]        what the o projection reads
 Scale is 1 (QK-norm folds it). Masks:
@@ -81,6 +82,14 @@ def attention_sdpa(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fa
     return out
 
 
+def _all_visible(n_keys: int, nlive, device) -> torch.Tensor:
+    """The kpos a twin needs for kpos=None: 0 (a key) below nlive (a device scalar, graph-safe), -1 past it."""
+    ar = torch.arange(n_keys, device=device)
+    if nlive is None:
+        return torch.zeros_like(ar)
+    return torch.where(ar < nlive, torch.zeros_like(ar), torch.full_like(ar, -1))
+
+
 _KERNELS = {"triton": attention_flash}
 _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here; SDPA takes over
 
@@ -88,6 +97,8 @@ _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could no
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'sdpa' or 'ref'."""
+    if kpos is None and causal:
+        raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
     sig = (q.shape[-1], causal, impl)
@@ -106,5 +117,7 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
             warnings.warn(f"diffgemma attention: Triton kernel {sig[2]} unavailable for head_dim {sig[0]} causal={sig[1]}, "
                           f"using SDPA ({_triton_failed[sig]})")
             impl = "sdpa"
+    if kpos is None:  # the twins take an explicit mask
+        kpos = _all_visible(n_keys, nlive, q.device)
     fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]
     return fn(q, k, v, kpos, n_keys, **kw)

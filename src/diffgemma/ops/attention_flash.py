@@ -41,25 +41,29 @@ if HAVE_TRITON:
 
     @triton.jit
     def _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, n_keys, window, dq, dcols,
-                     HD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+                     HD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, KPOS: tl.constexpr):
         LOG2E: tl.constexpr = 1.4426950408889634
         keys = n0 + tl.arange(0, BN)
         key_in = keys < n_keys
-        kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
         k = tl.load(kb + keys[:, None].to(tl.int64) * HD + dq[None, :], mask=key_in[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
-        if CAUSAL:
-            ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
-        else:
-            ok = (kp >= 0)[None, :]
+        if KPOS:
+            kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
+            if CAUSAL:
+                ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
+            else:
+                ok = (kp >= 0)[None, :]
+            v_ok = key_in & (kp >= 0)
+        else:  # every key below the bound is visible: no per-key load (its second copy in V's layout stalled every step)
+            ok = key_in[None, :]
+            v_ok = key_in
         s = tl.where(ok, s * LOG2E, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # p = 0 on masked keys, but 0·NaN would not be: masked V rows are not read
-        v = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=(key_in & (kp >= 0))[:, None],
-                    other=0.0)
+        v = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=v_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
 
@@ -67,7 +71,8 @@ if HAVE_TRITON:
     def _flash_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, nlive_ptr, o_ptr, po_ptr, pml_ptr,
                       n_q, n_keys, k_head_stride, window, n_ring, base_pos, split_len,
                       G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr):
+                      CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr,
+                      KPOS: tl.constexpr):
         NDH: tl.constexpr = HD // BD
         g = tl.program_id(1)
         split = tl.program_id(2) // NDH
@@ -97,12 +102,12 @@ if HAVE_TRITON:
                 ring_hi = tl.where(first < base_pos, n_ring, 0)
                 for n0 in range(0, ring_hi, BN):
                     m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr,
-                                                 tl.minimum(n_keys, n_ring), window, dq, dcols, HD, BN, CAUSAL)
+                                                 tl.minimum(n_keys, n_ring), window, dq, dcols, HD, BN, CAUSAL, KPOS)
             lo = n_ring + tl.maximum(first - base_pos, 0)
             hi = tl.minimum(n_keys, n_ring + qmax + 1 - base_pos)
             for n0 in range(lo, hi, BN):
                 m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
-                                             HD, BN, CAUSAL)
+                                             HD, BN, CAUSAL, KPOS)
         else:
             hi = n_keys
             if HAS_NLIVE:  # a device-side bound (CUDA graphs): keys past it are never visible
@@ -111,7 +116,7 @@ if HAVE_TRITON:
             hi = tl.minimum(hi, lo + split_len)
             for n0 in range(lo, hi, BN):
                 m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, t, kb, vb, kpos_ptr, hi, window, dq, dcols,
-                                             HD, BN, CAUSAL)
+                                             HD, BN, CAUSAL, KPOS)
         if SPLIT:  # unnormalised partials; the merge rescales them
             RT = R * tl.num_programs(1)  # rows of all heads
             pbase = split.to(tl.int64) * RT
@@ -192,7 +197,10 @@ def num_splits(n_keys: int, base_programs: int, BN: int, sm_count: int, waves: f
 def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
                     n_ring=0, base_pos=0, nlive=None, splits=None, **cfg):
     """The kernel (+ the merge when the canvas key range is split). `splits` overrides the split count
-    (tests); cfg overrides the tile config."""
+    (tests); cfg overrides the tile config. kpos=None (canvas only): every key below n_keys (and nlive) is
+    visible, so the kernel reads no per-key positions."""
+    if kpos is None and causal:
+        raise ValueError("attention_flash: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
@@ -215,10 +223,11 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     else:
         po = pml = out  # unused
     grid = (row_blocks, KV, S * (d // BD))
-    _flash_kernel[grid](q, k, v, kpos, qpos if causal else kpos, nlive if nlive is not None else kpos, out, po, pml,
+    kp = kpos if kpos is not None else k  # a pointer the kernel never reads when KPOS is off
+    _flash_kernel[grid](q, k, v, kp, qpos if causal else kp, nlive if nlive is not None else kp, out, po, pml,
                         n, n_keys, k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos), per,
                         G=G, HD=d, BD=BD, BM=BM, BN=BN, CAUSAL=causal, HAS_NLIVE=nlive is not None, SPLIT=S > 1,
-                        RING=bool(causal and n_ring > 0),
+                        RING=bool(causal and n_ring > 0), KPOS=kpos is not None,
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if S > 1:
         BR, BDc = 32, min(d, 128)

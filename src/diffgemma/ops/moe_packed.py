@@ -159,25 +159,48 @@ def linear(x, w):
 if HAVE_TRITON:
 
     @triton.jit
-    def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
-                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-        """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK].
+    def _side_tile(p1, p2, p3, rows, row_ok, k0, K, FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr,
+                   BK: tl.constexpr):
+        """The per-group planes of rows `rows` x columns k0..k0+BK: (hi bits, scale, min); past K they load as 0.
+
+        Split from the decode because Triton's pipeliner leaves these loads synchronous (a thread's share is
+        one or two bytes, under cp.async's four): the GEMM loads them one K-step ahead by hand, so their
+        latency hides behind the current step's decode and dot instead of stalling every step."""
+        kg = k0 // GS + tl.arange(0, BK // GS)
+        gmask = row_ok[:, None] & (kg < K // GS)[None, :]
+        if FMT == 3:  # nvfp4: e4m3 group scales (bytes); no min, no hi bits
+            s = tl.load(p2 + rows[:, None] * (K // 16) + kg[None, :], mask=gmask, other=0)
+            m = s
+            h = s
+        else:  # affine: f16 scale and min per group of 32
+            s = tl.load(p2 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0)
+            m = tl.load(p3 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0)
+            h = s
+            if FMT == 1:  # q5: one hi byte per 8 elements
+                kh = k0 // 8 + tl.arange(0, BK // 8)
+                h = tl.load(p1 + rows[:, None] * (K // 8) + kh[None, :], mask=row_ok[:, None] & (kh < K // 8)[None, :],
+                            other=0)
+            if FMT == 2:  # q6: one hi byte per 4 elements
+                kh = k0 // 4 + tl.arange(0, BK // 4)
+                h = tl.load(p1 + rows[:, None] * (K // 4) + kh[None, :], mask=row_ok[:, None] & (kh < K // 4)[None, :],
+                            other=0)
+        return h, s, m
+
+    @triton.jit
+    def _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K,
+                     FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+        """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK], from its
+        codes (loaded here) and its side planes (h, s, m) = _side_tile(..., k0).
 
         Columns past K come back 0 (their codes, scales and mins load as 0). GS: the group size (nvfp4 16)."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         c = tl.load(p0 + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0)
         c = c.to(tl.int32)
         q = tl.reshape(tl.join(c & 0xF, c >> 4), (BR, BK // GS, GS))  # element 2j low nibble, 2j+1 high
-        kg = k0 // GS + tl.arange(0, BK // GS)
-        gmask = row_ok[:, None] & (kg < K // GS)[None, :]
         if FMT == 1:  # q5: bit 4 of element 8j+b is bit b of hi byte j
-            kh = k0 // 8 + tl.arange(0, BK // 8)
-            h = tl.load(p1 + rows[:, None] * (K // 8) + kh[None, :], mask=row_ok[:, None] & (kh < K // 8)[None, :], other=0)
             hb = (h.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
             q = q | (tl.reshape(hb, (BR, BK // GS, GS)) << 4)
         if FMT == 2:  # q6: bits 4-5 of element 4j+b are bits 2b..2b+1 of hi byte j
-            kh = k0 // 4 + tl.arange(0, BK // 4)
-            h = tl.load(p1 + rows[:, None] * (K // 4) + kh[None, :], mask=row_ok[:, None] & (kh < K // 4)[None, :], other=0)
             hb = (h.to(tl.int32)[:, :, None] >> (2 * tl.arange(0, 4))[None, None, :]) & 3
             q = q | (tl.reshape(hb, (BR, BK // GS, GS)) << 4)
         if FMT == 3:  # nvfp4: sign bit 3, e2m1 magnitude code in bits 0-2; e4m3 group scales; f32 tensor scale
@@ -186,31 +209,26 @@ if HAVE_TRITON:
             mb = (mag & 1).to(tl.float32)
             v = tl.where(e == 0, 0.5 * mb, (2.0 + mb) * tl.exp2((e - 2).to(tl.float32)))
             v = tl.where((q & 8) != 0, -v, v)
-            b = tl.load(p2 + rows[:, None] * (K // 16) + kg[None, :], mask=gmask, other=0).to(tl.int32)
+            b = s.to(tl.int32)
             be = (b >> 3) & 0xF
             bm = (b & 7).to(tl.float32)
-            s = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32))) * tscale
-            w = v * s[:, :, None]
+            sc = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32))) * tscale
+            w = v * sc[:, :, None]
         else:
-            s = tl.load(p2 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
-            m = tl.load(p3 + rows[:, None] * (K // 32) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
-            w = q.to(tl.float32) * s[:, :, None] + m[:, :, None]
+            w = q.to(tl.float32) * s.to(tl.float32)[:, :, None] + m.to(tl.float32)[:, :, None]
         return tl.reshape(w, (BR, BK))
 
     @triton.jit
-    def _weight_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT: tl.constexpr, GS: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
-        if FMT == 4:  # RAW: plain [E·N, K] weights in x's dtype (ops/moe_stream.py), nothing to decode
-            kk = k0 + tl.arange(0, BK)
-            w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
-        else:  # (one return: the compiler types every return of a function, even in a pruned branch)
-            w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
-        return w
+    def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
+                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+        """_decode_tile with its side planes loaded right here (the dequantize kernel has no K loop to hide them in)."""
+        h, s, m = _side_tile(p1, p2, p3, rows, row_ok, k0, K, FMT, GS, BR, BK)
+        return _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K, FMT, GS, BR, BK)
 
     @triton.jit
     def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
                            FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           HAS_SRC: tl.constexpr):
+                           HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr):
         pid_n = tl.program_id(0)
         g = tl.program_id(1)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -226,11 +244,27 @@ if HAVE_TRITON:
             else:
                 x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + tl.arange(0, BK)
-                xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                w = _weight_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
-                acc = tl.dot(w.to(xt.dtype), xt, acc)
+            if FMT == 4:  # RAW: plain [E·N, K] weights in x's dtype (ops/moe_stream.py), nothing to decode
+                for k0 in range(0, K, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
+                    w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+                    acc = tl.dot(w, xt, acc)
+            elif PREFETCH:  # side planes one K-step ahead (see _side_tile)
+                h, s, mn = _side_tile(p1, p2, p3, rows, n_ok, 0, K, FMT, GS, BN, BK)
+                for k0 in range(0, K, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    h_next, s_next, mn_next = _side_tile(p1, p2, p3, rows, n_ok, k0 + BK, K, FMT, GS, BN, BK)
+                    xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
+                    w = _decode_tile(p0, h, s, mn, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+                    acc = tl.dot(w.to(xt.dtype), xt, acc)
+                    h, s, mn = h_next, s_next, mn_next
+            else:  # side planes loaded in the step that uses them (the twin of the prefetch, for tests and A/B)
+                for k0 in range(0, K, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
+                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+                    acc = tl.dot(w.to(xt.dtype), xt, acc)
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
 
@@ -283,9 +317,10 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
     return src.shape[0]
 
 
-def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None):
+def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
-    done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
+    done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
+    loads the scales in the K-step that uses them (the old loop: for tests and A/B)."""
     E, N, K = w.shape
     M = route_count(x, src)
     x = x.contiguous()
@@ -299,7 +334,7 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, *_plane_args(w),
                                                 float(w.tscale), N, K, x.stride(0), out.stride(0), FMT=_FMT_ID[w.fmt],
                                                 GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
-                                                num_warps=warps, num_stages=stages)
+                                                PREFETCH=prefetch, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -67,7 +67,8 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
     mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, w, w, w, w,
                                                    1.0, N, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32, BN=BN, BM=BM,
-                                                   BK=BK, HAS_SRC=src is not None, num_warps=warps, num_stages=stages)
+                                                   BK=BK, HAS_SRC=src is not None, PREFETCH=False, num_warps=warps,
+                                                   num_stages=stages)
     return out
 
 
