@@ -119,4 +119,24 @@ def test_foreign_diffgemma_variables_can_be_registered():
     register_env_var(name)
     assert GenerationSettings.resolve({}, env={name: "x"}) == GenerationSettings()
     # the variables other modules read today are known without registering
-    assert GenerationSettings.resolve({}, env={"DIFFGEMMA_NO_TRITON": "1", "DIFFGEMMA_HF_HOME": "/x"}) == GenerationSettings()
+    assert GenerationSettings.resolve({}, env={"DIFFGEMMA_NO_TRITON": "1", "DIFFGEMMA_HF_HOME": "/x",
+                                                 "DIFFGEMMA_EXPERT_GEMM": "cutlass",
+                                                 "DIFFGEMMA_PACKED_PREFILL": "kernel"}) == GenerationSettings()
+
+
+def test_every_variable_the_package_reads_is_known():
+    """A DIFFGEMMA_* variable some module reads but settings does not know makes every generate call fail
+    with 'unknown environment variable' (DIFFGEMMA_PACKED_PREFILL did, until round 7)."""
+    import re
+    from pathlib import Path
+
+    import diffgemma
+
+    root = Path(diffgemma.__file__).parent
+    read = set()
+    for f in root.rglob("*.py"):
+        read |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["'](DIFFGEMMA_[A-Z0-9_]+)["']""", f.read_text()))
+    read |= {"DIFFGEMMA_EXPERT_GEMM"}  # read through moe_stream.ENV_VAR
+    assert "DIFFGEMMA_PACKED_PREFILL" in read and "DIFFGEMMA_NO_TRITON" in read  # the scan sees them
+    for name in sorted(read):
+        GenerationSettings.resolve({}, env={name: "1"})  # no SettingsError

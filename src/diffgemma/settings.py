@@ -33,6 +33,7 @@ _FOREIGN_ENV_VARS: set[str] = {
     "DIFFGEMMA_NO_TRITON",  # ops/_backend.py: force the torch path on CUDA
     "DIFFGEMMA_HF_HOME",  # quant/overlay.py: Hugging Face cache root for overlay packs
     "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_stream.py: bf16 expert GEMM at denoise, "triton" or "cutlass"
+    "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_packed.py: packed experts at prefill, "dequant" or "kernel"
 }
 
 
