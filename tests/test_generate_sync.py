@@ -314,6 +314,79 @@ def _summary(events):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """The fast engine on the CPU (f32): the model whose `denoise_raw` generate takes."""
+    pytest.importorskip("transformers")
+    import diffgemma
+    from tiny_checkpoints import CONFIGS, build_model, save
+
+    path = save(build_model(CONFIGS["gqa2_mixed"], canvas_length=8), tmp_path_factory.mktemp("sync_engine"))
+    return diffgemma.load(path, engine="fast", dtype=torch.float32)
+
+
+class _WithoutRaw:
+    """The engine with `denoise_raw` hidden: generate falls back to the softcapped f32 `denoise`."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "denoise_raw":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("arm", [0, 1, 3])  # sparse SC, exact SC, sample commit
+def test_raw_logits_path_gives_the_softcapped_path_events(tiny_engine, monkeypatch, fused, arm):
+    """generate on the engine's raw logits (softcap inside the row kernels, or before `processed` on the torch
+    path) gives every event of the loop on its softcapped f32 logits, bit for bit."""
+    assert hasattr(tiny_engine, "denoise_raw") and not hasattr(_WithoutRaw(tiny_engine), "denoise_raw")
+    if fused:  # the Triton kernels, interpreted: the cap-on-load row kernels vs the softcap kernel's output
+        monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
+        monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    s = _settings(tiny_engine, **ARMS[arm])
+    prompt = torch.randint(4, tiny_engine.config.vocab_size, (5,))
+    calls = {"raw": 0}
+    real = tiny_engine.denoise_raw
+
+    def counted(*a, **k):
+        calls["raw"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(tiny_engine, "denoise_raw", counted)
+    raw = _summary(generate_stream(tiny_engine, prompt, settings=s))
+    assert calls["raw"] >= 2
+    assert raw == _summary(generate_stream(_WithoutRaw(tiny_engine), prompt, settings=s))
+
+
+def test_row_kernels_softcap_on_load_equal_the_softcap_kernel_output():
+    """cap=...: the three row kernels read raw logits and softcap them as they load; bit-equal to the same
+    kernels on the softcap kernel's f32 output (Triton interpreter), across segment boundaries, and close to
+    the torch twins."""
+    vocab, block, segment = 3001, 256, 512
+    raw = (torch.randn(5, vocab) * 25).to(torch.bfloat16)
+    raw[1, 17] = 300.0  # saturates: cap
+    cap = 30.0
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    capped = rowstats.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
+    a = rowstats.tempered_rowstats_triton(raw, temp, block=block, segment=segment, cap=cap)
+    b = rowstats.tempered_rowstats_triton(capped, temp, block=block, segment=segment)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    thr = b[2] - random.uniform(2.0, 12.0)
+    ma, ca = rowstats.tempered_survivors_triton(raw, temp, thr, block=block, segment=segment, cap=cap)
+    mb, cb = rowstats.tempered_survivors_triton(capped, temp, thr, block=block, segment=segment)
+    assert torch.equal(ma, mb) and torch.equal(ca, cb)
+    pa = rowstats.tempered_masked_probs_triton(raw, temp, thr, b[3], torch.bfloat16, block=block, segment=segment, cap=cap)
+    pb = rowstats.tempered_masked_probs_triton(capped, temp, thr, b[3], torch.bfloat16, block=block, segment=segment)
+    assert torch.equal(pa, pb)
+    ent, amax, rmax, lse = rowstats.tempered_rowstats_ref(raw, temp, cap=cap)  # torch's tanh: float rounding away
+    assert torch.equal(amax, a[1]) and (lse - a[3]).abs().max() < 1e-4 and (ent - a[0]).abs().max() < 1e-4
+    st = StepStats(raw, temp, fused=False, cap=cap)
+    assert torch.equal(st.processed, rowstats.softcap_ref(raw, cap) / torch.tensor(temp))
+
+
 @pytest.mark.parametrize("arm", range(len(ARMS)))
 def test_one_sync_loop_equals_the_host_sync_loop(tiny_model, monkeypatch, arm):
     s = _settings(tiny_model, **ARMS[arm])

@@ -144,3 +144,69 @@ def test_tempered_rowstats_real_shape():
     print(f"\n[step stats 256x262144 f32] fused {fused_ms:.3f} ms (one program per row: {one_ms:.3f}), "
           f"torch {torch_ms:.3f} ms, survivors {surv_ms:.3f} ms, masked probs {probs_ms:.3f} ms "
           f"(torch {probs_torch_ms:.3f})")
+
+
+class _WithoutRaw:
+    """The engine with `denoise_raw` hidden: generate takes the softcapped f32 `denoise`."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "denoise_raw":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("sc_mode", ["sparse", "exact"])
+def test_raw_logits_path_gives_the_softcapped_path_events(engine, sc_mode):
+    """generate on the graph's raw bf16 logits (softcap inside the row kernels) vs on `denoise`'s f32 softcapped
+    logits: every step's draft, accept mask and mean entropy, and the tokens, bit for bit."""
+    s = settings(sc_mode=sc_mode)
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    raw = [e for e in generate_stream(engine, prompt, settings=s)]
+    plain = [e for e in generate_stream(_WithoutRaw(engine), prompt, settings=s)]
+    a = [e for e in raw if isinstance(e, StepEvent)]
+    b = [e for e in plain if isinstance(e, StepEvent)]
+    assert raw[-1].result.tokens == plain[-1].result.tokens and len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.draft, y.draft) and torch.equal(x.accepted, y.accepted)
+        assert x.mean_entropy == y.mean_entropy
+
+
+def test_row_kernels_softcap_on_load_real_shape():
+    """At [256, 262144]: the row kernels on the raw bf16 logits (cap on load) are bit-equal to the same kernels
+    on the softcap kernel's f32 output; with -s, both times."""
+    raw = (torch.randn(256, 262144, device=DEV) * 12).to(torch.bfloat16)
+    cap, temp = 30.0, 0.6083333492279053
+    capped = rowstats.softcap(raw, cap)
+    a = rowstats.tempered_rowstats_triton(raw, temp, cap=cap)
+    b = rowstats.tempered_rowstats_triton(capped, temp)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    thr = b[2] - 10.0
+    ma, ca = rowstats.tempered_survivors_triton(raw, temp, thr, cap=cap)
+    mb, cb = rowstats.tempered_survivors_triton(capped, temp, thr)
+    assert torch.equal(ma, mb) and torch.equal(ca, cb)
+    pa = rowstats.tempered_masked_probs_triton(raw, temp, thr, b[3], torch.bfloat16, cap=cap)
+    assert torch.equal(pa, rowstats.tempered_masked_probs_triton(capped, temp, thr, b[3], torch.bfloat16))
+
+    def timed(fn, n=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    raw_ms = [timed(lambda: rowstats.tempered_rowstats_triton(raw, temp, cap=cap)),
+              timed(lambda: rowstats.tempered_survivors_triton(raw, temp, thr, cap=cap)),
+              timed(lambda: rowstats.tempered_masked_probs_triton(raw, temp, thr, b[3], torch.bfloat16, cap=cap))]
+    f32_ms = [timed(lambda: rowstats.softcap(raw, cap)),
+              timed(lambda: rowstats.tempered_rowstats_triton(capped, temp)),
+              timed(lambda: rowstats.tempered_survivors_triton(capped, temp, thr)),
+              timed(lambda: rowstats.tempered_masked_probs_triton(capped, temp, thr, b[3], torch.bfloat16))]
+    print(f"\n[row passes 256x262144] raw bf16, cap on load: stats / survivors / probs "
+          f"{' / '.join(f'{t:.3f}' for t in raw_ms)} ms = {sum(raw_ms):.3f}; softcap to f32 first: softcap / stats / "
+          f"survivors / probs {' / '.join(f'{t:.3f}' for t in f32_ms)} ms = {sum(f32_ms):.3f}")

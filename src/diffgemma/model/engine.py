@@ -29,7 +29,8 @@ CUDA graphs. On CUDA, `denoise` replays a graph per (cache, canvas length, conte
 mode, attention impl): every quantity that changes between steps (cache length, ring positions)
 is read from device tensors, so one capture serves every step at contexts up to the bucket. The
 bucket's padded key rows are masked (and skipped block-wise by the kernel). The graph ends at the
-raw bf16 logits; the softcap runs after the replay into a fresh f32 tensor (no clone).
+raw bf16 logits; `denoise` softcaps them after the replay into a fresh f32 tensor (no clone), and
+`denoise_raw` hands out the graph's buffer itself (generate softcaps inside its row kernels).
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ class Engine:
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                 sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One denoise forward over the canvas -> softcapped f32 logits [C, V] (a new tensor)."""
+        return softcap(self._denoise(cache, canvas_ids, sc_logits, sc_embeds), self.config.final_logit_softcapping)
+
+    @torch.no_grad()
+    def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
+                    sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The same forward -> the logits before the softcap, bf16 [C, V]. BORROWED: with CUDA graphs this is
+        the graph's own output buffer, overwritten by the next denoise on this cache; read it (or copy it)
+        before then. `generate` softcaps inside its row kernels (StepStats(cap=...)), so the f32 [C, V]
+        logits (268 MB at full size) are never written."""
+        return self._denoise(cache, canvas_ids, sc_logits, sc_embeds)
+
+    def _denoise(self, cache, canvas_ids, sc_logits, sc_embeds) -> torch.Tensor:
         ids = self._check_ids(canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
         C = len(ids)
         if C > cache.canvas:
@@ -248,10 +262,10 @@ class Engine:
 
     # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
 
-    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int, raw: bool = False):
+    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int):
         """One denoise forward. Only device tensors describe the context (graph-safe). key_rows = rows of
         each full-attention cache the canvas reads (>= cache.length + C; rows past that are masked).
-        raw=True returns the bf16 logits before the softcap."""
+        Returns the bf16 logits before the softcap."""
         cfg, eps, W, dev = self.config, self.config.rms_norm_eps, self.config.sliding_window, self.device
         C = len(ids)
         L = cache.length_t
@@ -286,8 +300,7 @@ class Engine:
                              impl=self._attn_impl(False, False, key_rows), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
-        logits = h @ self.w.embed.T
-        return logits if raw else softcap(logits, cfg.final_logit_softcapping)
+        return h @ self.w.embed.T
 
     def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's
@@ -323,8 +336,7 @@ class Engine:
         if sc_buf is not None:
             sc_buf.copy_(sc)
         graph.replay()
-        # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
-        return softcap(out, self.config.final_logit_softcapping)
+        return out  # static: overwritten by the next replay (denoise softcaps it into a new tensor)
 
     def _capture(self, cache, C, key_rows, mode, sc):
         ids_buf = torch.zeros(C, dtype=torch.long, device=self.device)
@@ -337,7 +349,7 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
+                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if not any(self._graphs.values()):
@@ -345,5 +357,5 @@ class Engine:
             # and capturing into that dead handle again trips its internal assert (use_count > 0).
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
+            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
         return graph, ids_buf, sc_buf, out
