@@ -58,9 +58,12 @@ if HAVE_TRITON:
     def _softcap_f32(x, cap):
         """cap · tanh(x / cap) in f32. Every kernel that softcaps calls this one function, so a logit softcapped
         inside a row-stats pass is bit-equal to the one the softcap kernel writes."""
-        y = x / cap
+        # Correctly rounded divisions: the approximate `/` is a reciprocal times a multiply, which ptxas may fuse
+        # with the subtraction after it in one kernel and not in another (seen on the H200: 1-ulp differences
+        # between the softcap kernel's output and the row kernels' on-load softcap). div_rn leaves nothing to fuse.
+        y = tl.math.div_rn(x, cap)
         # tanh via exp (portable to the interpreter); saturates cleanly: exp overflow -> 1
-        th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+        th = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * y) + 1.0)
         return th * cap
 
     @triton.jit
