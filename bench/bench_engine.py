@@ -126,9 +126,6 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         times = time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2)
         r["denoise_ms"] = statistics.median(times)
         r["denoise_min_ms"] = min(times)
-        # what generate replays since round 7: the same graph, no softcap pass after it (the row kernels softcap)
-        r["denoise_raw_ms"] = statistics.median(time_cuda(lambda: eng.denoise_raw(cache, ids, sc_logits=sc), reps=reps,
-                                                          warmup=2))
         r["denoise_peak_gib"] = peak_gib()
         r["graph_error"] = eng.graph_error
         # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
@@ -167,7 +164,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
         r["roofline_ms"] = (wb + kv_bytes) / BW * 1e3
         log(f"[ours] ctx {T}: prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:.0f} tok/s, peak {r['prefill_peak_gib']:.1f} GiB); "
-            f"denoise {r['denoise_ms']:.2f} ms graphed (raw {r['denoise_raw_ms']:.2f}) / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
+            f"denoise {r['denoise_ms']:.2f} ms graphed / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
             f"; roofline {r['roofline_ms']:.2f} ms")
         res["ctx"][T] = r
         if T == contexts[-1] and extra_chunks:
@@ -235,7 +232,7 @@ def profile_generate(eng, prompt, cache, trace: str | None) -> str:
 
 
 def bench_generate(eng, profile_trace: str | None = None, profile: bool = False) -> dict:
-    """generate() time outside the forwards: total − prefill − Σ(CUDA-event time of each denoise / denoise_raw call).
+    """generate() time outside the forwards: total − prefill − Σ(CUDA-event time of each denoise call).
 
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
     run replays them. Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
@@ -251,17 +248,15 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: captures graphs
         cache.truncate(0)
         events = []
-        inner = {"denoise": eng.denoise, "denoise_raw": eng.denoise_raw}  # generate calls denoise_raw since round 7
+        inner = eng.denoise
 
-        def timed(name):
-            def call(*a, **k):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                out = inner[name](*a, **k)
-                e.record()
-                events.append((s, e))
-                return out
-            return call
+        def timed_denoise(*a, **k):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = inner(*a, **k)
+            e.record()
+            events.append((s, e))
+            return out
 
         reads = {"n": 0}
         read_status = getattr(G, "_read_status", None)
@@ -270,7 +265,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
                 reads["n"] += 1
                 return read_status(*a, **k)
             G._read_status = counted
-        eng.denoise, eng.denoise_raw = timed("denoise"), timed("denoise_raw")
+        eng.denoise = timed_denoise
         try:
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -278,7 +273,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             torch.cuda.synchronize()
             total = time.perf_counter() - t
         finally:
-            del eng.denoise, eng.denoise_raw  # the instance attributes go; the methods show again
+            eng.denoise = inner
             if read_status is not None:
                 G._read_status = read_status
         fwd_s = sum(s.elapsed_time(e) for s, e in events) / 1e3

@@ -289,13 +289,6 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     steps_total = s.max_denoising_steps
     stops = DeviceStopRules.from_settings(s, model.config.pad_token_id, vocab)
 
-    # The engine's raw logits (bf16, softcapped inside the row kernels): no f32 [C, V] copy is written, and the
-    # passes over the logits read half the bytes. The reference model has no denoise_raw and gives f32 logits.
-    denoise_raw = getattr(model, "denoise_raw", None)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is None:  # nothing to fuse: the plain logits
-        denoise_raw = None
-
     canvas = rng.randint(length, vocab, device)
     frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
     sc_logits = None
@@ -307,14 +300,10 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         step += 1
         cur = remaining(step, steps_total)
         temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
-        # the previous step's logits and plan go before this step's arrive: one [C, V] alive at a time
+        # the previous step's logits and plan go before this step's arrive: one [C, V] f32 alive at a time
         stats = plan = logits = probs = None
-        if denoise_raw is not None:
-            logits = denoise_raw(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)  # borrowed until the next
-            stats = StepStats(logits, temp, cap=cap)
-        else:
-            logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
-            stats = StepStats(logits, temp)
+        logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        stats = StepStats(logits, temp)
         h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":
             probs = torch.softmax(stats.processed, dim=-1, dtype=torch.float32)

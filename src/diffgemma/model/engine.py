@@ -29,8 +29,7 @@ CUDA graphs. On CUDA, `denoise` replays a graph per (cache, canvas length, conte
 mode, attention impl): every quantity that changes between steps (cache length, ring positions)
 is read from device tensors, so one capture serves every step at contexts up to the bucket. The
 bucket's padded key rows are masked (and skipped block-wise by the kernel). The graph ends at the
-raw bf16 logits; `denoise` softcaps them after the replay into a fresh f32 tensor (no clone), and
-`denoise_raw` hands out the graph's buffer itself (generate softcaps inside its row kernels).
+raw bf16 logits; the softcap runs after the replay into a fresh f32 tensor (no clone).
 """
 
 from __future__ import annotations
@@ -130,19 +129,6 @@ class Engine:
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                 sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One denoise forward over the canvas -> softcapped f32 logits [C, V] (a new tensor)."""
-        return softcap(self._denoise(cache, canvas_ids, sc_logits, sc_embeds), self.config.final_logit_softcapping)
-
-    @torch.no_grad()
-    def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
-                    sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The same forward -> the logits before the softcap, bf16 [C, V]. BORROWED: with CUDA graphs this is
-        the graph's own output buffer, overwritten by the next denoise on this cache; read it (or copy it)
-        before then. `generate` softcaps inside its row kernels (StepStats(cap=...)), so the f32 [C, V]
-        logits (268 MB at full size) are never written."""
-        return self._denoise(cache, canvas_ids, sc_logits, sc_embeds)
-
-    def _denoise(self, cache, canvas_ids, sc_logits, sc_embeds) -> torch.Tensor:
         ids = self._check_ids(canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
         C = len(ids)
         if C > cache.canvas:
@@ -262,10 +248,10 @@ class Engine:
 
     # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
 
-    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int):
+    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int, raw: bool = False):
         """One denoise forward. Only device tensors describe the context (graph-safe). key_rows = rows of
         each full-attention cache the canvas reads (>= cache.length + C; rows past that are masked).
-        Returns the bf16 logits before the softcap."""
+        raw=True returns the bf16 logits before the softcap."""
         cfg, eps, W, dev = self.config, self.config.rms_norm_eps, self.config.sliding_window, self.device
         C = len(ids)
         L = cache.length_t
@@ -300,7 +286,8 @@ class Engine:
                              impl=self._attn_impl(False, False, key_rows), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
-        return h @ self.w.embed.T
+        logits = h @ self.w.embed.T
+        return logits if raw else softcap(logits, cfg.final_logit_softcapping)
 
     def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's
@@ -336,7 +323,8 @@ class Engine:
         if sc_buf is not None:
             sc_buf.copy_(sc)
         graph.replay()
-        return out  # static: overwritten by the next replay (denoise softcaps it into a new tensor)
+        # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
+        return softcap(out, self.config.final_logit_softcapping)
 
     def _capture(self, cache, C, key_rows, mode, sc):
         ids_buf = torch.zeros(C, dtype=torch.long, device=self.device)
@@ -349,7 +337,7 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
+                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if not any(self._graphs.values()):
@@ -357,5 +345,5 @@ class Engine:
             # and capturing into that dead handle again trips its internal assert (use_count > 0).
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
+            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
         return graph, ids_buf, sc_buf, out

@@ -55,18 +55,6 @@ def softcap_rowstats_ref(raw, cap, inv_temp):
 if HAVE_TRITON:
 
     @triton.jit
-    def _softcap_f32(x, cap):
-        """cap · tanh(x / cap) in f32. Every kernel that softcaps calls this one function, so a logit softcapped
-        inside a row-stats pass is bit-equal to the one the softcap kernel writes."""
-        # Correctly rounded divisions: the approximate `/` is a reciprocal times a multiply, which ptxas may fuse
-        # with the subtraction after it in one kernel and not in another (seen on the H200: 1-ulp differences
-        # between the softcap kernel's output and the row kernels' on-load softcap). div_rn leaves nothing to fuse.
-        y = tl.math.div_rn(x, cap)
-        # tanh via exp (portable to the interpreter); saturates cleanly: exp overflow -> 1
-        th = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * y) + 1.0)
-        return th * cap
-
-    @triton.jit
     def _softcap_rowstats_kernel(raw_ptr, out_ptr, ent_ptr, amax_ptr, pmax_ptr, lse_ptr, n_cols, span, cap,
                                  inv_temp, STATS: tl.constexpr, BLOCK: tl.constexpr):
         # STATS needs the whole row in one program (span >= n_cols); the plain softcap runs per segment
@@ -83,7 +71,10 @@ if HAVE_TRITON:
             cols = start + offs
             mask = cols < last
             x = tl.load(raw_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            lg = _softcap_f32(x, cap)
+            y = x / cap
+            # tanh via exp (portable to the interpreter); saturates cleanly: exp overflow -> 1
+            th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+            lg = th * cap
             tl.store(out_ptr + row * n_cols + cols, lg, mask=mask)
             if STATS:
                 z = tl.where(mask, lg * inv_temp, -float("inf"))
@@ -144,15 +135,8 @@ def softcap_rowstats(raw, cap, inv_temp):
 # nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
 # `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
 
-def _capped(logits, cap):
-    """The twins' view of raw logits: softcapped (torch's tanh) when cap is given, else as they are."""
-    return logits if cap is None else softcap_ref(logits, cap)
-
-
-def tempered_rowstats_ref(logits, temp, cap=None):
-    """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp
-    (z = softcap(logits, cap) / temp with cap: `logits` are then the raw ones)."""
-    logits = _capped(logits, cap)
+def tempered_rowstats_ref(logits, temp):
+    """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp."""
     z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
@@ -160,9 +144,9 @@ def tempered_rowstats_ref(logits, temp, cap=None):
     return entropy, z.argmax(-1), z.max(-1).values, lse
 
 
-def tempered_survivors_ref(logits, temp, thr, cap=None):
+def tempered_survivors_ref(logits, temp, thr):
     """-> (bool mask [R, V] of z >= thr[:, None], int32 counts [R]) with z = logits / temp."""
-    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     mask = z >= thr[:, None]
     return mask, mask.sum(-1, dtype=torch.int32)
 
@@ -170,8 +154,7 @@ def tempered_survivors_ref(logits, temp, thr, cap=None):
 if HAVE_TRITON:
 
     @triton.jit
-    def _tempered_rowstats_kernel(x_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, cap, BLOCK: tl.constexpr,
-                                  CAP: tl.constexpr):
+    def _tempered_rowstats_kernel(x_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
         the first column holding m."""
         row = tl.program_id(0).to(tl.int64)
@@ -189,8 +172,6 @@ if HAVE_TRITON:
             cols = start + offs
             mask = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            if CAP:  # raw logits: softcapped here, never written as an f32 [R, V]
-                x = _softcap_f32(x, cap)
             z = tl.where(mask, tl.math.div_rn(x, temp), -float("inf"))
             cmax = tl.max(z, axis=0)
             # lowest column holding this block's max; strictly-greater keeps the earlier block on ties
@@ -237,8 +218,7 @@ if HAVE_TRITON:
         tl.store(lse_ptr + row, top + tl.log(s_all))
 
     @triton.jit
-    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, cap, BLOCK: tl.constexpr,
-                                   CAP: tl.constexpr):
+    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         first = seg * span
@@ -250,16 +230,13 @@ if HAVE_TRITON:
             cols = start + offs
             inside = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-            if CAP:  # raw logits: softcapped here, never written as an f32 [R, V]
-                x = _softcap_f32(x, cap)
             keep = (tl.math.div_rn(x, temp) >= thr) & inside
             tl.store(mask_ptr + row * n_cols + cols, keep.to(tl.int8), mask=inside)
             count += tl.sum(keep.to(tl.int32), axis=0)
         tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
     @triton.jit
-    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, n_cols, span, temp, cap, BLOCK: tl.constexpr,
-                                      CAP: tl.constexpr):
+    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * span
         last = tl.minimum(first + span, n_cols)
@@ -270,22 +247,19 @@ if HAVE_TRITON:
             cols = start + offs
             inside = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-            if CAP:  # raw logits: softcapped here, never written as an f32 [R, V]
-                x = _softcap_f32(x, cap)
             z = tl.math.div_rn(x, temp)
             p = tl.where(z >= thr, tl.exp(z - lse), 0.0)
             tl.store(out_ptr + row * n_cols + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, cap=None):
+def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT):
     logits = logits.contiguous()
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
-    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), float(cap or 1.0), BLOCK=block,
-                                             CAP=cap is not None, num_warps=8)
+    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), BLOCK=block, num_warps=8)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -295,54 +269,49 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, cap=None
     return ent, amax, rowmax, lse
 
 
-def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, cap=None):
+def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT):
     logits = logits.contiguous()
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     mask = torch.empty((rows, n), dtype=torch.int8, device=logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
-                                              float(cap or 1.0), BLOCK=block, CAP=cap is not None, num_warps=8)
+                                              BLOCK=block, num_warps=8)
     return mask.view(torch.bool), counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
 
 
-def tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=None):
+def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
     """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
-    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
-def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, cap=None):
+def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT):
     logits = logits.contiguous()
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = torch.empty((rows, n), dtype=dtype, device=logits.device)
     _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out, n,
-                                                 span, float(temp), float(cap or 1.0), BLOCK=block, CAP=cap is not None,
-                                                 num_warps=8)
+                                                 span, float(temp), BLOCK=block, num_warps=8)
     return out
 
 
-# cap (all three): `logits` are the raw (pre-softcap) ones and z = softcap(logits, cap) / temp; the kernels
-# softcap on load with the softcap kernel's own function, so their results are bit-equal to running them on
-# softcap(raw, cap) (the f32 [R, V] that then never exists).
-
-def tempered_rowstats(logits, temp, cap=None):
+def tempered_rowstats(logits, temp):
     """Row stats of logits / temp: -> (entropy, argmax, rowmax, lse); Triton on CUDA, torch elsewhere."""
     if use_triton(logits):
-        return tempered_rowstats_triton(logits, temp, cap=cap)
-    return tempered_rowstats_ref(logits, temp, cap=cap)
+        return tempered_rowstats_triton(logits, temp)
+    return tempered_rowstats_ref(logits, temp)
 
 
-def tempered_survivors(logits, temp, thr, cap=None):
+def tempered_survivors(logits, temp, thr):
     """Survivor mask z >= thr[row] of z = logits / temp, and per-row counts; Triton on CUDA, torch elsewhere."""
     if use_triton(logits):
-        return tempered_survivors_triton(logits, temp, thr, cap=cap)
-    return tempered_survivors_ref(logits, temp, thr, cap=cap)
+        return tempered_survivors_triton(logits, temp, thr)
+    return tempered_survivors_ref(logits, temp, thr)
 
 
-def tempered_masked_probs(logits, temp, thr, lse, dtype, cap=None):
+def tempered_masked_probs(logits, temp, thr, lse, dtype):
     """The survivors' probabilities (0 elsewhere) as `dtype`: the sparse SC's dense fallback, in one pass."""
     if use_triton(logits):
-        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, cap=cap)
-    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=cap)
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype)
+    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype)

@@ -77,7 +77,7 @@ class SparsePlan:
         self.stats = stats
         if stats.fused:
             self.thr = stats.rowmax - log_ratio
-            self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr, cap=stats.cap)
+            self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
             self.log_z = stats.lse
             self.count = counts.sum(dtype=torch.int64)
         else:
@@ -96,8 +96,8 @@ class SparsePlan:
         if n * embedding.shape[1] * 4 > self.gather_bytes_limit:
             return self._dense_soft_embed(embedding, scale)
         rows, cols = torch.nonzero_static(self.mask, size=n).unbind(1)
-        if self.stats.fused:  # z at the survivors only: the same softcap and correctly rounded division as the kernel's
-            z = self.stats.capped(self.stats.logits[rows, cols]) / self.stats._temp_t
+        if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
+            z = self.stats.logits[rows, cols] / self.stats._temp_t
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
@@ -108,8 +108,7 @@ class SparsePlan:
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""
         if self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
-            probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype,
-                                          cap=self.stats.cap)
+            probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype)
         else:
             probs = torch.where(self.mask, torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
         return ((probs @ embedding).float() * scale).to(embedding.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import softcap, tempered_rowstats, use_triton
+from ..ops.rowstats import tempered_rowstats, use_triton
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -40,23 +40,18 @@ class StepStats:
     - fused (CUDA + Triton, f32 logits): one kernel read of the logits gives entropy, argmax, row max and
       logsumexp (ops/rowstats.py); z exists only if someone asks for `processed` (exact SC, sampling).
       z, its max and argmax are bit-identical to the torch path; entropy and lse differ by float rounding.
-
-    cap: `logits` are the raw (pre-softcap) ones, e.g. the engine's bf16 `denoise_raw`, and the softcap is applied
-    where they are read (fused: inside every row kernel, bit-equal to reading the softcap kernel's output; torch:
-    `processed` softcaps first). Generation passes them so the f32 [C, V] logits are never written.
     """
 
-    def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None, cap: float | None = None):
+    def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None):
         self.logits = logits
-        self.cap = cap
         self.temp = temp
         self._temp_t = torch.full((), temp, dtype=torch.float32, device=logits.device)  # a fill, not a copy
         self._processed: torch.Tensor | None = None
         if fused is None:
-            fused = use_triton(logits) and (logits.dtype == torch.float32 or cap is not None)
+            fused = use_triton(logits) and logits.dtype == torch.float32
         self.fused = fused
         if fused:
-            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp, cap=cap)
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp)
         else:
             z = self.processed
             self.entropy = entropy(z)
@@ -65,14 +60,10 @@ class StepStats:
 
     @property
     def processed(self) -> torch.Tensor:
-        """logits / T (materialised on first use; softcap(logits) / T for raw logits)."""
+        """logits / T (materialised on first use)."""
         if self._processed is None:
-            self._processed = self.capped(self.logits) / self._temp_t
+            self._processed = self.logits / self._temp_t
         return self._processed
-
-    def capped(self, x: torch.Tensor) -> torch.Tensor:
-        """Any slice of self.logits as the softcapped f32 logits (the softcap kernel's numbers on CUDA)."""
-        return x if self.cap is None else softcap(x.reshape(1, -1), self.cap).reshape(x.shape)
 
     def max_prob(self) -> torch.Tensor:
         if self.fused:
