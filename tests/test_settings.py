@@ -140,3 +140,16 @@ def test_every_variable_the_package_reads_is_known():
     assert "DIFFGEMMA_PACKED_PREFILL" in read and "DIFFGEMMA_NO_TRITON" in read  # the scan sees them
     for name in sorted(read):
         GenerationSettings.resolve({}, env={name: "1"})  # no SettingsError
+
+
+def test_import_defaults_expandable_segments_and_respects_the_user():
+    import subprocess
+    import sys
+
+    code = "import os, diffgemma; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "expandable_segments:True"
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "max_split_size_mb:128"
