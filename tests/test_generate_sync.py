@@ -206,6 +206,22 @@ def test_sparse_plan_is_bit_identical_to_sparse_soft_embed():
                               atol=1e-4)
 
 
+def test_sparse_plan_gathers_in_chunks_with_the_same_sums(monkeypatch):
+    """The survivors' rows summed a few at a time (gather_chunk_bytes) give the one-chunk sum bit for bit on the
+    CPU (index_add_ adds in index order), and chunk edges that split a row's survivors change nothing."""
+    emb = torch.randn(400, 16)
+    x = _logits(8, 400)
+    x[4:] = torch.randn(4, 400) * 0.5  # flat rows: many survivors
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    plan = SparsePlan(StepStats(x, temp, fused=False), 10.0)
+    n = int(plan.count)
+    assert n > 100
+    whole = plan.soft_embed(n, emb, 4.0)
+    for rows_per_chunk in (1, 7, n - 1):
+        monkeypatch.setattr(SparsePlan, "gather_chunk_bytes", rows_per_chunk * emb.shape[1] * 4)
+        assert torch.equal(plan.soft_embed(n, emb, 4.0), whole), rows_per_chunk
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_sparse_plan_dense_fallback_sums_the_same_survivors(monkeypatch, fused):
     # flat rows keep most of the vocabulary: above the gather budget the plan takes one dense product

@@ -91,6 +91,10 @@ class SparsePlan:
     # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (78 GiB seen on
     # the full-size random model). Converging canvases keep a few tokens per row and take the gather.
     gather_bytes_limit = 256 * 2**20
+    # The gathered rows are summed in chunks of this many bytes (f32): a whole 256 MiB gather held its rows as
+    # bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context (bench/probe_memory.py,
+    # H200), the largest thing alive then. Chunks keep the same adds in the same order.
+    gather_chunk_bytes = 64 * 2**20
 
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         if n * embedding.shape[1] * 4 > self.gather_bytes_limit:
@@ -102,7 +106,9 @@ class SparsePlan:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
         out = torch.zeros(self.mask.shape[0], embedding.shape[1], dtype=torch.float32, device=embedding.device)
-        out.index_add_(0, rows, weights[:, None] * embedding[cols].float())
+        step = max(1, self.gather_chunk_bytes // (embedding.shape[1] * 4))
+        for s in range(0, n, step):
+            out.index_add_(0, rows[s: s + step], weights[s: s + step, None] * embedding[cols[s: s + step]].float())
         return (out * scale).to(embedding.dtype)
 
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
