@@ -75,6 +75,7 @@ class SparsePlan:
 
     def __init__(self, stats, log_ratio: float):
         self.stats = stats
+        self.log_ratio = log_ratio
         if stats.fused:
             self.thr = stats.rowmax - log_ratio
             self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
@@ -94,18 +95,31 @@ class SparsePlan:
     # The gathered rows are summed in chunks of this many bytes (f32): a whole 256 MiB gather held its rows as
     # bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context (bench/probe_memory.py,
     # H200), the largest thing alive then. Chunks keep the same adds in the same order.
-    gather_chunk_bytes = 64 * 2**20
+    gather_chunk_bytes = 32 * 2**20
+
+    def _take_mask(self) -> torch.Tensor:
+        """The survivor mask, which the plan then forgets: in the q4 8k session its 64 MiB sat next to the SC's
+        peak allocation. A second soft_embed recomputes it (the same kernel or formula, the same bits)."""
+        mask = self.mask
+        if mask is None:
+            if self.stats.fused:
+                mask = tempered_survivors(self.stats.logits, self.stats.temp, self.thr)[0]
+            else:
+                mask = survivors(self._z, self.log_ratio)
+        self.mask = None
+        return mask
 
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+        n_rows = self.log_z.shape[0]
         if n * embedding.shape[1] * 4 > self.gather_bytes_limit:
             return self._dense_soft_embed(embedding, scale)
-        rows, cols = torch.nonzero_static(self.mask, size=n).unbind(1)
+        rows, cols = torch.nonzero_static(self._take_mask(), size=n).unbind(1)
         if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
             z = self.stats.logits[rows, cols] / self.stats._temp_t
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
-        out = torch.zeros(self.mask.shape[0], embedding.shape[1], dtype=torch.float32, device=embedding.device)
+        out = torch.zeros(n_rows, embedding.shape[1], dtype=torch.float32, device=embedding.device)
         step = max(1, self.gather_chunk_bytes // (embedding.shape[1] * 4))
         for s in range(0, n, step):
             out.index_add_(0, rows[s: s + step], weights[s: s + step, None] * embedding[cols[s: s + step]].float())
@@ -114,7 +128,8 @@ class SparsePlan:
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""
         if self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
+            self.mask = None  # not needed here: gone before the probabilities are allocated
             probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype)
         else:
-            probs = torch.where(self.mask, torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
+            probs = torch.where(self._take_mask(), torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
         return ((probs @ embedding).float() * scale).to(embedding.dtype)
