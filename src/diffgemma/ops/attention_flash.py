@@ -168,7 +168,8 @@ def flash_config(d: int, causal: bool, n_keys: int = 0) -> dict:
       canvas hd 256 (1535 keys): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs (SDPA 103.5);
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps: 67.2 / 362 / 1320 µs at
           1k / 8k / 32k keys (SDPA 165 / 936 / 3554); one wave of splits up to 4k keys, two above
-          (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs);
+          (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs); without per-key positions (kpos=None, the engine's
+          full layers since round 7) 57.8 / 304 / 1102 µs (bench/RESULTS.md round 7);
       causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute):
           45.6 ms per 8k chunk at 24k (SDPA 75.5), 6.5 ms at 0 (SDPA 17.7);
       causal hd 256 (window 1024): BM 64, BN 32, 4 warps: 0.82 / 0.69 ms (round-2 kernel 1.12 / 0.93).
