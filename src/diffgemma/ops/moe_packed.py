@@ -293,8 +293,8 @@ def _plane_args(w: PackedWeight):
 
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
-# stream: with the side planes prefetched (round 7), BN 128 / BK 64 / 4 warps was the fastest q4 config for both
-# projections on the H200: gate_up 0.320 ms, down 0.206 ms, against 0.376 / 0.219 for round 6's (64, 32, 64, 4, 4)
+# stream: with the side planes prefetched (round 7), BN 128 / BK 64 / 4 warps on the H200, two runs: q4 gate_up
+# 0.320 / 0.304 ms against 0.376 / 0.350 for round 6's (64, 32, 64, 4, 4); down 0.206 / 0.226 against 0.219 / 0.236
 # (bench/bench_pack.py, bench/RESULTS.md round 7).
 CONFIGS = {"stream": (128, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
