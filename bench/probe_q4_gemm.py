@@ -7,6 +7,10 @@ kernel reaches. Without hardware counters, this times variants of the same loop 
 out (METHOD.md: "time variants that leave one stage out, and take differences"). Their results are
 wrong on purpose, except MODE full, which is checked against the twin.
 
+Its loop is round 6's: the scales and mins are loaded in the K step that uses them. Since round 7 the
+production kernel loads them one step ahead (Triton left those loads synchronous), so "full" here is the
+kernel's `prefetch=False` path, not its default.
+
   full      the production decode (codes -> f32 by their bits, · scale + min, bf16) and dot
   no_affine codes -> f32 -> bf16, no scale / min (so no group broadcast)
   bytes     the code bytes themselves as bf16 values, one dot over K/2 (no nibble split, no interleave)
