@@ -48,13 +48,7 @@ MODES = {"full": 0, "no_affine": 1, "bytes": 2, "no_dot": 3, "loads": 4, "group_
 @triton.jit
 def _probe_kernel(x_ptr, out_ptr, offs_ptr, p0, p2, p3, N, K, stride_x, stride_o,
                   MODE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    g = tl.program_id(1)
-    start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
-    end = tl.load(offs_ptr + g)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
-    rows = g.to(tl.int64) * N + n
+    start, end, n, n_ok, rows = mp._expert_tile(offs_ptr, N, BN)
     for m0 in range(start, end, BM):
         m = m0 + tl.arange(0, BM)
         m_ok = m < end

@@ -153,7 +153,7 @@ class Engine:
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
         return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)
-                and chunk * cfg.top_k_experts / cfg.num_experts >= moe_packed.PREFILL_ROWS)
+                and moe_packed.dequantizes_for(chunk * cfg.top_k_experts / cfg.num_experts))
 
     # ------------------------------------------------------------------ checks
 

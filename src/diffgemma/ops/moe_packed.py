@@ -32,6 +32,7 @@ from ..errors import TensorError
 from ..quant import codecs
 from ._backend import HAVE_TRITON, use_triton
 from .gelu_mul import gelu_mul
+from .moe import _grouped_mm
 
 if HAVE_TRITON:
     import triton
@@ -46,6 +47,11 @@ _AFFINE_HI_BITS = {"q5": 1, "q6": 2}
 # uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
 # in-kernel dequant streams the packed bytes once. DIFFGEMMA_PACKED_PREFILL=kernel forces the kernel.
 PREFILL_ROWS = 128
+
+
+def dequantizes_for(rows_per_expert: float) -> bool:
+    """Whether a packed expert GEMM with this many rows per expert dequantizes to a bf16 scratch (on CUDA)."""
+    return rows_per_expert >= PREFILL_ROWS and os.environ.get("DIFFGEMMA_PACKED_PREFILL", "dequant") != "kernel"
 
 
 @dataclass
@@ -123,14 +129,8 @@ def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     return w.reshape(pw.shape).to(dtype)
 
 
-def _grouped_mm_bf16(xs, w, offs):
-    from .moe import _grouped_mm
-
-    return _grouped_mm(xs, w, offs)
-
-
 def grouped_mm_packed_ref(xs, w: PackedWeight, offs):
-    return _grouped_mm_bf16(xs, dequantize(w, xs.dtype), offs)
+    return _grouped_mm(xs, dequantize(w, xs.dtype), offs)
 
 
 def expert_ffn_packed_ref(xs, gate_up: PackedWeight, down: PackedWeight, offs):
@@ -226,16 +226,20 @@ if HAVE_TRITON:
         return _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K, FMT, GS, BR, BK)
 
     @triton.jit
-    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
-                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr):
-        pid_n = tl.program_id(0)
+    def _expert_tile(offs_ptr, N, BN: tl.constexpr):
+        """This program's share of a grouped GEMM (grid: N tiles x experts): expert g's routes start:end
+        (offs = cumulative ends), its output columns n (valid where n_ok), and their plane rows g·N + n."""
         g = tl.program_id(1)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
         end = tl.load(offs_ptr + g)
-        n = pid_n * BN + tl.arange(0, BN)
-        n_ok = n < N
-        rows = g.to(tl.int64) * N + n  # plane rows of expert g
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        return start, end, n, n < N, g.to(tl.int64) * N + n
+
+    @triton.jit
+    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
+                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                           HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr):
+        start, end, n, n_ok, rows = _expert_tile(offs_ptr, N, BN)
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -357,9 +361,8 @@ def grouped_mm_packed(x, w, offs, src=None):
         return grouped_mm(x, w, offs, src=src)
     if not use_triton(x):
         return grouped_mm_packed_ref(routed(x, src), w, offs)
-    rows_per_expert = route_count(x, src) / w.shape[0]
-    if rows_per_expert >= PREFILL_ROWS and os.environ.get("DIFFGEMMA_PACKED_PREFILL", "dequant") != "kernel":
-        return _grouped_mm_bf16(routed(x, src), dequantize_triton(w, x.dtype), offs)
+    if dequantizes_for(route_count(x, src) / w.shape[0]):
+        return _grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs)
     return grouped_mm_packed_triton(x, w, offs, src=src)
 
 
