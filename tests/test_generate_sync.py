@@ -153,6 +153,11 @@ def test_segmented_row_kernels_match_their_twins_across_segment_boundaries():
         assert probs.dtype == dtype and torch.equal(probs == 0, want == 0)  # the same survivors
         tol = 1e-6 if dtype == torch.float32 else 8e-3  # the kernel's exp vs torch's: ulps, then bf16 rounding
         assert ((probs.float() - want.float()).abs() <= tol * want.float().abs() + 1e-30).all()
+        # the counting variant (the sparse SC's bet on the dense product): the same probabilities, and the
+        # survivor kernel's counts
+        counted, n_kept = rowstats.tempered_masked_probs_triton(x, temp, thr, lse, dtype, block=block, segment=segment,
+                                                               count=True)
+        assert torch.equal(counted, probs) and torch.equal(n_kept, want_counts)
 
     raw = torch.randn(3, vocab) * 40
     got = rowstats.softcap_rowstats_triton(raw, 30.0, 1.0, stats=False, block=block, segment=segment)[0]
@@ -204,6 +209,37 @@ def test_sparse_plan_is_bit_identical_to_sparse_soft_embed():
         assert int(fused.count) == n
         assert torch.allclose(fused.soft_embed(n, emb, 4.0), sparse_soft_embed(st.processed, emb, 4.0, ratio),
                               atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_plan_bet_on_the_dense_product_moves_work_not_results(monkeypatch, fused):
+    """dense_dtype (the loop's bet that the count will call for the dense product) gives the plain plan's
+    count and soft embedding bit for bit, whichever way the count goes: a won bet (the product started
+    before the read, or not), a lost one (the product dropped, the mask built after the read). On the torch
+    path there is nothing to bet with, so the plan ignores it."""
+    emb = torch.randn(500, 24)
+    x = _logits(8, 500)
+    x[3:] = torch.randn(5, 500) * 0.5  # flat rows: many survivors
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    stats = StepStats(x, temp, fused=fused)
+    n = int(SparsePlan(stats, 10.0).count)
+    for limit in (0, SparsePlan.gather_bytes_limit):  # the count calls for: the dense product; the gather
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", limit)
+        want = SparsePlan(stats, 10.0).soft_embed(n, emb, 4.0)
+        for start in (False, True):
+            bet = SparsePlan(stats, 10.0, dense_dtype=emb.dtype)
+            assert bet.speculative == fused and int(bet.count) == n
+            if start:
+                bet.start_dense(emb, 4.0)
+            assert torch.equal(bet.soft_embed(n, emb, 4.0), want), (limit, start)
+            assert bet.took_dense == (limit == 0) and bet.product is None and bet.probs is None
+
+
+def test_status_read_runs_the_overlap_once_and_reads_the_values():
+    calls = []
+    status = torch.tensor([2.0, 0.25, 7.0], dtype=torch.float64)
+    assert generation._read_status(status, lambda: calls.append(1)) == [2.0, 0.25, 7.0] and calls == [1]
+    assert generation._read_status(status) == [2.0, 0.25, 7.0]
 
 
 def test_sparse_plan_gathers_in_chunks_with_the_same_sums(monkeypatch):
@@ -374,6 +410,32 @@ def test_fused_triton_step_gives_the_torch_path_tokens(tiny_model, monkeypatch, 
     for a, b in pairs:
         assert a.draft.tolist() == b.draft.tolist() and a.accepted.tolist() == b.accepted.tolist()
         assert a.mean_entropy == pytest.approx(b.mean_entropy, abs=1e-5)
+
+
+@pytest.mark.parametrize("limit", [0, None])
+def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
+    """The loop's dense-product bet (SparsePlan dense_dtype) on the fused path, interpreted on the CPU: every
+    event equals the loop's without bets. limit 0: every step takes the dense product, so the bets are won;
+    the default limit: the tiny model always gathers, so every bet is lost."""
+    s = _settings(tiny_model)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    if limit is not None:
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", limit)
+    bets = []
+    real_init = SparsePlan.__init__
+
+    def spy(self, stats, log_ratio, dense_dtype=None):
+        bets.append(dense_dtype is not None)
+        real_init(self, stats, log_ratio, dense_dtype)
+
+    monkeypatch.setattr(SparsePlan, "__init__", spy)
+    with_bets = _summary(generate_stream(tiny_model, prompt, settings=s))
+    assert bets and all(bets) == (limit == 0) and bets[0]  # the first step of a block always bets
+    monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None:
+                        real_init(self, stats, log_ratio, None))
+    assert with_bets == _summary(generate_stream(tiny_model, prompt, settings=s))
 
 
 # ------------------------------------------------------------------------------------ sync count

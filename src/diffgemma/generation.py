@@ -117,9 +117,23 @@ class _Proposal:
     stop_reason: str
 
 
-def _read_status(status: torch.Tensor) -> list[float]:
-    """THE per-step device->host read: a few float64 numbers packed by _denoise_block."""
-    return status.tolist()
+def _read_status(status: torch.Tensor, overlap=None) -> list[float]:
+    """THE per-step device->host read: a few float64 numbers packed by _denoise_block.
+
+    overlap: a callable that queues more device work behind the copy. On CUDA the host then waits for the
+    copy alone (an event), so the GPU runs that work while the host waits and turns the step around."""
+    if overlap is None:
+        return status.tolist()
+    if not status.is_cuda:
+        overlap()
+        return status.tolist()
+    host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+    host.copy_(status, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    overlap()
+    copied.synchronize()
+    return host.tolist()
 
 
 def _read_block(packed: torch.Tensor) -> list[float]:
@@ -296,6 +310,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     reason = None
     step = 0
     stats = None
+    bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)
@@ -321,9 +336,16 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
         code = stops.update(step, argmax, mean_h, mask)
         # the survivor count rides in the status; not needed when this step is the last one for sure
-        plan = SparsePlan(stats, s.sc_sparse_log_ratio) if sparse_sc and step < steps_total else None
+        plan = None
+        if sparse_sc and step < steps_total:
+            plan = SparsePlan(stats, s.sc_sparse_log_ratio,
+                              dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None)
         packed = [code.double(), mean_h] + ([plan.count.double()] if plan is not None else [])
-        status = _read_status(torch.stack(packed))  # the step's one host sync
+        overlap = None
+        if plan is not None and plan.speculative:
+            def overlap(plan=plan):
+                plan.start_dense(model.embedding, model.config.embed_scale)
+        status = _read_status(torch.stack(packed), overlap)  # the step's one host sync
         reason = REASONS[int(status[0])]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
                         accepted=mask, mean_entropy=status[1], stop_reason=reason)
@@ -332,6 +354,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
             if sparse_sc:
                 sc_logits = None
                 sc_embeds = plan.soft_embed(int(status[2]), model.embedding, model.config.embed_scale)
+                bet_dense = plan.took_dense
             else:
                 sc_logits, sc_embeds = stats.processed, None
 

@@ -66,7 +66,8 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
     torch.cuda.synchronize()
     reads = []
     original = generation._read_status
-    monkeypatch.setattr(generation, "_read_status", lambda status: (reads.append(1), original(status))[1])
+    monkeypatch.setattr(generation, "_read_status",
+                        lambda status, overlap=None: (reads.append(1), original(status, overlap))[1])
     per_step = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

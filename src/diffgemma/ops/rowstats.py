@@ -236,20 +236,29 @@ if HAVE_TRITON:
         tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
     @triton.jit
-    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
+                                      BLOCK: tl.constexpr, COUNT: tl.constexpr):
+        """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them."""
         row = tl.program_id(0).to(tl.int64)
-        first = tl.program_id(1) * span
+        seg = tl.program_id(1)
+        first = seg * span
         last = tl.minimum(first + span, n_cols)
         offs = tl.arange(0, BLOCK)
         thr = tl.load(thr_ptr + row)
         lse = tl.load(lse_ptr + row)
+        count = 0
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
             x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
             z = tl.math.div_rn(x, temp)
-            p = tl.where(z >= thr, tl.exp(z - lse), 0.0)
+            keep = z >= thr
+            p = tl.where(keep, tl.exp(z - lse), 0.0)
             tl.store(out_ptr + row * n_cols + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
+            if COUNT:
+                count += tl.sum((keep & inside).to(tl.int32), axis=0)
+        if COUNT:
+            tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT):
@@ -286,14 +295,26 @@ def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
-def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT):
+def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False):
+    """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them."""
     logits = logits.contiguous()
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = torch.empty((rows, n), dtype=dtype, device=logits.device)
-    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out, n,
-                                                 span, float(temp), BLOCK=block, num_warps=8)
-    return out
+    counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
+    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out, counts,
+                                                 n, span, float(temp), BLOCK=block, COUNT=count, num_warps=8)
+    if not count:
+        return out
+    return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
+
+
+def tempered_counted_probs(logits, temp, thr, lse, dtype):
+    """tempered_masked_probs and the survivor counts of tempered_survivors, from one pass over the logits (no
+    mask): the sparse SC's dense product started before the host has read the count (sampling/self_condition.py)."""
+    if use_triton(logits):
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True)
+    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype), tempered_survivors_ref(logits, temp, thr)[1]
 
 
 def tempered_rowstats(logits, temp):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import tempered_masked_probs, tempered_survivors
+from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
 
 
 def exact_soft_embed(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,21 +71,44 @@ class SparsePlan:
     nonzero (no sync, since n is known) gathers the survivors. On the torch path every number is the one
     `sparse_soft_embed(stats.processed, ...)` computes (same mask, same order, same index_add_); on the
     fused path the mask comes from the Triton survivor kernel and log Z from the row-stats kernel.
+
+    dense_dtype (fused path only; the embedding's dtype): the caller bets that the count will call for the dense
+    product (flat rows; the loop bets on what the previous step took). Then one pass writes the survivors' probabilities
+    and counts them (no mask), and `start_dense` queues the product behind the status copy, so the GPU
+    computes it while the host waits for the status and turns around. The bet only moves work in time:
+    soft_embed still follows the count, and a lost bet drops the product and builds the mask after the read.
     """
 
-    def __init__(self, stats, log_ratio: float):
+    def __init__(self, stats, log_ratio: float, dense_dtype: torch.dtype | None = None):
         self.stats = stats
         self.log_ratio = log_ratio
+        self.probs = self.product = None
+        self.took_dense = None  # set by soft_embed: which way the count sent it
         if stats.fused:
             self.thr = stats.rowmax - log_ratio
-            self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
             self.log_z = stats.lse
+            if dense_dtype is not None:
+                self.mask = None  # built after the read if the bet is lost (_take_mask)
+                self.probs, counts = tempered_counted_probs(stats.logits, stats.temp, self.thr, self.log_z,
+                                                            dense_dtype)
+            else:
+                self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
             self.count = counts.sum(dtype=torch.int64)
         else:
             self._z = stats.processed.float()
             self.log_z = self._z.logsumexp(dim=-1)
             self.mask = survivors(self._z, log_ratio)
             self.count = self.mask.sum(dtype=torch.int64)
+
+    @property
+    def speculative(self) -> bool:
+        return self.probs is not None
+
+    def start_dense(self, embedding: torch.Tensor, scale: float) -> None:
+        """Queue the dense product on the bet's probabilities (called while the status read is in flight)."""
+        if self.probs is not None:
+            self.product = self._product(self.probs, embedding, scale)
+            self.probs = None
 
     # Above this many bytes of gathered embedding rows (n survivors x hidden x f32) the survivors are summed
     # as one dense product of the masked probabilities instead: flat rows (random weights, an unconverged
@@ -111,8 +134,11 @@ class SparsePlan:
 
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         n_rows = self.log_z.shape[0]
-        if n * embedding.shape[1] * 4 > self.gather_bytes_limit:
-            return self._dense_soft_embed(embedding, scale)
+        self.took_dense = n * embedding.shape[1] * 4 > self.gather_bytes_limit
+        if self.took_dense:
+            product, self.product = self.product, None
+            return product if product is not None else self._dense_soft_embed(embedding, scale)
+        self.product = self.probs = None  # a lost bet: its product (if started) is not the sum asked for
         rows, cols = torch.nonzero_static(self._take_mask(), size=n).unbind(1)
         if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
             z = self.stats.logits[rows, cols] / self.stats._temp_t
@@ -125,11 +151,17 @@ class SparsePlan:
             out.index_add_(0, rows[s: s + step], weights[s: s + step, None] * embedding[cols[s: s + step]].float())
         return (out * scale).to(embedding.dtype)
 
+    @staticmethod
+    def _product(probs: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+        return ((probs.to(embedding.dtype) @ embedding).float() * scale).to(embedding.dtype)
+
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""
-        if self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
+        if self.probs is not None:  # the bet's probabilities, not yet multiplied
+            probs, self.probs = self.probs, None
+        elif self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
             self.mask = None  # not needed here: gone before the probabilities are allocated
             probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype)
         else:
             probs = torch.where(self._take_mask(), torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
-        return ((probs @ embedding).float() * scale).to(embedding.dtype)
+        return self._product(probs, embedding, scale)
