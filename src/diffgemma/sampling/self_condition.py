@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..ops.sc_gather import segment_embed
 
 
 def exact_soft_embed(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
@@ -89,16 +90,16 @@ class SparsePlan:
             self.log_z = stats.lse
             if dense_dtype is not None:
                 self.mask = None  # built after the read if the bet is lost (_take_mask)
-                self.probs, counts = tempered_counted_probs(stats.logits, stats.temp, self.thr, self.log_z,
-                                                            dense_dtype)
+                self.probs, self.row_counts = tempered_counted_probs(stats.logits, stats.temp, self.thr, self.log_z,
+                                                                     dense_dtype)
             else:
-                self.mask, counts = tempered_survivors(stats.logits, stats.temp, self.thr)
-            self.count = counts.sum(dtype=torch.int64)
+                self.mask, self.row_counts = tempered_survivors(stats.logits, stats.temp, self.thr)
         else:
             self._z = stats.processed.float()
             self.log_z = self._z.logsumexp(dim=-1)
             self.mask = survivors(self._z, log_ratio)
-            self.count = self.mask.sum(dtype=torch.int64)
+            self.row_counts = self.mask.sum(-1)
+        self.count = self.row_counts.sum(dtype=torch.int64)
 
     @property
     def speculative(self) -> bool:
@@ -115,9 +116,10 @@ class SparsePlan:
     # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (78 GiB seen on
     # the full-size random model). Converging canvases keep a few tokens per row and take the gather.
     gather_bytes_limit = 256 * 2**20
-    # The gathered rows are summed in chunks of this many bytes (f32): a whole 256 MiB gather held its rows as
-    # bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context (bench/probe_memory.py,
-    # H200), the largest thing alive then. Chunks keep the same adds in the same order.
+    # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
+    # held its rows as bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context
+    # (bench/probe_memory.py, H200). Chunks keep the same adds in the same order. On CUDA the segment kernel
+    # (ops/sc_gather.py) reads the embedding rows in place: no gathered copy, and the same sum on every run.
     gather_chunk_bytes = 32 * 2**20
 
     def _take_mask(self) -> torch.Tensor:
@@ -133,7 +135,6 @@ class SparsePlan:
         return mask
 
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
-        n_rows = self.log_z.shape[0]
         self.took_dense = n * embedding.shape[1] * 4 > self.gather_bytes_limit
         if self.took_dense:
             product, self.product = self.product, None
@@ -145,10 +146,8 @@ class SparsePlan:
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
-        out = torch.zeros(n_rows, embedding.shape[1], dtype=torch.float32, device=embedding.device)
         step = max(1, self.gather_chunk_bytes // (embedding.shape[1] * 4))
-        for s in range(0, n, step):
-            out.index_add_(0, rows[s: s + step], weights[s: s + step, None] * embedding[cols[s: s + step]].float())
+        out = segment_embed(rows, self.row_counts, cols, weights, embedding, chunk=step)
         return (out * scale).to(embedding.dtype)
 
     @staticmethod

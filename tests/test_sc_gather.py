@@ -1,0 +1,60 @@
+"""The sparse SC's segmented sum (ops/sc_gather.py): the kernel, interpreted on the CPU, against its index_add_
+twin, bit for bit (same order, separately rounded multiplies and adds), and through SparsePlan."""
+
+import random
+
+import pytest
+import torch
+
+from diffgemma.ops import rowstats, sc_gather
+from diffgemma.sampling import stats as stats_mod
+from diffgemma.sampling.schedule import temperature_value
+from diffgemma.sampling.self_condition import SparsePlan
+from diffgemma.sampling.stats import StepStats
+
+pytestmark = pytest.mark.skipif(not sc_gather.HAVE_TRITON, reason="needs Triton (interpreter)")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segment_kernel_is_the_index_add_twin_bit_for_bit(interpret, dtype):
+    R, V, H = 7, 400, random.choice([40, 70])
+    mask = torch.rand(R, V) < random.uniform(0.05, 0.3)
+    mask[random.randrange(R)] = False  # a row with no survivor sums to 0
+    mask[random.randrange(R)] = False
+    mask[random.randrange(R), random.randrange(V)] = True  # (maybe) a row with one
+    rows, cols = mask.nonzero(as_tuple=True)
+    w = torch.rand(rows.shape[0]) * 0.9 + 0.05
+    emb = torch.randn(V, H).to(dtype)
+    want = sc_gather.segment_embed_ref(rows, cols, w, emb, R, chunk=random.randint(1, 9))
+    got = sc_gather.segment_embed_triton(mask.sum(-1), cols, w, emb, block_h=32)  # H not a multiple of the block
+    assert torch.equal(got, want)
+    assert torch.equal(want[~mask.any(-1)], torch.zeros_like(want[~mask.any(-1)]))
+
+
+def test_segment_embed_refuses_mismatched_survivor_lists():
+    with pytest.raises(Exception, match="rows / cols / weights"):
+        sc_gather.segment_embed(torch.zeros(3, dtype=torch.long), torch.tensor([3]), torch.zeros(2, dtype=torch.long),
+                                torch.zeros(3), torch.zeros(5, 4), chunk=4)
+
+
+def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, monkeypatch):
+    """SparsePlan's gather on the fused data flow with the kernels on (interpreted) equals the same plan with
+    the torch twins, bit for bit: same survivors, same order, same adds."""
+    vocab, hidden = 300, 24
+    x = torch.randn(6, vocab) * 3
+    x[:, :4] += 12.0  # peaked rows: a few survivors each
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    emb = torch.randn(vocab, hidden).to(torch.bfloat16)
+    plain = SparsePlan(StepStats(x, temp, fused=True), 4.0)
+    n = int(plain.count)
+    want = plain.soft_embed(n, emb, 3.0)
+    for mod in (stats_mod, rowstats, sc_gather):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    kernels = SparsePlan(StepStats(x, temp, fused=True), 4.0)
+    assert int(kernels.count) == n and 6 <= n < vocab
+    assert torch.equal(kernels.soft_embed(n, emb, 3.0), want)
