@@ -438,6 +438,29 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
     assert with_bets == _summary(generate_stream(tiny_model, prompt, settings=s))
 
 
+def test_loop_holds_one_steps_logits_at_a_time(tiny_model, monkeypatch):
+    """When a step's forward starts, the previous step's logits are gone (nothing in the loop, e.g. the sparse SC's
+    bet on the dense product, still holds them): at full size each is a 256 MiB f32 [C, V]."""
+    import weakref
+
+    s = _settings(tiny_model)
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)  # the fused path, where the loop bets
+    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)  # every bet won: the product is started
+    inner = tiny_model.denoise
+    alive = []
+
+    def denoise(*a, **k):
+        assert all(r() is None for r in alive), "a previous step's logits are still alive"
+        out = inner(*a, **k)
+        alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(tiny_model, "denoise", denoise)
+    list(generate_stream(tiny_model, torch.randint(4, tiny_model.config.vocab_size, (4,)), settings=s))
+    assert len(alive) >= 3
+
+
 # ------------------------------------------------------------------------------------ sync count
 
 class SyncCounter:

@@ -373,6 +373,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         if plan is not None and plan.speculative:
             overlap = functools.partial(plan.start_dense, model.embedding, model.config.embed_scale)
         status = _read_status(torch.stack(packed), overlap)  # the step's one host sync
+        overlap = None  # it holds the plan, and so this step's logits, which must go before the next step's arrive
         reason = REASONS[int(status[0])]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
                         accepted=mask, mean_entropy=status[1], stop_reason=reason)
