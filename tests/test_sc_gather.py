@@ -1,5 +1,6 @@
-"""The sparse SC's segmented sum (ops/sc_gather.py): the kernel, interpreted on the CPU, against its index_add_
-twin, bit for bit (same order, separately rounded multiplies and adds), and through SparsePlan."""
+"""The sparse SC's segmented sum (ops/sc_gather.py): the kernels, interpreted on the CPU, against their chunked
+twin bit for bit (same order, separately rounded multiplies and adds) and the index_add_ path, and through
+SparsePlan."""
 
 import random
 
@@ -21,25 +22,35 @@ def interpret(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_segment_kernel_is_the_index_add_twin_bit_for_bit(interpret, dtype):
-    R, V, H = 7, 400, random.choice([40, 70])
-    mask = torch.rand(R, V) < random.uniform(0.05, 0.3)
+def test_segment_kernels_are_the_chunked_twin_bit_for_bit(interpret, dtype):
+    """Rows of 0, 1, a few and several chunks of survivors; H not a multiple of the column block."""
+    R, V, H, chunk = 7, 400, random.choice([40, 70]), 4
+    mask = torch.rand(R, V) < random.uniform(0.02, 0.1)
     mask[random.randrange(R)] = False  # a row with no survivor sums to 0
-    mask[random.randrange(R)] = False
-    mask[random.randrange(R), random.randrange(V)] = True  # (maybe) a row with one
+    one = random.randrange(R)
+    mask[one] = False
+    mask[one, random.randrange(V)] = True  # a row with one
+    mask[random.randrange(R), :40] = True  # a row of many chunks
     rows, cols = mask.nonzero(as_tuple=True)
     w = torch.rand(rows.shape[0]) * 0.9 + 0.05
     emb = torch.randn(V, H).to(dtype)
-    want = sc_gather.segment_embed_ref(rows, cols, w, emb, R, chunk=random.randint(1, 9))
-    got = sc_gather.segment_embed_triton(mask.sum(-1), cols, w, emb, block_h=32)  # H not a multiple of the block
+    counts = mask.sum(-1)
+    want = sc_gather.segment_embed_chunked_ref(counts, cols, w, emb, chunk)
+    got = sc_gather.segment_embed_triton(counts, cols, w, emb, chunk=chunk, block_h=32)
     assert torch.equal(got, want)
     assert torch.equal(want[~mask.any(-1)], torch.zeros_like(want[~mask.any(-1)]))
+    # the chunked sum is the index_add_ sum up to the association of the chunks (and equal where a row has
+    # at most one chunk)
+    plain = sc_gather.segment_embed_ref(rows, cols, w, emb, R, chunk=random.randint(1, 9))
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+    small = counts <= chunk
+    assert torch.equal(got[small], plain[small])
 
 
 def test_segment_embed_refuses_mismatched_survivor_lists():
     with pytest.raises(Exception, match="rows / cols / weights"):
         sc_gather.segment_embed(torch.zeros(3, dtype=torch.long), torch.tensor([3]), torch.zeros(2, dtype=torch.long),
-                                torch.zeros(3), torch.zeros(5, 4), chunk=4)
+                                torch.zeros(3), torch.zeros(5, 4), cpu_chunk=4)
 
 
 def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, monkeypatch):
@@ -57,4 +68,5 @@ def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, mo
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     kernels = SparsePlan(StepStats(x, temp, fused=True), 4.0)
     assert int(kernels.count) == n and 6 <= n < vocab
+    assert int(kernels.row_counts.max()) <= sc_gather.CHUNK  # one chunk a row: the same adds as index_add_
     assert torch.equal(kernels.soft_embed(n, emb, 3.0), want)

@@ -149,17 +149,18 @@ def test_tempered_rowstats_real_shape():
 
 
 def test_segment_kernel_is_the_cpu_twin_and_repeats():
-    """The sparse SC's segmented sum on the GPU: bit-identical to the index_add_ twin run on the CPU, and the
-    same on every run (index_add_ on CUDA is not: its atomics add in a different order each time)."""
+    """The sparse SC's segmented sum on the GPU: bit-identical to its chunked twin run on the CPU, and the same on
+    every run (index_add_ on CUDA is not: its atomics add in a different order each time)."""
     from diffgemma.ops import sc_gather
 
     R, V, H = 256, 20000, 2816
     mask = torch.rand(R, V, device=DEV) < 0.004  # ~80 survivors a row
+    emb = (torch.randn(V, H, device=DEV) * 0.02).to(torch.bfloat16)
+    mask[7, :5000] = True  # a flat row: 157 chunks
     rows, cols = mask.nonzero(as_tuple=True)
     w = torch.rand(rows.shape[0], device=DEV)
-    emb = (torch.randn(V, H, device=DEV) * 0.02).to(torch.bfloat16)
     got = sc_gather.segment_embed_triton(mask.sum(-1), cols, w, emb)
-    want = sc_gather.segment_embed_ref(rows.cpu(), cols.cpu(), w.cpu(), emb.cpu(), R, chunk=4096)
+    want = sc_gather.segment_embed_chunked_ref(mask.sum(-1).cpu(), cols.cpu(), w.cpu(), emb.cpu(), sc_gather.CHUNK)
     assert torch.equal(got.cpu(), want)
     assert all(torch.equal(sc_gather.segment_embed_triton(mask.sum(-1), cols, w, emb), got) for _ in range(5))
 

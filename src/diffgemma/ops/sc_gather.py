@@ -1,13 +1,16 @@
 """The sparse self-conditioning sum: out[r] = Σ_k w[k] · E[cols[k]] over row r's survivors, in f32.
 
 The survivors arrive row by row (rows ascending, as nonzero lists a mask), so row r's are the index range
-starts[r] .. starts[r + 1]. The torch twin is the chunked index_add_ the CPU path uses. On CUDA, index_add_
-adds with atomics, in an order that changes from run to run: the same seed and prompt gave different tokens
-on the H200 whenever a step took the gather (bench/RESULTS.md, round 8). The kernel gives each (row, column
-block) one program that adds its row's survivors in index order, the order of the CPU's index_add_, with
-separately rounded multiplies and adds (`mul.rn.f32` / `add.rn.f32` in PTX: the compiler would otherwise
-fuse them into an FMA, and libdevice's versions flush denormals). So it gives the same bits on every run,
-and the CPU twin's bits.
+starts[r] .. starts[r + 1]. On the CPU the sum is a chunked index_add_ (`segment_embed_ref`). On CUDA,
+index_add_ adds with atomics, in an order that changes from run to run: the same seed and prompt gave
+different tokens on the H200 whenever a step took the gather (bench/RESULTS.md, round 8).
+
+The kernels fix the order instead. Each row's survivors are cut into chunks of CHUNK (a flat row can keep
+thousands of tokens, so one program per row would be one long serial loop); one program sums a chunk in index
+order, and a second kernel adds each row's chunk sums in chunk order. Every add is a separately rounded
+multiply and add (`mul.rn.f32` / `add.rn.f32` in PTX: the compiler would otherwise fuse them into an FMA,
+and libdevice's versions flush denormals), so the result is the same on every run and equal, bit for bit,
+to `segment_embed_chunked_ref`, the same chunked sum written in torch (the tests' twin).
 """
 
 from __future__ import annotations
@@ -33,55 +36,98 @@ def segment_embed_ref(rows, cols, weights, embedding, n_rows: int, chunk: int) -
     return out
 
 
+def segment_embed_chunked_ref(row_counts, cols, weights, embedding, chunk: int) -> torch.Tensor:
+    """The kernels' arithmetic in torch: per row, chunks of `chunk` survivors summed in order from 0, then the
+    row's chunk sums added in order from 0 (slow: a Python loop over survivors; for the tests)."""
+    out = torch.zeros(row_counts.shape[0], embedding.shape[1], dtype=torch.float32, device=embedding.device)
+    start = 0
+    for r, c in enumerate(row_counts.tolist()):
+        row = torch.zeros(embedding.shape[1], dtype=torch.float32, device=embedding.device)
+        for j in range(start, start + c, chunk):
+            part = torch.zeros_like(row)
+            for k in range(j, min(j + chunk, start + c)):
+                part = part + weights[k].float() * embedding[cols[k]].float()
+            row = row + part
+        out[r] = row
+        start += c
+    return out
+
+
+CHUNK = 32  # survivors per program: bounds a program's serial loop whatever the rows' counts
+
 if HAVE_TRITON:
 
     @triton.jit
     def _mul_add_rn(acc, w, e, PTX: tl.constexpr):
         """acc + w·e with both roundings (no FMA). PTX off: the interpreter's numpy, which never fuses."""
         if PTX:
-            p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [tl.zeros_like(e) + w, e], dtype=tl.float32,
-                                          is_pure=True, pack=1)
+            p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [tl.zeros_like(e) + w, e],
+                                          dtype=tl.float32, is_pure=True, pack=1)
             return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [acc, p], dtype=tl.float32,
                                              is_pure=True, pack=1)
         return acc + w * e
 
     @triton.jit
-    def _segment_embed_kernel(starts_ptr, cols_ptr, w_ptr, emb_ptr, out_ptr, H, BLOCK_H: tl.constexpr,
-                              PTX: tl.constexpr):
+    def _chunk_sum_kernel(starts_ptr, chunk_starts_ptr, cols_ptr, w_ptr, emb_ptr, part_ptr, R, H,
+                          CHUNK: tl.constexpr, RP: tl.constexpr, BLOCK_H: tl.constexpr, PTX: tl.constexpr):
+        """Program p: chunk p of all rows' chunks (the grid is an upper bound; programs past the last exit)."""
+        p = tl.program_id(0)
+        i = tl.arange(0, RP)
+        ends = tl.load(chunk_starts_ptr + 1 + i, mask=i < R, other=2**30)  # chunks through row i
+        if p < tl.load(chunk_starts_ptr + R):
+            row = tl.sum((ends <= p).to(tl.int32), axis=0)  # rows whose chunks all come before p
+            lo = tl.load(starts_ptr + row) + (p - tl.load(chunk_starts_ptr + row)) * CHUNK
+            hi = tl.minimum(lo + CHUNK, tl.load(starts_ptr + row + 1))
+            h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            ok = h < H
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for k in range(lo, hi):
+                c = tl.load(cols_ptr + k).to(tl.int64)
+                w = tl.load(w_ptr + k)
+                e = tl.load(emb_ptr + c * H + h, mask=ok, other=0.0).to(tl.float32)
+                acc = _mul_add_rn(acc, w, e, PTX)
+            tl.store(part_ptr + p.to(tl.int64) * H + h, acc, mask=ok)
+
+    @triton.jit
+    def _row_sum_kernel(chunk_starts_ptr, part_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = h < H
-        lo = tl.load(starts_ptr + r)
-        hi = tl.load(starts_ptr + r + 1)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for k in range(lo, hi):
-            c = tl.load(cols_ptr + k).to(tl.int64)
-            w = tl.load(w_ptr + k)
-            e = tl.load(emb_ptr + c * H + h, mask=ok, other=0.0).to(tl.float32)
-            acc = _mul_add_rn(acc, w, e, PTX)
+        for p in range(tl.load(chunk_starts_ptr + r), tl.load(chunk_starts_ptr + r + 1)):
+            acc = acc + tl.load(part_ptr + p * H + h, mask=ok, other=0.0)  # p: int64 (chunk_starts)
         tl.store(out_ptr + r.to(tl.int64) * H + h, acc, mask=ok)
 
 
-def segment_embed_triton(row_counts, cols, weights, embedding, block_h: int = 512) -> torch.Tensor:
-    """row_counts int [R] (survivors per row, rows in order), cols / weights [n] in row order -> f32 [R, H]."""
-    n_rows = row_counts.shape[0]
-    H = embedding.shape[1]
-    starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=embedding.device)
-    torch.cumsum(row_counts, 0, out=starts[1:])
-    out = torch.empty(n_rows, H, dtype=torch.float32, device=embedding.device)
-    _segment_embed_kernel[(n_rows, triton.cdiv(H, block_h))](starts, cols.contiguous(), weights.float().contiguous(),
-                                                              embedding.contiguous(), out, H, BLOCK_H=block_h,
-                                                              PTX=os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                                              num_warps=4)
+def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUNK, block_h: int = 512) -> torch.Tensor:
+    """row_counts int [R] (survivors per row, rows in order), cols / weights [n] in row order -> f32 [R, H].
+    No host read: the grid is sized by n (the host knows it) and R, an upper bound on the chunks."""
+    R, n, H = row_counts.shape[0], cols.shape[0], embedding.shape[1]
+    dev = embedding.device
+    counts = row_counts.to(torch.int64)
+    starts = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=starts[1:])
+    chunk_starts = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((counts + chunk - 1) // chunk, 0, out=chunk_starts[1:])
+    max_chunks = n // chunk + R  # Σ ceil(c_r / chunk) <= Σ (floor(c_r / chunk) + 1)
+    part = torch.empty(max_chunks, H, dtype=torch.float32, device=dev)
+    out = torch.empty(R, H, dtype=torch.float32, device=dev)
+    hb = triton.cdiv(H, block_h)
+    ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    _chunk_sum_kernel[(max_chunks, hb)](starts, chunk_starts, cols.contiguous(), weights.float().contiguous(),
+                                        embedding.contiguous(), part, R, H, CHUNK=chunk,
+                                        RP=triton.next_power_of_2(R), BLOCK_H=block_h, PTX=ptx, num_warps=4)
+    _row_sum_kernel[(R, hb)](chunk_starts, part, out, H, BLOCK_H=block_h, num_warps=4)
     return out
 
 
-def segment_embed(rows, row_counts, cols, weights, embedding, chunk: int) -> torch.Tensor:
-    """The survivors' weighted embedding rows summed per canvas row, f32 [R, H]: the kernel on CUDA (same bits on
-    every run), the index_add_ twin elsewhere. rows / cols / weights: [n], rows ascending; row_counts: [R]."""
+def segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk: int) -> torch.Tensor:
+    """The survivors' weighted embedding rows summed per canvas row, f32 [R, H]: the kernels on CUDA (the same
+    bits on every run), the index_add_ twin elsewhere (`cpu_chunk` survivors gathered at a time).
+    rows / cols / weights: [n], rows ascending; row_counts: [R], their survivors per row."""
     if not (rows.shape == cols.shape == weights.shape and rows.dim() == 1):
         raise TensorError(f"segment_embed: rows / cols / weights must be 1-D of one length, got "
                           f"{list(rows.shape)} / {list(cols.shape)} / {list(weights.shape)}")
     if use_triton(embedding):
         return segment_embed_triton(row_counts, cols, weights, embedding)
-    return segment_embed_ref(rows, cols, weights, embedding, row_counts.shape[0], chunk)
+    return segment_embed_ref(rows, cols, weights, embedding, row_counts.shape[0], cpu_chunk)

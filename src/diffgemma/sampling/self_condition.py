@@ -147,7 +147,7 @@ class SparsePlan:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
         step = max(1, self.gather_chunk_bytes // (embedding.shape[1] * 4))
-        out = segment_embed(rows, self.row_counts, cols, weights, embedding, chunk=step)
+        out = segment_embed(rows, self.row_counts, cols, weights, embedding, cpu_chunk=step)
         return (out * scale).to(embedding.dtype)
 
     @staticmethod
