@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._backend import use_triton
+from ..ops.sorted_prefix import sorted_prefix_triton
+
 
 def accept_mask(
     entropy: torch.Tensor,
@@ -25,6 +28,8 @@ def accept_mask(
     """Bool mask [C] of accepted positions for per-position entropies [C] (nats)."""
     if final_step:
         return frozen.clone() if frozen is not None else torch.zeros_like(entropy, dtype=torch.bool)
+    if use_triton(entropy) and entropy.dim() == 1:  # one kernel for the sort, scan and scatter below
+        return sorted_prefix_triton(entropy, bound, frozen)
     if frozen is not None:
         # Frozen positions sort last as +inf, so the free ones form the same sorted prefix (and prefix sums)
         # as sorting the free subset alone; a frozen row's `before` is inf - inf = nan, never <= bound.
