@@ -20,6 +20,9 @@ from collections import deque
 
 import torch
 
+from ..ops._backend import use_triton
+from ..ops.stop_code import stop_code_triton
+
 FILLER_ID = 262143  # the reference engine's invalid-logits sentinel: the last id of the real vocabulary
 
 
@@ -117,11 +120,17 @@ class DeviceStopRules(StopRules):
     0-d float64 tensor and is compared in float64, exactly like the host rules compare a Python float.
     """
 
-    def __init__(self, **kw):
+    def __init__(self, fused: bool | None = None, **kw):
+        """fused: the one-kernel update (ops/stop_code.py); None = on CUDA with Triton."""
         super().__init__(**kw)
         self._run_t: torch.Tensor | None = None
+        self._fused = fused
+        self._ring = None  # the fused update's state: the last N argmax canvases, the last mask, constants
+        self._updates = 0
 
     def update(self, step: int, argmax: torch.Tensor, mean_entropy: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        if self._fused if self._fused is not None else use_triton(argmax):
+            return stop_code_triton(self, step, argmax, mean_entropy, accepted)
         dev = argmax.device
         if self.stability_threshold == 0:
             stable = None  # always stable
