@@ -1,0 +1,162 @@
+"""Probe: where `generate`'s time outside the forwards goes, and whether seeded runs repeat (one GPU, ~1 min each).
+
+    PYTHONPATH=src python bench/probe_generate.py timeline      # CUDA events at the loop's seams, per step
+    PYTHONPATH=src python bench/probe_generate.py side          # overhead with the bookkeeping stream on / off
+    PYTHONPATH=src python bench/probe_generate.py repeat        # seeded full-size generates: the same tokens?
+    PYTHONPATH=src python bench/probe_generate.py gather        # the SC gather kernels against index_add_
+
+All on the full-size architecture with random weights and balanced routing (as bench_engine.py). `timeline`
+records CUDA events around the forward, the row stats, the SC plan, the status read and the SC product (no
+profiler, whose host overhead would stretch every gap) and prints per-seam GPU and host medians. `side` runs
+bench_engine's overhead measure alternately with the second stream on and off. `repeat` runs one seeded
+generate several times on fresh caches, then again after filling the allocator's free memory with NaN (a
+kernel reading memory it did not write would change or poison the result). Numbers: bench/RESULTS.md round 8
+(these bodies ran there as separate scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engine as B  # noqa: E402  (also puts src/ on the path)
+import diffgemma.generation as G  # noqa: E402
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.sampling import self_condition as SC  # noqa: E402
+from diffgemma.sampling import stats as ST  # noqa: E402
+
+
+def full_size_engine():
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": B.TEXT, "canvas_length": B.CANVAS})
+    return cfg, B.build_engine(cfg, B.RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
+
+
+class _NoSide(G._SideStream):
+    """The loop's bookkeeping on the main stream (the A/B twin of the side stream)."""
+
+    def __init__(self, device):
+        self.stream = None
+
+
+def timeline():
+    cfg, eng = full_size_engine()
+    prompt = torch.randint(0, cfg.vocab_size, (1024,), device="cuda")
+    cache = eng.new_cache(4096)
+    marks = []
+
+    def mark(label):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((label, e, time.perf_counter()))
+
+    def wrap(obj, name, label):
+        orig = getattr(obj, name)
+
+        def f(*a, **k):
+            mark(label + ">")
+            r = orig(*a, **k)
+            mark("<" + label)
+            return r
+        setattr(obj, name, f)
+
+    with B.routing("balanced"):
+        G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: graphs, compiles
+        wrap(eng, "denoise", "fwd")
+        wrap(G, "_read_status", "read")
+        wrap(ST.StepStats, "__init__", "stats")
+        wrap(SC.SparsePlan, "__init__", "plan")
+        wrap(SC.SparsePlan, "start_dense", "product")
+        wrap(SC.SparsePlan, "soft_embed", "embed")
+        for rep in range(2):
+            marks.clear()
+            cache.truncate(0)
+            torch.cuda.synchronize()
+            out = G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
+            torch.cuda.synchronize()
+            seams = collections.defaultdict(list)
+            for (l1, e1, h1), (l2, e2, h2) in zip(marks, marks[1:]):
+                seams[f"{l1} -> {l2}"].append((e1.elapsed_time(e2) * 1e3, (h2 - h1) * 1e6))
+            print(f"run {rep}: {out.forwards} forwards")
+            for k, v in sorted(seams.items(), key=lambda kv: -sum(g for g, _ in kv[1])):
+                print(f"  {k:28s} n={len(v):3d}  GPU median {statistics.median(g for g, _ in v):9.1f} us"
+                      f"  host median {statistics.median(h for _, h in v):9.1f} us")
+
+
+def side(reps: int):
+    _, eng = full_size_engine()
+    real = G._SideStream
+    res = {"side": [], "no side": []}
+    try:
+        with B.routing("balanced"):
+            for _ in range(reps):
+                for name, cls in (("side", real), ("no side", _NoSide)):
+                    G._SideStream = cls
+                    r = B.bench_generate(eng)
+                    res[name].append(r["outside_ms_per_step"])
+                    print(f"{name}: {r['outside_ms_per_step']:.3f} ms/step outside ({r['outside_share'] * 100:.2f} %)",
+                          flush=True)
+    finally:
+        G._SideStream = real
+    for name, v in res.items():
+        print(f"{name}: median {statistics.median(v):.3f} ms/step over {len(v)} runs")
+
+
+def repeat(runs: int):
+    cfg, eng = full_size_engine()
+    prompt = torch.randint(0, cfg.vocab_size, (300,), device="cuda")
+
+    def poison():
+        free, _ = torch.cuda.mem_get_info()
+        x = torch.empty(int(free * 0.8) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+        del x
+
+    tokens = []
+    with B.routing("balanced"):
+        for kind in ["plain"] * runs + ["after NaN fill"]:
+            if kind != "plain":
+                poison()
+            cache = eng.new_cache(2048)
+            tokens.append((kind, G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache).tokens))
+            del cache
+    ref = tokens[-2][1]
+    for i, (kind, t) in enumerate(tokens):
+        print(f"run {i} ({kind}): {'same as' if t == ref else 'DIFFERS from'} the last plain run")
+
+
+def gather():
+    from bench_engine import time_cuda
+    from diffgemma.ops import sc_gather as g
+
+    V, H, R = 262144, 2816, 256
+    E = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16)
+    for label, per_row, flat in (("even 8/row", 8, 0), ("even 90/row", 90, 0), ("one row 20000 + 10/row", 10, 20000)):
+        counts = torch.full((R,), per_row, device="cuda", dtype=torch.int64)
+        counts[3] += flat
+        rows = torch.repeat_interleave(torch.arange(R, device="cuda"), counts)
+        cols = torch.randint(0, V, (rows.shape[0],), device="cuda")
+        w = torch.rand(rows.shape[0], device="cuda")
+        k = statistics.median(time_cuda(lambda: g.segment_embed_triton(counts, cols, w, E), reps=20, warmup=2)) * 1e3
+        ia = statistics.median(time_cuda(lambda: g.segment_embed_ref(rows, cols, w, E, R, 2979), reps=20, warmup=2)) * 1e3
+        same = torch.equal(g.segment_embed_triton(counts, cols, w, E), g.segment_embed_triton(counts, cols, w, E))
+        print(f"{label}: n={rows.shape[0]} kernels {k:.1f} us, index_add_ {ia:.1f} us, two runs equal: {same}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["timeline", "side", "repeat", "gather"])
+    ap.add_argument("--reps", type=int, default=3, help="side: alternations; repeat: plain runs")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_generate.py needs a CUDA GPU")
+    {"timeline": timeline, "side": lambda: side(a.reps), "repeat": lambda: repeat(a.reps), "gather": gather}[a.what]()
+
+
+if __name__ == "__main__":
+    main()
