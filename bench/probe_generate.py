@@ -9,9 +9,9 @@ All on the full-size architecture with random weights and balanced routing (as b
 records CUDA events around the forward, the row stats, the SC plan, the status read and the SC product (no
 profiler, whose host overhead would stretch every gap) and prints per-seam GPU and host medians. `side` runs
 bench_engine's overhead measure alternately with the second stream on and off. `repeat` runs one seeded
-generate several times on fresh caches, then again after filling the allocator's free memory with NaN (a
-kernel reading memory it did not write would change or poison the result). Numbers: bench/RESULTS.md round 8
-(these bodies ran there as separate scripts).
+generate several times on fresh caches, then again after filling the allocator's free memory with NaN (weak:
+later allocations first reuse the blocks the previous run cached; see RESULTS). Numbers: bench/RESULTS.md
+round 8 (these bodies ran there as separate scripts).
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ def gather():
         cols = torch.randint(0, V, (rows.shape[0],), device="cuda")
         w = torch.rand(rows.shape[0], device="cuda")
         k = statistics.median(time_cuda(lambda: g.segment_embed_triton(counts, cols, w, E), reps=20, warmup=2)) * 1e3
-        ia = statistics.median(time_cuda(lambda: g.segment_embed_ref(rows, cols, w, E, R, 2979), reps=20, warmup=2)) * 1e3
+        ia = statistics.median(time_cuda(lambda: g.segment_embed_ref(rows, cols, w, E, R, 2979), reps=20,
+                                         warmup=2)) * 1e3
         same = torch.equal(g.segment_embed_triton(counts, cols, w, E), g.segment_embed_triton(counts, cols, w, E))
         print(f"{label}: n={rows.shape[0]} kernels {k:.1f} us, index_add_ {ia:.1f} us, two runs equal: {same}")
 

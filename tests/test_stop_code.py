@@ -25,7 +25,8 @@ def test_fused_update_is_the_torch_update_step_by_step():
                   plateau_entropy=random.choice([0.05, 0.5]), entropy_stop=random.choice([0.0, 0.1, 0.4]),
                   entropy_stop_min_steps=random.randint(1, 6), pad_gate=random.random() < 0.5, pad_ids=(0, 9))
         C = random.choice([6, 7, 16])
-        host, torch_rules, fused = StopRules(**kw), DeviceStopRules(fused=False, **kw), DeviceStopRules(fused=True, **kw)
+        host = StopRules(**kw)
+        torch_rules, fused = DeviceStopRules(fused=False, **kw), DeviceStopRules(fused=True, **kw)
         pool = [torch.randint(0, 10, (C,)) for _ in range(2)] + [torch.tensor([0, 9] * (C // 2) + [0] * (C % 2))]
         near = pool[0].clone()
         near[random.randrange(C)] += 1  # one position off: not stable

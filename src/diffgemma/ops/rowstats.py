@@ -302,8 +302,8 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     n_seg, span = _segments(n, block, segment)
     out = torch.empty((rows, n), dtype=dtype, device=logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
-    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out, counts,
-                                                 n, span, float(temp), BLOCK=block, COUNT=count, num_warps=8)
+    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out,
+                                                 counts, n, span, float(temp), BLOCK=block, COUNT=count, num_warps=8)
     if not count:
         return out
     return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)

@@ -73,11 +73,12 @@ class SparsePlan:
     `sparse_soft_embed(stats.processed, ...)` computes (same mask, same order, same index_add_); on the
     fused path the mask comes from the Triton survivor kernel and log Z from the row-stats kernel.
 
-    dense_dtype (fused path only; the embedding's dtype): the caller bets that the count will call for the dense
-    product (flat rows; the loop bets on what the previous step took). Then one pass writes the survivors' probabilities
-    and counts them (no mask), and `start_dense` queues the product behind the status copy, so the GPU
-    computes it while the host waits for the status and turns around. The bet only moves work in time:
-    soft_embed still follows the count, and a lost bet drops the product and builds the mask after the read.
+    dense_dtype (fused path only; the embedding's dtype): the caller bets that the count will call for the
+    dense product (flat rows; the loop bets on what the previous step took). Then one pass writes the
+    survivors' probabilities and counts them (no mask), and `start_dense` queues the product behind the status
+    copy, so the GPU computes it while the host waits for the status and turns around. The bet only moves
+    work in time: soft_embed still follows the count, and a lost bet drops the product and builds the mask
+    after the read. The gather sums with ops/sc_gather.py: index_add_ on the CPU, fixed-order kernels on CUDA.
     """
 
     def __init__(self, stats, log_ratio: float, dense_dtype: torch.dtype | None = None):
