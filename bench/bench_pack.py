@@ -200,8 +200,11 @@ def bench_kernels(res, reps):
                     if label == "prefill":
                         row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
+                # the last three: fewer registers (3 blocks an SM) or fewer instructions an element than the
+                # default, read from Triton 3.6's sm_90 build offline (round 8); not yet timed
                 configs = [mp.CONFIGS["stream"], (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (128, 32, 64, 4, 3),
-                           (128, 32, 64, 8, 4), (128, 16, 64, 4, 4)] if (label == "denoise" and fmt == "q4") else \
+                           (128, 32, 64, 8, 4), (128, 16, 64, 4, 4), (128, 32, 32, 4, 4), (64, 16, 128, 4, 3),
+                           (256, 16, 64, 8, 3)] if (label == "denoise" and fmt == "q4") else \
                     [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
                 for cfg in configs:
                     # kernel_*: the side planes prefetched one K-step ahead (the default); inloop_*: loaded in the
