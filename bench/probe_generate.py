@@ -10,14 +10,17 @@ records CUDA events around the forward, the row stats, the SC plan, the status r
 profiler, whose host overhead would stretch every gap) and prints per-seam GPU and host medians. `side` runs
 bench_engine's overhead measure alternately with the second stream on and off. `repeat` runs one seeded
 generate several times on fresh caches, then again after filling the allocator's free memory with NaN (weak:
-later allocations first reuse the blocks the previous run cached; see RESULTS). Numbers: bench/RESULTS.md
-round 8 (these bodies ran there as separate scripts).
+later allocations first reuse the blocks the previous run cached; see RESULTS); `--fill-uninitialized` turns
+on torch's deterministic mode with every new tensor filled (NaN / max int), the stronger check (not yet run).
+Numbers: bench/RESULTS.md round 8 (these bodies ran there as separate scripts, without the gc.collect()
+between runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import sys
 import time
@@ -108,7 +111,10 @@ def side(reps: int):
         print(f"{name}: median {statistics.median(v):.3f} ms/step over {len(v)} runs")
 
 
-def repeat(runs: int):
+def repeat(runs: int, fill_uninitialized: bool):
+    if fill_uninitialized:  # every torch.empty filled with NaN (floats) / the max (ints): unwritten reads show
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     cfg, eng = full_size_engine()
     prompt = torch.randint(0, cfg.vocab_size, (300,), device="cuda")
 
@@ -125,6 +131,7 @@ def repeat(runs: int):
             cache = eng.new_cache(2048)
             tokens.append((kind, G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache).tokens))
             del cache
+            gc.collect()  # the cache's graphs go with it (a cycle would keep their pool alive into the next run)
     ref = tokens[-2][1]
     for i, (kind, t) in enumerate(tokens):
         print(f"run {i} ({kind}): {'same as' if t == ref else 'DIFFERS from'} the last plain run")
@@ -153,10 +160,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["timeline", "side", "repeat", "gather"])
     ap.add_argument("--reps", type=int, default=3, help="side: alternations; repeat: plain runs")
+    ap.add_argument("--fill-uninitialized", action="store_true",
+                    help="repeat: torch's deterministic mode, new tensors filled (not yet run; round 8's lead)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_generate.py needs a CUDA GPU")
-    {"timeline": timeline, "side": lambda: side(a.reps), "repeat": lambda: repeat(a.reps), "gather": gather}[a.what]()
+    {"timeline": timeline, "side": lambda: side(a.reps), "repeat": lambda: repeat(a.reps, a.fill_uninitialized),
+     "gather": gather}[a.what]()
 
 
 if __name__ == "__main__":
