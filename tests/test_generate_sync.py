@@ -28,6 +28,7 @@ from diffgemma.sampling.self_condition import SparsePlan, sparse_soft_embed
 from diffgemma.sampling.stats import StepStats, entropy, max_prob
 from diffgemma.sampling.stops import REASONS, DeviceStopRules, StopRules
 from diffgemma.settings import GenerationSettings
+from stop_cases import random_rules
 
 
 # ---------------------------------------------------------------------------------- device pieces
@@ -54,10 +55,7 @@ def test_temperature_value_is_the_float32_schedule_bit_for_bit():
 
 def test_device_stop_rules_match_the_host_rules():
     for _ in range(300):
-        kw = dict(max_steps=random.randint(1, 30), stability_threshold=random.randint(0, 3),
-                  confidence_threshold=random.choice([0.005, 0.3, 1.0]), plateau_steps=random.choice([0, 2, 3]),
-                  plateau_entropy=random.choice([0.05, 0.5]), entropy_stop=random.choice([0.0, 0.1, 0.4]),
-                  entropy_stop_min_steps=random.randint(1, 6), pad_gate=random.random() < 0.5, pad_ids=(0, 9))
+        kw = dict(random_rules(), max_steps=random.randint(1, 30))
         host, dev = StopRules(**kw), DeviceStopRules(**kw)
         pool = [torch.randint(0, 10, (6,)) for _ in range(2)] + [torch.tensor([0, 9, 0, 0, 9, 0])]
         masks = [torch.rand(6) > 0.5 for _ in range(2)]

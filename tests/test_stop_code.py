@@ -8,6 +8,7 @@ import torch
 
 from diffgemma.ops import stop_code
 from diffgemma.sampling.stops import REASONS, DeviceStopRules, StopRules
+from stop_cases import mean_entropy, random_rules, step_pools
 
 pytestmark = pytest.mark.skipif(not stop_code.HAVE_TRITON, reason="needs Triton (interpreter)")
 
@@ -20,23 +21,14 @@ def interpret(monkeypatch):
 def test_fused_update_is_the_torch_update_step_by_step():
     stops_seen = set()
     for _ in range(150):
-        kw = dict(max_steps=random.randint(1, 20), stability_threshold=random.randint(0, 3),
-                  confidence_threshold=random.choice([0.005, 0.3, 1.0]), plateau_steps=random.choice([0, 2, 3]),
-                  plateau_entropy=random.choice([0.05, 0.5]), entropy_stop=random.choice([0.0, 0.1, 0.4]),
-                  entropy_stop_min_steps=random.randint(1, 6), pad_gate=random.random() < 0.5, pad_ids=(0, 9))
+        kw = random_rules()
         C = random.choice([6, 7, 16])
         host = StopRules(**kw)
         torch_rules, fused = DeviceStopRules(fused=False, **kw), DeviceStopRules(fused=True, **kw)
-        pool = [torch.randint(0, 10, (C,)) for _ in range(2)] + [torch.tensor([0, 9] * (C // 2) + [0] * (C % 2))]
-        near = pool[0].clone()
-        near[random.randrange(C)] += 1  # one position off: not stable
-        pool.append(near)
-        masks = [torch.rand(C) > 0.5 for _ in range(2)]
-        masks.append(masks[0].clone())
-        masks[2][random.randrange(C)] ^= True  # one position off: breaks the run
+        pool, masks = step_pools(C)
         for step in range(1, kw["max_steps"] + 1):
             argmax, mask = random.choice(pool), random.choice(masks)
-            h = (torch.rand(C) * random.choice([0.001, 0.1, 1.0])).mean().double()
+            h = mean_entropy(C)
             want = torch_rules.update(step, argmax, h, mask)
             got = fused.update(step, argmax, h, mask)
             assert got.shape == () and got.dtype == torch.int64

@@ -11,6 +11,8 @@ does (the thresholds travel in a float64 tensor: a float argument would be float
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._backend import HAVE_TRITON
@@ -64,27 +66,42 @@ if HAVE_TRITON:
         tl.store(code_ptr, code)
 
 
-def stop_code_triton(rules, step: int, argmax, mean_entropy, accepted):
-    """One DeviceStopRules update on the device (its ring, last mask and run counter live on the rules)."""
-    dev, C, N = argmax.device, argmax.shape[0], rules.stability_threshold
-    if rules._ring is None:  # once a block: state and constants by fills (a host->device copy would sync)
-        rules._ring = torch.empty(max(N, 1), C, dtype=torch.int64, device=dev)
-        rules._last8 = torch.empty(C, dtype=torch.int8, device=dev)
-        rules._run_t = torch.empty((), dtype=torch.int64, device=dev)
-        rules._thr = torch.empty(3, dtype=torch.float64, device=dev)
-        for k, v in enumerate((rules.confidence_threshold, rules.plateau_entropy, rules.entropy_stop)):
-            rules._thr[k].fill_(float(v))
-        rules._pads = torch.empty(max(len(rules.pad_ids), 1), dtype=torch.int64, device=dev)
-        for k, v in enumerate(rules.pad_ids):
-            rules._pads[k].fill_(int(v))
-    code = torch.empty((), dtype=torch.int64, device=dev)
-    done = rules._updates
-    _stop_code_kernel[(1,)](argmax, accepted, mean_entropy, rules._thr, rules._pads, rules._ring, rules._last8,
-                            rules._run_t, code, C, done % max(N, 1), len(rules.pad_ids), int(rules.plateau_steps),
-                            4 if step >= rules.max_steps else 0,
-                            N=N, CHECK_STABLE=N > 0 and done >= N, ALWAYS_STABLE=N == 0, HAS_LAST=done > 0,
-                            PAD_GATE=bool(rules.pad_gate),
-                            ENTROPY_RULE=rules.entropy_stop > 0 and step >= rules.entropy_stop_min_steps,
-                            PLATEAU=rules.plateau_steps > 0, BLOCK=triton.next_power_of_2(C), num_warps=4)
-    rules._updates = done + 1
+@dataclass
+class StopState:
+    """The fused update's device state for one block: the ring of the last n_ring argmax canvases, the last
+    accept mask, the run counter, and the constants (float64 thresholds, pad ids). Made by fills: a
+    host->device copy of the constants would sync."""
+
+    n_ring: int  # the stability window N (0: no ring is read)
+    ring: torch.Tensor  # int64 [max(N, 1), C]
+    last: torch.Tensor  # int8 [C]
+    run: torch.Tensor  # int64 0-d
+    thresholds: torch.Tensor  # float64 [3]: confidence, plateau entropy, entropy stop
+    pads: torch.Tensor  # int64 [max(n_pad, 1)]
+    n_pad: int
+
+    @classmethod
+    def allocate(cls, n_ring: int, canvas: int, thresholds, pad_ids, device) -> "StopState":
+        thr = torch.empty(3, dtype=torch.float64, device=device)
+        for k, v in enumerate(thresholds):
+            thr[k].fill_(float(v))
+        pads = torch.empty(max(len(pad_ids), 1), dtype=torch.int64, device=device)
+        for k, v in enumerate(pad_ids):
+            pads[k].fill_(int(v))
+        return cls(n_ring, torch.empty(max(n_ring, 1), canvas, dtype=torch.int64, device=device),
+                   torch.empty(canvas, dtype=torch.int8, device=device),
+                   torch.empty((), dtype=torch.int64, device=device), thr, pads, len(pad_ids))
+
+
+def stop_code_triton(state: StopState, argmax, accepted, mean_entropy, *, updates: int, pad_gate: bool,
+                     entropy_rule: bool, plateau_steps: int, base_code: int) -> torch.Tensor:
+    """One update: the stop code (int64 0-d); `state` moves on in place. updates: how many came before in
+    this block (which ring slot is oldest, whether it is full, whether there is a last mask)."""
+    N, C = state.n_ring, argmax.shape[0]
+    code = torch.empty((), dtype=torch.int64, device=argmax.device)
+    _stop_code_kernel[(1,)](argmax, accepted, mean_entropy, state.thresholds, state.pads, state.ring, state.last,
+                            state.run, code, C, updates % max(N, 1), state.n_pad, int(plateau_steps), base_code,
+                            N=N, CHECK_STABLE=N > 0 and updates >= N, ALWAYS_STABLE=N == 0, HAS_LAST=updates > 0,
+                            PAD_GATE=bool(pad_gate), ENTROPY_RULE=bool(entropy_rule), PLATEAU=plateau_steps > 0,
+                            BLOCK=triton.next_power_of_2(C), num_warps=4)
     return code

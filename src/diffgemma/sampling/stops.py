@@ -21,7 +21,7 @@ from collections import deque
 import torch
 
 from ..ops._backend import use_triton
-from ..ops.stop_code import stop_code_triton
+from ..ops.stop_code import StopState, stop_code_triton
 
 FILLER_ID = 262143  # the reference engine's invalid-logits sentinel: the last id of the real vocabulary
 
@@ -125,12 +125,12 @@ class DeviceStopRules(StopRules):
         super().__init__(**kw)
         self._run_t: torch.Tensor | None = None
         self._fused = fused
-        self._ring = None  # the fused update's state: the last N argmax canvases, the last mask, constants
+        self._state: StopState | None = None  # the fused update's device state (its ring, mask, counter)
         self._updates = 0
 
     def update(self, step: int, argmax: torch.Tensor, mean_entropy: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         if self._fused if self._fused is not None else use_triton(argmax):
-            return stop_code_triton(self, step, argmax, mean_entropy, accepted)
+            return self._update_fused(step, argmax, mean_entropy, accepted)
         dev = argmax.device
         if self.stability_threshold == 0:
             stable = None  # always stable
@@ -165,4 +165,16 @@ class DeviceStopRules(StopRules):
         if stable is not False:
             confident = live & (h < self.confidence_threshold)
             code = torch.where(confident if stable is None else confident & stable, 1, code)
+        return code
+
+    def _update_fused(self, step, argmax, mean_entropy, accepted) -> torch.Tensor:
+        if self._state is None:
+            self._state = StopState.allocate(self.stability_threshold, argmax.shape[0],
+                                             (self.confidence_threshold, self.plateau_entropy, self.entropy_stop),
+                                             self.pad_ids, argmax.device)
+        code = stop_code_triton(self._state, argmax, accepted, mean_entropy, updates=self._updates,
+                                pad_gate=self.pad_gate,
+                                entropy_rule=self.entropy_stop > 0 and step >= self.entropy_stop_min_steps,
+                                plateau_steps=self.plateau_steps, base_code=4 if step >= self.max_steps else 0)
+        self._updates += 1
         return code
