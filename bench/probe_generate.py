@@ -10,10 +10,10 @@ records CUDA events around the forward, the row stats, the SC plan, the status r
 profiler, whose host overhead would stretch every gap) and prints per-seam GPU and host medians. `side` runs
 bench_engine's overhead measure alternately with the second stream on and off. `repeat` runs one seeded
 generate several times on fresh caches, then again after filling the allocator's free memory with NaN (weak:
-later allocations first reuse the blocks the previous run cached; see RESULTS); `--fill-uninitialized` turns
-on torch's deterministic mode with every new tensor filled (NaN / max int), the stronger check (not yet run).
-Numbers: bench/RESULTS.md round 8 (these bodies ran there as separate scripts, without the gc.collect()
-between runs).
+later allocations first reuse the blocks the previous run cached), and prints a hash of every step's draft
+and of the tokens, comparable across processes: run it plain, under CUDA_LAUNCH_BLOCKING=1, with
+`--fill-uninitialized` (torch's deterministic mode, every new tensor filled with NaN / max int), `--no-side`
+or `--plain-generate` (generate() itself, no per-step clone). Numbers: bench/RESULTS.md rounds 8 and 9.
 """
 
 from __future__ import annotations
@@ -111,30 +111,53 @@ def side(reps: int):
         print(f"{name}: median {statistics.median(v):.3f} ms/step over {len(v)} runs")
 
 
-def repeat(runs: int, fill_uninitialized: bool):
+def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: bool = False):
+    """Seeded generates on fresh caches: per run, a hash of every step's draft and the first step that differs
+    from the last plain run. The hashes are comparable across processes (the same seeds build the same model),
+    so runs under CUDA_LAUNCH_BLOCKING=1 (no concurrency: a race cannot show) or --fill-uninitialized (a read
+    of unwritten memory shows) can be set against a plain process's."""
+    import hashlib
+
     if fill_uninitialized:  # every torch.empty filled with NaN (floats) / the max (ints): unwritten reads show
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
+    if no_side:
+        G._SideStream = _NoSide
     cfg, eng = full_size_engine()
-    prompt = torch.randint(0, cfg.vocab_size, (300,), device="cuda")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(11)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), device="cuda", generator=gen)
 
     def poison():
         free, _ = torch.cuda.mem_get_info()
         x = torch.empty(int(free * 0.8) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
         del x
 
-    tokens = []
+    runs_out = []
     with B.routing("balanced"):
         for kind in ["plain"] * runs + ["after NaN fill"]:
             if kind != "plain":
                 poison()
             cache = eng.new_cache(2048)
-            tokens.append((kind, G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache).tokens))
+            drafts = []
+            if plain_generate:  # the loop exactly as a user calls it: no per-step clone, final tokens only
+                toks = G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache).tokens
+            else:
+                for ev in G.generate_stream(eng, prompt, seed=3, max_new_tokens=256, cache=cache):
+                    if isinstance(ev, G.StepEvent):
+                        drafts.append(ev.draft.clone())  # no host read inside the loop: it would change the timing
+                    elif isinstance(ev, G.DoneEvent):
+                        toks = ev.result.tokens
+            drafts = [hashlib.sha1(d.cpu().numpy().tobytes()).hexdigest()[:8] for d in drafts]
+            runs_out.append((kind, drafts, hashlib.sha1(str(toks).encode()).hexdigest()[:12]))
             del cache
             gc.collect()  # the cache's graphs go with it (a cycle would keep their pool alive into the next run)
-    ref = tokens[-2][1]
-    for i, (kind, t) in enumerate(tokens):
-        print(f"run {i} ({kind}): {'same as' if t == ref else 'DIFFERS from'} the last plain run")
+    ref = runs_out[-2][1]
+    for i, (kind, d, h) in enumerate(runs_out):
+        first = next((j + 1 for j, (a, b) in enumerate(zip(d, ref)) if a != b), None)
+        same = "same steps as the last plain run" if d == ref else f"first step differing from the last plain run: {first}"
+        print(f"run {i} ({kind}): tokens {h}, {len(d)} steps, " + same
+              + f"; step hashes {' '.join(d[:6])} ...", flush=True)
 
 
 def gather():
@@ -161,12 +184,14 @@ def main():
     ap.add_argument("what", choices=["timeline", "side", "repeat", "gather"])
     ap.add_argument("--reps", type=int, default=3, help="side: alternations; repeat: plain runs")
     ap.add_argument("--fill-uninitialized", action="store_true",
-                    help="repeat: torch's deterministic mode, new tensors filled (not yet run; round 8's lead)")
+                    help="repeat: torch's deterministic mode, new tensors filled (round 8's lead)")
+    ap.add_argument("--no-side", action="store_true", help="repeat: the bookkeeping on the main stream")
+    ap.add_argument("--plain-generate", action="store_true", help="repeat: generate() itself, final tokens only")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_generate.py needs a CUDA GPU")
-    {"timeline": timeline, "side": lambda: side(a.reps), "repeat": lambda: repeat(a.reps, a.fill_uninitialized),
-     "gather": gather}[a.what]()
+    {"timeline": timeline, "side": lambda: side(a.reps), "gather": gather,
+     "repeat": lambda: repeat(a.reps, a.fill_uninitialized, a.no_side, a.plain_generate)}[a.what]()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Probe: where one graphed denoise step's GPU time goes, kernel by kernel (full size, random weights, one GPU).
+
+    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--json out.json]
+
+Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
+captures the denoise step (SC from logits, as bench_engine.py times it) and profiles a few graph replays with
+the CUDA activity profiler, which records the kernels inside a replay one by one. Prints, per step: each
+kernel family's GPU time and launches, the sum of kernel times against the replay's wall time (the rest is
+the gaps between kernels), and the step's median time from CUDA events outside the profiler.
+Balanced routing, as bench_engine.py (every expert's bytes are read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engine as B  # noqa: E402  (also puts src/ on the path)
+from diffgemma.config import ModelConfig  # noqa: E402
+
+# kernel name -> family; the first pattern that matches wins
+FAMILIES = [
+    ("expert GEMM (Triton)", r"_packed_gmm_kernel|_grouped_gemm|grouped_mm"),
+    ("attention (Triton flash)", r"_flash_kernel"),
+    ("attention merge", r"_combine_kernel"),
+    ("cuBLAS / CUTLASS GEMM", r"gemm|nvjet|cutlass|sm90_xmma|Kernel2|splitK|gemv"),
+    ("qkv norm + rope + cache write", r"qkv|rope"),
+    ("norm / residual chains", r"norm|finish|residual"),
+    ("gelu * up", r"gelu"),
+    ("routing + plan", r"route|plan|sort|scan|cumsum|histogram"),
+    ("row stats / softcap / SC probs", r"rowstats|softcap|tempered|masked_probs"),
+    ("copies / fills", r"copy|fill|Memcpy|Memset|elementwise|vectorized|index"),
+]
+
+
+def family(name: str) -> str:
+    for fam, pat in FAMILIES:
+        if re.search(pat, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def profile_replays(fn, n: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+    wall_ms = a.elapsed_time(b) / n
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        per_name[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        per_name[e.name][1] += 1
+    return wall_ms, {k: (v[0] / n, v[1] / n) for k, v in per_name.items()}
+
+
+def report(label: str, wall_ms: float, events_ms: float, per_name: dict) -> dict:
+    fams = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (us, calls) in per_name.items():
+        f = fams[family(name)]
+        f[0] += us
+        f[1] += calls
+    total_us = sum(us for us, _ in per_name.values())
+    print(f"\n== {label}: step {events_ms:.3f} ms (CUDA events, median), {wall_ms:.3f} ms a replay under the profiler; "
+          f"kernels {total_us / 1e3:.3f} ms, {sum(c for _, c in per_name.values()):.0f} launches; "
+          f"gaps {wall_ms - total_us / 1e3:.3f} ms", flush=True)
+    for fam, (us, calls) in sorted(fams.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {fam:34s} {us / 1e3:8.3f} ms  {calls:6.0f} launches  {us / max(calls, 1):8.1f} us each")
+    print("  top kernels:")
+    for name, (us, calls) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]:
+        print(f"    {us / 1e3:8.3f} ms {calls:5.0f}x  {name[:110]}")
+    return {"step_ms": events_ms, "replay_ms_profiled": wall_ms, "kernel_ms": total_us / 1e3,
+            "families": {k: {"ms": v[0] / 1e3, "launches": v[1]} for k, v in fams.items()},
+            "kernels": {k: {"us": v[0], "launches": v[1]} for k, v in per_name.items()}}
+
+
+def read_bandwidth() -> dict:
+    """What this GPU's memory gives a plain streaming read and a copy (the roofline's B/s, measured here)."""
+    x = torch.empty(2 * 2**30, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
+    y = torch.empty_like(x)
+    sum_ms = statistics.median(B.time_cuda(lambda: x.sum(dtype=torch.float32), reps=10, warmup=2))
+    copy_ms = statistics.median(B.time_cuda(lambda: y.copy_(x), reps=10, warmup=2))
+    out = {"read_GBps": x.numel() * 2 / sum_ms / 1e6, "copy_GBps": 2 * x.numel() * 2 / copy_ms / 1e6}
+    print(f"memory: sum over 4 GiB reads {out['read_GBps']:.0f} GB/s; copy moves {out['copy_GBps']:.0f} GB/s "
+          "(read + write)", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--q4", action="store_true", help="q4 experts and a q8 SC MLP (the pack bench_pack.py builds)")
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_step.py needs a CUDA GPU")
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": B.TEXT, "canvas_length": B.CANVAS})
+    if a.q4:
+        from diffgemma.model.engine_weights import RandomPackSource
+
+        src = RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8")
+    else:
+        src = B.RandomSource(cfg, "cuda", torch.bfloat16, seed=0)
+    eng = B.build_engine(cfg, src, "cuda", torch.bfloat16)
+    V = cfg.vocab_size
+    out = {"gpu": torch.cuda.get_device_name(), "q4": a.q4, "ctx": {}, "memory": read_bandwidth()}
+    with B.routing("balanced"):
+        for T in [int(t) for t in a.contexts.split(",")]:
+            cache = eng.new_cache(T)
+            eng.prefill(cache, torch.randint(0, V, (T,), device="cuda"))
+            ids = torch.randint(0, V, (B.CANVAS,), device="cuda")
+            sc = torch.randn(B.CANVAS, V, device="cuda") * 3
+
+            def step(cache=cache, ids=ids, sc=sc):
+                return eng.denoise(cache, ids, sc_logits=sc)
+
+            step()  # capture
+            ms = statistics.median(B.time_cuda(step, reps=10, warmup=2))
+            wall, per_name = profile_replays(step, a.replays)
+            out["ctx"][T] = report(f"{'q4' if a.q4 else 'bf16'} context {T}", wall, ms, per_name)
+            del cache
+            eng._graphs.clear()
+            torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
