@@ -111,7 +111,8 @@ def side(reps: int):
         print(f"{name}: median {statistics.median(v):.3f} ms/step over {len(v)} runs")
 
 
-def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: bool = False):
+def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: bool = False, prompt_len: int = 300,
+           cache_len: int = 2048):
     """Seeded generates on fresh caches: per run, a hash of every step's draft and the first step that differs
     from the last plain run. The hashes are comparable across processes (the same seeds build the same model),
     so runs under CUDA_LAUNCH_BLOCKING=1 (no concurrency: a race cannot show) or --fill-uninitialized (a read
@@ -126,7 +127,8 @@ def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: b
     cfg, eng = full_size_engine()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(11)
-    prompt = torch.randint(0, cfg.vocab_size, (300,), device="cuda", generator=gen)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), device="cuda", generator=gen)
+    print(f"prompt {hashlib.sha1(prompt.cpu().numpy().tobytes()).hexdigest()[:12]} ({prompt_len} tokens)", flush=True)
 
     def poison():
         free, _ = torch.cuda.mem_get_info()
@@ -138,10 +140,11 @@ def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: b
         for kind in ["plain"] * runs + ["after NaN fill"]:
             if kind != "plain":
                 poison()
-            cache = eng.new_cache(2048)
+            cache = eng.new_cache(cache_len)
             drafts = []
             if plain_generate:  # the loop exactly as a user calls it: no per-step clone, final tokens only
-                toks = G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache).tokens
+                res = G.generate(eng, prompt, seed=3, max_new_tokens=256, cache=cache)
+                toks, drafts = res.tokens, [torch.tensor(res.steps_per_block)]
             else:
                 for ev in G.generate_stream(eng, prompt, seed=3, max_new_tokens=256, cache=cache):
                     if isinstance(ev, G.StepEvent):
@@ -187,11 +190,13 @@ def main():
                     help="repeat: torch's deterministic mode, new tensors filled (round 8's lead)")
     ap.add_argument("--no-side", action="store_true", help="repeat: the bookkeeping on the main stream")
     ap.add_argument("--plain-generate", action="store_true", help="repeat: generate() itself, final tokens only")
+    ap.add_argument("--prompt-len", type=int, default=300, help="repeat: prompt tokens")
+    ap.add_argument("--cache", type=int, default=2048, help="repeat: cache tokens")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_generate.py needs a CUDA GPU")
     {"timeline": timeline, "side": lambda: side(a.reps), "gather": gather,
-     "repeat": lambda: repeat(a.reps, a.fill_uninitialized, a.no_side, a.plain_generate)}[a.what]()
+     "repeat": lambda: repeat(a.reps, a.fill_uninitialized, a.no_side, a.plain_generate, a.prompt_len, a.cache)}[a.what]()
 
 
 if __name__ == "__main__":
