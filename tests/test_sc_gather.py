@@ -21,9 +21,11 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_segment_kernels_are_the_chunked_twin_bit_for_bit(interpret, dtype):
-    """Rows of 0, 1, a few and several chunks of survivors; H not a multiple of the column block."""
+def test_segment_kernels_are_the_chunked_twin_bit_for_bit(interpret, dtype, count_dtype):
+    """Rows of 0, 1, a few and several chunks of survivors; H not a multiple of the column block; the row
+    counts as the plan's kernels give them (int32) or as torch sums them (int64)."""
     R, V, H, chunk = 7, 400, random.choice([40, 70]), 4
     mask = torch.rand(R, V) < random.uniform(0.02, 0.1)
     mask[random.randrange(R)] = False  # a row with no survivor sums to 0
@@ -34,7 +36,7 @@ def test_segment_kernels_are_the_chunked_twin_bit_for_bit(interpret, dtype):
     rows, cols = mask.nonzero(as_tuple=True)
     w = torch.rand(rows.shape[0]) * 0.9 + 0.05
     emb = torch.randn(V, H).to(dtype)
-    counts = mask.sum(-1)
+    counts = mask.sum(-1).to(count_dtype)
     want = sc_gather.segment_embed_chunked_ref(counts, cols, w, emb, chunk)
     got = sc_gather.segment_embed_triton(counts, cols, w, emb, chunk=chunk, block_h=32)
     assert torch.equal(got, want)

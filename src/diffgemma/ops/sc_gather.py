@@ -10,7 +10,10 @@ thousands of tokens, so one program per row would be one long serial loop); one 
 order, and a second kernel adds each row's chunk sums in chunk order. Every add is a separately rounded
 multiply and add (`mul.rn.f32` / `add.rn.f32` in PTX: the compiler would otherwise fuse them into an FMA,
 and libdevice's versions flush denormals), so the result is the same on every run and equal, bit for bit,
-to `segment_embed_chunked_ref`, the same chunked sum written in torch (the tests' twin).
+to `segment_embed_chunked_ref`, the same chunked sum written in torch (the tests' twin). Both kernels derive
+each row's survivor and chunk offsets from the row counts themselves, so a gather is two launches and no small
+torch ops: at 8 survivors a row (a trained model's case) it takes 65-92 µs against index_add_'s 116-120 µs,
+where computing the offsets on the host took 161-200 µs (bench/RESULTS.md, round 9).
 """
 
 from __future__ import annotations
@@ -68,16 +71,27 @@ if HAVE_TRITON:
         return acc + w * e
 
     @triton.jit
-    def _chunk_sum_kernel(starts_ptr, chunk_starts_ptr, cols_ptr, w_ptr, emb_ptr, part_ptr, R, H,
+    def _row_chunks(counts_ptr, R, CHUNK: tl.constexpr, RP: tl.constexpr):
+        """Every row's survivor count and chunk count, and the chunks through each row (inclusive), computed in
+        the kernel from the counts alone: no offset arithmetic on the host (its small torch ops and their
+        launches were most of a small gather's time)."""
+        i = tl.arange(0, RP)
+        cnt = tl.load(counts_ptr + i, mask=i < R, other=0).to(tl.int64)
+        nch = (cnt + CHUNK - 1) // CHUNK
+        return i, cnt, nch, tl.cumsum(nch, 0)
+
+    @triton.jit
+    def _chunk_sum_kernel(counts_ptr, cols_ptr, w_ptr, emb_ptr, part_ptr, R, H,
                           CHUNK: tl.constexpr, RP: tl.constexpr, BLOCK_H: tl.constexpr, PTX: tl.constexpr):
         """Program p: chunk p of all rows' chunks (the grid is an upper bound; programs past the last exit)."""
         p = tl.program_id(0)
-        i = tl.arange(0, RP)
-        ends = tl.load(chunk_starts_ptr + 1 + i, mask=i < R, other=2**30)  # chunks through row i
-        if p < tl.load(chunk_starts_ptr + R):
+        i, cnt, nch, ends = _row_chunks(counts_ptr, R, CHUNK, RP)
+        if p < tl.sum(nch, axis=0):
             row = tl.sum((ends <= p).to(tl.int32), axis=0)  # rows whose chunks all come before p
-            lo = tl.load(starts_ptr + row) + (p - tl.load(chunk_starts_ptr + row)) * CHUNK
-            hi = tl.minimum(lo + CHUNK, tl.load(starts_ptr + row + 1))
+            before = i < row
+            start = tl.sum(tl.where(before, cnt, 0), axis=0)  # the row's first survivor
+            lo = start + (p - tl.sum(tl.where(before, nch, 0), axis=0)) * CHUNK
+            hi = tl.minimum(lo + CHUNK, start + tl.sum(tl.where(i == row, cnt, 0), axis=0))
             h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
             ok = h < H
             acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -89,35 +103,35 @@ if HAVE_TRITON:
             tl.store(part_ptr + p.to(tl.int64) * H + h, acc, mask=ok)
 
     @triton.jit
-    def _row_sum_kernel(chunk_starts_ptr, part_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
+    def _row_sum_kernel(counts_ptr, part_ptr, out_ptr, R, H, CHUNK: tl.constexpr, RP: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
         r = tl.program_id(0)
+        i, cnt, nch, ends = _row_chunks(counts_ptr, R, CHUNK, RP)
+        first = tl.sum(tl.where(i < r, nch, 0), axis=0)
+        last = first + tl.sum(tl.where(i == r, nch, 0), axis=0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = h < H
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for p in range(tl.load(chunk_starts_ptr + r), tl.load(chunk_starts_ptr + r + 1)):
-            acc = acc + tl.load(part_ptr + p * H + h, mask=ok, other=0.0)  # p: int64 (chunk_starts)
+        for p in range(first, last):
+            acc = acc + tl.load(part_ptr + p * H + h, mask=ok, other=0.0)  # p: int64 (from the counts)
         tl.store(out_ptr + r.to(tl.int64) * H + h, acc, mask=ok)
 
 
 def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUNK, block_h: int = 512) -> torch.Tensor:
     """row_counts int [R] (survivors per row, rows in order), cols / weights [n] in row order -> f32 [R, H].
-    No host read: the grid is sized by n (the host knows it) and R, an upper bound on the chunks."""
+    No host read and no offset arithmetic outside the kernels: the grid is sized by n (the host knows it) and R,
+    an upper bound on the chunks."""
     R, n, H = row_counts.shape[0], cols.shape[0], embedding.shape[1]
     dev = embedding.device
-    counts = row_counts.to(torch.int64)
-    starts = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(counts, 0, out=starts[1:])
-    chunk_starts = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-    torch.cumsum((counts + chunk - 1) // chunk, 0, out=chunk_starts[1:])
     max_chunks = n // chunk + R  # Σ ceil(c_r / chunk) <= Σ (floor(c_r / chunk) + 1)
     part = torch.empty(max_chunks, H, dtype=torch.float32, device=dev)
     out = torch.empty(R, H, dtype=torch.float32, device=dev)
     hb = triton.cdiv(H, block_h)
     ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"
-    _chunk_sum_kernel[(max_chunks, hb)](starts, chunk_starts, cols.contiguous(), weights.float().contiguous(),
-                                        embedding.contiguous(), part, R, H, CHUNK=chunk,
-                                        RP=triton.next_power_of_2(R), BLOCK_H=block_h, PTX=ptx, num_warps=4)
-    _row_sum_kernel[(R, hb)](chunk_starts, part, out, H, BLOCK_H=block_h, num_warps=4)
+    counts, rp = row_counts.contiguous(), triton.next_power_of_2(R)
+    _chunk_sum_kernel[(max_chunks, hb)](counts, cols.contiguous(), weights.float().contiguous(), embedding.contiguous(),
+                                        part, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, PTX=ptx, num_warps=4)
+    _row_sum_kernel[(R, hb)](counts, part, out, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, num_warps=4)
     return out
 
 
