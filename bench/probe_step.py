@@ -5,7 +5,7 @@
 Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
 captures the denoise step (SC from logits, as bench_engine.py times it) and profiles a few graph replays with
 the CUDA activity profiler, which records the kernels inside a replay one by one. Prints, per step: each
-kernel family's GPU time and launches, the sum of kernel times against the replay's wall time (the rest is
+kernel family's GPU time and launches, the sum of kernel times against the step's wall time (the rest is
 the gaps between kernels), and the step's median time from CUDA events outside the profiler.
 Balanced routing, as bench_engine.py (every expert's bytes are read).
 """
@@ -76,7 +76,7 @@ def report(label: str, wall_ms: float, events_ms: float, per_name: dict) -> dict
         f[0] += us
         f[1] += calls
     total_us = sum(us for us, _ in per_name.values())
-    print(f"\n== {label}: step {events_ms:.3f} ms (CUDA events, median), {wall_ms:.3f} ms a replay under the profiler; "
+    print(f"\n== {label}: step {events_ms:.3f} ms (CUDA events, median), {wall_ms:.3f} ms a step under the profiler; "
           f"kernels {total_us / 1e3:.3f} ms, {sum(c for _, c in per_name.values()):.0f} launches; "
           f"gaps {wall_ms - total_us / 1e3:.3f} ms", flush=True)
     for fam, (us, calls) in sorted(fams.items(), key=lambda kv: -kv[1][0]):
