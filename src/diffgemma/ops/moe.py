@@ -62,12 +62,9 @@ def expert_ffn(x, gate_up, down, offs, src=None):
     -> [M, H] in x.dtype. gate_up / down are bf16 stacks or packed ones
     (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM)."""
     from .gelu_mul import gelu_mul
-    from .moe_packed import PackedWeight, expert_ffn_packed
-    from .moe_stream import grouped_mm  # the streaming kernel at denoise, torch._grouped_mm otherwise
+    from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
 
-    if isinstance(gate_up, PackedWeight) or isinstance(down, PackedWeight):
-        return expert_ffn_packed(x, gate_up, down, offs, src=src)
-    return grouped_mm(gelu_mul(grouped_mm(x, gate_up, offs, src=src)), down, offs)
+    return gmm(gelu_mul(gmm(x, gate_up, offs, src=src)), down, offs)
 
 
 def experts_grouped(x, weights, experts, gate_up, down):

@@ -31,7 +31,6 @@ import torch
 from ..errors import TensorError
 from ..quant import codecs
 from ._backend import HAVE_TRITON, use_triton
-from .gelu_mul import gelu_mul
 from .moe import _grouped_mm
 
 if HAVE_TRITON:
@@ -296,6 +295,10 @@ def _plane_args(w: PackedWeight):
     raise TensorError(f"no packed GEMM kernel for format {w.fmt!r} (expert formats: {', '.join(EXPERT_FORMATS)})")
 
 
+# Up to this many rows per expert a grouped GEMM streams its weights (denoise: 2048 routes / 128 experts = 16);
+# above it (prefill: 8192 x 8 / 128 = 512) it is compute bound. The bf16 stream kernel (ops/moe_stream.py) hands
+# those shapes to CUTLASS; the packed kernel switches to its "compute" tiles.
+STREAM_MAX_ROWS = 48
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
 # stream: with the side planes prefetched (round 7), BN 128 / BK 64 / 4 warps on the H200, two runs: q4 gate_up
 # 0.320 / 0.304 ms against 0.376 / 0.350 for round 6's (64, 32, 64, 4, 4); down 0.206 / 0.226 against 0.219 / 0.236
@@ -304,7 +307,7 @@ CONFIGS = {"stream": (128, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 
 def pick_config(m: int, experts: int) -> tuple:
-    return CONFIGS["stream" if m <= 48 * experts else "compute"]
+    return CONFIGS["stream" if m <= STREAM_MAX_ROWS * experts else "compute"]
 
 
 def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
@@ -354,7 +357,8 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
 
 
 def grouped_mm_packed(x, w, offs, src=None):
-    """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton)."""
+    """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
+    W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn)."""
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_mm
 
@@ -364,8 +368,3 @@ def grouped_mm_packed(x, w, offs, src=None):
     if dequantizes_for(route_count(x, src) / w.shape[0]):
         return _grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs)
     return grouped_mm_packed_triton(x, w, offs, src=src)
-
-
-def expert_ffn_packed(x, gate_up: PackedWeight, down: PackedWeight, offs, src=None):
-    """The expert FFN (gate‖up, gelu·up, down) over routes grouped by expert, on packed stacks."""
-    return grouped_mm_packed(gelu_mul(grouped_mm_packed(x, gate_up, offs, src=src)), down, offs)

@@ -33,9 +33,8 @@ from .moe import _grouped_mm
 if HAVE_TRITON:
     import triton
 
-# Above this many rows per expert (prefill: 8192 x 8 / 128 = 512) the GEMM is compute bound and CUTLASS's
-# tiles win; the streaming kernel is for the denoise shape (~16).
-STREAM_MAX_ROWS = 48
+# Above this many rows per expert the GEMM is compute bound and CUTLASS's tiles win (moe_packed's threshold).
+STREAM_MAX_ROWS = mp.STREAM_MAX_ROWS
 # (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
 # projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
 CONFIG = (64, 32, 128, 4, 4)

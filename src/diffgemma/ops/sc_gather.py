@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON, use_triton
+from ._backend import HAVE_TRITON, next_pow2, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -128,7 +128,7 @@ def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUN
     out = torch.empty(R, H, dtype=torch.float32, device=dev)
     hb = triton.cdiv(H, block_h)
     ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"
-    counts, rp = row_counts.contiguous(), triton.next_power_of_2(R)
+    counts, rp = row_counts.contiguous(), next_pow2(R)
     _chunk_sum_kernel[(max_chunks, hb)](counts, cols.contiguous(), weights.float().contiguous(), embedding.contiguous(),
                                         part, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, PTX=ptx, num_warps=4)
     _row_sum_kernel[(R, hb)](counts, part, out, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, num_warps=4)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import HAVE_TRITON
+from ._backend import HAVE_TRITON, next_pow2
 
 if HAVE_TRITON:
     import triton
@@ -103,5 +103,5 @@ def stop_code_triton(state: StopState, argmax, accepted, mean_entropy, *, update
                             state.run, code, C, updates % max(N, 1), state.n_pad, int(plateau_steps), base_code,
                             N=N, CHECK_STABLE=N > 0 and updates >= N, ALWAYS_STABLE=N == 0, HAS_LAST=updates > 0,
                             PAD_GATE=bool(pad_gate), ENTROPY_RULE=bool(entropy_rule), PLATEAU=plateau_steps > 0,
-                            BLOCK=triton.next_power_of_2(C), num_warps=4)
+                            BLOCK=next_pow2(C), num_warps=4)
     return code
