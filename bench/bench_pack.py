@@ -9,10 +9,11 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
           the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then);
           denoise ms/step at 1k context
-          (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
+          (CUDA-graph replays, median, CUDA events; SC from logits), and again with the expert stacks in the
+          pack's own order against ops/moe_q4.py's tile layout (alternating, same weights); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
-          prefill shape (8192 x 8): q4 kernel configs vs torch._grouped_mm on bf16 weights, and at the
+          prefill shape (8192 x 8): q4 kernel configs (and the q4-tiles kernel at denoise) vs torch._grouped_mm on bf16 weights, and at the
           denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
   gather  the engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 and q4: the routes' rows
           gathered by index_select first, or by the kernel's own loads through the routes' token ids.
@@ -45,6 +46,7 @@ from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
 from diffgemma.ops import moe_packed as mp  # noqa: E402
+from diffgemma.ops import moe_q4  # noqa: E402
 from diffgemma.ops import moe_stream  # noqa: E402
 from diffgemma.ops.moe import _grouped_mm  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
@@ -81,6 +83,15 @@ def bench_engine_q4(res, eng, cfg, reps):
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     r["graph_error"] = eng.graph_error
     log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
+    if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # A/B: the same weights in the pack's own order
+        by = {}
+        for _ in range(2):
+            for layout in ("natural", moe_q4.LAYOUT):
+                set_expert_layout(eng, layout)
+                eng.denoise(cache, ids, sc_logits=sc)  # capture with these weights
+                by.setdefault(layout, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
+        r["denoise_1k_ms_by_layout"] = by
+        log(f"[q4] denoise 1k by expert layout (alternating, ms): {by}")
     # the bf16 section compares its logits with these on the same prompt (each model prefills its own cache)
     res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc).cpu()
     res["_q4_case"] = (prompt_1k.cpu(), ids.cpu(), sc.cpu())  # kept off the GPU: the memory measures below
@@ -136,6 +147,18 @@ def bench_engine_q4(res, eng, cfg, reps):
     bench_session_8k(r, eng, V)
 
 
+def set_expert_layout(eng, layout):
+    """Every q4 expert stack of `eng` re-laid to `layout` (ops/moe_q4.py), one tensor at a time; graphs dropped."""
+    for lw in eng.w.layers:
+        for name in ("experts_gu", "experts_down"):
+            w = getattr(lw, name)
+            if w.layout != layout:
+                setattr(lw, name, moe_q4.to_tile_layout(w) if layout == moe_q4.LAYOUT else moe_q4.to_natural_layout(w))
+    eng._graphs.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def bench_session_8k(r, eng, V):
     """GPU memory of a real session at 8k context: a 7936-token prompt prefilled, then `generate` with the default
     settings (sparse SC) commits 256 tokens, so the cache ends at 8192. Peaks are taken over the generate only:
@@ -187,6 +210,11 @@ def bench_kernels(res, reps):
                 flops = 2 * M * shape[1] * K
                 row = {"packed_bytes": pw.nbytes}
                 if fmt == "q4":
+                    if label == "denoise":  # the q4-tiles kernel (ops/moe_q4.py) on the same weights
+                        tw = moe_q4.to_tile_layout(pw)
+                        row["q4_tiles_ms"] = med(lambda: moe_q4.grouped_mm_q4_tiles(xs, tw, offs), reps=reps)
+                        row["q4_tiles_GBps"] = pw.nbytes / row["q4_tiles_ms"] / 1e6
+                        del tw
                     wb = mp.dequantize_triton(pw, torch.bfloat16)
                     row["bf16_grouped_mm_ms"] = med(lambda: _grouped_mm(xs, wb, offs), reps=reps)
                     if label == "denoise":  # the bf16 streaming kernel (ops/moe_stream.py) on the same weights

@@ -16,7 +16,7 @@ from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource, random_record  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
-from diffgemma.ops import moe, moe_packed as mp  # noqa: E402
+from diffgemma.ops import moe, moe_packed as mp, moe_q4  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
 
 DEV = "cuda"
@@ -88,6 +88,48 @@ def test_packed_gemm_prefill_shape_both_paths(monkeypatch):
     assert torch.equal(mp.grouped_mm_packed(xs, gu, offs), moe._grouped_mm(xs, dq, offs))
 
 
+def exact_product(xs, w: mp.PackedWeight, offs):
+    """The grouped product in f32 from the exact decoded weights (no bf16 rounding of them)."""
+    wf = mp.dequantize(w, torch.float32)
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(xs[start:end].float() @ wf[g].T)
+        start = end
+    return torch.cat(out)
+
+
+def test_q4_tiles_kernel_denoise_shape():
+    """The q4-tiles GEMM (PTX decode) at the real shapes: closer to the exact product than the bf16-weight twin,
+    bit-equal to its plain-op decode, the same through src as on gathered rows, and with 64-row tiles."""
+    experts = torch.stack([torch.randperm(E, device=DEV)[:K_TOP] for _ in range(256)])
+    src, _, offs = moe_plan(experts, E)
+    x = torch.randn(256, H, device=DEV, dtype=torch.bfloat16)
+    xs = x.index_select(0, src.long())
+    h = torch.randn(xs.shape[0], Fe, device=DEV, dtype=torch.bfloat16)
+    for w, a, s in ((packed("q4", (E, 2 * Fe, H)), x, src), (packed("q4", (E, H, Fe)), h, None)):
+        t = moe_q4.to_tile_layout(w)
+        rows = a if s is None else xs
+        got = moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s)
+        exact = exact_product(rows, w, offs)
+        r_kernel, r_twin = rel(got, exact), rel(mp.grouped_mm_packed_ref(rows, w, offs), exact)
+        print(f"\n[q4-tiles {list(w.shape)}] rel to exact {r_kernel:.2e}, the twin's {r_twin:.2e}")
+        assert torch.isfinite(got).all() and r_kernel < 3e-3 and r_kernel <= r_twin
+        assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, asm=False))
+        assert torch.equal(got, mp.grouped_mm_packed(a, t, offs, src=s))  # the dispatcher picks it
+        if s is not None:
+            assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(xs, t, offs))
+        assert rel(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, BM=64), exact) < 3e-3
+
+
+def test_q4_tiles_dequantize_kernel_is_bit_equal_to_the_twin():
+    w = packed("q4", (E, 2 * Fe, H))
+    t = moe_q4.to_tile_layout(w)
+    want = mp.dequantize(w, torch.bfloat16)
+    assert torch.equal(moe_q4.dequantize_q4_tiles(t), want)
+    assert torch.equal(moe_q4.dequantize_q4_tiles(t, asm=False), want)
+    assert torch.equal(mp.dequantize(t, torch.bfloat16), want)
+
+
 def test_linear_q8_sc_shape():
     w = packed("q8", (2 * 2112, H))
     x = torch.randn(256, H, device=DEV, dtype=torch.bfloat16)
@@ -110,6 +152,7 @@ def test_engine_on_packed_weights_matches_reference(experts):
                            experts=experts, cache=True)
     eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
     assert isinstance(eng.w.layers[0].experts_gu, mp.PackedWeight)
+    assert eng.w.layers[0].experts_gu.layout == (moe_q4.LAYOUT if experts == "q4" else "natural")
     ref = ReferenceModel(cfg, {n: src.get(n, torch.float32) for n in expected_tensors(cfg)}, device=DEV,
                          dtype=torch.float32)
     V = cfg.vocab_size

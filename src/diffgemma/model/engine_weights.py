@@ -30,6 +30,7 @@ import torch
 
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
+from ..ops import moe_q4
 from ..ops.moe_packed import EXPERT_FORMATS, PackedWeight
 
 _NORMS = {
@@ -111,7 +112,11 @@ def upload_record(source, name, device) -> torch.Tensor:
 
 
 def _packed(source, name, device) -> PackedWeight:
-    return PackedWeight.from_record(tensor_kind(source, name), source.shape(name), upload_record(source, name, device))
+    fmt, shape = tensor_kind(source, name), source.shape(name)
+    pw = PackedWeight.from_record(fmt, shape, upload_record(source, name, device))
+    if moe_q4.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/moe_q4.py)
+        pw = moe_q4.to_tile_layout(pw)
+    return pw
 
 
 def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:

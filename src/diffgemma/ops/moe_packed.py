@@ -30,6 +30,7 @@ import torch
 
 from ..errors import TensorError
 from ..quant import codecs
+from . import moe_q4
 from ._backend import HAVE_TRITON, use_triton
 from .moe import _grouped_mm
 
@@ -62,6 +63,7 @@ class PackedWeight:
     record: torch.Tensor  # uint8 [record_nbytes]
     planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
     tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
+    layout: str = "natural"  # the pack's byte order, or ops/moe_q4.py's "q4-tiles" (made on the device at load)
 
     @classmethod
     def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
@@ -110,7 +112,7 @@ def _bits(b: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     """The whole tensor, decoded in f32 on its own device, returned as `dtype` in its logical shape."""
     r, k = codecs.rows_k(pw.shape)
-    p = pw.planes
+    p = pw.planes if pw.layout == "natural" else moe_q4.natural_planes(pw)
     if pw.fmt in ("q4", "q5", "q6"):
         q = _nibbles(p["codes" if pw.fmt == "q4" else "lo"])
         if pw.fmt in _AFFINE_HI_BITS:
@@ -329,9 +331,13 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
-    loads the scales in the K-step that uses them (the old loop: for tests and A/B)."""
+    loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
+    to ops/moe_q4.py's kernel."""
     E, N, K = w.shape
     M = route_count(x, src)
+    if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
+        BM = config[1] if config else (16 if M <= STREAM_MAX_ROWS * E else 64)
+        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM)
     x = x.contiguous()
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
@@ -349,6 +355,8 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
 
 def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor | None = None, BR: int = 32, BK: int = 256):
     """The packed tensor decoded by a kernel into `out` (or a new tensor) of its logical shape."""
+    if w.layout == moe_q4.LAYOUT:
+        return moe_q4.dequantize_q4_tiles(w, dtype, out)
     R, K = codecs.rows_k(w.shape)
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
     _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](out, *_plane_args(w), float(w.tscale), R, K,

@@ -1,0 +1,131 @@
+"""The q4-tiles layout and its kernels (ops/moe_q4.py): the re-layout against the pack's own order, the grouped
+GEMM and the dequantize kernel in the Triton interpreter against the torch twins.
+
+Random weights and inputs are fresh each run. Shapes: N a multiple of the layout's 64-row tile; K with an even
+and an odd number of 32-code groups (the GEMM takes two groups a step when it can); ragged expert groups with
+empty experts and experts longer than a row tile.
+"""
+
+import os
+
+import pytest
+import torch
+
+from diffgemma.errors import TensorError
+from diffgemma.ops import moe_packed as mp, moe_q4
+from diffgemma.quant import codecs
+from test_moe_packed import packed, ragged_offs, rel
+
+interpreted = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs CUDA or the Triton interpreter")
+
+
+def f32_product(xs, w, offs):
+    """The grouped product in float64 from the exact decoded weights (no bf16 rounding anywhere)."""
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(xs[start:end].double() @ w[g].double().T)
+        start = end
+    return torch.cat(out).float()
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 128, 64), (1, 192, 160)])
+def test_tile_layout_round_trips_to_the_pack_order(shape):
+    pw, want = packed("q4", shape)
+    tiled = moe_q4.to_tile_layout(pw, experts_per_chunk=2)
+    assert tiled.layout == moe_q4.LAYOUT and pw.layout == "natural"
+    assert tiled.record.data_ptr() != pw.record.data_ptr() and tiled.nbytes == pw.nbytes
+    back = moe_q4.natural_planes(tiled)
+    assert torch.equal(back["codes"], pw.planes["codes"])
+    for name in ("scale", "min"):
+        assert torch.equal(back[name], pw.planes[name].view(torch.float16))
+    assert not torch.equal(tiled.record, pw.record)  # the bytes did move
+    assert torch.equal(moe_q4.to_natural_layout(tiled).record, pw.record)
+    assert torch.equal(mp.dequantize(tiled), want) and torch.equal(mp.dequantize(tiled, torch.bfloat16), want.bfloat16())
+
+
+def test_word_order_puts_a_quads_codes_in_one_word():
+    """Slot 8t + p of a group holds k = 16(r//2) + 8(r%2) + 2t + h (r = p % 4, h = p // 4): lane t's registers."""
+    src = moe_q4._nibble_source("cpu").tolist()
+    assert sorted(src) == list(range(32))
+    for t in range(4):
+        ks = src[8 * t: 8 * t + 8]
+        assert sorted(ks) == sorted([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9, 2 * t + 16, 2 * t + 17, 2 * t + 24, 2 * t + 25])
+        assert ks[0] + 1 == ks[4]  # nibbles r and r + 4 make one bf16 pair: k and k + 1
+
+
+def test_tile_layout_refuses_what_it_cannot_hold():
+    with pytest.raises(TensorError, match="multiple of 64"):
+        moe_q4.to_tile_layout(packed("q4", (2, 40, 64))[0])
+    with pytest.raises(TensorError, match="q4"):
+        moe_q4.to_tile_layout(packed("q5", (2, 64, 64))[0])
+    tiled = moe_q4.to_tile_layout(packed("q4", (2, 64, 64))[0])
+    with pytest.raises(TensorError, match="q4-tiles"):
+        moe_q4.to_tile_layout(tiled)
+    with pytest.raises(TensorError, match="to_tile_layout"):
+        moe_q4.grouped_mm_q4_tiles(torch.randn(4, 64), packed("q4", (2, 64, 64))[0], torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(TensorError, match="x must be"):
+        moe_q4.grouped_mm_q4_tiles(torch.randn(4, 32), tiled, torch.tensor([2, 4], dtype=torch.int32))
+
+
+def test_layout_wanted_only_for_cuda_q4_stacks(monkeypatch):
+    assert not moe_q4.wanted("q4", (4, 128, 64), "cpu")
+    assert not moe_q4.wanted("q4", (4, 100, 64), "cuda") and not moe_q4.wanted("q5", (4, 128, 64), "cuda")
+    assert moe_q4.wanted("q4", (4, 128, 64), "cuda") == moe_q4.HAVE_TRITON
+    monkeypatch.setenv("DIFFGEMMA_Q4_LAYOUT", "natural")
+    assert not moe_q4.wanted("q4", (4, 128, 64), "cuda")
+    monkeypatch.setenv("DIFFGEMMA_Q4_LAYOUT", "tiles")
+    with pytest.raises(ValueError, match="DIFFGEMMA_Q4_LAYOUT='tiles': expected 'q4-tiles' or 'natural'"):
+        moe_q4.wanted("q4", (4, 128, 64), "cuda")
+
+
+@interpreted
+@pytest.mark.parametrize("K", [64, 96])  # 2 groups (two a step) and 3 groups (one a step)
+@pytest.mark.parametrize("BM", [16, 64])
+def test_tiles_kernel_matches_the_exact_product(K, BM):
+    E, N, M = 6, 128, 150  # some experts hold more than one row tile of 16
+    pw, w = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, BM=BM, asm=False)
+    want = f32_product(xs, w, offs)
+    assert got.shape == (M, N) and rel(got, want) < 1e-5
+    assert rel(mp.grouped_mm_packed_ref(xs, pw, offs), want) < 1e-5  # the twin: same product, other order
+    assert torch.equal(mp.grouped_mm_packed_triton(xs, tiled, offs, config=(64, BM, 32, 4, 1)), got)  # the dispatch
+
+
+@interpreted
+def test_tiles_kernel_gathers_rows_through_src():
+    from test_moe_stream import routes_of
+
+    T, k, E, N, K = 11, 4, 6, 64, 96
+    pw, w = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    x = torch.randn(T, K)
+    src, offs = routes_of(T, k, E)
+    got = moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False)
+    assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(x.index_select(0, src), tiled, offs, asm=False))
+    assert rel(got, f32_product(x.index_select(0, src), w, offs)) < 1e-5
+    assert moe_q4.grouped_mm_q4_tiles(x[:0], tiled, torch.zeros(E, dtype=torch.int32), src=src[:0]).shape == (0, N)
+
+
+@interpreted
+@pytest.mark.parametrize("K", [64, 96, 256])
+def test_tiles_dequantize_kernel_equals_the_twin(K):
+    """f32 here: the interpreter's cast to bf16 truncates (the GPU test checks bf16 bit for bit)."""
+    pw, want = packed("q4", (3, 128, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    assert torch.equal(moe_q4.dequantize_q4_tiles(tiled, torch.float32, asm=False), want)
+    assert torch.equal(mp.dequantize_triton(tiled, torch.float32), want)
+
+
+def test_packed_dispatch_on_cpu_reads_the_tile_layout():
+    """Off CUDA a q4-tiles weight (made by hand here: the engine makes them only on CUDA) runs the twin."""
+    E, N, K, M = 6, 64, 64, 30
+    pw, w = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    assert torch.equal(mp.grouped_mm_packed(xs, tiled, offs), mp.grouped_mm_packed(xs, pw, offs))
+    assert codecs.record_nbytes("q4", (E, N, K)) == tiled.nbytes
