@@ -9,9 +9,10 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
           the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then);
           denoise ms/step at 1k context
-          (CUDA-graph replays, median, CUDA events; SC from logits), and again with the expert stacks in the
-          pack's own order against ops/moe_q4.py's tile layout (alternating, same weights); prefill tok/s at 8k (one 8192-token
-          chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel).
+          (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
+          chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel);
+          last, denoise at 1k with the expert stacks in the pack's own order against ops/moe_q4.py's tile
+          layout (alternating, same weights).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
           prefill shape (8192 x 8): q4 kernel configs (and the q4-tiles kernel at denoise) vs torch._grouped_mm on bf16 weights, and at the
           denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
@@ -83,15 +84,6 @@ def bench_engine_q4(res, eng, cfg, reps):
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     r["graph_error"] = eng.graph_error
     log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
-    if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # A/B: the same weights in the pack's own order
-        by = {}
-        for _ in range(2):
-            for layout in ("natural", moe_q4.LAYOUT):
-                set_expert_layout(eng, layout)
-                eng.denoise(cache, ids, sc_logits=sc)  # capture with these weights
-                by.setdefault(layout, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
-        r["denoise_1k_ms_by_layout"] = by
-        log(f"[q4] denoise 1k by expert layout (alternating, ms): {by}")
     # the bf16 section compares its logits with these on the same prompt (each model prefills its own cache)
     res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc).cpu()
     res["_q4_case"] = (prompt_1k.cpu(), ids.cpu(), sc.cpu())  # kept off the GPU: the memory measures below
@@ -145,6 +137,27 @@ def bench_engine_q4(res, eng, cfg, reps):
     gc.collect()
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
+    if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last: re-laying the weights must not touch the memory measures
+        bench_layouts(r, eng, V, reps)
+
+
+def bench_layouts(r, eng, V, reps):
+    """Denoise at 1k with the q4 stacks in the pack's own order and in ops/moe_q4.py's tile layout, alternating,
+    on the same weights and the same inputs."""
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
+    ids = torch.randint(0, V, (CANVAS,), device="cuda")
+    sc = torch.randn(CANVAS, V, device="cuda") * 3
+    by = {}
+    for _ in range(2):
+        for layout in ("natural", moe_q4.LAYOUT):
+            set_expert_layout(eng, layout)
+            eng.denoise(cache, ids, sc_logits=sc)  # capture with these weights
+            by.setdefault(layout, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
+    r["denoise_1k_ms_by_layout"] = by
+    log(f"[q4] denoise 1k by expert layout (alternating, ms): {by}")
+    del cache
+    eng._graphs.clear()
 
 
 def set_expert_layout(eng, layout):

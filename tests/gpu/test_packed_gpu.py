@@ -99,8 +99,9 @@ def exact_product(xs, w: mp.PackedWeight, offs):
 
 
 def test_q4_tiles_kernel_denoise_shape():
-    """The q4-tiles GEMM (PTX decode) at the real shapes: closer to the exact product than the bf16-weight twin,
-    bit-equal to its plain-op decode, the same through src as on gathered rows, and with 64-row tiles."""
+    """The q4-tiles GEMM (PTX decode) at the real shapes, random (ragged) routing: closer to the exact product than
+    the bf16-weight twin, bit-equal to its plain-op decode, the same through src as on gathered rows, and in
+    every row-tile width."""
     experts = torch.stack([torch.randperm(E, device=DEV)[:K_TOP] for _ in range(256)])
     src, _, offs = moe_plan(experts, E)
     x = torch.randn(256, H, device=DEV, dtype=torch.bfloat16)
@@ -118,7 +119,8 @@ def test_q4_tiles_kernel_denoise_shape():
         assert torch.equal(got, mp.grouped_mm_packed(a, t, offs, src=s))  # the dispatcher picks it
         if s is not None:
             assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(xs, t, offs))
-        assert rel(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, BM=64), exact) < 3e-3
+        for bm, few in ((16, 0), (64, 16), (32, 0)):  # one width, two widths, and the default's wide one alone
+            assert rel(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, BM=bm, BM_FEW=few), exact) < 3e-3
 
 
 def test_q4_tiles_dequantize_kernel_is_bit_equal_to_the_twin():

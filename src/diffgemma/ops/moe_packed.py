@@ -336,7 +336,7 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     E, N, K = w.shape
     M = route_count(x, src)
     if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
-        BM = config[1] if config else (16 if M <= STREAM_MAX_ROWS * E else 64)
+        BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
         return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM)
     x = x.contiguous()
     if x.shape[1] != K:

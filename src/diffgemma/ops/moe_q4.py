@@ -186,19 +186,11 @@ if HAVE_TRITON:
         return tl.load(base + (gc + tl.arange(0, GC))[None, :] * BN + nl[:, None])
 
     @triton.jit
-    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, codes, scale, mins, N, K, stride_x, stride_o,
-                             BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
-                             ASM: tl.constexpr, PREC: tl.constexpr):
-        e = tl.program_id(1)
-        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
-        end = tl.load(offs_ptr + e)
-        nl = tl.arange(0, BN)
-        n = tl.program_id(0) * BN + nl
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
+                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
+                   PREC: tl.constexpr):
+        """Rows start:end of one expert times one row tile of its weights, BM rows at a time."""
         G = K // 32
-        tile = e.to(tl.int64) * (N // BN) + tl.program_id(0)
-        words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
-        sbase = scale + tile * G * BN
-        mbase = mins + tile * G * BN
         ones = tl.full((BN, 32), 1.0, x_ptr.dtype.element_ty)
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
@@ -230,6 +222,34 @@ if HAVE_TRITON:
                      mask=m_ok[None, :])
 
     @triton.jit
+    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, codes, scale, mins, N, K, stride_x, stride_o,
+                             BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
+                             HAS_SRC: tl.constexpr, ASM: tl.constexpr, PREC: tl.constexpr):
+        """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
+        pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
+        twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM)."""
+        e = tl.program_id(1)
+        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
+        end = tl.load(offs_ptr + e)
+        nl = tl.arange(0, BN)
+        n = tl.program_id(0) * BN + nl
+        G = K // 32
+        tile = e.to(tl.int64) * (N // BN) + tl.program_id(0)
+        words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
+        sbase = scale + tile * G * BN
+        mbase = mins + tile * G * BN
+        if BM_FEW > 0:
+            if end - start <= BM_FEW:
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM_FEW, GC, HAS_SRC, ASM, PREC)
+            else:
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM, GC, HAS_SRC, ASM, PREC)
+        else:
+            _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
+                       BN, BM, GC, HAS_SRC, ASM, PREC)
+
+    @triton.jit
     def _q4_tiles_dequant_kernel(out_ptr, codes, scale, mins, N, K, GC: tl.constexpr, BN: tl.constexpr,
                                  ASM: tl.constexpr):
         tile = tl.program_id(0).to(tl.int64)  # (expert, row tile) flattened: tiles are consecutive in the planes
@@ -258,10 +278,12 @@ def _planes(w):
     return p["codes"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
 
 
-def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 16, asm: bool | None = None):
+def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
-    [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once
-    (16 at denoise, where 2048 routes / 128 experts give ~16 an expert). asm: the PTX decode (default: on CUDA)."""
+    [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once;
+    an expert with at most BM_FEW rows takes them in one narrower pass (0: never). At denoise 2048 routes /
+    128 experts give ~16 an expert, so 16 / 32 covers both balanced and ragged routing with one weight pass.
+    asm: the PTX decode (default: on CUDA)."""
     from .moe_packed import route_count
 
     _check(w)
@@ -276,7 +298,8 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 16, asm: bool | None = N
     G = K // GROUP
     _q4_tiles_gmm_kernel[(N // TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs.to(torch.int32).contiguous(), *_planes(w), N, K,
-        x.stride(0), out.stride(0), BN=TILE_N, BM=BM, GC=2 if G % 2 == 0 else 1, HAS_SRC=src is not None,
+        x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0, GC=2 if G % 2 == 0 else 1,
+        HAS_SRC=src is not None,
         ASM=x.is_cuda if asm is None else asm, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3)
     return out
