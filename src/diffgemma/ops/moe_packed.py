@@ -19,6 +19,10 @@ in the record, so the kernels may use wide typed loads on it.
   linear                x @ W^T for a plain tensor or a packed q8 per-row weight (the SC MLP):
                         x @ codesᵀ in x.dtype (int8 codes are exact in bf16), times the row scale in f32.
   expert_ffn_packed_ref the twin of the packed expert FFN: dequantize, then the bf16 grouped GEMMs.
+
+On CUDA a q4 expert stack is re-laid at load into ops/moe_q4.py's "q4-tiles" byte order (PackedWeight.layout);
+grouped_mm_packed_triton and dequantize_triton hand such a weight to that file's kernels, and the twins read
+it back in the pack's order (moe_q4.natural_planes).
 """
 
 from __future__ import annotations
