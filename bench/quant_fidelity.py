@@ -1,10 +1,11 @@
-"""Fidelity of each pack profile on the embedded demo model (CPU): logits vs bf16, held-out accuracy.
+"""Fidelity of each pack profile on the embedded demo model: logits vs bf16, held-out accuracy.
 
-For each profile: quantize the demo checkpoint, load the pack through diffgemma.load (dequantizing CPU
-path), and measure (1) cosine and top-1 agreement of denoise logits against the unquantized model on
+For each profile: quantize the demo checkpoint, load the pack through diffgemma.load (on the CPU: the
+dequantizing reference path; with --device cuda: the fast engine and its packed kernels, q4 in
+ops/moe_q4.py's tile order), and measure (1) cosine and top-1 agreement of denoise logits against the unquantized model on
 held-out prompts with random canvases, and (2) exact match of diffgemma.generate on held-out prompts.
 
-    python bench/quant_fidelity.py [--per-family 12] [--profiles q4,q5,q6,nvfp4,nvfp4x]
+    python bench/quant_fidelity.py [--per-family 12] [--profiles q4,q5,q6,nvfp4,nvfp4x] [--device cuda]
     python bench/quant_fidelity.py --mid      # a mid-size random transformers checkpoint: logits agreement only
 """
 
@@ -124,14 +125,15 @@ def main():
     ap.add_argument("--per-family", type=int, default=12)
     ap.add_argument("--profiles", default="q4,q5,q6,nvfp4,nvfp4x")
     ap.add_argument("--mid", action="store_true", help="the mid-size random checkpoint instead of the demo model")
+    ap.add_argument("--device", default="cpu", help="cpu (the reference path) or cuda (the fast engine, bf16)")
     args = ap.parse_args()
     if args.mid:
         return main_mid(args.profiles.split(","))
     src = embedded_model_path()
-    base = diffgemma.load(src)
+    base = diffgemma.load(src, device=args.device)
     items = prompts(base.tokenizer, args.per_family)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"demo model, {len(items)} held-out prompts ({', '.join(FAMILIES)}), CPU, torch {torch.__version__}, "
+    print(f"demo model, {len(items)} held-out prompts ({', '.join(FAMILIES)}), {args.device}, torch {torch.__version__}, "
           f"commit {commit}")
     rows = [("bf16 (source)", src.joinpath("model.safetensors").stat().st_size, 1.0, 1.0, exact_match(base, items))]
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +142,7 @@ def main():
             out = Path(tmp) / profile
             quantize(src, out, profile=profile, progress=False)
             size = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("model.pack"))
-            model = diffgemma.load(out)
+            model = diffgemma.load(out, device=args.device)
             cos, top1 = logits_agreement(base, model, items)
             rows.append((profile, size, cos, top1, exact_match(model, items)))
             print(f"  {profile}: {time.time() - t:.0f}s", file=sys.stderr)
