@@ -14,8 +14,9 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           last, denoise at 1k with the expert stacks in the pack's own order against ops/moe_q4.py's tile
           layout (alternating, same weights).
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
-          prefill shape (8192 x 8): q4 kernel configs (and the q4-tiles kernel at denoise) vs torch._grouped_mm on bf16 weights, and at the
-          denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the same bf16 weights.
+          prefill shape (8192 x 8): q4 kernel configs (and at denoise the q4-tiles kernel) vs torch._grouped_mm
+          on bf16 weights, and at the denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the
+          same bf16 weights.
   gather  the engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 and q4: the routes' rows
           gathered by index_select first, or by the kernel's own loads through the routes' token ids.
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
@@ -137,7 +138,7 @@ def bench_engine_q4(res, eng, cfg, reps):
     gc.collect()
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
-    if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last: re-laying the weights must not touch the memory measures
+    if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last, so re-laying never touches the memory measures
         bench_layouts(r, eng, V, reps)
 
 

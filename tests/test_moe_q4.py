@@ -41,7 +41,8 @@ def test_tile_layout_round_trips_to_the_pack_order(shape):
         assert torch.equal(back[name], pw.planes[name].view(torch.float16))
     assert not torch.equal(tiled.record, pw.record)  # the bytes did move
     assert torch.equal(moe_q4.to_natural_layout(tiled).record, pw.record)
-    assert torch.equal(mp.dequantize(tiled), want) and torch.equal(mp.dequantize(tiled, torch.bfloat16), want.bfloat16())
+    assert torch.equal(mp.dequantize(tiled), want)
+    assert torch.equal(mp.dequantize(tiled, torch.bfloat16), want.bfloat16())
 
 
 def test_word_order_puts_a_quads_codes_in_one_word():
@@ -50,7 +51,7 @@ def test_word_order_puts_a_quads_codes_in_one_word():
     assert sorted(src) == list(range(32))
     for t in range(4):
         ks = src[8 * t: 8 * t + 8]
-        assert sorted(ks) == sorted([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9, 2 * t + 16, 2 * t + 17, 2 * t + 24, 2 * t + 25])
+        assert sorted(ks) == sorted(2 * t + d for d in (0, 1, 8, 9, 16, 17, 24, 25))
         assert ks[0] + 1 == ks[4]  # nibbles r and r + 4 make one bf16 pair: k and k + 1
 
 
@@ -63,7 +64,8 @@ def test_tile_layout_refuses_what_it_cannot_hold():
     with pytest.raises(TensorError, match="q4-tiles"):
         moe_q4.to_tile_layout(tiled)
     with pytest.raises(TensorError, match="to_tile_layout"):
-        moe_q4.grouped_mm_q4_tiles(torch.randn(4, 64), packed("q4", (2, 64, 64))[0], torch.tensor([2, 4], dtype=torch.int32))
+        moe_q4.grouped_mm_q4_tiles(torch.randn(4, 64), packed("q4", (2, 64, 64))[0],
+                                   torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(TensorError, match="x must be"):
         moe_q4.grouped_mm_q4_tiles(torch.randn(4, 32), tiled, torch.tensor([2, 4], dtype=torch.int32))
 

@@ -14,8 +14,8 @@ change) so that both problems go away:
   scale, min   for each (expert, tile, group) the tile's TILE_N f16 values contiguous.
 
 The math. With q as exact integers in the MMA, a group's scale and min apply to the accumulator instead of to
-every weight:  Σ_k w·x = s·Σ_k (128 + q)·x + (min − 128·s)·Σ_k x  over the 32 k of a group. Σ_k x comes from a
-second MMA with an all-ones operand. No weight is rounded to bf16 (the twin, which dequantizes and then runs
+every weight:  Σ_k w·x = s·Σ_k (128 + q)·x + (min − 128·s)·Σ_k x  over the 32 k of a group. Σ_k x comes from
+a second MMA with an all-ones operand. No weight is rounded to bf16 (the twin, which dequantizes and then runs
 the bf16 GEMM, does round them), so the kernel sits closer to the f32 product than the twin does; tests hold
 both to an f32 reference.
 
@@ -127,8 +127,8 @@ def natural_planes(pw) -> dict:
     inv = torch.argsort(_nibble_source(pw.device))
     q = _unpack(pw.planes["codes"].view(E, T, G, TILE_N, GROUP // 2))[..., inv]
     codes = _pack(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
-    side = {name: pw.planes[name].view(E, T, G, TILE_N, 2).permute(0, 1, 3, 2, 4).reshape(E * N, G * 2).view(torch.float16)
-            for name in ("scale", "min")}
+    side = {name: pw.planes[name].view(E, T, G, TILE_N, 2).permute(0, 1, 3, 2, 4).reshape(E * N, G * 2)
+            .view(torch.float16) for name in ("scale", "min")}
     return {"codes": codes, **side}
 
 
@@ -291,7 +291,8 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     M = route_count(x, src)
     x = x.contiguous()
     if x.dim() != 2 or x.shape[1] != K:
-        raise TensorError(f"grouped_mm_q4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, got {list(x.shape)}")
+        raise TensorError(f"grouped_mm_q4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, "
+                          f"got {list(x.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
