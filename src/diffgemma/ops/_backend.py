@@ -27,5 +27,13 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda and os.environ.get("DIFFGEMMA_NO_TRITON", "0") != "1"
 
 
+def env_choice(name: str, choices: tuple) -> str:
+    """The value of environment variable `name`, one of `choices` (unset: the first); anything else is refused."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected " + " or ".join(repr(c) for c in choices))
+    return value
+
+
 def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()

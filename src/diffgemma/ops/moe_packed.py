@@ -101,12 +101,6 @@ class PackedWeight:
 _E2M1 = torch.tensor(codecs.E2M1_VALUES + tuple(-v for v in codecs.E2M1_VALUES), dtype=torch.float32)
 
 
-def _nibbles(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, K/2] -> int32 [R, K]: element 2j from the low nibble, 2j+1 from the high one."""
-    b = b.to(torch.int32)
-    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
-
-
 def _bits(b: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=b.device) * bits
@@ -118,7 +112,7 @@ def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     r, k = codecs.rows_k(pw.shape)
     p = pw.planes if pw.layout == "natural" else moe_q4.natural_planes(pw)
     if pw.fmt in ("q4", "q5", "q6"):
-        q = _nibbles(p["codes" if pw.fmt == "q4" else "lo"])
+        q = codecs.unpack_nibbles(p["codes" if pw.fmt == "q4" else "lo"])
         if pw.fmt in _AFFINE_HI_BITS:
             q = q | (_bits(p["hi"], _AFFINE_HI_BITS[pw.fmt]) << 4)
         s = p["scale"].view(torch.float16).float().unsqueeze(-1)
@@ -127,7 +121,7 @@ def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     elif pw.fmt == "q8":
         w = p["codes"].view(torch.int8).float() * p["scale"].view(torch.float32)
     elif pw.fmt == "nvfp4":
-        val = _E2M1.to(pw.device)[_nibbles(p["codes"]).long()].reshape(r, k // 16, 16)
+        val = _E2M1.to(pw.device)[codecs.unpack_nibbles(p["codes"]).long()].reshape(r, k // 16, 16)
         w = val * (p["scale"].view(torch.float8_e4m3fn).float() * pw.tscale).unsqueeze(-1)
     else:
         raise TensorError(f"cannot dequantize format {pw.fmt!r}")

@@ -27,12 +27,11 @@ both to an f32 reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON
+from ..quant.codecs import pack_nibbles, unpack_nibbles
+from ._backend import HAVE_TRITON, env_choice
 
 if HAVE_TRITON:
     import triton
@@ -51,18 +50,11 @@ def tile_layout_ok(fmt: str, shape) -> bool:
 ENV_VAR = "DIFFGEMMA_Q4_LAYOUT"  # "q4-tiles" (default) or "natural"; settings.py knows it by name
 
 
-def layout_choice() -> str:
-    choice = os.environ.get(ENV_VAR, LAYOUT)
-    if choice not in (LAYOUT, "natural"):
-        raise ValueError(f"{ENV_VAR}={choice!r}: expected {LAYOUT!r} or 'natural'")
-    return choice
-
-
 def wanted(fmt: str, shape, device) -> bool:
     """Whether the engine should load a stack in this layout (CUDA with Triton; DIFFGEMMA_Q4_LAYOUT=natural
     keeps the pack's order, for A/B against ops/moe_packed.py's kernel)."""
     return (HAVE_TRITON and torch.device(device).type == "cuda" and tile_layout_ok(fmt, shape)
-            and layout_choice() == LAYOUT)
+            and env_choice(ENV_VAR, (LAYOUT, "natural")) == LAYOUT)
 
 
 def _nibble_source(device) -> torch.Tensor:
@@ -75,24 +67,14 @@ def _nibble_source(device) -> torch.Tensor:
     return torch.tensor(src, dtype=torch.long, device=device)
 
 
-def _unpack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., B] -> int [..., 2B]: element 2j the low nibble of byte j, 2j + 1 the high one."""
-    c = codes.to(torch.int16)
-    return torch.stack((c & 0xF, c >> 4), -1).flatten(-2)
-
-
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
-
-
 def to_tile_layout(pw, experts_per_chunk: int = 8):
     """The q4 stack `pw` re-laid for the kernel, in a new record on pw's device (pw is left as it is: a source may
     share its record). Works `experts_per_chunk` experts at a time so the scratch stays small."""
     from .moe_packed import PackedWeight
 
-    if not tile_layout_ok(pw.fmt, pw.shape) or getattr(pw, "layout", "natural") != "natural":
+    if not tile_layout_ok(pw.fmt, pw.shape) or pw.layout != "natural":
         raise TensorError(f"{LAYOUT}: needs a natural-order q4 stack [E, N, K] with N a multiple of {TILE_N}, "
-                          f"got {pw.fmt} {list(pw.shape)} ({getattr(pw, 'layout', 'natural')})")
+                          f"got {pw.fmt} {list(pw.shape)} ({pw.layout})")
     E, N, K = pw.shape
     G, T = K // GROUP, N // TILE_N
     out = PackedWeight.from_record(pw.fmt, pw.shape, torch.empty_like(pw.record))
@@ -100,8 +82,9 @@ def to_tile_layout(pw, experts_per_chunk: int = 8):
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
         rows = slice(e0 * N, e1 * N)
-        q = _unpack(pw.planes["codes"][rows]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
-        out.planes["codes"][rows].view(e1 - e0, T, G, TILE_N, GROUP // 2).copy_(_pack(q).permute(0, 1, 3, 2, 4))
+        q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
+        tiles = out.planes["codes"][rows].view(e1 - e0, T, G, TILE_N, GROUP // 2)
+        tiles.copy_(pack_nibbles(q).permute(0, 1, 3, 2, 4))
         for name in ("scale", "min"):
             v = pw.planes[name][rows].view(e1 - e0, T, TILE_N, G, 2)
             out.planes[name][rows].view(e1 - e0, T, G, TILE_N, 2).copy_(v.permute(0, 1, 3, 2, 4))
@@ -125,8 +108,8 @@ def natural_planes(pw) -> dict:
     E, N, K = pw.shape
     G, T = K // GROUP, N // TILE_N
     inv = torch.argsort(_nibble_source(pw.device))
-    q = _unpack(pw.planes["codes"].view(E, T, G, TILE_N, GROUP // 2))[..., inv]
-    codes = _pack(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
+    q = unpack_nibbles(pw.planes["codes"].view(E, T, G, TILE_N, GROUP // 2))[..., inv]
+    codes = pack_nibbles(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
     side = {name: pw.planes[name].view(E, T, G, TILE_N, 2).permute(0, 1, 3, 2, 4).reshape(E * N, G * 2)
             .view(torch.float16) for name in ("scale", "min")}
     return {"codes": codes, **side}
@@ -268,9 +251,9 @@ if HAVE_TRITON:
 
 
 def _check(w):
-    if getattr(w, "layout", "natural") != LAYOUT:
+    if w.layout != LAYOUT:
         raise TensorError(f"{LAYOUT} kernels need a weight made by to_tile_layout, got a {w.fmt} {list(w.shape)} "
-                          f"in {getattr(w, 'layout', 'natural')} order")
+                          f"in {w.layout} order")
 
 
 def _planes(w):

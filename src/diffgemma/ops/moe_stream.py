@@ -21,13 +21,11 @@ torch._grouped_mm otherwise; `DIFFGEMMA_EXPERT_GEMM=cutlass` forces torch._group
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import TensorError
 from . import moe_packed as mp
-from ._backend import HAVE_TRITON, use_triton
+from ._backend import HAVE_TRITON, env_choice, use_triton
 from .moe import _grouped_mm
 
 if HAVE_TRITON:
@@ -72,10 +70,7 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
 
 
 def expert_gemm_choice() -> str:
-    choice = os.environ.get(ENV_VAR, "triton")
-    if choice not in ("triton", "cutlass"):
-        raise ValueError(f"{ENV_VAR}={choice!r}: expected 'triton' or 'cutlass'")
-    return choice
+    return env_choice(ENV_VAR, ("triton", "cutlass"))
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:

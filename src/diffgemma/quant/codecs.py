@@ -182,14 +182,16 @@ def _affine_decode(q: torch.Tensor, scale16: torch.Tensor, min16: torch.Tensor) 
     return (g * scale16.float().unsqueeze(-1) + min16.float().unsqueeze(-1)).reshape(r, k)
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    pairs = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2B] codes -> uint8 [..., B]: element 2j in the low nibble of byte j, 2j + 1 in the high one."""
+    pairs = q.to(torch.uint8).unflatten(-1, (-1, 2))
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
-def _unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., B] -> uint8 [..., 2B], the inverse of pack_nibbles (any device)."""
     b = b.to(torch.uint8)
-    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
 
 
 def _pack_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
@@ -279,9 +281,9 @@ def encode(fmt: str, x: torch.Tensor, tscale: float | None = None) -> dict[str, 
         q, scale16, min16 = _affine_encode(x, _LEVELS[fmt])
         out = {"scale": scale16.view(torch.uint8), "min": min16.view(torch.uint8)}
         if fmt == "q4":
-            out["codes"] = _pack_nibbles(q)
+            out["codes"] = pack_nibbles(q)
         else:
-            out["lo"] = _pack_nibbles(q & 0xF)
+            out["lo"] = pack_nibbles(q & 0xF)
             out["hi"] = _pack_bits(q >> 4, 1 if fmt == "q5" else 2)
     elif fmt == "q8":
         scale = (x.abs().amax(-1).double() / 127.0).float()
@@ -291,7 +293,7 @@ def encode(fmt: str, x: torch.Tensor, tscale: float | None = None) -> dict[str, 
         if tscale is None:
             tscale = nvfp4_tensor_scale(x.abs().max().item() if x.numel() else 0.0)
         codes, s8 = _nvfp4_encode(x, tscale)
-        out = {"codes": _pack_nibbles(codes), "scale": s8,
+        out = {"codes": pack_nibbles(codes), "scale": s8,
                "tscale": torch.tensor([[tscale]], dtype=torch.float32).view(torch.uint8)}
     return {name: t.contiguous().numpy() for name, t in out.items()}
 
@@ -316,15 +318,15 @@ def decode_rows(fmt: str, views: dict[str, np.ndarray], r0: int = 0, r1: int | N
     if fmt in _LEVELS:
         scale16, min16 = t["scale"].view(torch.float16), t["min"].view(torch.float16)
         if fmt == "q4":
-            q = _unpack_nibbles(t["codes"])
+            q = unpack_nibbles(t["codes"])
         else:
-            q = _unpack_nibbles(t["lo"]) | (_unpack_bits(t["hi"], 1 if fmt == "q5" else 2) << 4)
+            q = unpack_nibbles(t["lo"]) | (_unpack_bits(t["hi"], 1 if fmt == "q5" else 2) << 4)
         return _affine_decode(q, scale16, min16)
     if fmt == "q8":
         return t["codes"].view(torch.int8).float() * t["scale"].view(torch.float32).reshape(n, 1)
     if fmt == "nvfp4":
         tscale = float(views["tscale"].view("<f4")[0, 0])
-        return _nvfp4_decode(_unpack_nibbles(t["codes"]), t["scale"], tscale)
+        return _nvfp4_decode(unpack_nibbles(t["codes"]), t["scale"], tscale)
     raise TensorError(f"cannot decode format {fmt!r}")
 
 
