@@ -21,7 +21,7 @@ interpreted = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.ge
 
 
 def f32_product(xs, w, offs):
-    """The grouped product in float64 from the exact decoded weights (no bf16 rounding anywhere)."""
+    """The grouped product in float64 (no rounding but the result's)."""
     out, start = [], 0
     for g, end in enumerate(offs.tolist()):
         out.append(xs[start:end].double() @ w[g].double().T)
@@ -35,6 +35,8 @@ def test_tile_layout_round_trips_to_the_pack_order(shape):
     tiled = moe_q4.to_tile_layout(pw, experts_per_chunk=2)
     assert tiled.layout == moe_q4.LAYOUT and pw.layout == "natural"
     assert tiled.record.data_ptr() != pw.record.data_ptr() and tiled.nbytes == pw.nbytes
+    side = moe_q4._side_words(tiled)  # scale | min << 16, in the bytes of the pack's two side planes
+    assert side.numel() * 4 == pw.planes["scale"].numel() + pw.planes["min"].numel()
     back = moe_q4.natural_planes(tiled)
     assert torch.equal(back["codes"], pw.planes["codes"])
     for name in ("scale", "min"):
@@ -43,6 +45,20 @@ def test_tile_layout_round_trips_to_the_pack_order(shape):
     assert torch.equal(moe_q4.to_natural_layout(tiled).record, pw.record)
     assert torch.equal(mp.dequantize(tiled), want)
     assert torch.equal(mp.dequantize(tiled, torch.bfloat16), want.bfloat16())
+
+
+def test_word_bits_round_trip_and_reach_bits_6_to_9_and_22_to_25():
+    """Every slot's code lands where register r = slot % 4's shift (none, <<4, >>4, rotate 8) puts it at bits 6..9
+    (slot r) and 22..25 (slot r + 4): the fields the kernel's LOP3 masks."""
+    q = torch.randint(0, 16, (5, 32), dtype=torch.uint8)
+    w = moe_q4._pack_words(q)
+    assert w.dtype == torch.int32 and w.shape == (5, 4)
+    assert torch.equal(moe_q4._unpack_words(w), q)
+    u = w.to(torch.int64) & 0xFFFFFFFF
+    regs = [u, (u << 4) & 0xFFFFFFFF, u >> 4, ((u << 8) | (u >> 24)) & 0xFFFFFFFF]
+    slots = q.view(5, 4, 8).to(torch.int64)
+    for r, v in enumerate(regs):
+        assert torch.equal((v >> 6) & 0xF, slots[..., r]) and torch.equal((v >> 22) & 0xF, slots[..., r + 4])
 
 
 def test_word_order_puts_a_quads_codes_in_one_word():
@@ -81,20 +97,53 @@ def test_layout_wanted_only_for_cuda_q4_stacks(monkeypatch):
         moe_q4.wanted("q4", (4, 128, 64), "cuda")
 
 
+def test_decode_f16_is_the_weight_to_one_f16_rounding_of_the_offset():
+    """w = f16((16 + q)·s + f16(min − 16·s)): within half an f16 ulp of |w| plus one of |min − 16·s| of the exact
+    decode; and a product with these weights is closer to the exact one than with bf16 weights (the twin's)."""
+    E, N, K = 3, 128, 256
+    pw, want = packed("q4", (E, N, K))
+    got = moe_q4.decode_f16(moe_q4.to_tile_layout(pw)).double()
+    want = want.double()
+    scale = pw.planes["scale"].view(torch.float16).double().view(E, N, K // 32, 1)
+    mins = pw.planes["min"].view(torch.float16).double().view(E, N, K // 32, 1)
+    bound = (want.abs().view(E, N, K // 32, 32) + (mins - 16 * scale).abs()) * 2.0**-11 * 1.0001
+    assert ((got - want).abs().view(E, N, K // 32, 32) <= bound).all()
+    x = torch.randn(64, K, dtype=torch.float64)
+    exact = x @ want[0].T
+    assert rel(x @ got[0].T, exact) < rel(x @ want[0].bfloat16().double().T, exact)
+
+
 @interpreted
-@pytest.mark.parametrize("K", [64, 96])  # 2 groups (two a step) and 3 groups (one a step)
+@pytest.mark.parametrize("K", [64, 96, 256])  # 2 groups (2 a step), 3 (1 a step), 8 (4 a step)
 @pytest.mark.parametrize("BM", [16, 64])
-def test_tiles_kernel_matches_the_exact_product(K, BM):
+def test_tiles_kernel_matches_its_f16_operands_and_the_exact_product(K, BM):
     E, N, M = 6, 128, 150  # some experts hold more than one row tile of 16
     pw, w = packed("q4", (E, N, K))
     tiled = moe_q4.to_tile_layout(pw)
     xs = torch.randn(M, K)
     offs = ragged_offs(E, M)
     got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, BM=BM, asm=False)
-    want = f32_product(xs, w, offs)
-    assert got.shape == (M, N) and rel(got, want) < 1e-5
-    assert rel(mp.grouped_mm_packed_ref(xs, pw, offs), want) < 1e-5  # the twin: same product, other order
+    assert got.shape == (M, N)
+    # what the kernel multiplies: f16 x and f16 weights, summed in f32 (only the summation order may differ)
+    assert rel(got, f32_product(xs.half(), moe_q4.decode_f16(tiled), offs)) < 1e-6
+    exact = f32_product(xs, w, offs)
+    assert rel(got, exact) < 2e-3
+    assert rel(mp.grouped_mm_packed_ref(xs, pw, offs), exact) < 1e-5  # the twin in f32: same product, other order
     assert torch.equal(mp.grouped_mm_packed_triton(xs, tiled, offs, config=(64, BM, 32, 4, 1)), got)  # the dispatch
+
+
+@interpreted
+def test_tiles_kernel_clamps_x_to_the_f16_range():
+    """bf16 x beyond ±65504 is clamped to it in the kernel (f16 operands) instead of becoming inf."""
+    E, N, K = 2, 64, 64
+    pw, _ = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    xs = torch.randn(4, K, dtype=torch.bfloat16)
+    xs[1, 3] = 1e6
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, asm=False).float()
+    want = f32_product(xs.float().clamp(-65504, 65504).half(), moe_q4.decode_f16(tiled), offs)
+    assert torch.isfinite(got).all() and rel(got, want) < 1e-2
 
 
 @interpreted
@@ -108,7 +157,7 @@ def test_tiles_kernel_gathers_rows_through_src():
     src, offs = routes_of(T, k, E)
     got = moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False)
     assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(x.index_select(0, src), tiled, offs, asm=False))
-    assert rel(got, f32_product(x.index_select(0, src), w, offs)) < 1e-5
+    assert rel(got, f32_product(x.index_select(0, src).half(), moe_q4.decode_f16(tiled), offs)) < 1e-6
     assert moe_q4.grouped_mm_q4_tiles(x[:0], tiled, torch.zeros(E, dtype=torch.int32), src=src[:0]).shape == (0, N)
 
 
@@ -118,7 +167,7 @@ def test_tiles_dequantize_kernel_equals_the_twin(K):
     """f32 here: the interpreter's cast to bf16 truncates (the GPU test checks bf16 bit for bit)."""
     pw, want = packed("q4", (3, 128, K))
     tiled = moe_q4.to_tile_layout(pw)
-    assert torch.equal(moe_q4.dequantize_q4_tiles(tiled, torch.float32, asm=False), want)
+    assert torch.equal(moe_q4.dequantize_q4_tiles(tiled, torch.float32), want)
     assert torch.equal(mp.dequantize_triton(tiled, torch.float32), want)
 
 

@@ -7,20 +7,24 @@ This layout is made once on the device when a q4 stack is loaded (`to_tile_layou
 change) so that both problems go away:
 
   codes        for each (expert, tile of TILE_N output rows, group of 32 codes along K) the tile's rows are
-               contiguous, 16 bytes a row; a row's 16 bytes are 4 little-endian words, word t holding the
-               8 codes that lane t of an MMA quad needs: nibble p = r + 4h of word t is the code of
-               k = 16·(r // 2) + 8·(r % 2) + 2t + h. One LOP3 (mask, then OR the exponent of 128) turns a
-               word's nibbles r and r + 4 into the bf16 pair (128 + q_k, 128 + q_k+1) of one operand register.
-  scale, min   for each (expert, tile, group) the tile's TILE_N f16 values contiguous.
+               contiguous, 16 bytes a row; a row's 16 bytes are 4 little-endian words, word t holding the 8 codes
+               lane t of an MMA quad needs. Slot p = r + 4h of word t is the code of k = 16·(r // 2) + 8·(r % 2)
+               + 2t + h, and its bits sit where one shift and one LOP3 put codes (slot r, slot r + 4) at bits
+               6..9 and 22..25 of register r: under the exponent of 16.0, that is the f16 pair (16 + q, 16 + q').
+               Register 0 needs no shift, 1 a shift left by 4, 2 right by 4, 3 a rotate by 8 (_BIT_RUNS).
+  scale|min    for each (expert, tile, group) the tile's TILE_N words (f16 scale | f16 min << 16), contiguous,
+               in the bytes the pack's scale and min planes held: one 4-byte load gives a row's pair.
 
-The math. With q as exact integers in the MMA, a group's scale and min apply to the accumulator instead of to
-every weight:  Σ_k w·x = s·Σ_k (128 + q)·x + (min − 128·s)·Σ_k x  over the 32 k of a group. Σ_k x comes from
-a second MMA with an all-ones operand. No weight is rounded to bf16 (the twin, which dequantizes and then runs
-the bf16 GEMM, does round them), so the kernel sits closer to the f32 product than the twin does; tests hold
-both to an f32 reference.
+The math. Each weight is decoded in registers to f16 with one rounding: w = fma(16 + q, s, c), c = f16(min − 16·s)
+(fma.rn.f16x2: two weights an instruction). x goes to f16 in the kernel (exact for bf16 values inside the f16
+range; outside it, clamped to ±65504 instead of overflowing), and the f16 MMA accumulates in f32 on a
+loop-carried accumulator. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8, so
+the kernel sits closer to the exact product than the twin does (tests hold both to it); `decode_f16` is the
+kernel's decode in torch.
 
   to_tile_layout         a q4 PackedWeight [E, N, K] -> the same weight in this layout (new record, same size)
   to_natural_layout      the inverse (a new record); natural_planes: the inverse as torch tensors (the twins read them)
+  decode_f16             the kernel's decode as torch ops: the f16 weights it multiplies (tests)
   grouped_mm_q4_tiles    the grouped GEMM (swap-AB, one program per (tile, expert) looping over row tiles)
   dequantize_q4_tiles    the decode as a kernel, bit-identical to ops.moe_packed.dequantize (prefill path)
 """
@@ -43,7 +47,8 @@ GROUP = 32
 
 
 def tile_layout_ok(fmt: str, shape) -> bool:
-    """Whether a packed tensor can take this layout: a q4 expert stack [E, N, K] with N a multiple of TILE_N."""
+    """Whether a packed tensor can take this layout: a q4 expert stack [E, N, K] with N a multiple of TILE_N
+    (then the scale and min planes are adjacent and equal: the combined word plane fits where they were)."""
     return fmt == "q4" and len(shape) == 3 and shape[1] % TILE_N == 0 and shape[2] % GROUP == 0
 
 
@@ -67,7 +72,40 @@ def _nibble_source(device) -> torch.Tensor:
     return torch.tensor(src, dtype=torch.long, device=device)
 
 
-def to_tile_layout(pw, experts_per_chunk: int = 8):
+# Where each slot's 4 code bits go in its word: (slot, code bits taken, shifted left by). Slot 3's code is split
+# in two runs so that a rotate by 8 brings it to bits 6..9 (and slot 7's, at 14..17, to 22..25).
+_BIT_RUNS = ((0, 0xF, 6), (4, 0xF, 22), (1, 0xF, 2), (5, 0xF, 18), (2, 0xF, 10), (6, 0xF, 26), (7, 0xF, 14),
+             (3, 0x3, 30), (3, 0xC, -2))
+
+
+def _pack_words(q: torch.Tensor) -> torch.Tensor:
+    """Codes [..., 32] in slot order (slot 8t + p) -> int32 words [..., 4] in the bit placement above."""
+    q = q.reshape(*q.shape[:-1], 4, 8).to(torch.int64)
+    w = torch.zeros(q.shape[:-1], dtype=torch.int64, device=q.device)
+    for slot, bits, shift in _BIT_RUNS:
+        v = q[..., slot] & bits
+        w |= (v << shift) if shift >= 0 else (v >> -shift)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def _unpack_words(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of _pack_words: int32 words [..., 4] -> uint8 codes [..., 32] in slot order."""
+    w = w.to(torch.int64) & 0xFFFFFFFF
+    q = torch.zeros(*w.shape, 8, dtype=torch.int64, device=w.device)
+    for slot, bits, shift in _BIT_RUNS:
+        q[..., slot] |= ((w >> shift) if shift >= 0 else (w << -shift)) & bits
+    return q.reshape(*w.shape[:-1], 32).to(torch.uint8)
+
+
+def _side_words(pw) -> torch.Tensor:
+    """int32 [E·T·G·TILE_N]: the scale|min word plane of a q4-tiles weight (the pack's two side planes' bytes)."""
+    sc, mn = pw.planes["scale"], pw.planes["min"]
+    start = sc.data_ptr() - pw.record.data_ptr()
+    assert mn.data_ptr() - pw.record.data_ptr() == start + sc.numel() and mn.numel() == sc.numel()
+    return pw.record[start:start + 2 * sc.numel()].view(torch.int32)
+
+
+def to_tile_layout(pw, experts_per_chunk: int = 4):
     """The q4 stack `pw` re-laid for the kernel, in a new record on pw's device (pw is left as it is: a source may
     share its record). Works `experts_per_chunk` experts at a time so the scratch stays small."""
     from .moe_packed import PackedWeight
@@ -78,16 +116,17 @@ def to_tile_layout(pw, experts_per_chunk: int = 8):
     E, N, K = pw.shape
     G, T = K // GROUP, N // TILE_N
     out = PackedWeight.from_record(pw.fmt, pw.shape, torch.empty_like(pw.record))
+    words = out.planes["codes"].view(torch.int32)
+    side = _side_words(out)
     perm = _nibble_source(pw.device)
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
         rows = slice(e0 * N, e1 * N)
         q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
-        tiles = out.planes["codes"][rows].view(e1 - e0, T, G, TILE_N, GROUP // 2)
-        tiles.copy_(pack_nibbles(q).permute(0, 1, 3, 2, 4))
-        for name in ("scale", "min"):
-            v = pw.planes[name][rows].view(e1 - e0, T, TILE_N, G, 2)
-            out.planes[name][rows].view(e1 - e0, T, G, TILE_N, 2).copy_(v.permute(0, 1, 3, 2, 4))
+        words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(_pack_words(q).permute(0, 1, 3, 2, 4))
+        s, m = (pw.planes[n][rows].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
+        sm = (s | (m << 16)).view(e1 - e0, T, TILE_N, G).permute(0, 1, 3, 2)
+        side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(torch.where(sm >= 2**31, sm - 2**32, sm))
     out.layout = LAYOUT
     return out
 
@@ -108,73 +147,124 @@ def natural_planes(pw) -> dict:
     E, N, K = pw.shape
     G, T = K // GROUP, N // TILE_N
     inv = torch.argsort(_nibble_source(pw.device))
-    q = unpack_nibbles(pw.planes["codes"].view(E, T, G, TILE_N, GROUP // 2))[..., inv]
+    q = _unpack_words(pw.planes["codes"].view(torch.int32).view(E, T, G, TILE_N, 4))[..., inv]
     codes = pack_nibbles(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
-    side = {name: pw.planes[name].view(E, T, G, TILE_N, 2).permute(0, 1, 3, 2, 4).reshape(E * N, G * 2)
-            .view(torch.float16) for name in ("scale", "min")}
+    sm = _side_words(pw).view(E, T, G, TILE_N).permute(0, 1, 3, 2).reshape(E * N, G)
+    side = {"scale": _f16_bits(sm & 0xFFFF), "min": _f16_bits((sm >> 16) & 0xFFFF)}
     return {"codes": codes, **side}
 
 
+def _f16_bits(v: torch.Tensor) -> torch.Tensor:
+    v = v.to(torch.int32)
+    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(torch.float16)
+
+
+def decode_f16(pw) -> torch.Tensor:
+    """The kernel's weights: f16 [E, N, K] with w = f16((16 + q)·s + f16(min − 16·s)) (f32 math, exact before the
+    one rounding, as fma.rn.f16x2). The twin of the GEMM's decode, for tests."""
+    p = natural_planes(pw)
+    E, N, K = pw.shape
+    q = unpack_nibbles(p["codes"]).view(E * N, K // GROUP, GROUP).float()
+    s = p["scale"].float().unsqueeze(-1)
+    c = (p["min"].float().unsqueeze(-1) - 16.0 * s).half().float()
+    return ((16.0 + q) * s + c).half().view(E, N, K)
 # ----------------------------------------------------------------------------------------- Triton
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _words_to_bf16(wd, ASM: tl.constexpr):
-        """int32 [R, 4] (a group's code words, layout order) -> bf16 [R, 32] of 128 + q, in k order.
+    def _register(wd, r: tl.constexpr):
+        """Register r's source bits moved so that its two codes sit at bits 6..9 and 22..25 (plain ops)."""
+        if r == 0:
+            return wd
+        elif r == 1:
+            return wd << 4
+        elif r == 2:
+            return wd >> 4  # arithmetic: the sign fills bits 28..31, which no code field reads
+        else:
+            return (wd << 8) | ((wd >> 24) & 0xFF)
 
-        ASM: one shift and one LOP3 a register in PTX (the GPU path); otherwise the same bits with plain ops
-        (the interpreter's twin). The join / permute / reshape only renames registers: Triton carries the MMA
-        operand layout back through them to the word load."""
+    @triton.jit
+    def _k_order(o0, o1, o2, o3, GC: tl.constexpr):
+        """Register r's pairs [R, 4GC] (lo: slot r, hi: slot r + 4, f16 bits) -> f16 [R, 32GC] in k order. The join /
+        reshape / permute only renames registers: Triton carries the MMA operand layout back to the word load."""
+        R: tl.constexpr = o0.shape[0]
+        o = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [R, 4GC, u, c]: register r = 2c + u
+        lo = (o & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (o >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        v = tl.reshape(tl.join(lo, hi), (R, GC, 4, 2, 2, 2))  # [R, j, t, u, c, h]
+        v = tl.permute(v, (0, 1, 4, 3, 2, 5))  # [R, j, c, u, t, h]: k = 32j + 16c + 8u + 2t + h
+        return tl.reshape(v, (R, 32 * GC))
+
+    @triton.jit
+    def _pair_f16(t, s, c):
+        """Plain-op twin of one LOP3 + fma.rn.f16x2: the f16 bits of (16 + q)·s + c for the codes at 6..9, 22..25."""
+        lo = (((t >> 6) & 0xF).to(tl.float32) + 16.0) * s + c
+        hi = (((t >> 22) & 0xF).to(tl.float32) + 16.0) * s + c
+        lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        return lo | (hi << 16)
+
+    @triton.jit
+    def _decode(wd, sm, GC: tl.constexpr, ASM: tl.constexpr):
+        """GC groups of a row tile: words int32 [R, 4GC], scale|min words int32 [R, GC] -> f16 weights [R, 32GC].
+
+        ASM: per (row, group) two PRMTs and an fma make (s, s) and (c, c); per register one shift (none for
+        register 0), one LOP3 and one fma.rn.f16x2. Otherwise the same bits with plain ops (the interpreter)."""
+        R: tl.constexpr = wd.shape[0]
         if ASM:
+            s2, c2 = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 k, m;
+                mov.b32 k, 0xcc00cc00;
+                prmt.b32 $0, $2, 0, 0x1010;
+                prmt.b32 m, $2, 0, 0x3232;
+                fma.rn.f16x2 $1, $0, k, m;
+                }""", constraints="=r,=r,r", args=[sm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, GC, 4)), (R, GC * 4))
+            c2 = tl.reshape(tl.broadcast_to(c2[:, :, None], (R, GC, 4)), (R, GC * 4))
             o0, o1, o2, o3 = tl.inline_asm_elementwise(
                 asm="""{
-                .reg .b32 t;
-                lop3.b32 $0, $4, 0x000f000f, 0x43004300, 0xea;
+                .reg .b32 t, u;
+                lop3.b32 u, $4, 0x03c003c0, 0x4c004c00, 0xea;
+                fma.rn.f16x2 $0, u, $5, $6;
+                shl.b32 t, $4, 4;
+                lop3.b32 u, t, 0x03c003c0, 0x4c004c00, 0xea;
+                fma.rn.f16x2 $1, u, $5, $6;
                 shr.u32 t, $4, 4;
-                lop3.b32 $1, t, 0x000f000f, 0x43004300, 0xea;
-                shr.u32 t, $4, 8;
-                lop3.b32 $2, t, 0x000f000f, 0x43004300, 0xea;
-                shr.u32 t, $4, 12;
-                lop3.b32 $3, t, 0x000f000f, 0x43004300, 0xea;
+                lop3.b32 u, t, 0x03c003c0, 0x4c004c00, 0xea;
+                fma.rn.f16x2 $2, u, $5, $6;
+                shf.l.wrap.b32 t, $4, $4, 8;
+                lop3.b32 u, t, 0x03c003c0, 0x4c004c00, 0xea;
+                fma.rn.f16x2 $3, u, $5, $6;
                 }""",
-                constraints="=r,=r,=r,=r,r", args=[wd], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                pack=1)
+                constraints="=r,=r,=r,=r,r,r,r", args=[wd, s2, c2], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True, pack=1)
         else:
-            o0 = (wd & 0x000F000F) | 0x43004300
-            o1 = ((wd >> 4) & 0x000F000F) | 0x43004300
-            o2 = ((wd >> 8) & 0x000F000F) | 0x43004300
-            o3 = ((wd >> 12) & 0x000F000F) | 0x43004300
-        o = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [R, 4 (t), 2 (u), 2 (c)]: register r = 2c + u
-        lo = (o & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (o >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        v = tl.permute(tl.join(lo, hi), (0, 3, 2, 1, 4))  # [R, c, u, t, h]: k = 16c + 8u + 2t + h
-        return tl.reshape(v, (v.shape[0], 32))
+            s32 = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            m32 = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            c32 = (m32 - 16.0 * s32).to(tl.float16).to(tl.float32)
+            s = tl.reshape(tl.broadcast_to(s32[:, :, None], (R, GC, 4)), (R, GC * 4))
+            c = tl.reshape(tl.broadcast_to(c32[:, :, None], (R, GC, 4)), (R, GC * 4))
+            o0 = _pair_f16(_register(wd, 0), s, c)
+            o1 = _pair_f16(_register(wd, 1), s, c)
+            o2 = _pair_f16(_register(wd, 2), s, c)
+            o3 = _pair_f16(_register(wd, 3), s, c)
+        return _k_order(o0, o1, o2, o3, GC)
 
     @triton.jit
-    def _col(t, j: tl.constexpr, GC: tl.constexpr):
-        """Column j of t [R, GC] (GC a power of 2), by splits: no data moves when a thread holds whole rows."""
-        if GC == 1:
-            return tl.reshape(t, (t.shape[0],))
-        else:
-            a, b = tl.split(tl.reshape(t, (t.shape[0], GC // 2, 2)))
-            if j % 2 == 0:
-                return _col(a, j // 2, GC // 2)
-            else:
-                return _col(b, j // 2, GC // 2)
+    def _chunk(words, side, gc, nl, BN: tl.constexpr, GC: tl.constexpr):
+        """Groups gc .. gc+GC-1 of a row tile: its words [BN, 4GC] and scale|min words [BN, GC]."""
+        c = tl.arange(0, 4 * GC)
+        wd = tl.load(words + (gc + c // 4)[None, :] * (BN * 4) + nl[:, None] * 4 + (c % 4)[None, :])
+        sm = tl.load(side + (gc + tl.arange(0, GC))[None, :] * BN + nl[:, None])
+        return wd, sm
 
     @triton.jit
-    def _side_chunk(base, gc, nl, BN: tl.constexpr, GC: tl.constexpr):
-        """A tile's f16 scales (or mins) for groups gc .. gc+GC-1, as [BN, GC]."""
-        return tl.load(base + (gc + tl.arange(0, GC))[None, :] * BN + nl[:, None])
-
-    @triton.jit
-    def _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
-                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   PREC: tl.constexpr):
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
+                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr):
         """Rows start:end of one expert times one row tile of its weights, BM rows at a time."""
         G = K // 32
-        ones = tl.full((BN, 32), 1.0, x_ptr.dtype.element_ty)
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -184,30 +274,19 @@ if HAVE_TRITON:
                 tok = m.to(tl.int64)
             x_rows = x_ptr + tok[None, :] * stride_x
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            # the side planes one chunk ahead: Triton leaves such small loads synchronous (see moe_packed._side_tile)
-            s_next = _side_chunk(sbase, 0, nl, BN, GC)
-            m_next = _side_chunk(mbase, 0, nl, BN, GC)
-            for gc in range(0, G, GC):
-                s = s_next.to(tl.float32)
-                mn = m_next.to(tl.float32) - 128.0 * s
-                ahead = tl.minimum(gc + GC, G - GC)  # the last chunk reloads itself instead of reading past the tile
-                s_next = _side_chunk(sbase, ahead, nl, BN, GC)
-                m_next = _side_chunk(mbase, ahead, nl, BN, GC)
-                for j in tl.static_range(GC):
-                    g = gc + j
-                    xt = tl.load(x_rows + (g * 32 + tl.arange(0, 32))[:, None], mask=m_ok[None, :], other=0.0)
-                    wd = tl.load(words + g * BN * 4 + nl[:, None] * 4 + tl.arange(0, 4)[None, :])
-                    d = tl.dot(_words_to_bf16(wd, ASM).to(xt.dtype), xt, input_precision=PREC)
-                    acc = tl.fma(d, _col(s, j, GC)[:, None], acc)
-                    xs = tl.dot(ones.to(xt.dtype), xt, input_precision=PREC)
-                    acc = tl.fma(xs, _col(mn, j, GC)[:, None], acc)
+            for gc in range(0, G, GC):  # all three loads are pipelined (cp.async) by Triton
+                wd, sm = _chunk(words, side, gc, nl, BN, GC)
+                xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
+                if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
+                    xt = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+                acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
                      mask=m_ok[None, :])
 
     @triton.jit
-    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, codes, scale, mins, N, K, stride_x, stride_o,
+    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, codes, sides, N, K, stride_x, stride_o,
                              BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
-                             HAS_SRC: tl.constexpr, ASM: tl.constexpr, PREC: tl.constexpr):
+                             HAS_SRC: tl.constexpr, ASM: tl.constexpr):
         """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM)."""
@@ -219,35 +298,39 @@ if HAVE_TRITON:
         G = K // 32
         tile = e.to(tl.int64) * (N // BN) + tl.program_id(0)
         words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
-        sbase = scale + tile * G * BN
-        mbase = mins + tile * G * BN
+        side = sides + tile * G * BN
         if BM_FEW > 0:
             if end - start <= BM_FEW:
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM_FEW, GC, HAS_SRC, ASM, PREC)
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM_FEW, GC, HAS_SRC, ASM)
             else:
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM, GC, HAS_SRC, ASM, PREC)
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM, GC, HAS_SRC, ASM)
         else:
-            _rows_pass(x_ptr, src_ptr, out_ptr, words, sbase, mbase, start, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM, PREC)
+            _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
+                       BN, BM, GC, HAS_SRC, ASM)
 
     @triton.jit
-    def _q4_tiles_dequant_kernel(out_ptr, codes, scale, mins, N, K, GC: tl.constexpr, BN: tl.constexpr,
-                                 ASM: tl.constexpr):
+    def _q4_tiles_dequant_kernel(out_ptr, codes, sides, N, K, GC: tl.constexpr, BN: tl.constexpr):
         tile = tl.program_id(0).to(tl.int64)  # (expert, row tile) flattened: tiles are consecutive in the planes
         G = K // 32
         nl = tl.arange(0, BN)
-        rows = tile * BN + nl
         words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
-        for j in tl.static_range(GC):
-            g = tl.program_id(1) * GC + j
-            wd = tl.load(words + g * BN * 4 + nl[:, None] * 4 + tl.arange(0, 4)[None, :])
-            q = _words_to_bf16(wd, ASM).to(tl.float32) - 128.0
-            s = tl.load(scale + (tile * G + g) * BN + nl).to(tl.float32)
-            mn = tl.load(mins + (tile * G + g) * BN + nl).to(tl.float32)
-            w = q * s[:, None] + mn[:, None]  # the twin's f32 expression (moe_packed.dequantize)
-            tl.store(out_ptr + rows[:, None] * K + g * 32 + tl.arange(0, 32)[None, :], w.to(out_ptr.dtype.element_ty))
+        wd, sm = _chunk(words, sides + tile * G * BN, tl.program_id(1) * GC, nl, BN, GC)
+        R: tl.constexpr = BN
+        s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        mn = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, GC, 32)), (R, 32 * GC))
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (R, GC, 32)), (R, 32 * GC))
+        # the codes in k order through the GEMM's own renaming, carried as f16 integers (exact)
+        one = tl.full(wd.shape, 1.0, tl.float32)
+        zero = tl.full(wd.shape, -16.0, tl.float32)
+        q = _k_order(_pair_f16(_register(wd, 0), one, zero), _pair_f16(_register(wd, 1), one, zero),
+                     _pair_f16(_register(wd, 2), one, zero), _pair_f16(_register(wd, 3), one, zero), GC)
+        w = q.to(tl.float32) * s + mn  # the twin's f32 expression (moe_packed.dequantize)
+        rows = tile * BN + nl
+        k = tl.program_id(1) * GC * 32 + tl.arange(0, 32 * GC)
+        tl.store(out_ptr + rows[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty))
 
 
 def _check(w):
@@ -257,8 +340,15 @@ def _check(w):
 
 
 def _planes(w):
-    p = w.planes
-    return p["codes"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
+    return w.planes["codes"], _side_words(w)
+
+
+def _group_chunk(G: int, most: int = 4) -> int:
+    """Groups a K-step: the most (≤ `most`, a power of 2) that divides G."""
+    gc = most
+    while G % gc:
+        gc //= 2
+    return gc
 
 
 def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None):
@@ -279,24 +369,21 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    G = K // GROUP
+    # 4 groups a step and 4 stages where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step.
+    # bench/RESULTS.md round 11 times the alternatives.
     _q4_tiles_gmm_kernel[(N // TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs.to(torch.int32).contiguous(), *_planes(w), N, K,
-        x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0, GC=2 if G % 2 == 0 else 1,
-        HAS_SRC=src is not None,
-        ASM=x.is_cuda if asm is None else asm, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3)
+        x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0, GC=_group_chunk(K // GROUP),
+        HAS_SRC=src is not None, ASM=x.is_cuda if asm is None else asm, num_warps=4, num_stages=4)
     return out
 
 
-def dequantize_q4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = None, asm: bool | None = None):
+def dequantize_q4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = None):
     """The whole q4-tiles stack decoded by a kernel into `out` (or a new tensor), in its logical [E, N, K] shape."""
     _check(w)
     E, N, K = w.shape
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
-    G = K // GROUP
-    GC = 4 if G % 4 == 0 else (2 if G % 2 == 0 else 1)
-    _q4_tiles_dequant_kernel[(E * N // TILE_N, G // GC)](out, *_planes(w), N, K, GC=GC, BN=TILE_N,
-                                                         ASM=w.device.type == "cuda" if asm is None else asm,
-                                                         num_warps=4)
+    GC = _group_chunk(K // GROUP)
+    _q4_tiles_dequant_kernel[(E * N // TILE_N, K // GROUP // GC)](out, *_planes(w), N, K, GC=GC, BN=TILE_N,
+                                                                  num_warps=4)
     return out
