@@ -18,9 +18,9 @@ change) so that both problems go away:
 The math. Each weight is decoded in registers to f16 with one rounding: w = fma(16 + q, s, c), c = f16(min − 16·s)
 (fma.rn.f16x2: two weights an instruction). x goes to f16 in the kernel (exact for bf16 values inside the f16
 range; outside it, clamped to ±65504 instead of overflowing), and the f16 MMA accumulates in f32 on a
-loop-carried accumulator. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8, so
-the kernel sits closer to the exact product than the twin does (tests hold both to it); `decode_f16` is the
-kernel's decode in torch.
+loop-carried accumulator. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8 (plus
+the one rounding of each group's c), so the kernel's products sit closer to the exact ones than the twin's do
+(tests hold both to them); `decode_f16` is the kernel's decode in torch.
 
   to_tile_layout         a q4 PackedWeight [E, N, K] -> the same weight in this layout (new record, same size)
   to_natural_layout      the inverse (a new record); natural_planes: the inverse as torch tensors (the twins read them)
@@ -78,6 +78,11 @@ _BIT_RUNS = ((0, 0xF, 6), (4, 0xF, 22), (1, 0xF, 2), (5, 0xF, 18), (2, 0xF, 10),
              (3, 0x3, 30), (3, 0xC, -2))
 
 
+def _as_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit patterns -> int32 with the same bits."""
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
 def _pack_words(q: torch.Tensor) -> torch.Tensor:
     """Codes [..., 32] in slot order (slot 8t + p) -> int32 words [..., 4] in the bit placement above."""
     q = q.reshape(*q.shape[:-1], 4, 8).to(torch.int64)
@@ -85,7 +90,7 @@ def _pack_words(q: torch.Tensor) -> torch.Tensor:
     for slot, bits, shift in _BIT_RUNS:
         v = q[..., slot] & bits
         w |= (v << shift) if shift >= 0 else (v >> -shift)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    return _as_int32(w)
 
 
 def _unpack_words(w: torch.Tensor) -> torch.Tensor:
@@ -126,7 +131,7 @@ def to_tile_layout(pw, experts_per_chunk: int = 4):
         words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(_pack_words(q).permute(0, 1, 3, 2, 4))
         s, m = (pw.planes[n][rows].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
         sm = (s | (m << 16)).view(e1 - e0, T, TILE_N, G).permute(0, 1, 3, 2)
-        side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(torch.where(sm >= 2**31, sm - 2**32, sm))
+        side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(_as_int32(sm))
     out.layout = LAYOUT
     return out
 
@@ -168,6 +173,8 @@ def decode_f16(pw) -> torch.Tensor:
     s = p["scale"].float().unsqueeze(-1)
     c = (p["min"].float().unsqueeze(-1) - 16.0 * s).half().float()
     return ((16.0 + q) * s + c).half().view(E, N, K)
+
+
 # ----------------------------------------------------------------------------------------- Triton
 
 if HAVE_TRITON:
@@ -324,9 +331,9 @@ if HAVE_TRITON:
         mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (R, GC, 32)), (R, 32 * GC))
         # the codes in k order through the GEMM's own renaming, carried as f16 integers (exact)
         one = tl.full(wd.shape, 1.0, tl.float32)
-        zero = tl.full(wd.shape, -16.0, tl.float32)
-        q = _k_order(_pair_f16(_register(wd, 0), one, zero), _pair_f16(_register(wd, 1), one, zero),
-                     _pair_f16(_register(wd, 2), one, zero), _pair_f16(_register(wd, 3), one, zero), GC)
+        less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
+        q = _k_order(_pair_f16(_register(wd, 0), one, less16), _pair_f16(_register(wd, 1), one, less16),
+                     _pair_f16(_register(wd, 2), one, less16), _pair_f16(_register(wd, 3), one, less16), GC)
         w = q.to(tl.float32) * s + mn  # the twin's f32 expression (moe_packed.dequantize)
         rows = tile * BN + nl
         k = tl.program_id(1) * GC * 32 + tl.arange(0, 32 * GC)
