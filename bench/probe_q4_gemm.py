@@ -48,7 +48,7 @@ MODES = {"full": 0, "no_affine": 1, "bytes": 2, "no_dot": 3, "loads": 4, "group_
 @triton.jit
 def _probe_kernel(x_ptr, out_ptr, offs_ptr, p0, p2, p3, N, K, stride_x, stride_o,
                   MODE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    start, end, n, n_ok, rows = mp._expert_tile(offs_ptr, N, BN)
+    start, end, n, n_ok, rows = mp._expert_tile(offs_ptr, offs_ptr, N, BN, False)
     for m0 in range(start, end, BM):
         m = m0 + tl.arange(0, BM)
         m_ok = m < end

@@ -133,6 +133,26 @@ def test_tiles_kernel_matches_its_f16_operands_and_the_exact_product(K, BM):
 
 
 @interpreted
+def test_tiles_kernel_launch_order_does_not_change_the_result():
+    """The experts taken in a given order (most rows first, from the plan kernel) give the same bits."""
+    from diffgemma.ops.moe_plan import moe_plan_triton
+
+    T, k, E, N, K = 30, 3, 8, 64, 96
+    pw, _ = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    ex = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ex[:, 0] = 6  # a crowded expert: first in the order
+    src, _, offs, order = moe_plan_triton(ex, E, with_order=True)
+    x = torch.randn(T, K)
+    got = moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False, order=order)
+    assert order[0] == 6 and not torch.equal(order, torch.arange(E, dtype=torch.int32))
+    assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False))
+    assert torch.equal(got, mp.grouped_mm_packed_triton(x, tiled, offs, src=src, order=order))
+    with pytest.raises(TensorError, match="order must be int32"):
+        moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, order=order.long())
+
+
+@interpreted
 def test_tiles_kernel_clamps_x_to_the_f16_range():
     """bf16 x beyond ±65504 is clamped to it in the kernel (f16 operands) instead of becoming inf."""
     E, N, K = 2, 64, 64

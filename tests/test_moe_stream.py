@@ -54,6 +54,29 @@ def test_stream_kernel_gathers_rows_through_src():
     assert rel(moe_stream.grouped_mm(x, w, offs, src=src), moe_stream.grouped_mm_ref(x[src.long()], w, offs)) < 1e-6
 
 
+def test_stream_and_packed_kernels_launch_order_does_not_change_the_result():
+    """Experts launched most-routed first (the plan kernel's order): the same bits from the bf16 stream kernel and
+    the packed one (q5 here: q4 on CUDA goes to ops/moe_q4.py, tested there); a wrong order is refused."""
+    from diffgemma.ops import moe_packed as mp
+    from diffgemma.ops.moe_plan import moe_plan_triton
+    from test_moe_packed import packed
+
+    T, k, E, N, K = 13, 3, 6, 32, 64
+    ex = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ex[:, 0] = 4  # a crowded expert: first in the order
+    src, _, offs, order = moe_plan_triton(ex, E, with_order=True)
+    assert order[0] == 4
+    x = torch.randn(T, K)
+    w = torch.randn(E, N, K) * 0.1
+    got = moe_stream.grouped_mm_triton(x, w, offs, src=src, order=order)
+    assert torch.equal(got, moe_stream.grouped_mm_triton(x, w, offs, src=src))
+    pw, _ = packed("q5", (E, N, K))
+    got = mp.grouped_mm_packed_triton(x, pw, offs, src=src, order=order)
+    assert torch.equal(got, mp.grouped_mm_packed_triton(x, pw, offs, src=src))
+    with pytest.raises(TensorError, match="order must be int32"):
+        moe_stream.grouped_mm_triton(x, w, offs, src=src, order=order[:3])
+
+
 def test_stream_kernel_refuses_mismatched_operands():
     with pytest.raises(TensorError, match="grouped_mm"):
         moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 4, 6), torch.tensor([2, 5]))

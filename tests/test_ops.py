@@ -168,6 +168,34 @@ def test_moe_plan_kernel_matches_argsort():
         assert torch.equal(g.long(), e.long())
 
 
+@pytest.mark.parametrize("case", ["random", "crowded", "balanced"])
+def test_moe_plan_order_is_experts_by_row_count_ties_by_index(case):
+    T, k, E = 37, 3, 12  # E not a power of two: the histogram's spare bins must not rank
+    ex = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    if case == "crowded":
+        ex[:, 0], ex[:5, 1] = 7, 2  # expert 7 in every token, 2 in five more
+    elif case == "balanced":
+        T = 4 * E // k
+        ex = (torch.arange(T * k) % E).view(T, k)  # every count equal: the order is the identity
+    src, inv, offs, order = moe_plan.moe_plan_triton(ex, E, block=16, with_order=True)
+    want = moe_plan.expert_order_ref(offs)
+    assert order.dtype == torch.int32 and torch.equal(order, want)
+    assert sorted(order.tolist()) == list(range(E))
+    counts = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+    assert (counts[order.long()][:-1] >= counts[order.long()][1:]).all()
+    if case == "crowded":
+        assert order[0] == 7
+    if case == "balanced":
+        assert order.tolist() == list(range(E))
+    for g, e in zip((src, inv, offs), moe_plan.moe_plan_ref(ex, E)):  # the plan itself is unchanged
+        assert torch.equal(g.long(), e.long())
+
+
+def test_moe_plan_with_order_off_cuda():
+    ex = torch.randint(0, 8, (10, 2))
+    assert moe_plan.moe_plan_with_order(ex, 8)[3] is None  # CPU tensors: the twin, nothing reads an order
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_gelu_mul_kernel(dtype, tol):
     gu = rnd(7, 2 * 40, dtype=dtype, scale=4)

@@ -123,6 +123,25 @@ def test_q4_tiles_kernel_denoise_shape():
             assert rel(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, BM=bm, BM_FEW=few), exact) < 3e-3
 
 
+def test_q4_tiles_launch_order_at_real_shapes():
+    """Popular experts at random ids: the plan kernel's order (most routes first) is the twin's, the q4 GEMM gives
+    the same bits in that order, and no order is made for prefill's route counts."""
+    from diffgemma.ops.moe_plan import ORDER_MAX_ROUTES, expert_order_ref, moe_plan_with_order
+
+    pr = (1.0 / (torch.arange(E, device=DEV, dtype=torch.float32) + 8))[torch.randperm(E, device=DEV)]
+    experts = torch.multinomial(pr.expand(256, E), K_TOP, replacement=False)
+    src, _, offs, order = moe_plan_with_order(experts, E)
+    assert torch.equal(order, expert_order_ref(offs))
+    assert not torch.equal(order, torch.arange(E, device=DEV, dtype=torch.int32))  # the popular ids are scattered
+    assert moe_plan_with_order(torch.randint(0, E, (ORDER_MAX_ROUTES // K_TOP + 1, K_TOP), device=DEV), E)[3] is None
+    x = torch.randn(256, H, device=DEV, dtype=torch.bfloat16)
+    h = torch.randn(256 * K_TOP, Fe, device=DEV, dtype=torch.bfloat16)
+    for w, a, s in ((packed("q4", (E, 2 * Fe, H)), x, src), (packed("q4", (E, H, Fe)), h, None)):
+        t = moe_q4.to_tile_layout(w)
+        assert torch.equal(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, order=order),
+                           moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s))
+
+
 def test_q4_tiles_dequantize_kernel_is_bit_equal_to_the_twin():
     w = packed("q4", (E, 2 * Fe, H))
     t = moe_q4.to_tile_layout(w)

@@ -50,3 +50,17 @@ def test_gate_up_reads_tokens_through_src_at_real_shape(routing):
     r = rel(got, moe_stream.grouped_mm_ref(x.index_select(0, src), gu, offs))
     print(f"\n[gate_up through src {routing}] rel {r:.2e}")
     assert r < 4e-3
+
+
+def test_stream_kernel_launch_order_at_real_shape():
+    """Popular experts at random ids, the engine's plan: the bf16 stream kernel launched most-routed first gives
+    the same bits as in expert order."""
+    from diffgemma.ops.moe_plan import moe_plan_with_order
+
+    pr = (1.0 / (torch.arange(E, device="cuda", dtype=torch.float32) + 8))[torch.randperm(E, device="cuda")]
+    experts = torch.multinomial(pr.expand(T, E), K_TOP, replacement=False)
+    src, _, offs, order = moe_plan_with_order(experts, E)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(E, 2 * Fe, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    assert torch.equal(moe_stream.grouped_mm_triton(x, gu, offs, src=src, order=order),
+                       moe_stream.grouped_mm_triton(x, gu, offs, src=src))

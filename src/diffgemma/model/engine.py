@@ -13,7 +13,7 @@ number of launches on CUDA:
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
   → route_fused (1: tf32x3 router GEMM, softmax, top-k ties→lower expert, renorm, scale)
-  → moe_plan (1: sort-free stable expert grouping)
+  → moe_plan (1: sort-free stable expert grouping, and the experts by row count for the q4 GEMM's launch order)
   → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4)
   → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
     and the next layer's input norm).
@@ -46,7 +46,7 @@ from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
 from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
-from ..ops.moe_plan import moe_plan
+from ..ops.moe_plan import moe_plan_with_order
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
@@ -192,8 +192,8 @@ class Engine:
                                                      lw.router_in_scale, eps)
         dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
-        src, inv, offs = moe_plan(experts, cfg.num_experts)
-        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src)  # routes grouped by expert, stable
+        src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)  # order: most-routed experts first
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order)  # grouped, stable
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 

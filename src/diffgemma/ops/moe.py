@@ -56,15 +56,16 @@ def _grouped_mm(a, w, offs):
         return out
 
 
-def expert_ffn(x, gate_up, down, offs, src=None):
+def expert_ffn(x, gate_up, down, offs, src=None, order=None):
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in x.dtype. gate_up / down are bf16 stacks or packed ones
-    (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM)."""
+    (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
+    launch order for the q4 streaming GEMM (ops/moe_plan.moe_plan_with_order)."""
     from .gelu_mul import gelu_mul
     from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
 
-    return gmm(gelu_mul(gmm(x, gate_up, offs, src=src)), down, offs)
+    return gmm(gelu_mul(gmm(x, gate_up, offs, src=src, order=order)), down, offs, order=order)
 
 
 def experts_grouped(x, weights, experts, gate_up, down):

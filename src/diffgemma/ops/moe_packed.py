@@ -225,20 +225,23 @@ if HAVE_TRITON:
         return _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K, FMT, GS, BR, BK)
 
     @triton.jit
-    def _expert_tile(offs_ptr, N, BN: tl.constexpr):
+    def _expert_tile(offs_ptr, order_ptr, N, BN: tl.constexpr, HAS_ORDER: tl.constexpr):
         """This program's share of a grouped GEMM (grid: N tiles x experts): expert g's routes start:end
-        (offs = cumulative ends), its output columns n (valid where n_ok), and their plane rows g·N + n."""
+        (offs = cumulative ends), its output columns n (valid where n_ok), and their plane rows g·N + n.
+        HAS_ORDER: the experts are taken in the order given (ops/moe_plan.moe_plan_with_order: most rows first)."""
         g = tl.program_id(1)
+        if HAS_ORDER:
+            g = tl.load(order_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
         end = tl.load(offs_ptr + g)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         return start, end, n, n < N, g.to(tl.int64) * N + n
 
     @triton.jit
-    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, p0, p1, p2, p3, tscale, N, K, stride_x, stride_o,
-                           FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr):
-        start, end, n, n_ok, rows = _expert_tile(offs_ptr, N, BN)
+    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, p0, p1, p2, p3, tscale, N, K, stride_x,
+                           stride_o, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                           BK: tl.constexpr, HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr, HAS_ORDER: tl.constexpr):
+        start, end, n, n_ok, rows = _expert_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -315,6 +318,13 @@ def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
     return x if src is None else x.index_select(0, src)
 
 
+def check_order(order: torch.Tensor, E: int) -> torch.Tensor:
+    """A launch order for a grouped GEMM's programs: int32 [E] (a permutation of the experts), contiguous."""
+    if order.dtype != torch.int32 or tuple(order.shape) != (E,):
+        raise TensorError(f"grouped GEMM: order must be int32 [{E}], got {order.dtype} {list(order.shape)}")
+    return order.contiguous()
+
+
 def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
     """Rows of the grouped GEMM: x's, or src's when src names one row of x per route. src must be a 1-D
     integer tensor on x's device (its values are not read here: that would cost a host sync; moe_plan makes them)."""
@@ -326,16 +336,18 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
     return src.shape[0]
 
 
-def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True):
+def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True,
+                             order=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
     loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
-    to ops/moe_q4.py's kernel."""
+    to ops/moe_q4.py's kernel. order: int32 [E], the experts in the order their programs launch (the most rows
+    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it."""
     E, N, K = w.shape
     M = route_count(x, src)
     if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
         BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
-        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM)
+        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order)
     x = x.contiguous()
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
@@ -344,10 +356,12 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
         return out
     BN, BM, BK, warps, stages = config or pick_config(M, E)
     offs = offs.to(torch.int32).contiguous()
-    _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, *_plane_args(w),
+    _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
+                                                offs if order is None else check_order(order, E), *_plane_args(w),
                                                 float(w.tscale), N, K, x.stride(0), out.stride(0), FMT=_FMT_ID[w.fmt],
                                                 GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
-                                                PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+                                                PREFETCH=prefetch, HAS_ORDER=order is not None, num_warps=warps,
+                                                num_stages=stages)
     return out
 
 
@@ -362,15 +376,16 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
     return out
 
 
-def grouped_mm_packed(x, w, offs, src=None):
+def grouped_mm_packed(x, w, offs, src=None, order=None):
     """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
-    W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn)."""
+    W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn).
+    order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it."""
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_mm
 
-        return grouped_mm(x, w, offs, src=src)
+        return grouped_mm(x, w, offs, src=src, order=order)
     if not use_triton(x):
         return grouped_mm_packed_ref(routed(x, src), w, offs)
     if dequantizes_for(route_count(x, src) / w.shape[0]):
         return _grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs)
-    return grouped_mm_packed_triton(x, w, offs, src=src)
+    return grouped_mm_packed_triton(x, w, offs, src=src, order=order)

@@ -291,13 +291,16 @@ if HAVE_TRITON:
                      mask=m_ok[None, :])
 
     @triton.jit
-    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, codes, sides, N, K, stride_x, stride_o,
+    def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, sides, N, K, stride_x, stride_o,
                              BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
-                             HAS_SRC: tl.constexpr, ASM: tl.constexpr):
+                             HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr):
         """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
-        twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM)."""
+        twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
+        the order given (the most rows first: the longest programs start first instead of ending the grid)."""
         e = tl.program_id(1)
+        if HAS_ORDER:
+            e = tl.load(order_ptr + e)
         start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
         end = tl.load(offs_ptr + e)
         nl = tl.arange(0, BN)
@@ -358,13 +361,15 @@ def _group_chunk(G: int, most: int = 4) -> int:
     return gc
 
 
-def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None):
+def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
+                        order=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once;
     an expert with at most BM_FEW rows takes them in one narrower pass (0: never). At denoise 2048 routes /
     128 experts give ~16 an expert, so 16 / 32 covers both balanced and ragged routing with one weight pass.
-    asm: the PTX decode (default: on CUDA)."""
-    from .moe_packed import route_count
+    order: int32 [E], a permutation of the experts to launch them in (ops/moe_plan.moe_plan_with_order: the
+    most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA)."""
+    from .moe_packed import check_order, route_count
 
     _check(w)
     E, N, K = w.shape
@@ -378,10 +383,12 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         return out
     # 4 groups a step and 4 stages where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step.
     # bench/RESULTS.md round 11 times the alternatives.
+    offs = offs.to(torch.int32).contiguous()
     _q4_tiles_gmm_kernel[(N // TILE_N, E)](
-        x, x if src is None else src.contiguous(), out, offs.to(torch.int32).contiguous(), *_planes(w), N, K,
-        x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0, GC=_group_chunk(K // GROUP),
-        HAS_SRC=src is not None, ASM=x.is_cuda if asm is None else asm, num_warps=4, num_stages=4)
+        x, x if src is None else src.contiguous(), out, offs, offs if order is None else check_order(order, E),
+        *_planes(w), N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
+        GC=_group_chunk(K // GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        ASM=x.is_cuda if asm is None else asm, num_warps=4, num_stages=4)
     return out
 
 

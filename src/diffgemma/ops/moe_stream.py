@@ -46,9 +46,10 @@ def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: tuple | None = None,
-                      src: torch.Tensor | None = None) -> torch.Tensor:
+                      src: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
-    done by the kernel's x loads); w [E, N, K], offs int32 [E] -> [M, N] in x.dtype."""
+    done by the kernel's x loads); w [E, N, K], offs int32 [E] -> [M, N] in x.dtype. order: int32 [E], the
+    experts in the order their programs launch (ops/moe_plan.moe_plan_with_order); the result does not depend on it."""
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
         raise TensorError(f"grouped_mm: x {list(x.shape)} and w {list(w.shape)} do not make [M, K] x [E, N, K]")
     if w.dtype != x.dtype:
@@ -62,10 +63,11 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
     offs = offs.to(torch.int32).contiguous()
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
-    mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs, w, w, w, w,
+    mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
+                                                   offs if order is None else mp.check_order(order, E), w, w, w, w,
                                                    1.0, N, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32, BN=BN, BM=BM,
-                                                   BK=BK, HAS_SRC=src is not None, PREFETCH=False, num_warps=warps,
-                                                   num_stages=stages)
+                                                   BK=BK, HAS_SRC=src is not None, PREFETCH=False,
+                                                   HAS_ORDER=order is not None, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -73,8 +75,10 @@ def expert_gemm_choice() -> str:
     return env_choice(ENV_VAR, ("triton", "cutlass"))
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
-    """The streaming kernel at denoise (the gather of x[src] inside its loads), torch._grouped_mm otherwise."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
+               order: torch.Tensor | None = None) -> torch.Tensor:
+    """The streaming kernel at denoise (the gather of x[src] inside its loads; experts launched in `order` when
+    given), torch._grouped_mm otherwise."""
     if use_triton(x) and mp.route_count(x, src) <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
-        return grouped_mm_triton(x, w, offs, src=src)
+        return grouped_mm_triton(x, w, offs, src=src, order=order)
     return grouped_mm_ref(mp.routed(x, src), w, offs)
