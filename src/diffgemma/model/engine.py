@@ -12,8 +12,8 @@ number of launches on CUDA:
   → attention (1: flash-style Triton, GQA folded, masked key blocks skipped) → o GEMM (1)
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
-  → route_fused (1: tf32x3 router GEMM, softmax, top-k ties→lower expert, renorm, scale)
-  → moe_plan (1: sort-free stable expert grouping, and the experts by row count for the q4 GEMM's launch order)
+  → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
+  → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
   → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4)
   → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
     and the next layer's input norm).

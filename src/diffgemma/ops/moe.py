@@ -61,7 +61,7 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None):
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in x.dtype. gate_up / down are bf16 stacks or packed ones
     (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
-    launch order for the q4 streaming GEMM (ops/moe_plan.moe_plan_with_order)."""
+    launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it."""
     from .gelu_mul import gelu_mul
     from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
 

@@ -10,7 +10,8 @@ dest = (routes with a lower expert) + (earlier routes with the same expert). No 
 no host sync: deterministic and graph-safe.
 
 `moe_plan_with_order` also gives the experts by row count, most first (ties: lower expert first), for the
-q4 streaming GEMM to launch its longest programs first (ops/moe_q4.py): each program of the same kernel
+streaming expert GEMMs to launch their longest programs first (ops/moe_q4.py, moe_packed.py, moe_stream.py):
+each program of the same kernel
 counts every expert's routes (a histogram of the ids it reads anyway) and writes its own expert at its rank.
 """
 
