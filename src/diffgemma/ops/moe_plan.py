@@ -11,8 +11,8 @@ no host sync: deterministic and graph-safe.
 
 `moe_plan_with_order` also gives the experts by row count, most first (ties: lower expert first), for the
 streaming expert GEMMs to launch their longest programs first (ops/moe_q4.py, moe_packed.py, moe_stream.py):
-each program of the same kernel
-counts every expert's routes (a histogram of the ids it reads anyway) and writes its own expert at its rank.
+each program of the same kernel counts every expert's routes (a histogram of the ids it reads anyway) and
+writes its own expert at its rank.
 """
 
 from __future__ import annotations
