@@ -49,7 +49,8 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=16)
 CANVAS = 256
 # (engine attribute, value, name) for the A/B timings of bench_ours; --ab picks by name
-AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton")]
+AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
+               ("launch_order", False, "expert_order")]  # the expert GEMMs' programs in expert order
 
 
 def log(*a):
@@ -129,13 +130,14 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         r["denoise_peak_gib"] = peak_gib()
         r["graph_error"] = eng.graph_error
         # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
-        # SDPA (round 1's path) or to the Triton kernel
+        # SDPA (round 1's path) or to the Triton kernel, or the expert GEMMs' programs in expert order
         ab = {}
         for attr, value, name in AB_VARIANTS:
             if name not in ab_names:
                 continue
             old = getattr(eng, attr)
             setattr(eng, attr, value)
+            eng._graphs.clear()  # a knob outside the graph key (launch_order) needs a fresh capture
             try:
                 eng.denoise(cache, ids, sc_logits=sc)
                 ab[f"denoise_{name}_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),

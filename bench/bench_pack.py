@@ -145,23 +145,21 @@ def bench_engine_q4(res, eng, cfg, reps):
 
 def bench_launch_order(r, eng, V, reps):
     """Denoise at 1k with the q4 GEMMs launching the most-routed experts first (the engine's default) and in
-    expert order (no order made: ORDER_MAX_ROUTES = 0), alternating, on the same weights and inputs."""
-    from diffgemma.ops import moe_plan
-
+    expert order (Engine.launch_order = False), alternating, on the same weights and inputs."""
     cache = eng.new_cache(1024)
     eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
     ids = torch.randint(0, V, (CANVAS,), device="cuda")
     sc = torch.randn(CANVAS, V, device="cuda") * 3
-    cap, by = moe_plan.ORDER_MAX_ROUTES, {}
+    by = {}
     try:
         for _ in range(2):
-            for name, routes in (("most_routed_first", cap), ("expert_order", 0)):
-                moe_plan.ORDER_MAX_ROUTES = routes
+            for name, on in (("most_routed_first", True), ("expert_order", False)):
+                eng.launch_order = on
                 eng._graphs.clear()
                 eng.denoise(cache, ids, sc_logits=sc)  # capture with this plan
                 by.setdefault(name, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
     finally:
-        moe_plan.ORDER_MAX_ROUTES = cap
+        eng.launch_order = True
     r["denoise_1k_ms_by_launch_order"] = by
     log(f"[q4] denoise 1k by the q4 GEMMs' launch order (alternating, ms): {by}")
     del cache

@@ -46,7 +46,7 @@ from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
 from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
-from ..ops.moe_plan import moe_plan_with_order
+from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
@@ -91,6 +91,9 @@ class Engine:
         self._graph_pool = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
+        # The streaming expert GEMMs take the most-routed experts first (ops/moe_plan.moe_plan_with_order); False:
+        # in expert order, for A/B (same results; a graph captured before a change keeps the order it was made with).
+        self.launch_order = True
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -192,7 +195,10 @@ class Engine:
                                                      lw.router_in_scale, eps)
         dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
-        src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)  # order: most-routed experts first
+        if self.launch_order:  # order: the experts by row count, most first (None where no GEMM reads it)
+            src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)
+        else:
+            (src, inv, offs), order = moe_plan(experts, cfg.num_experts), None
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order)  # grouped, stable
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
