@@ -143,46 +143,42 @@ def bench_engine_q4(res, eng, cfg, reps):
         bench_layouts(r, eng, V, reps)
 
 
-def bench_launch_order(r, eng, V, reps):
-    """Denoise at 1k with the q4 GEMMs launching the most-routed experts first (the engine's default) and in
-    expert order (Engine.launch_order = False), alternating, on the same weights and inputs."""
-    cache = eng.new_cache(1024)
-    eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
-    ids = torch.randint(0, V, (CANVAS,), device="cuda")
-    sc = torch.randn(CANVAS, V, device="cuda") * 3
-    by = {}
-    try:
-        for _ in range(2):
-            for name, on in (("most_routed_first", True), ("expert_order", False)):
-                eng.launch_order = on
-                eng._graphs.clear()
-                eng.denoise(cache, ids, sc_logits=sc)  # capture with this plan
-                by.setdefault(name, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
-    finally:
-        eng.launch_order = True
-    r["denoise_1k_ms_by_launch_order"] = by
-    log(f"[q4] denoise 1k by the q4 GEMMs' launch order (alternating, ms): {by}")
-    del cache
-    eng._graphs.clear()
-
-
-def bench_layouts(r, eng, V, reps):
-    """Denoise at 1k with the q4 stacks in the pack's own order and in ops/moe_q4.py's tile layout, alternating,
-    on the same weights and the same inputs."""
+def alternate_denoise_1k(eng, V, reps, variants: dict) -> dict:
+    """Denoise at 1k under each of `variants` (name -> a function that sets the engine up), twice in turn, on
+    the same weights and inputs, each captured afresh -> {name: [ms, ms]}."""
     cache = eng.new_cache(1024)
     eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
     ids = torch.randint(0, V, (CANVAS,), device="cuda")
     sc = torch.randn(CANVAS, V, device="cuda") * 3
     by = {}
     for _ in range(2):
-        for layout in ("natural", moe_q4.LAYOUT):
-            set_expert_layout(eng, layout)
-            eng.denoise(cache, ids, sc_logits=sc)  # capture with these weights
-            by.setdefault(layout, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
-    r["denoise_1k_ms_by_layout"] = by
-    log(f"[q4] denoise 1k by expert layout (alternating, ms): {by}")
+        for name, setup in variants.items():
+            setup()
+            eng._graphs.clear()
+            eng.denoise(cache, ids, sc_logits=sc)  # capture with this setup
+            by.setdefault(name, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
     del cache
     eng._graphs.clear()
+    return by
+
+
+def bench_launch_order(r, eng, V, reps):
+    """The q4 GEMMs launching the most-routed experts first (the engine's default) and in expert order."""
+    try:
+        by = alternate_denoise_1k(eng, V, reps, {"most_routed_first": lambda: setattr(eng, "launch_order", True),
+                                                 "expert_order": lambda: setattr(eng, "launch_order", False)})
+    finally:
+        eng.launch_order = True
+    r["denoise_1k_ms_by_launch_order"] = by
+    log(f"[q4] denoise 1k by the q4 GEMMs' launch order (alternating, ms): {by}")
+
+
+def bench_layouts(r, eng, V, reps):
+    """The q4 stacks in the pack's own order and in ops/moe_q4.py's tile layout."""
+    by = alternate_denoise_1k(eng, V, reps, {layout: (lambda layout=layout: set_expert_layout(eng, layout))
+                                             for layout in ("natural", moe_q4.LAYOUT)})
+    r["denoise_1k_ms_by_layout"] = by
+    log(f"[q4] denoise 1k by expert layout (alternating, ms): {by}")
 
 
 def set_expert_layout(eng, layout):

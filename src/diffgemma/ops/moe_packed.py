@@ -37,10 +37,13 @@ from ..quant import codecs
 from . import moe_q4
 from ._backend import HAVE_TRITON, use_triton
 from .moe import _grouped_mm
+from .moe_plan import order_operand
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .moe_plan import expert_rows
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
 _FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
@@ -229,11 +232,7 @@ if HAVE_TRITON:
         """This program's share of a grouped GEMM (grid: N tiles x experts): expert g's routes start:end
         (offs = cumulative ends), its output columns n (valid where n_ok), and their plane rows g·N + n.
         HAS_ORDER: the experts are taken in the order given (ops/moe_plan.moe_plan_with_order: most rows first)."""
-        g = tl.program_id(1)
-        if HAS_ORDER:
-            g = tl.load(order_ptr + g)
-        start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
-        end = tl.load(offs_ptr + g)
+        g, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         return start, end, n, n < N, g.to(tl.int64) * N + n
 
@@ -318,13 +317,6 @@ def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
     return x if src is None else x.index_select(0, src)
 
 
-def check_order(order: torch.Tensor, E: int) -> torch.Tensor:
-    """A launch order for a grouped GEMM's programs: int32 [E] (a permutation of the experts), contiguous."""
-    if order.dtype != torch.int32 or tuple(order.shape) != (E,):
-        raise TensorError(f"grouped GEMM: order must be int32 [{E}], got {order.dtype} {list(order.shape)}")
-    return order.contiguous()
-
-
 def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
     """Rows of the grouped GEMM: x's, or src's when src names one row of x per route. src must be a 1-D
     integer tensor on x's device (its values are not read here: that would cost a host sync; moe_plan makes them)."""
@@ -357,7 +349,7 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     BN, BM, BK, warps, stages = config or pick_config(M, E)
     offs = offs.to(torch.int32).contiguous()
     _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
-                                                offs if order is None else check_order(order, E), *_plane_args(w),
+                                                order_operand(order, offs, E), *_plane_args(w),
                                                 float(w.tscale), N, K, x.stride(0), out.stride(0), FMT=_FMT_ID[w.fmt],
                                                 GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
                                                 PREFETCH=prefetch, HAS_ORDER=order is not None, num_warps=warps,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TensorError
 from ._backend import HAVE_TRITON, next_pow2, use_triton
 
 if HAVE_TRITON:
@@ -48,7 +49,27 @@ def expert_order_ref(offs) -> torch.Tensor:
 ORDER_MAX_ROUTES = 8192
 
 
+def order_operand(order, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """What a grouped GEMM kernel gets for its order pointer: the order (int32 [E], checked), or offs as a
+    placeholder when there is none (HAS_ORDER = False: never read)."""
+    if order is None:
+        return offs
+    if order.dtype != torch.int32 or tuple(order.shape) != (num_experts,):
+        raise TensorError(f"grouped GEMM: order must be int32 [{num_experts}], got {order.dtype} {list(order.shape)}")
+    return order.contiguous()
+
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def expert_rows(offs_ptr, order_ptr, HAS_ORDER: tl.constexpr):
+        """A grouped GEMM program's expert (grid axis 1, through the launch order when given) and its routes
+        start:end (offs = cumulative ends)."""
+        e = tl.program_id(1)
+        if HAS_ORDER:
+            e = tl.load(order_ptr + e)
+        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
+        return e, start, tl.load(offs_ptr + e)
 
     @triton.jit
     def _moe_plan_kernel(exp_ptr, src_ptr, inv_ptr, offs_ptr, order_ptr, N, K, BLOCK: tl.constexpr,

@@ -36,10 +36,13 @@ import torch
 from ..errors import TensorError
 from ..quant.codecs import pack_nibbles, unpack_nibbles
 from ._backend import HAVE_TRITON, env_choice
+from .moe_plan import order_operand
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .moe_plan import expert_rows
 
 LAYOUT = "q4-tiles"
 TILE_N = 64  # output rows of a layout tile = the kernel's BN (64: 2x the programs of 128, same speed on the H200)
@@ -298,11 +301,7 @@ if HAVE_TRITON:
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
         the order given (the most rows first: the longest programs start first instead of ending the grid)."""
-        e = tl.program_id(1)
-        if HAS_ORDER:
-            e = tl.load(order_ptr + e)
-        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
-        end = tl.load(offs_ptr + e)
+        e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)
         n = tl.program_id(0) * BN + nl
         G = K // 32
@@ -369,7 +368,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     128 experts give ~16 an expert, so 16 / 32 covers both balanced and ragged routing with one weight pass.
     order: int32 [E], a permutation of the experts to launch them in (ops/moe_plan.moe_plan_with_order: the
     most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA)."""
-    from .moe_packed import check_order, route_count
+    from .moe_packed import route_count
 
     _check(w)
     E, N, K = w.shape
@@ -385,7 +384,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     # bench/RESULTS.md round 11 times the alternatives.
     offs = offs.to(torch.int32).contiguous()
     _q4_tiles_gmm_kernel[(N // TILE_N, E)](
-        x, x if src is None else src.contiguous(), out, offs, offs if order is None else check_order(order, E),
+        x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
         *_planes(w), N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
         GC=_group_chunk(K // GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, num_warps=4, num_stages=4)

@@ -27,6 +27,7 @@ from ..errors import TensorError
 from . import moe_packed as mp
 from ._backend import HAVE_TRITON, env_choice, use_triton
 from .moe import _grouped_mm
+from .moe_plan import order_operand
 
 if HAVE_TRITON:
     import triton
@@ -64,7 +65,7 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     offs = offs.to(torch.int32).contiguous()
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
     mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
-                                                   offs if order is None else mp.check_order(order, E), w, w, w, w,
+                                                   order_operand(order, offs, E), w, w, w, w,
                                                    1.0, N, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32, BN=BN, BM=BM,
                                                    BK=BK, HAS_SRC=src is not None, PREFETCH=False,
                                                    HAS_ORDER=order is not None, num_warps=warps, num_stages=stages)
