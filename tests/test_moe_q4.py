@@ -124,6 +124,8 @@ def test_tiles_kernel_matches_its_f16_operands_and_the_exact_product(K, BM):
     offs = ragged_offs(E, M)
     got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, BM=BM, asm=False)
     assert got.shape == (M, N)
+    # the planes through tensor descriptors (TMA on Hopper): the same words, the same bits
+    assert torch.equal(moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, BM=BM, asm=False, tma=True), got)
     # what the kernel multiplies: f16 x and f16 weights, summed in f32 (only the summation order may differ)
     assert rel(got, f32_product(xs.half(), moe_q4.decode_f16(tiled), offs)) < 1e-6
     exact = f32_product(xs, w, offs)
@@ -177,6 +179,7 @@ def test_tiles_kernel_gathers_rows_through_src():
     src, offs = routes_of(T, k, E)
     got = moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False)
     assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(x.index_select(0, src), tiled, offs, asm=False))
+    assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(x, tiled, offs, src=src, asm=False, tma=True))
     assert rel(got, f32_product(x.index_select(0, src).half(), moe_q4.decode_f16(tiled), offs)) < 1e-6
     assert moe_q4.grouped_mm_q4_tiles(x[:0], tiled, torch.zeros(E, dtype=torch.int32), src=src[:0]).shape == (0, N)
 

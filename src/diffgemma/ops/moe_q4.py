@@ -44,6 +44,13 @@ if HAVE_TRITON:
 
     from .moe_plan import expert_rows
 
+try:  # host-side tensor descriptors (Triton >= 3.3); without them the GEMM reads its planes through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAVE_TENSOR_DESCRIPTOR = HAVE_TRITON
+except Exception:  # pragma: no cover - depends on the install
+    HAVE_TENSOR_DESCRIPTOR = False
+
 LAYOUT = "q4-tiles"
 TILE_N = 64  # output rows of a layout tile = the kernel's BN (64: 2x the programs of 128, same speed on the H200)
 GROUP = 32
@@ -271,53 +278,80 @@ if HAVE_TRITON:
         return wd, sm
 
     @triton.jit
-    def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
-                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr):
-        """Rows start:end of one expert times one row tile of its weights, BM rows at a time."""
+    def _chunk_tma(wdesc, sdesc, tile, gc, G, BN: tl.constexpr, GC: tl.constexpr):
+        """_chunk through the tensor-memory accelerator: the words seen as rows of 64 int32 (a group of a tile is
+        BN/16 such rows: 16 tile rows of 4 words each), the side words likewise (a group is one row); one bulk copy
+        each, then the same [BN, 4GC] and [BN, GC] in registers (the permute renames, as in _k_order)."""
+        raw = wdesc.load([(tile * G + gc) * (BN // 16), 0])  # [GC·BN/16, 64]
+        wd = tl.reshape(tl.permute(tl.reshape(raw, (GC, BN // 16, 16, 4)), (1, 2, 0, 3)), (BN, 4 * GC))
+        return wd, tl.trans(sdesc.load([tile * G + gc, 0]))
+
+    @triton.jit
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
+                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
+                   TMA: tl.constexpr):
+        """Rows m0 .. min(m0 + BM, end) of one expert times row tile `tile` of the stack. TMA: words and side are
+        the planes' tensor descriptors; else pointers to this tile's words and side words."""
         G = K // 32
-        for m0 in range(start, end, BM):
-            m = m0 + tl.arange(0, BM)
-            m_ok = m < end
-            if HAS_SRC:  # route m reads token row src[m] of x: the gather happens in the loads
-                tok = tl.load(src_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        m = m0 + tl.arange(0, BM)
+        m_ok = m < end
+        if HAS_SRC:  # route m reads token row src[m] of x: the gather happens in the loads
+            tok = tl.load(src_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        else:
+            tok = m.to(tl.int64)
+        x_rows = x_ptr + tok[None, :] * stride_x
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for gc in range(0, G, GC):  # all three loads are pipelined (TMA or cp.async) by Triton
+            if TMA:
+                wd, sm = _chunk_tma(words, side, tile, gc, G, BN, GC)
             else:
-                tok = m.to(tl.int64)
-            x_rows = x_ptr + tok[None, :] * stride_x
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for gc in range(0, G, GC):  # all three loads are pipelined (cp.async) by Triton
                 wd, sm = _chunk(words, side, gc, nl, BN, GC)
-                xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
-                if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
-                    xt = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-                acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
-            tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_ok[None, :])
+            xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
+            if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
+                xt = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
+        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[None, :])
+
+    @triton.jit
+    def _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
+                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
+                   TMA: tl.constexpr):
+        """Rows start:end, BM at a time."""
+        for m0 in range(start, end, BM):
+            _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
+                       BN, BM, GC, HAS_SRC, ASM, TMA)
 
     @triton.jit
     def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, sides, N, K, stride_x, stride_o,
                              BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
-                             HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr):
+                             HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr):
         """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
-        the order given (the most rows first: the longest programs start first instead of ending the grid)."""
+        the order given (the most rows first: the longest programs start first instead of ending the grid).
+        The one-pass case is not written as a loop of one trip (a K loop inside a row loop ran slower, same bits).
+        TMA: codes and sides are tensor descriptors of the two planes (Hopper), else plain pointers."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)
         n = tl.program_id(0) * BN + nl
-        G = K // 32
-        tile = e.to(tl.int64) * (N // BN) + tl.program_id(0)
-        words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
-        side = sides + tile * G * BN
-        if BM_FEW > 0:
-            if end - start <= BM_FEW:
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM_FEW, GC, HAS_SRC, ASM)
-            else:
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM, GC, HAS_SRC, ASM)
+        tile = e * (N // BN) + tl.program_id(0)
+        if TMA:
+            words, side = codes, sides
         else:
-            _rows_pass(x_ptr, src_ptr, out_ptr, words, side, start, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM)
+            G = K // 32
+            words = codes.to(tl.pointer_type(tl.int32)) + tile.to(tl.int64) * G * BN * 4
+            side = sides + tile.to(tl.int64) * G * BN
+        if BM_FEW > 0:
+            if end - start > BM_FEW:
+                _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM, GC, HAS_SRC, ASM, TMA)
+            elif end > start:  # an expert no route chose streams nothing
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
+                           BN, BM_FEW, GC, HAS_SRC, ASM, TMA)
+        else:
+            _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
+                       BN, BM, GC, HAS_SRC, ASM, TMA)
 
     @triton.jit
     def _q4_tiles_dequant_kernel(out_ptr, codes, sides, N, K, GC: tl.constexpr, BN: tl.constexpr):
@@ -360,14 +394,28 @@ def _group_chunk(G: int, most: int = 4) -> int:
     return gc
 
 
+def tma_available(t: torch.Tensor) -> bool:
+    """Whether the GEMM can read its planes through tensor descriptors: a CUDA device of compute capability 9.0+."""
+    return HAVE_TENSOR_DESCRIPTOR and t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _descriptors(w, GC: int):
+    """Tensor descriptors of a q4-tiles stack's word and side-word planes, both seen as rows of 64 int32: a K step
+    (GC groups of a tile) is GC·TILE_N/16 rows of words and GC rows of side words."""
+    codes, sides = _planes(w)
+    return (TensorDescriptor.from_tensor(codes.view(torch.int32).view(-1, 64), [GC * TILE_N // 16, 64]),
+            TensorDescriptor.from_tensor(sides.view(-1, 64), [GC, 64]))
+
+
 def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
-                        order=None):
+                        order=None, tma: bool | None = None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once;
     an expert with at most BM_FEW rows takes them in one narrower pass (0: never). At denoise 2048 routes /
     128 experts give ~16 an expert, so 16 / 32 covers both balanced and ragged routing with one weight pass.
     order: int32 [E], a permutation of the experts to launch them in (ops/moe_plan.moe_plan_with_order: the
-    most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA)."""
+    most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA). tma: the planes
+    read by the tensor-memory accelerator (default: where available), else by cp.async; the same bits."""
     from .moe_packed import route_count
 
     _check(w)
@@ -380,14 +428,17 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    # 4 groups a step and 4 stages where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step.
-    # bench/RESULTS.md round 11 times the alternatives.
+    # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
+    # TMA, 4 through cp.async. bench/RESULTS.md rounds 11 and 12 time the alternatives.
+    GC = _group_chunk(K // GROUP)
+    tma = tma_available(x) if tma is None else tma
+    planes = _descriptors(w, GC) if tma else _planes(w)
     offs = offs.to(torch.int32).contiguous()
     _q4_tiles_gmm_kernel[(N // TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
-        *_planes(w), N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
-        GC=_group_chunk(K // GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
-        ASM=x.is_cuda if asm is None else asm, num_warps=4, num_stages=4)
+        *planes, N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
+        GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        ASM=x.is_cuda if asm is None else asm, TMA=tma, num_warps=4, num_stages=3 if tma else 4)
     return out
 
 
