@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import moe_packed as mp, moe_q4
+from diffgemma.ops import moe_packed as mp
+from diffgemma.ops import moe_q4
+from diffgemma.ops.f16_operand import f16_operand_ref
 from diffgemma.quant import codecs
 from test_moe_packed import packed, ragged_offs, rel
 
@@ -163,9 +165,13 @@ def test_tiles_kernel_clamps_x_to_the_f16_range():
     xs = torch.randn(4, K, dtype=torch.bfloat16)
     xs[1, 3] = 1e6
     offs = torch.tensor([2, 4], dtype=torch.int32)
-    got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, asm=False).float()
+    got = moe_q4.grouped_mm_q4_tiles(xs, tiled, offs, asm=False)
     want = f32_product(xs.float().clamp(-65504, 65504).half(), moe_q4.decode_f16(tiled), offs)
-    assert torch.isfinite(got).all() and rel(got, want) < 1e-2
+    assert torch.isfinite(got).all() and rel(got.float(), want) < 1e-2
+    # a producer's f16 operand (ops/f16_operand.py) is what the loop makes of bf16 x: the same bits out
+    for tma in (False, True):
+        f16 = moe_q4.grouped_mm_q4_tiles(f16_operand_ref(xs), tiled, offs, asm=False, out_dtype=torch.bfloat16, tma=tma)
+        assert f16.dtype == torch.bfloat16 and torch.equal(f16, got)
 
 
 @interpreted

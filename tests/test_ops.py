@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -143,6 +144,7 @@ def test_grouped_experts_match_loop(dtype, tol):
 
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
+from diffgemma.ops.f16_operand import f16_operand_ref  # noqa: E402
 
 
 def test_route_kernel_matches_sorted_twin_with_ties():
@@ -199,7 +201,30 @@ def test_moe_plan_with_order_off_cuda():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_gelu_mul_kernel(dtype, tol):
     gu = rnd(7, 2 * 40, dtype=dtype, scale=4)
-    torch.testing.assert_close(gelu_mul.gelu_mul_triton(gu, block=16), gelu_mul.gelu_mul_ref(gu), atol=tol, rtol=tol)
+    got = gelu_mul.gelu_mul_triton(gu, block=16)
+    torch.testing.assert_close(got, gelu_mul.gelu_mul_ref(gu), atol=tol, rtol=tol)
+    # as the q4 GEMM's f16 operand: the f16 copy of the bf16 rounding, bit for bit (and the twin's likewise).
+    # With bf16 input the kernel's own bf16 rounding is the reference (the interpreter rounds f32 -> bf16 its
+    # own way; on the GPU both paths are the same conversion), with f32 input it is within that rounding.
+    gu[0, :2], gu[0, 40:42] = torch.tensor([3e3, 1e4]).to(dtype), torch.tensor([100.0, -100.0]).to(dtype)  # clamped
+    got, f16 = gelu_mul.gelu_mul_triton(gu, block=16), gelu_mul.gelu_mul_triton(gu, block=16, as_f16=True)
+    assert f16.dtype == torch.float16 and f16[0, 0] == 65504 and f16[0, 1] == -65504
+    if dtype == torch.bfloat16:
+        assert torch.equal(f16, f16_operand_ref(got))
+    else:
+        torch.testing.assert_close(f16.float(), got.clamp(-65504, 65504), atol=2**-24, rtol=2**-7)  # f16 subnormals
+    assert torch.equal(gelu_mul.gelu_mul_ref(gu, as_f16=True),
+                       f16_operand_ref(F.gelu(gu[:, :40].float(), approximate="tanh") * gu[:, 40:].float()))
+
+
+def test_f16_operand_is_the_bf16_value_in_f16():
+    x = rnd(1000, scale=30)
+    x[:4] = torch.tensor([1e6, -1e6, 65504.0, 1e-3])
+    got = f16_operand_ref(x)
+    b = x.bfloat16()
+    inside = b.float().abs() <= 65504
+    assert torch.equal(got[inside].float(), b[inside].float())  # exact: 8 mantissa bits fit in 10
+    assert torch.equal(got[:2].float(), torch.tensor([65504.0, -65504.0]))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -208,10 +233,19 @@ def test_fused_norm_chains(dtype, tol):
     res, a, m = rnd(T, H, dtype=dtype, scale=2), rnd(T, H, dtype=dtype), rnd(T, H, dtype=dtype)
     ws = [(torch.rand(H) + 0.5).to(dtype) for _ in range(5)]
     wr = torch.rand(H) * 0.3
-    for g, e in zip(rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6),
-                    rmsnorm.attn_finish_ref(res, a, ws[0], ws[1], ws[2], wr, 1e-6)):
+    got = rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6)
+    for g, e in zip(got, rmsnorm.attn_finish_ref(res, a, ws[0], ws[1], ws[2], wr, 1e-6)):
         assert g.dtype == e.dtype
         torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+    # moe_in as the q4 GEMM's f16 operand: the f16 copy of the bf16 rounding; the other outputs unchanged
+    f16 = rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6, moe_f16=True)
+    assert f16[2].dtype == torch.float16 and all(torch.equal(f, g) for i, (f, g) in enumerate(zip(f16, got)) if i != 2)
+    if dtype == torch.bfloat16:  # see test_gelu_mul_kernel
+        assert torch.equal(f16[2], f16_operand_ref(got[2]))
+    else:
+        torch.testing.assert_close(f16[2].float(), got[2], atol=2**-24, rtol=2**-7)
+    ref16 = rmsnorm.attn_finish_ref(res, a, ws[0], ws[1], ws[2], wr, 1e-6, moe_f16=True)
+    assert torch.equal(ref16[2], f16_operand_ref(rmsnorm.attn_finish_ref(res, a, ws[0], ws[1], ws[2], wr, 1e-6)[2]))
     y = rnd(N, H, dtype=dtype)
     inv = torch.randperm(N)[: T * k]
     wts = torch.rand(T, k)

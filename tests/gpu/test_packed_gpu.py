@@ -213,3 +213,12 @@ def test_engine_on_packed_weights_matches_reference(experts):
     agree = (g.argmax(-1) == e.argmax(-1))[decisive].float().mean().item() if decisive.any() else 1.0
     print(f"\n[packed engine {experts}] cos {cos:.6f}, argmax agree on {int(decisive.sum())} decisive rows {agree:.4f}")
     assert cos > 0.97 and agree >= 0.95
+    # q4: the expert inputs come as f16 operands from attn_finish and gelu·up; as bf16 they give the same bits
+    assert mp.takes_f16_operand(eng.w.layers[0].experts_gu, 64 * cfg.top_k_experts, g) == (experts == "q4")
+    eng.f16_operands = False
+    eng._graphs.clear()
+    assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), g)
+    eng.use_graphs = False
+    eager = eng.denoise(ec, canvas, sc_logits=sc)
+    eng.f16_operands = True
+    assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), eager)

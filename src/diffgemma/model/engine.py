@@ -94,6 +94,9 @@ class Engine:
         # The streaming expert GEMMs take the most-routed experts first (ops/moe_plan.moe_plan_with_order); False:
         # in expert order, for A/B (same results; a graph captured before a change keeps the order it was made with).
         self.launch_order = True
+        # A q4 expert GEMM gets its inputs as f16 operands from their producers (ops/f16_operand.py); False: as
+        # bf16, converted in the GEMM's loop (A/B; the same bits; a graph keeps the form it was captured with).
+        self.f16_operands = True
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -191,15 +194,17 @@ class Engine:
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
         a = o @ lw.o.T
+        # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
+        moe_f16 = self.f16_operands and moe_packed.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
-                                                     lw.router_in_scale, eps)
+                                                     lw.router_in_scale, eps, moe_f16=moe_f16)
         dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
         if self.launch_order:  # order: the experts by row count, most first (None where no GEMM reads it)
             src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)
         else:
             (src, inv, offs), order = moe_plan(experts, cfg.num_experts), None
-        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order)  # grouped, stable
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 

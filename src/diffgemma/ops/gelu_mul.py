@@ -12,21 +12,25 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAVE_TRITON, use_triton
+from .f16_operand import f16_operand_ref
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .f16_operand import f16_operand
 
-def gelu_mul_ref(gu):
+
+def gelu_mul_ref(gu, as_f16=False):
     f = gu.shape[-1] // 2
-    return (F.gelu(gu[..., :f].float(), approximate="tanh") * gu[..., f:].float()).to(gu.dtype)
+    y = F.gelu(gu[..., :f].float(), approximate="tanh") * gu[..., f:].float()
+    return f16_operand_ref(y) if as_f16 else y.to(gu.dtype)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, C0: tl.constexpr, BLOCK: tl.constexpr):
+    def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, C0: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < Fh
@@ -34,17 +38,26 @@ if HAVE_TRITON:
         u = tl.load(gu_ptr + row * 2 * Fh + Fh + cols, mask=ok, other=0.0).to(tl.float32)
         y = C0 * (g + 0.044715 * g * g * g)
         th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
-        tl.store(out_ptr + row * Fh + cols, (0.5 * g * (1.0 + th) * u).to(out_ptr.dtype.element_ty), mask=ok)
+        y = 0.5 * g * (1.0 + th) * u
+        if F16:
+            tl.store(out_ptr + row * Fh + cols, f16_operand(y), mask=ok)
+        else:
+            tl.store(out_ptr + row * Fh + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def gelu_mul_triton(gu, block: int = 1024):
+def gelu_mul_triton(gu, block: int = 1024, as_f16=False):
     gu = gu.contiguous()
     M, F2 = gu.shape
-    out = torch.empty(M, F2 // 2, dtype=gu.dtype, device=gu.device)
+    out = torch.empty(M, F2 // 2, dtype=torch.float16 if as_f16 else gu.dtype, device=gu.device)
     if M:
-        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, C0=math.sqrt(2.0 / math.pi), BLOCK=block)
+        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, C0=math.sqrt(2.0 / math.pi), BLOCK=block,
+                                                           F16=as_f16)
     return out
 
 
-def gelu_mul(gu):
-    return (gelu_mul_triton if use_triton(gu) else gelu_mul_ref)(gu)
+def gelu_mul(gu, as_f16=False):
+    """gelu_tanh(gate) · up in gu's dtype; as_f16: as the f16 operand of its bf16 value (ops/f16_operand.py), for
+    the q4 expert GEMM."""
+    if use_triton(gu):
+        return gelu_mul_triton(gu, as_f16=as_f16)
+    return gelu_mul_ref(gu, as_f16)

@@ -329,18 +329,18 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
 
 
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True,
-                             order=None):
+                             order=None, out_dtype=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
     loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
     to ops/moe_q4.py's kernel. order: int32 [E], the experts in the order their programs launch (the most rows
-    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it."""
+    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: see grouped_mm_packed."""
     E, N, K = w.shape
     M = route_count(x, src)
     if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
         BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
-        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order)
-    x = x.contiguous()
+        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype)
+    x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -368,10 +368,21 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
     return out
 
 
-def grouped_mm_packed(x, w, offs, src=None, order=None):
+def takes_f16_operand(w, routes: int, x) -> bool:
+    """Whether grouped_mm_packed(x, w) over `routes` rows runs ops/moe_q4.py's kernel, whose MMA takes f16: then
+    the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same bits, less work."""
+    return (isinstance(w, PackedWeight) and w.layout == moe_q4.LAYOUT and use_triton(x)
+            and not dequantizes_for(routes / w.shape[0]))
+
+
+def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None):
     """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
     W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn).
-    order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it."""
+    order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
+    out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
+    and a path other than the q4 kernel first turns x back into it (exact: it is a copy of bf16 values)."""
+    if out_dtype is not None and x.dtype != out_dtype and not takes_f16_operand(w, route_count(x, src), x):
+        x = x.to(out_dtype)
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_mm
 
@@ -380,4 +391,4 @@ def grouped_mm_packed(x, w, offs, src=None, order=None):
         return grouped_mm_packed_ref(routed(x, src), w, offs)
     if dequantizes_for(route_count(x, src) / w.shape[0]):
         return _grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs)
-    return grouped_mm_packed_triton(x, w, offs, src=src, order=order)
+    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype)

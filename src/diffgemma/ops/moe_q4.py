@@ -408,14 +408,15 @@ def _descriptors(w, GC: int):
 
 
 def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
-                        order=None, tma: bool | None = None):
+                        order=None, tma: bool | None = None, out_dtype=None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once;
     an expert with at most BM_FEW rows takes them in one narrower pass (0: never). At denoise 2048 routes /
     128 experts give ~16 an expert, so 16 / 32 covers both balanced and ragged routing with one weight pass.
     order: int32 [E], a permutation of the experts to launch them in (ops/moe_plan.moe_plan_with_order: the
     most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA). tma: the planes
-    read by the tensor-memory accelerator (default: where available), else by cp.async; the same bits."""
+    read by the tensor-memory accelerator (default: where available), else by cp.async; the same bits. out_dtype:
+    the result's (default x's; an f16 x, ops/f16_operand.py's copy of bf16 activations, wants bfloat16)."""
     from .moe_packed import route_count
 
     _check(w)
@@ -425,7 +426,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     if x.dim() != 2 or x.shape[1] != K:
         raise TensorError(f"grouped_mm_q4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, "
                           f"got {list(x.shape)}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through

@@ -23,10 +23,13 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, next_pow2, use_triton
+from .f16_operand import f16_operand_ref
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .f16_operand import f16_operand
 
 
 def _norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,9 +60,10 @@ def layer_finish_ref(res, m, e, w1, w2, w3, scalar, eps):
     return ((res.float() + _norm_f32(s, eps) * w3.float()) * scalar).to(res.dtype)
 
 
-def attn_finish_ref(res, a, w, w_ff, w_ff2, w_r, eps):
+def attn_finish_ref(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
     x = norm_add_ref(res, a, w, eps)
-    return (x, *ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps))
+    dense_in, moe_in, router_in = ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps)
+    return x, dense_in, f16_operand_ref(moe_in) if moe_f16 else moe_in, router_in
 
 
 def unpermute_ref(y, inv, wts):
@@ -106,13 +110,18 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr):
-        """The three feed-forward inputs of one normed row: dense (·w1), experts (·w2), router (·wr, f32)."""
+    def _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr,
+                          MOE_F16: tl.constexpr):
+        """The three feed-forward inputs of one normed row: dense (·w1), experts (·w2), router (·wr, f32).
+        MOE_F16: the experts' input as the f16 operand of its bf16 value (ops/f16_operand.py)."""
         w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
-        tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
+        if MOE_F16:
+            tl.store(o2_ptr + row * n_cols + cols, f16_operand(n * w2), mask=mask)
+        else:
+            tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
         tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
 
     @triton.jit
@@ -122,7 +131,7 @@ if HAVE_TRITON:
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         n = _row_norm(x, mask, n_cols, eps)
-        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, False)
 
     @triton.jit
     def _layer_finish_kernel(res_ptr, m_ptr, e_ptr, w1_ptr, w2_ptr, w3_ptr, out_ptr, n_cols, eps, scalar,
@@ -142,7 +151,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_finish_kernel(res_ptr, a_ptr, w_ptr, w1_ptr, w2_ptr, wr_ptr, x_ptr, o1_ptr, o2_ptr, or_ptr,
-                            n_cols, eps, BLOCK: tl.constexpr):
+                            n_cols, eps, BLOCK: tl.constexpr, MOE_F16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -152,7 +161,7 @@ if HAVE_TRITON:
         xo = (r + _row_norm(a, mask, n_cols, eps) * w).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * n_cols + cols, xo, mask=mask)
         n = _row_norm(xo.to(tl.float32), mask, n_cols, eps)  # normed from the rounded residual, like the twin
-        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, MOE_F16)
 
     @triton.jit
     def _layer_finish_moe_kernel(res_ptr, m_ptr, y_ptr, inv_ptr, wts_ptr, w1_ptr, w2_ptr, w3_ptr, wn_ptr,
@@ -216,11 +225,13 @@ def layer_finish_triton(res, m, e, w1, w2, w3, scalar, eps):
     return out
 
 
-def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps):
+def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
     res, rows, n = _rows(res)
-    x, o1, o2 = torch.empty_like(res), torch.empty_like(res), torch.empty_like(res)
+    x, o1 = torch.empty_like(res), torch.empty_like(res)
+    o2 = torch.empty(res.shape, dtype=torch.float16, device=res.device) if moe_f16 else torch.empty_like(res)
     orr = torch.empty(res.shape, dtype=torch.float32, device=res.device)
-    _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, n, eps, BLOCK=next_pow2(n))
+    _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, n, eps, BLOCK=next_pow2(n),
+                                 MOE_F16=moe_f16)
     return x, o1, o2, orr
 
 
@@ -252,9 +263,10 @@ def layer_finish(res, m, e, w1, w2, w3, scalar, eps):
     return (layer_finish_triton if use_triton(res) else layer_finish_ref)(res, m, e, w1, w2, w3, scalar, eps)
 
 
-def attn_finish(res, a, w, w_ff, w_ff2, w_r, eps):
-    """-> (x, dense_in, moe_in, router_in f32): post-attention norm + residual, then the three FFN input norms."""
-    return (attn_finish_triton if use_triton(res) else attn_finish_ref)(res, a, w, w_ff, w_ff2, w_r, eps)
+def attn_finish(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
+    """-> (x, dense_in, moe_in, router_in f32): post-attention norm + residual, then the three FFN input norms.
+    moe_f16: moe_in as the f16 operand of its bf16 value, for the q4 expert GEMM (ops/f16_operand.py)."""
+    return (attn_finish_triton if use_triton(res) else attn_finish_ref)(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16)
 
 
 def layer_finish_moe(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
