@@ -11,8 +11,9 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           denoise ms/step at 1k context
           (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel);
-          last, denoise at 1k with the expert stacks in the pack's own order against ops/moe_q4.py's tile
-          layout (alternating, same weights).
+          last, denoise at 1k alternating (same weights): the launch order on / off; the q4 GEMMs' planes through
+          TMA or cp.async and their inputs as f16 operands or bf16; the expert stacks in the pack's own order
+          against ops/moe_q4.py's tile layout.
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
           prefill shape (8192 x 8): q4 kernel configs (and at denoise the q4-tiles kernel) vs torch._grouped_mm
           on bf16 weights, and at the denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the
@@ -140,6 +141,7 @@ def bench_engine_q4(res, eng, cfg, reps):
     bench_session_8k(r, eng, V)
     if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last, so re-laying never touches the memory measures
         bench_launch_order(r, eng, V, reps)
+        bench_q4_inputs(r, eng, V, reps)
         bench_layouts(r, eng, V, reps)
 
 
@@ -171,6 +173,28 @@ def bench_launch_order(r, eng, V, reps):
         eng.launch_order = True
     r["denoise_1k_ms_by_launch_order"] = by
     log(f"[q4] denoise 1k by the q4 GEMMs' launch order (alternating, ms): {by}")
+
+
+def bench_q4_inputs(r, eng, V, reps):
+    """How the q4 GEMMs read their operands (round 12): planes through TMA and x as f16 operands from the producers
+    (the defaults on Hopper), x as bf16 converted in the GEMM (Engine.f16_operands = False), planes through
+    cp.async (the pre-Hopper path). The same bits in all three (GPU tests)."""
+    tma_available = moe_q4.tma_available
+
+    def setup(f16, tma):
+        def go():
+            eng.f16_operands = f16
+            moe_q4.tma_available = tma_available if tma else (lambda t: False)
+        return go
+
+    try:
+        by = alternate_denoise_1k(eng, V, reps, {"tma_f16_inputs": setup(True, True),
+                                                 "tma_bf16_inputs": setup(False, True),
+                                                 "cp_async_f16_inputs": setup(True, False)})
+    finally:
+        eng.f16_operands, moe_q4.tma_available = True, tma_available
+    r["denoise_1k_ms_by_q4_inputs"] = by
+    log(f"[q4] denoise 1k by how the q4 GEMMs read (alternating, ms): {by}")
 
 
 def bench_layouts(r, eng, V, reps):
