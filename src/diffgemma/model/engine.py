@@ -14,7 +14,8 @@ number of launches on CUDA:
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
   → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
   → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
-  → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4)
+  → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4;
+    a q4 GEMM gets its input from attn_finish and gelu·up as f16 operands, ops/f16_operand.py)
   → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
     and the next layer's input norm).
 Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.

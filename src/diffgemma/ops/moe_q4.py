@@ -17,8 +17,10 @@ change) so that both problems go away:
 
 The math. Each weight is decoded in registers to f16 with one rounding: w = fma(16 + q, s, c), c = f16(min − 16·s)
 (fma.rn.f16x2: two weights an instruction). x goes to f16 in the kernel (exact for bf16 values inside the f16
-range; outside it, clamped to ±65504 instead of overflowing), and the f16 MMA accumulates in f32 on a
-loop-carried accumulator. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8 (plus
+range; outside it, clamped to ±65504 instead of overflowing), unless its producer already wrote it so
+(ops/f16_operand.py: the engine's attn_finish and gelu·up do), and the f16 MMA accumulates in f32 on a
+loop-carried accumulator. On Hopper the planes come through the tensor-memory accelerator (one bulk copy per
+plane and K step), elsewhere through cp.async: the same words, the same bits. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8 (plus
 the one rounding of each group's c), so the kernel's products sit closer to the exact ones than the twin's do
 (tests hold both to them); `decode_f16` is the kernel's decode in torch.
 
