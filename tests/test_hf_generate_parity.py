@@ -26,6 +26,12 @@ Two model sides:
   choice left in the forward: 0 of 4400 stress cases differ (three configs, both knob sets). The loop's
   SC handling and top-k routing are covered exactly by the first comparison and by the forward parity
   tests.
+  The float32 softmaxes still leave the two sides' float32 logits apart: ~600 values of a forward differ, by up
+  to 3e-5 (checkpoint seed 1265153168, mha_realsplit, canvas 8, seed 3724335507, prompt [17, 37, 9, 55, 25, 31,
+  6, 16], max_new 24: a draw flipped at the 11th forward, at b0840a0 as at later commits). So when the tokens
+  differ, the test re-runs our loop on transformers' forward while our reference forward runs beside it on the
+  same inputs: the loop must give transformers' tokens exactly, and our logits must stay within 1e-3 of
+  transformers' at every step of that trajectory (a real forward error moves them by O(0.1)).
 """
 
 import math
@@ -145,7 +151,13 @@ def test_hf_preset_on_the_reference_model_matches_transformers_generate(checkpoi
         want, hf_forwards = transformers_generate(hf, prompt, seed, max_new, KNOBS[knobs])
         got = ours_generate(reference, prompt, seed, max_new, KNOBS[knobs])
         case = f"{where}, seed {seed}, prompt {prompt.tolist()}, max_new {max_new}"
-        assert (got.tokens, got.forwards) == (want, hf_forwards), case
+        if (got.tokens, got.forwards) != (want, hf_forwards):  # a discrete draw flipped: see the module docstring
+            both = _BothForwards(_TransformersBehindOurApi(hf), reference)
+            traced = ours_generate(both, prompt, seed, max_new, KNOBS[knobs])
+            assert (traced.tokens, traced.forwards) == (want, hf_forwards), case
+            print(f"\n[reference parity] {case}: tokens differ; along transformers' run our logits stay within "
+                  f"{max(both.deviation):.1e}")
+            assert max(both.deviation) < 1e-3, case
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,6 +211,30 @@ class _TransformersBehindOurApi:
 
     def embed(self, ids):
         return self.hf.model.decoder.embed_tokens(ids)
+
+
+class _BothForwards:
+    """transformers' forward (what the loop gets) with our reference forward run beside it on the same inputs;
+    `deviation` holds the largest |Δ| of the two sides' float32 logits per denoise."""
+
+    def __init__(self, follow: _TransformersBehindOurApi, ours):
+        self.follow, self.ours, self.deviation = follow, ours, []
+
+    def new_cache(self, max_tokens):
+        return self.follow.new_cache(max_tokens), self.ours.new_cache(max_tokens)
+
+    def prefill(self, cache, ids):
+        self.follow.prefill(cache[0], ids)
+        self.ours.prefill(cache[1], ids)
+
+    def denoise(self, cache, canvas, sc_logits=None, sc_embeds=None):
+        want = self.follow.denoise(cache[0], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        got = self.ours.denoise(cache[1], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        self.deviation.append((got.float() - want.float()).abs().max().item())
+        return want
+
+    def __getattr__(self, name):  # config, embedding, embed, ...: transformers' side
+        return getattr(self.follow, name)
 
 
 def test_sc_embeds_path_equals_sc_logits_path_in_transformers_forward():
