@@ -201,10 +201,9 @@ class Engine:
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
         dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
         weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
-        if self.launch_order:  # order: the experts by row count, most first (None where no GEMM reads it)
-            src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)
-        else:
-            (src, inv, offs), order = moe_plan(experts, cfg.num_experts), None
+        # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
+        src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
+                                 else (*moe_plan(experts, cfg.num_experts), None))
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)

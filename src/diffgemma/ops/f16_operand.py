@@ -8,6 +8,7 @@ the kernel alone runs 5-16 % faster (bench/RESULTS.md round 12).
 
   f16_operand_ref(t)   torch: t rounded to bf16, clamped to ±65504, as f16
   f16_operand(v)       the same inside a Triton kernel, on an f32 value
+  f16_clamped(v)       its last step, f32 -> f16 clamped to ±65504 (the q4 GEMM's own conversion of a bf16 x)
 """
 
 from __future__ import annotations
@@ -28,5 +29,9 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def f16_clamped(v):
+        return tl.clamp(v, -65504.0, 65504.0).to(tl.float16)
+
+    @triton.jit
     def f16_operand(v):
-        return tl.clamp(v.to(tl.bfloat16).to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        return f16_clamped(v.to(tl.bfloat16).to(tl.float32))

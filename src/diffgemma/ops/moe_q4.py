@@ -20,9 +20,10 @@ The math. Each weight is decoded in registers to f16 with one rounding: w = fma(
 range; outside it, clamped to ±65504 instead of overflowing), unless its producer already wrote it so
 (ops/f16_operand.py: the engine's attn_finish and gelu·up do), and the f16 MMA accumulates in f32 on a
 loop-carried accumulator. On Hopper the planes come through the tensor-memory accelerator (one bulk copy per
-plane and K step), elsewhere through cp.async: the same words, the same bits. The weights keep 11 bits where the twin (dequantize, then the bf16 GEMM) keeps 8 (plus
-the one rounding of each group's c), so the kernel's products sit closer to the exact ones than the twin's do
-(tests hold both to them); `decode_f16` is the kernel's decode in torch.
+plane and K step), elsewhere through cp.async: the same words, the same bits. The weights keep 11 bits where the
+twin (dequantize, then the bf16 GEMM) keeps 8 (plus the one rounding of each group's c), so the kernel's products
+sit closer to the exact ones than the twin's do (tests hold both to them); `decode_f16` is the kernel's decode in
+torch.
 
   to_tile_layout         a q4 PackedWeight [E, N, K] -> the same weight in this layout (new record, same size)
   to_natural_layout      the inverse (a new record); natural_planes: the inverse as torch tensors (the twins read them)
@@ -44,6 +45,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .f16_operand import f16_clamped
     from .moe_plan import expert_rows
 
 try:  # host-side tensor descriptors (Triton >= 3.3); without them the GEMM reads its planes through pointers
@@ -192,6 +194,19 @@ def decode_f16(pw) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
+    def _per_group(v, n: tl.constexpr):
+        """[R, GC] -> [R, GC·n]: each group's value repeated over its n columns."""
+        R: tl.constexpr = v.shape[0]
+        GC: tl.constexpr = v.shape[1]
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (R, GC, n)), (R, GC * n))
+
+    @triton.jit
+    def _scale_min(sm):
+        """scale|min words [R, GC] -> (scale, min) as f32 [R, GC]."""
+        s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return s, ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _register(wd, r: tl.constexpr):
         """Register r's source bits moved so that its two codes sit at bits 6..9 and 22..25 (plain ops)."""
         if r == 0:
@@ -230,7 +245,6 @@ if HAVE_TRITON:
 
         ASM: per (row, group) two PRMTs and an fma make (s, s) and (c, c); per register one shift (none for
         register 0), one LOP3 and one fma.rn.f16x2. Otherwise the same bits with plain ops (the interpreter)."""
-        R: tl.constexpr = wd.shape[0]
         if ASM:
             s2, c2 = tl.inline_asm_elementwise(
                 asm="""{
@@ -240,8 +254,7 @@ if HAVE_TRITON:
                 prmt.b32 m, $2, 0, 0x3232;
                 fma.rn.f16x2 $1, $0, k, m;
                 }""", constraints="=r,=r,r", args=[sm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-            s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, GC, 4)), (R, GC * 4))
-            c2 = tl.reshape(tl.broadcast_to(c2[:, :, None], (R, GC, 4)), (R, GC * 4))
+            s2, c2 = _per_group(s2, 4), _per_group(c2, 4)
             o0, o1, o2, o3 = tl.inline_asm_elementwise(
                 asm="""{
                 .reg .b32 t, u;
@@ -260,11 +273,8 @@ if HAVE_TRITON:
                 constraints="=r,=r,=r,=r,r,r,r", args=[wd, s2, c2], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
                 is_pure=True, pack=1)
         else:
-            s32 = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            m32 = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            c32 = (m32 - 16.0 * s32).to(tl.float16).to(tl.float32)
-            s = tl.reshape(tl.broadcast_to(s32[:, :, None], (R, GC, 4)), (R, GC * 4))
-            c = tl.reshape(tl.broadcast_to(c32[:, :, None], (R, GC, 4)), (R, GC * 4))
+            s32, m32 = _scale_min(sm)
+            s, c = _per_group(s32, 4), _per_group((m32 - 16.0 * s32).to(tl.float16).to(tl.float32), 4)
             o0 = _pair_f16(_register(wd, 0), s, c)
             o1 = _pair_f16(_register(wd, 1), s, c)
             o2 = _pair_f16(_register(wd, 2), s, c)
@@ -310,7 +320,7 @@ if HAVE_TRITON:
                 wd, sm = _chunk(words, side, gc, nl, BN, GC)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
-                xt = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+                xt = f16_clamped(xt.to(tl.float32))
             acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
         tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[None, :])
@@ -362,11 +372,8 @@ if HAVE_TRITON:
         nl = tl.arange(0, BN)
         words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
         wd, sm = _chunk(words, sides + tile * G * BN, tl.program_id(1) * GC, nl, BN, GC)
-        R: tl.constexpr = BN
-        s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        mn = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, GC, 32)), (R, 32 * GC))
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (R, GC, 32)), (R, 32 * GC))
+        s, mn = _scale_min(sm)
+        s, mn = _per_group(s, 32), _per_group(mn, 32)
         # the codes in k order through the GEMM's own renaming, carried as f16 integers (exact)
         one = tl.full(wd.shape, 1.0, tl.float32)
         less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
