@@ -5,6 +5,7 @@ write, so a skipped or misplaced store fails. The same checks run natively at re
 tests/gpu/test_engine_gpu.py.
 """
 
+import functools
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
@@ -261,8 +262,9 @@ def test_fused_norm_chains(dtype, tol):
 
 
 @pytest.mark.parametrize("has_v", [True, False])
-def test_qkv_prep_kernel(has_v):
-    T, Hq, KV, hd, rows = 6, 4, 2, 16, 9
+@pytest.mark.parametrize("Hq,per_program", [(4, 8), (6, 4), (4, 1)])  # 8 heads in one program; 10 in 3 (the last
+def test_qkv_prep_kernel(has_v, Hq, per_program):  # partly masked); one head a program
+    T, KV, hd, rows = 6, 2, 16, 9
     nq, nk = Hq * hd, KV * hd
     qkvx = rnd(T, nq + nk + (nk if has_v else 0) + 8, scale=2)[:, :-8]  # a strided (non-contiguous) view
     nw = torch.stack([torch.rand(hd) + 0.5, torch.rand(hd) + 0.5, torch.ones(hd)])
@@ -271,7 +273,7 @@ def test_qkv_prep_kernel(has_v):
     slots = torch.tensor([3, -1, 0, 8, 5, -1])
     v_off = nq + nk if has_v else nq
     outs = []
-    for fn in (qkv.qkv_prep_triton, qkv.qkv_prep_ref):
+    for fn in (functools.partial(qkv.qkv_prep_triton, heads_per_program=per_program), qkv.qkv_prep_ref):
         ck = torch.full((KV, rows, hd), float("nan"), dtype=torch.float16)
         cv = ck.clone()
         q, kv = fn(qkvx, Hq, KV, hd, v_off, nw, inv, pos, 1e-6, torch.float16, cache_k=ck, cache_v=cv, slots=slots,

@@ -1,7 +1,7 @@
 """Everything between the qkv GEMM and attention, in one launch: per-head norms, RoPE, KV-cache writes.
 
 The qkv GEMM output row is [q heads ‖ k heads ‖ v heads] (full layers have no v_proj: their V heads
-are read from the k columns, `v_off = nq`). One program per (token, head) of all three kinds:
+are read from the k columns, `v_off = nq`). One program per (token, a few heads) of all three kinds:
   Q: norm · q_norm weight, RoPE  -> q_out [heads, T, hd]   (head-major: attention reads it as is)
   K: norm · k_norm weight, RoPE  -> cache_k[:, slots[t]] and/or kv_out[0]
   V: no-scale norm, no RoPE      -> cache_v[:, slots[t]] and/or kv_out[1]
@@ -41,49 +41,59 @@ if HAVE_TRITON:
     @triton.jit
     def _qkv_prep_kernel(qkv_ptr, nw_ptr, f_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, kv_ptr,
                          T, row_stride, cache_rows, eps, H, KV, nq, v_off,
-                         HD: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr, WRITE_DENSE: tl.constexpr):
+                         HD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                         WRITE_DENSE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1)
+        j = tl.program_id(1) * NH + tl.arange(0, NH)  # NH heads of the token: q heads, then k, then v
+        j_ok = j < H + 2 * KV
         kind = (j >= H).to(tl.int32) + (j >= H + KV).to(tl.int32)  # 0 = q, 1 = k, 2 = v
         hh = j - H * (kind >= 1).to(tl.int32) - KV * (kind == 2).to(tl.int32)
         col = tl.where(kind == 0, j * HD, tl.where(kind == 1, nq + hh * HD, v_off + hh * HD))
         d = tl.arange(0, HALF)
-        base = qkv_ptr + t * row_stride + col
-        x1 = tl.load(base + d).to(tl.float32)
-        x2 = tl.load(base + HALF + d).to(tl.float32)
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
-        x1 = x1 * r * tl.load(nw_ptr + kind * HD + d)
-        x2 = x2 * r * tl.load(nw_ptr + kind * HD + HALF + d)
-        # V: angle 0 (cos 1, sin 0 exactly), i.e. no rotation
-        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + d) * tl.where(kind == 2, 0.0, 1.0)
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+        base = qkv_ptr + t * row_stride + col[:, None] + d[None, :]
+        x1 = tl.load(base, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + eps)
+        w_off = kind[:, None] * HD + d[None, :]
+        x1 = x1 * r[:, None] * tl.load(nw_ptr + w_off)
+        x2 = x2 * r[:, None] * tl.load(nw_ptr + w_off + HALF)
+        # one cos / sin per column for all the token's heads; V: angle 0 (cos 1, sin 0 exactly), no rotation
+        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + d)
+        is_v = (kind == 2)[:, None]
+        c = tl.where(is_v, 1.0, tl.cos(ang)[None, :])
+        s = tl.where(is_v, 0.0, tl.sin(ang)[None, :])
         y1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
         y2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
-        kd = tl.zeros((HALF,), dtype=tl.int32) + kind  # the kind as a vector: masks must be vectors
-        is_q = kd == 0
-        qo = q_ptr + (j.to(tl.int64) * T + t) * HD
-        tl.store(qo + d, y1, mask=is_q)
-        tl.store(qo + HALF + d, y2, mask=is_q)
+        full = d[None, :] < HALF  # masks as whole [NH, HALF] tiles (the interpreter stores with no broadcast)
+        is_q = ((kind == 0) & j_ok)[:, None] & full
+        qo = q_ptr + (j.to(tl.int64) * T + t)[:, None] * HD + d[None, :]
+        tl.store(qo, y1, mask=is_q)
+        tl.store(qo + HALF, y2, mask=is_q)
         if WRITE_CACHE:
             slot = tl.load(slot_ptr + t)
-            cb = (hh.to(tl.int64) * cache_rows + tl.maximum(slot, 0)) * HD
-            sd = tl.zeros((HALF,), dtype=tl.int64) + slot
-            mk = (kd == 1) & (sd >= 0)
-            mv = (kd == 2) & (sd >= 0)
-            tl.store(kc_ptr + cb + d, y1.to(kc_ptr.dtype.element_ty), mask=mk)
-            tl.store(kc_ptr + cb + HALF + d, y2.to(kc_ptr.dtype.element_ty), mask=mk)
-            tl.store(vc_ptr + cb + d, y1.to(vc_ptr.dtype.element_ty), mask=mv)
-            tl.store(vc_ptr + cb + HALF + d, y2.to(vc_ptr.dtype.element_ty), mask=mv)
+            cb = (hh.to(tl.int64) * cache_rows + tl.maximum(slot, 0))[:, None] * HD + d[None, :]
+            written = j_ok & ((tl.zeros((NH,), dtype=tl.int64) + slot) >= 0)  # a vector: masks must be vectors
+            mk = ((kind == 1) & written)[:, None] & full
+            mv = ((kind == 2) & written)[:, None] & full
+            tl.store(kc_ptr + cb, y1.to(kc_ptr.dtype.element_ty), mask=mk)
+            tl.store(kc_ptr + cb + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mk)
+            tl.store(vc_ptr + cb, y1.to(vc_ptr.dtype.element_ty), mask=mv)
+            tl.store(vc_ptr + cb + HALF, y2.to(vc_ptr.dtype.element_ty), mask=mv)
         if WRITE_DENSE:
-            kb = kv_ptr + ((tl.maximum(kind - 1, 0) * KV + hh).to(tl.int64) * T + t) * HD
-            mkv = kd >= 1
-            tl.store(kb + d, y1, mask=mkv)
-            tl.store(kb + HALF + d, y2, mask=mkv)
+            kb = kv_ptr + ((tl.maximum(kind - 1, 0) * KV + hh).to(tl.int64) * T + t)[:, None] * HD + d[None, :]
+            mkv = ((kind >= 1) & j_ok)[:, None] & full
+            tl.store(kb, y1, mask=mkv)
+            tl.store(kb + HALF, y2, mask=mkv)
+
+
+# A program takes several heads of one token (2048 values: 8 heads of 256, 4 of 512) and computes the token's
+# cos / sin once for all of them. One program per (token, head) took 9.9 / 8.6 µs a layer at the denoise shape on
+# the H200, 2-3x the bytes' time; this 3.7 / 4.7 µs (bench/RESULTS.md round 13).
+VALUES_PER_PROGRAM = 2048
 
 
 def qkv_prep_triton(qkv, heads, kv_heads, hd, v_off, norm_w, inv_freq, positions, eps, out_dtype,
-                    cache_k=None, cache_v=None, slots=None, dense_kv=False):
+                    cache_k=None, cache_v=None, slots=None, dense_kv=False, heads_per_program: int | None = None):
     assert hd == next_pow2(hd) and qkv.stride(1) == 1
     T = qkv.shape[0]
     q = torch.empty(heads, T, hd, dtype=out_dtype, device=qkv.device)
@@ -91,11 +101,12 @@ def qkv_prep_triton(qkv, heads, kv_heads, hd, v_off, norm_w, inv_freq, positions
     write = cache_k is not None
     if write:
         assert cache_k.is_contiguous() and cache_v.is_contiguous() and cache_k.shape[0] == kv_heads
-    _qkv_prep_kernel[(T, heads + 2 * kv_heads)](
+    nh = heads_per_program or max(1, VALUES_PER_PROGRAM // hd)
+    _qkv_prep_kernel[(T, triton.cdiv(heads + 2 * kv_heads, nh))](
         qkv, norm_w, inv_freq, positions, slots if write else positions, q,
         cache_k if write else q, cache_v if write else q, kv if dense_kv else q,
         T, qkv.stride(0), cache_k.shape[1] if write else 0, eps, heads, kv_heads, heads * hd, v_off,
-        HD=hd, HALF=hd // 2, WRITE_CACHE=write, WRITE_DENSE=dense_kv)
+        HD=hd, HALF=hd // 2, NH=nh, WRITE_CACHE=write, WRITE_DENSE=dense_kv)
     return q, kv
 
 
