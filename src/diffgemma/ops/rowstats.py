@@ -261,7 +261,7 @@ if HAVE_TRITON:
             tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
-def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT):
+def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4):
     logits = logits.contiguous()
     rows, n = logits.shape
     dev = logits.device
@@ -269,8 +269,9 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT):
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     # 4 warps: 104 µs at [256, 262144] on the H200 against 121 with 8 (its four block reductions a step wait on
-    # fewer warps); the other passes here stream at the memory's rate with 8 (bench/RESULTS.md round 13)
-    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), BLOCK=block, num_warps=4)
+    # fewer warps); the other passes here stream at the memory's rate with 8 (bench/bench_kernels.py, RESULTS round 13)
+    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), BLOCK=block,
+                                             num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)

@@ -1,0 +1,107 @@
+"""Small kernels alone at the real shapes, each against the variant it replaced (one GPU, under a minute).
+
+    PYTHONPATH=src python bench/bench_kernels.py [--reps 7] [--json out.json]
+
+A kernel of a few microseconds launched from Python back to back is timed by the host's launch rate, not by
+the GPU. So every call here is captured `--inner` times into a CUDA graph and the graph is replayed; GPU µs a
+call = the median replay / inner. Inputs stay the same across the calls, so they sit in L2 as a producer's
+output would in the engine. What is timed (round 13, bench/RESULTS.md):
+
+  qkv_prep           one program per (token, head), as before round 13 (heads_per_program=1), against the
+                     default (2048 values a program); the sliding (hd 256, 16 + 8 + 8 heads) and full (hd 512,
+                     16 + 2 heads, V read from K's columns) layers, 256 canvas rows and an 8192-row prefill chunk
+  tempered_rowstats  8 warps a program (before round 13) against the default 4, at [256, 262144] f32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from diffgemma.ops import qkv, rowstats  # noqa: E402
+
+
+def time_graph(fn, inner: int = 20, reps: int = 7) -> float:
+    """GPU µs a call of fn: `inner` calls captured in one CUDA graph, replayed `reps` times (median)."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (Triton compiles, allocator pools)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def bench_qkv_prep(reps: int) -> dict:
+    out = {}
+    dev = "cuda"
+    for name, (H, KV, hd, has_v) in {"sliding": (16, 8, 256, True), "full": (16, 2, 512, False)}.items():
+        for T in (256, 8192):
+            rows = 1279 + T
+            x = torch.randn(T, (H + KV + (KV if has_v else 0)) * hd, device=dev, dtype=torch.bfloat16)
+            nw = torch.rand(3, hd, device=dev) + 0.5
+            inv = 1.0 / (1e4 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+            pos = torch.arange(5000, 5000 + T, device=dev)
+            slots = pos % rows
+            v_off = (H + KV) * hd if has_v else H * hd
+            ck = torch.zeros(KV, rows, hd, device=dev, dtype=torch.float16)
+            cv = torch.zeros_like(ck)
+            row = {}
+            for label, per_program in (("one_head_a_program", 1), ("default", None)):
+                row[label] = time_graph(lambda p=per_program: qkv.qkv_prep_triton(
+                    x, H, KV, hd, v_off, nw, inv, pos, 1e-6, torch.float16, cache_k=ck, cache_v=cv, slots=slots,
+                    heads_per_program=p), reps=reps)
+            out[f"{name}_hd{hd}_rows{T}"] = row
+            print(f"qkv_prep {name} hd {hd}, {T} rows: " + ", ".join(f"{k} {v:.1f} µs" for k, v in row.items()),
+                  flush=True)
+    return out
+
+
+def bench_rowstats(reps: int) -> dict:
+    logits = torch.tanh(torch.randn(256, 262144, device="cuda") * 0.5) * 30
+    temp = 0.6083333492279053
+    row = {f"warps_{w}": time_graph(lambda w=w: rowstats.tempered_rowstats_triton(logits, temp, num_warps=w), reps=reps)
+           for w in (8, 4)}
+    gbps = {k: logits.numel() * 4 / v / 1e3 for k, v in row.items()}
+    print("tempered_rowstats [256, 262144] f32: " + ", ".join(f"{k} {v:.1f} µs ({gbps[k]:.0f} GB/s)"
+                                                              for k, v in row.items()), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    res = {"gpu": torch.cuda.get_device_name(), "qkv_prep_us": bench_qkv_prep(a.reps),
+           "tempered_rowstats_us": bench_rowstats(a.reps)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
