@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from bench_engine import time_graph  # also puts src/ on the path
 from diffgemma.ops import attention as A
 from diffgemma.ops import attention_flash as F
 
@@ -97,27 +98,7 @@ def reference(case):
 
 def time_canvas(case, impl, cfg, reps):
     calls = [i % NSETS for i in range(2 * NSETS)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in calls[:NSETS]:
-            call(case, impl, cfg, i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in calls:
-            call(case, impl, cfg, i)
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del graph
+    ts = time_graph(lambda: [call(case, impl, cfg, i) for i in calls], len(calls), reps)
     return statistics.median(ts), ts
 
 

@@ -3,7 +3,7 @@
     PYTHONPATH=src python bench/bench_kernels.py [--reps 7] [--json out.json]
 
 A kernel of a few microseconds launched from Python back to back is timed by the host's launch rate, not by
-the GPU. So every call here is captured `--inner` times into a CUDA graph and the graph is replayed; GPU µs a
+the GPU. So every call here is captured 20 times into one CUDA graph and the graph is replayed; GPU µs a
 call = the median replay / inner. Inputs stay the same across the calls, so they sit in L2 as a producer's
 output would in the engine. What is timed (round 13, bench/RESULTS.md):
 
@@ -23,35 +23,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_engine import time_graph  # noqa: E402  (also puts src/ on the path)
 from diffgemma.ops import qkv, rowstats  # noqa: E402
 
 
-def time_graph(fn, inner: int = 20, reps: int = 7) -> float:
-    """GPU µs a call of fn: `inner` calls captured in one CUDA graph, replayed `reps` times (median)."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (Triton compiles, allocator pools)
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times)
+def timed(fn, reps: int, inner: int = 20) -> float:
+    """GPU µs a call of fn: `inner` calls in one CUDA graph, the median of `reps` replays."""
+    return statistics.median(time_graph(lambda: [fn() for _ in range(inner)], inner, reps))
 
 
 def bench_qkv_prep(reps: int) -> dict:
@@ -70,9 +50,9 @@ def bench_qkv_prep(reps: int) -> dict:
             cv = torch.zeros_like(ck)
             row = {}
             for label, per_program in (("one_head_a_program", 1), ("default", None)):
-                row[label] = time_graph(lambda p=per_program: qkv.qkv_prep_triton(
+                row[label] = timed(lambda p=per_program: qkv.qkv_prep_triton(
                     x, H, KV, hd, v_off, nw, inv, pos, 1e-6, torch.float16, cache_k=ck, cache_v=cv, slots=slots,
-                    heads_per_program=p), reps=reps)
+                    heads_per_program=p), reps)
             out[f"{name}_hd{hd}_rows{T}"] = row
             print(f"qkv_prep {name} hd {hd}, {T} rows: " + ", ".join(f"{k} {v:.1f} µs" for k, v in row.items()),
                   flush=True)
@@ -82,7 +62,7 @@ def bench_qkv_prep(reps: int) -> dict:
 def bench_rowstats(reps: int) -> dict:
     logits = torch.tanh(torch.randn(256, 262144, device="cuda") * 0.5) * 30
     temp = 0.6083333492279053
-    row = {f"warps_{w}": time_graph(lambda w=w: rowstats.tempered_rowstats_triton(logits, temp, num_warps=w), reps=reps)
+    row = {f"warps_{w}": timed(lambda w=w: rowstats.tempered_rowstats_triton(logits, temp, num_warps=w), reps)
            for w in (8, 4)}
     gbps = {k: logits.numel() * 4 / v / 1e3 for k, v in row.items()}
     print("tempered_rowstats [256, 262144] f32: " + ", ".join(f"{k} {v:.1f} µs ({gbps[k]:.0f} GB/s)"
