@@ -261,9 +261,10 @@ def test_fused_norm_chains(dtype, tol):
             torch.testing.assert_close(got[1], exp[1], atol=tol, rtol=tol)
 
 
+# heads a program: all 8 in one; 10 in three programs, the last partly masked; one at a time
+@pytest.mark.parametrize("Hq,per_program", [(4, 8), (6, 4), (4, 1)])
 @pytest.mark.parametrize("has_v", [True, False])
-@pytest.mark.parametrize("Hq,per_program", [(4, 8), (6, 4), (4, 1)])  # 8 heads in one program; 10 in 3 (the last
-def test_qkv_prep_kernel(has_v, Hq, per_program):  # partly masked); one head a program
+def test_qkv_prep_kernel(has_v, Hq, per_program):
     T, KV, hd, rows = 6, 2, 16, 9
     nq, nk = Hq * hd, KV * hd
     qkvx = rnd(T, nq + nk + (nk if has_v else 0) + 8, scale=2)[:, :-8]  # a strided (non-contiguous) view
