@@ -250,3 +250,20 @@ def test_random_pack_source_engine_matches_reference(experts):
         m.prefill(cache, prompt)
         outs.append(m.denoise(cache, canvas, sc_logits=sc))
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4 * max(1.0, outs[0].abs().max().item())
+
+
+def test_expert_ffn_hands_the_down_gemm_f16_only_when_asked(monkeypatch):
+    """gelu·up writes the down GEMM's input as an f16 operand where that GEMM takes one, unless the engine's
+    f16_operands knob is off (then the GEMM converts bf16 itself)."""
+    from diffgemma.ops import gelu_mul as gm
+
+    asked = []
+    plain = gm.gelu_mul
+    monkeypatch.setattr(mp, "takes_f16_operand", lambda w, routes, x: True)
+    monkeypatch.setattr(gm, "gelu_mul", lambda gu, as_f16=False: (asked.append(as_f16), plain(gu))[1])
+    E, H, Fe, M = 3, 32, 16, 7
+    gu, dn = torch.randn(E, 2 * Fe, H), torch.randn(E, H, Fe)
+    x, offs = torch.randn(M, H), torch.tensor([2, 5, 7], dtype=torch.int32)
+    on = moe.expert_ffn(x, gu, dn, offs)
+    off = moe.expert_ffn(x, gu, dn, offs, f16_operands=False)
+    assert asked == [True, False] and torch.equal(on, off)

@@ -204,7 +204,8 @@ class Engine:
         # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
         src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
                                  else (*moe_plan(experts, cfg.num_experts), None))
-        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype)
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
+                       f16_operands=self.f16_operands)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 

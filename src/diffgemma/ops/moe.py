@@ -56,21 +56,22 @@ def _grouped_mm(a, w, offs):
         return out
 
 
-def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None):
+def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True):
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
     (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (moe_packed.takes_f16_operand); gelu·up hands the down GEMM
-    its input the same way when that GEMM takes it. The results are the same bits either way."""
+    its input the same way when that GEMM takes it, unless f16_operands is False (the engine's A/B knob). The
+    results are the same bits either way."""
     from .gelu_mul import gelu_mul
     from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
     from .moe_packed import takes_f16_operand
 
     out_dtype = out_dtype or x.dtype
     gu = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype)
-    h = gelu_mul(gu, as_f16=takes_f16_operand(down, gu.shape[0], gu))
+    h = gelu_mul(gu, as_f16=f16_operands and takes_f16_operand(down, gu.shape[0], gu))
     return gmm(h, down, offs, order=order, out_dtype=out_dtype)
 
 

@@ -92,9 +92,10 @@ _BIT_RUNS = ((0, 0xF, 6), (4, 0xF, 22), (1, 0xF, 2), (5, 0xF, 18), (2, 0xF, 10),
              (3, 0x3, 30), (3, 0xC, -2))
 
 
-def _as_int32(v: torch.Tensor) -> torch.Tensor:
-    """int64 holding 32-bit patterns -> int32 with the same bits."""
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+def _signed(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative integers holding unsigned bit patterns of dtype's width -> dtype with the same bits."""
+    bits = torch.iinfo(dtype).bits
+    return torch.where(v >= 2 ** (bits - 1), v - 2 ** bits, v).to(dtype)
 
 
 def _pack_words(q: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ def _pack_words(q: torch.Tensor) -> torch.Tensor:
     for slot, bits, shift in _BIT_RUNS:
         v = q[..., slot] & bits
         w |= (v << shift) if shift >= 0 else (v >> -shift)
-    return _as_int32(w)
+    return _signed(w, torch.int32)
 
 
 def _unpack_words(w: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ def to_tile_layout(pw, experts_per_chunk: int = 4):
         words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(_pack_words(q).permute(0, 1, 3, 2, 4))
         s, m = (pw.planes[n][rows].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
         sm = (s | (m << 16)).view(e1 - e0, T, TILE_N, G).permute(0, 1, 3, 2)
-        side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(_as_int32(sm))
+        side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(_signed(sm, torch.int32))
     out.layout = LAYOUT
     return out
 
@@ -174,8 +175,7 @@ def natural_planes(pw) -> dict:
 
 
 def _f16_bits(v: torch.Tensor) -> torch.Tensor:
-    v = v.to(torch.int32)
-    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(torch.float16)
+    return _signed(v, torch.int16).view(torch.float16)
 
 
 def decode_f16(pw) -> torch.Tensor:
