@@ -110,9 +110,12 @@ def test_decode_f16_is_the_weight_to_one_f16_rounding_of_the_offset():
     mins = pw.planes["min"].view(torch.float16).double().view(E, N, K // 32, 1)
     bound = (want.abs().view(E, N, K // 32, 32) + (mins - 16 * scale).abs()) * 2.0**-11 * 1.0001
     assert ((got - want).abs().view(E, N, K // 32, 32) <= bound).all()
-    x = torch.randn(64, K, dtype=torch.float64)
-    exact = x @ want[0].T
-    assert rel(x @ got[0].T, exact) < rel(x @ want[0].bfloat16().double().T, exact)
+    # The product over all three experts' rows: the two errors are ~10 % apart, so one expert and 64 rows of x
+    # (the earlier sample) put them in the wrong order about once in 40 runs; this sample, ratio 0.88-0.96 in 100.
+    w, g = want.reshape(-1, K), got.reshape(-1, K)
+    x = torch.randn(256, K, dtype=torch.float64)
+    exact = x @ w.T
+    assert rel(x @ g.T, exact) < rel(x @ w.bfloat16().double().T, exact)
 
 
 @interpreted
