@@ -29,13 +29,15 @@ import torch
 from bench_engine import time_graph  # also puts src/ on the path
 from diffgemma.ops import attention as A
 from diffgemma.ops import attention_flash as F
+from diffgemma.ops import attention_gemm as AG
 
 H, W, RING, CANVAS = 16, 1024, 1279, 256
 NSETS = 6
 
 
-def canvas_case(name, d, KV, n_ctx, sliding, dev):
-    """Inputs of one denoise attention call (NSETS independent sets), as the engine lays them out."""
+def canvas_case(name, d, KV, n_ctx, sliding, dev, live=None):
+    """Inputs of one denoise attention call (NSETS independent sets), as the engine lays them out.
+    live (full layers): the context rows in use, the rest of the n_ctx bucket padding (default: all)."""
     g = torch.Generator(device=dev).manual_seed(0)
     C = CANVAS
     rows = RING + C if sliding else n_ctx + C
@@ -54,8 +56,9 @@ def canvas_case(name, d, KV, n_ctx, sliding, dev):
         kpos = torch.cat([torch.where(live, 0, -1), torch.zeros(C, dtype=torch.int64, device=dev)])
         nlive = None
     else:
-        kpos = torch.zeros(rows, dtype=torch.int64, device=dev)  # a full bucket: every row live
-        nlive = torch.tensor(rows, device=dev)
+        n_live = rows if live is None else live + C
+        kpos = torch.where(torch.arange(rows, device=dev) < n_live, 0, -1)  # a full bucket: every row live
+        nlive = torch.tensor(n_live, device=dev)
     return dict(name=name, d=d, KV=KV, causal=False, sets=sets, kpos=kpos, n_keys=rows, nlive=nlive,
                 qpos=None, window=A.NO_WINDOW, n_ring=0, base_pos=0, queries=C)
 
@@ -85,6 +88,10 @@ def call(case, impl, cfg, i):
     kw = dict(qpos=case["qpos"], window=case["window"], causal=case["causal"], out_dtype=torch.bfloat16)
     if impl == "sdpa":
         return A.attention_sdpa(q, k, v, case["kpos"], case["n_keys"], **kw)
+    if impl == "gemm":  # the full canvas as two GEMMs around a chunked softmax (every row below nlive a key)
+        kpos = case["kpos"] if case["nlive"] is None else None  # the engine's calls: positions on sliding layers only
+        return AG.attention_gemm(q, k, v, case["n_keys"], kpos=kpos, nlive=case["nlive"], out_dtype=torch.bfloat16,
+                                 **cfg)
     hints = dict(n_ring=case["n_ring"], base_pos=case["base_pos"], nlive=case["nlive"])
     kpos = None if impl == "flash_nokpos" else case["kpos"]  # the engine's full-layer canvas call (every row a key)
     return F.attention_flash(q, k, v, kpos, case["n_keys"], **kw, **hints, **cfg)
@@ -130,6 +137,10 @@ def variants(case):
     sm_90 resource report (no spills, shared memory under 227 KB)."""
     d, causal = case["d"], case["causal"]
     out = [("sdpa", {}), ("flash", {})]  # (the round-2 kernel's column in bench/RESULTS.md came from commit 8f24671)
+    if d >= 512 and not causal:  # the engine's full-canvas call: the flash kernel without positions vs the GEMMs
+        out = [("flash_nokpos", {}), ("gemm", {}), ("sdpa", {})] + [("gemm", dict(chunk=c)) for c in (1024, 2048, 8192)]
+    elif not causal:
+        out = [("flash", {}), ("gemm", {}), ("sdpa", {})]
     if d >= 512 and causal:
         cfgs = [dict(BM=64, BN=16, BD=512, num_warps=8, num_stages=2),
                 dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2),
@@ -152,7 +163,7 @@ def variants(case):
         waves = (1, 2, 4) if d >= 512 else (0, 1, 2)
         dflt = F.flash_config(d, causal, case["n_keys"])
         if d >= 512:  # the full canvas without per-key positions (the engine's call since round 7), every config
-            out += [("flash_nokpos", {})] + [("flash_nokpos", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
+            out += [("flash", {})] + [("flash_nokpos", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
             out += [("flash_nokpos", dict(c, waves=w)) for c in cfgs for w in (1, 2)]
         out += [("flash", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
         return out + [("flash", dict(c, waves=w)) for c in cfgs for w in waves]
@@ -177,6 +188,8 @@ def main():
         ("canvas_full_1k", lambda: canvas_case("canvas_full_1k", 512, 2, 1024, False, dev)),
         ("canvas_full_8k", lambda: canvas_case("canvas_full_8k", 512, 2, 8192, False, dev)),
         ("canvas_full_32k", lambda: canvas_case("canvas_full_32k", 512, 2, 32768, False, dev)),
+        # a 32k bucket half in use (a context of 16.4k): the flash kernel stops at nlive, the GEMMs do not
+        ("canvas_full_32k_half", lambda: canvas_case("canvas_full_32k_half", 512, 2, 32768, False, dev, live=16640)),
         ("causal_full_8k@24k", lambda: causal_case("causal_full_8k@24k", 512, 2, 8192, 24576, False, dev)),
         ("causal_full_8k@0", lambda: causal_case("causal_full_8k@0", 512, 2, 8192, 0, False, dev)),
         ("causal_slide_8k@24k", lambda: causal_case("causal_slide_8k@24k", 256, 8, 8192, 24576, True, dev)),
@@ -185,7 +198,7 @@ def main():
     only = set(x for x in a.only.split(",") if x)
     rows = []
     # pass 1: the baselines and the default config on every shape; pass 2: the sweep, the largest levers first
-    sweep_order = ["causal_full_8k@24k", "canvas_full_32k", "canvas_slide", "canvas_full_1k", "causal_slide_8k@24k",
+    sweep_order = ["causal_full_8k@24k", "canvas_full_32k", "canvas_full_32k_half", "canvas_slide", "canvas_full_1k", "causal_slide_8k@24k",
                    "canvas_full_8k", "causal_full_8k@0", "causal_slide_8k@0"]
     for pass_ in (1, 2):
         order = builders if pass_ == 1 else sorted(builders, key=lambda b: sweep_order.index(b[0]))

@@ -404,7 +404,7 @@ def _f(x, fmt, missing="—"):
 
 
 def table(ours, hf, contexts) -> str:
-    rows = ["| context | ours denoise ms (graph) | all-SDPA attn | all-Triton attn | ours eager ms | roofline ms | HF denoise ms | speed-up | "
+    rows = ["| context | ours denoise ms (graph) | all-SDPA attn | all-flash attn | ours eager ms | roofline ms | HF denoise ms | speed-up | "
             "ours prefill tok/s | HF prefill tok/s | speed-up | ours peak GiB (prefill / denoise) | HF peak GiB (prefill / denoise) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in contexts:

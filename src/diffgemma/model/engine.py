@@ -9,7 +9,8 @@ Data path of one layer (both passes; only the attention mask and the cache slots
 number of launches on CUDA:
   qkv GEMM (1; its input norm came fused with the previous layer's finish)
   → qkv_prep (1: Q/K norm + RoPE, V no-scale norm, K/V into the cache, Q head-major)
-  → attention (1: flash-style Triton, GQA folded, masked key blocks skipped) → o GEMM (1)
+  → attention (1: flash-style Triton, GQA folded, masked key blocks skipped; the full layers' denoise
+    canvas instead: cuBLAS Q·K^T, a chunked softmax, one cuBLAS P·V a key chunk, the merge) → o GEMM (1)
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
   → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
@@ -92,6 +93,9 @@ class Engine:
         self._graph_pool = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
+        # The canvas attention of these layer kinds as GEMMs (ops/attention_gemm.py), the flash kernel elsewhere
+        # (A/B: ("full", "sliding") or (); a graph keeps the choice it was captured with).
+        self.gemm_canvas_layers = ("full",)
         # The streaming expert GEMMs take the most-routed experts first (ops/moe_plan.moe_plan_with_order); False:
         # in expert order, for A/B (same results; a graph captured before a change keeps the order it was made with).
         self.launch_order = True
@@ -175,14 +179,19 @@ class Engine:
 
     # ------------------------------------------------------------------ attention implementation
 
-    # Which attention runs where: the round-3 kernel (ops/attention_flash.py) everywhere on CUDA. Kernel
-    # timings on the H200 (bench/bench_attention.py at commit 8f24671; GPU µs per call, graphed):
-    # sliding canvas 32.8 vs SDPA 103.5; full canvas 67 / 362 / 1320 vs SDPA 165 / 936 / 3554 at 1k / 8k /
-    # 32k keys; 8k prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0),
-    # sliding 0.82 vs the round-2 kernel 1.12 and SDPA 9.5. It won every shape measured, so the rule has
-    # no thresholds (None = the dispatcher's default: that kernel on CUDA unless DIFFGEMMA_NO_TRITON=1).
+    # Which attention runs where (None = this rule; attn_impl forces one implementation everywhere):
+    # * the full layers' canvas: two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py). On the H200
+    #   (bench/bench_attention.py, GPU µs a call, graphed; bench/RESULTS.md round 14) 41 / 209 / 716 against the
+    #   flash kernel's 58 / 307 / 1108 at 1k / 8k / 32k keys. The GEMMs run over the whole graph bucket where the
+    #   flash kernel stops at the live length: a 32k bucket holding 16.6k keys took 640 against 583.
+    # * everything else: the round-3 flash kernel (ops/attention_flash.py), the dispatcher's default on CUDA
+    #   (unless DIFFGEMMA_NO_TRITON=1). Sliding canvas 34.5 against 127 for the GEMMs and 103 for SDPA; 8k
+    #   prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0), sliding 0.82 vs the
+    #   round-2 kernel 1.12 and SDPA 9.5 (commit 8f24671).
     # A fixed rule, not a run-time race: the same inputs always take the same kernels.
     def _attn_impl(self, sliding: bool, causal: bool, keys: int):
+        if self.attn_impl is None and not causal and ("sliding" if sliding else "full") in self.gemm_canvas_layers:
+            return "gemm"
         return self.attn_impl
 
     # ------------------------------------------------------------------ the layer

@@ -22,6 +22,8 @@ The kernel and its tile configs live in ops/attention_flash.py.
   attention_ref     f32 twin, scores materialised per query block (tests, and the CPU path)
   attention_sdpa    torch SDPA with a boolean mask (round 1's path; for A/B on the GPU)
   attention_flash   the round-3 kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
+  attention_gemm    two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py; impl 'gemm', the
+                    canvas on CUDA only: other calls with impl 'gemm' take the default)
   attention         dispatch: the kernel on CUDA, the twin elsewhere (`impl` overrides)
 """
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from ._backend import use_triton
 from .attention_flash import attention_flash
+from .attention_gemm import attention_gemm
 
 
 NO_WINDOW = 1 << 30
@@ -96,9 +99,13 @@ _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could no
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
-    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'sdpa' or 'ref'."""
+    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'sdpa' or 'ref'."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
+    if impl == "gemm":
+        if not causal and q.is_cuda:
+            return attention_gemm(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+        impl = None
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
     sig = (q.shape[-1], causal, impl)

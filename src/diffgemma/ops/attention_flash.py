@@ -231,7 +231,13 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
                         RING=bool(causal and n_ring > 0), KPOS=kpos is not None,
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if S > 1:
-        BR, BDc = 32, min(d, 128)
-        _combine_kernel[(triton.cdiv(H * n, BR), d // BDc)](po, pml, out, n, H * n, S, HD=d, BR=BR, BD=BDc,
-                                                             num_warps=4)
+        combine_partials(po, pml, out, n)
     return out
+
+
+def combine_partials(po, pml, out, n_q: int) -> None:
+    """out [n_q, H·d] <- the merge of S unnormalised partials: po [S, H·n_q, d] (f32 acc, rows head-major,
+    head · n_q + t) and pml [S, 2, H·n_q] (the row max in log2 units, the row sum)."""
+    S, RT, d = po.shape
+    BR, BD = 32, min(d, 128)
+    _combine_kernel[(triton.cdiv(RT, BR), d // BD)](po, pml, out, n_q, RT, S, HD=d, BR=BR, BD=BD, num_warps=4)
