@@ -57,12 +57,14 @@ def test_chunk_softmax_kernel_matches_its_twin(with_kpos):
     KV, GR, n_keys, chunk, live = 2, 6, 75, 16, 58
     s = torch.randn(KV, GR, n_keys) * 4
     kpos = torch.where(torch.rand(n_keys) < 0.3, -1, 0) if with_kpos else None
-    p = torch.empty(KV, GR, n_keys, dtype=torch.float16)
+    ep, epml = ag.chunk_softmax_ref(s, live, chunk, torch.float16, kpos)
     n_chunks = -(-n_keys // chunk)
     pml = torch.empty(n_chunks, 2, KV * GR)
-    ag._chunk_softmax_kernel[(KV * GR, n_chunks)](s, p, pml, torch.tensor(live), kpos if with_kpos else s, n_keys,
-                                                  KV * GR, CHUNK=chunk, HAS_NLIVE=True, KPOS=with_kpos, num_warps=4)
-    ep, epml = ag.chunk_softmax_ref(s, live, chunk, torch.float16, kpos)
+    buf = s.clone()  # the kernel writes P over the scores it reads
+    ag._chunk_softmax_kernel[(KV * GR,)](buf, buf.view(torch.float16), pml, torch.tensor(live),
+                                         kpos if with_kpos else s, n_keys, KV * GR, n_chunks, CHUNK=chunk,
+                                         HAS_NLIVE=True, KPOS=with_kpos, num_warps=4)
+    p = buf.view(torch.float16)[..., :n_keys]
     assert torch.equal(p[..., live:], torch.zeros_like(p[..., live:]))  # masked keys weigh exactly 0 in P·V
     if with_kpos:
         assert torch.equal(p[..., :live][..., kpos[:live] < 0], torch.zeros_like(p[..., :live][..., kpos[:live] < 0]))

@@ -159,7 +159,10 @@ class Engine:
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
-        return self._denoise_core(cache, ids, mode, sc, key_rows=cache.length + C)
+        # on CUDA over the graph's key rows: the canvas GEMMs' shapes (and the flash kernel's split count) follow
+        # key_rows, so eager and graphed steps then compute the same bits
+        rows = self.context_bucket(cache) if self.device.type == "cuda" else cache.length
+        return self._denoise_core(cache, ids, mode, sc, key_rows=rows + C)
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config

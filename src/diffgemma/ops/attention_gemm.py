@@ -7,7 +7,8 @@ for each output half. Here the products are plain GEMMs,
 which cuBLAS runs near the compute roofline, and the scores make one round trip through memory:
 
   1. S = Q·K^T per KV head ([G·n, keys], f32; GQA folded into the rows as in the flash kernel);
-  2. per chunk of `chunk` keys: m = the chunk's row max, P = exp(S - m) (f16, the V cache's dtype), l = Σ P;
+  2. per chunk of `chunk` keys: m = the chunk's row max, P = exp(S - m) (f16, the V cache's dtype, written
+     over S's own bytes), l = Σ P;
      keys at or past `nlive` (a device scalar, so one CUDA graph serves every step of a bucket) or with
      kpos < 0 get P = 0;
   3. per chunk: acc = P·V (f32), one GEMM batched over the KV heads;
@@ -39,26 +40,31 @@ LOG2E = 1.4426950408889634
 if HAVE_TRITON:
 
     @triton.jit
-    def _chunk_softmax_kernel(s_ptr, p_ptr, pml_ptr, nlive_ptr, kpos_ptr, n_keys, RT,
+    def _chunk_softmax_kernel(s_ptr, p_ptr, pml_ptr, nlive_ptr, kpos_ptr, n_keys, RT, n_chunks,
                               CHUNK: tl.constexpr, HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr):
+        """One program a row (g · (G·n) + r over every KV head = head · n + t), its chunks in order. P is
+        written over the row's own scores (p_ptr: the same buffer as f16, row stride 2·n_keys): chunk c's P
+        lands on the bytes of chunk c/2's scores, which this program has already read (the row max's
+        reduction orders every thread's loads of a chunk before its stores)."""
         LOG2E_: tl.constexpr = 1.4426950408889634
-        row = tl.program_id(0)  # g · (G·n) + r: every KV head's folded rows, = head · n + t
-        c = tl.program_id(1)
+        row = tl.program_id(0)
         hi = n_keys
         if HAS_NLIVE:
             hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        ok = cols < hi
-        if KPOS:
-            ok = ok & (tl.load(kpos_ptr + cols, mask=ok, other=-1) >= 0)
-        base = row.to(tl.int64) * n_keys
-        s = tl.load(s_ptr + base + cols, mask=ok, other=-float("inf")).to(tl.float32) * LOG2E_
-        m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: an all-masked chunk gets l = 0 and weight 0
-        p = tl.exp2(s - m)
-        tl.store(p_ptr + base + cols, p.to(p_ptr.dtype.element_ty), mask=cols < n_keys)
-        ml = pml_ptr + c.to(tl.int64) * 2 * RT + row  # the flash kernel's partials: [chunks, 2, RT]
-        tl.store(ml, m)
-        tl.store(ml + RT, tl.sum(p, axis=0))
+        s_row = s_ptr + row.to(tl.int64) * n_keys
+        p_row = p_ptr + row.to(tl.int64) * 2 * n_keys
+        for c in range(0, n_chunks):
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            ok = cols < hi
+            if KPOS:
+                ok = ok & (tl.load(kpos_ptr + cols, mask=ok, other=-1) >= 0)
+            s = tl.load(s_row + cols, mask=ok, other=-float("inf")).to(tl.float32) * LOG2E_
+            m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: an all-masked chunk gets l = 0 and weight 0
+            p = tl.exp2(s - m)
+            tl.store(p_row + cols, p.to(p_ptr.dtype.element_ty), mask=cols < n_keys)
+            ml = pml_ptr + c * 2 * RT + row  # the flash kernel's partials: [chunks, 2, RT]
+            tl.store(ml, m)
+            tl.store(ml + RT, tl.sum(p, axis=0))
 
 
 def chunk_size(n_keys: int) -> int:
@@ -114,15 +120,15 @@ def attention_gemm(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, 
     K, V = k[:, :n_keys], v[:, :n_keys]
     s = torch.empty(KV, GR, n_keys, dtype=torch.float32, device=q.device)
     _matmul_f32(qg, K.transpose(1, 2), s)
-    if kernels:
-        p = torch.empty(KV, GR, n_keys, dtype=v.dtype, device=q.device)
+    if kernels:  # P in place of the scores: at 8k context the q4 model's 20 GiB bar has no room for both
+        p = s.view(v.dtype)  # [KV, GR, 2·n_keys]; P is its first n_keys columns
         pml = torch.empty(n_chunks, 2, KV * GR, dtype=torch.float32, device=q.device)
-        _chunk_softmax_kernel[(KV * GR, n_chunks)](s, p, pml, nlive if nlive is not None else s,
-                                                    kpos if kpos is not None else s, n_keys, KV * GR, CHUNK=L,
-                                                    HAS_NLIVE=nlive is not None, KPOS=kpos is not None, num_warps=4)
+        _chunk_softmax_kernel[(KV * GR,)](s, p, pml, nlive if nlive is not None else s, kpos if kpos is not None else s,
+                                          n_keys, KV * GR, n_chunks, CHUNK=L, HAS_NLIVE=nlive is not None,
+                                          KPOS=kpos is not None, num_warps=4)
+        p = p[..., :n_keys]
     else:
         p, pml = chunk_softmax_ref(s, nlive, L, v.dtype, kpos)
-    del s
     po = torch.empty(n_chunks, KV * GR, d, dtype=torch.float32, device=q.device)
     for c in range(n_chunks):  # one GEMM a chunk, batched over the KV heads (uniform strides for P and V)
         _matmul_f32(p[:, :, c * L:(c + 1) * L], V[:, c * L:(c + 1) * L], po[c].view(KV, GR, d))
