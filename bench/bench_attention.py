@@ -1,4 +1,5 @@
-"""Attention kernels alone at the real shapes: SDPA, the round-2 kernel, the round-3 kernel over a config sweep.
+"""Attention kernels alone at the real shapes: SDPA, the round-3 flash kernel over a config sweep, and for the
+canvas the GEMM path (ops/attention_gemm.py; impl "gemm", chunk lengths swept on the full layers).
 
 One H200 run: `PYTHONPATH=src python3 bench/bench_attention.py --json $OUT/attn.jsonl --budget 150`.
 Every variant is first checked against the f32 twin (relative Frobenius error; a variant over 1e-2 is
@@ -57,7 +58,7 @@ def canvas_case(name, d, KV, n_ctx, sliding, dev, live=None):
         nlive = None
     else:
         n_live = rows if live is None else live + C
-        kpos = torch.where(torch.arange(rows, device=dev) < n_live, 0, -1)  # a full bucket: every row live
+        kpos = torch.where(torch.arange(rows, device=dev) < n_live, 0, -1)  # rows past n_live: the bucket's padding
         nlive = torch.tensor(n_live, device=dev)
     return dict(name=name, d=d, KV=KV, causal=False, sets=sets, kpos=kpos, n_keys=rows, nlive=nlive,
                 qpos=None, window=A.NO_WINDOW, n_ring=0, base_pos=0, queries=C)

@@ -86,3 +86,19 @@ def test_gemm_attention_refuses_bad_shapes():
 @pytest.mark.parametrize("n_keys,expect", [(1280, 2048), (8448, 2048), (33024, 8192), (200000, 8192), (64, 2048)])
 def test_chunk_size(n_keys, expect):
     assert ag.chunk_size(n_keys) == expect
+
+
+def test_engine_rule_takes_the_gemms_for_the_full_canvas_only():
+    from types import SimpleNamespace
+
+    from diffgemma.model.engine import Engine
+
+    eng = SimpleNamespace(attn_impl=None, gemm_canvas_layers=("full",))
+    rule = Engine._attn_impl
+    assert rule(eng, sliding=False, causal=False, keys=1280) == "gemm"
+    assert rule(eng, sliding=True, causal=False, keys=1535) is None  # the flash kernel (dispatcher default)
+    assert rule(eng, sliding=False, causal=True, keys=8192) is None  # prefill
+    eng.attn_impl = "triton"  # a forced implementation wins everywhere
+    assert rule(eng, sliding=False, causal=False, keys=1280) == "triton"
+    eng.attn_impl, eng.gemm_canvas_layers = None, ("full", "sliding")
+    assert rule(eng, sliding=True, causal=False, keys=1535) == "gemm"

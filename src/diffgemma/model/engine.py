@@ -186,7 +186,7 @@ class Engine:
     # * the full layers' canvas: two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py). On the H200
     #   (bench/bench_attention.py, GPU µs a call, graphed; bench/RESULTS.md round 14) 41 / 209 / 716 against the
     #   flash kernel's 58 / 307 / 1108 at 1k / 8k / 32k keys. The GEMMs run over the whole graph bucket where the
-    #   flash kernel stops at the live length: a 32k bucket holding 16.6k keys took 640 against 583.
+    #   flash kernel stops at the live length: a 32k bucket holding 16.6k keys took 651 against 593.
     # * everything else: the round-3 flash kernel (ops/attention_flash.py), the dispatcher's default on CUDA
     #   (unless DIFFGEMMA_NO_TRITON=1). Sliding canvas 34.5 against 127 for the GEMMs and 103 for SDPA; 8k
     #   prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0), sliding 0.82 vs the

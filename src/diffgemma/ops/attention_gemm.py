@@ -1,9 +1,8 @@
 """Canvas (bidirectional) attention as two cuBLAS GEMMs around a chunked softmax.
 
-For the denoise canvas: the full layers (head dim 512, every cache row below `nlive` a key) and the sliding
-layers (head dim 256, keys masked by `kpos`). The flash kernel (ops/attention_flash.py) runs the full
-layers at ~25% of the tensor cores' rate: a 512-wide head leaves it 32-key blocks, and it recomputes QK^T
-for each output half. Here the products are plain GEMMs,
+The engine runs the full layers' denoise canvas this way (head dim 512, every cache row below `nlive` a key).
+The flash kernel (ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head
+leaves it 32-key blocks, and it recomputes QK^T for each output half. Here the products are plain GEMMs,
 which cuBLAS runs near the compute roofline, and the scores make one round trip through memory:
 
   1. S = Q·K^T per KV head ([G·n, keys], f32; GQA folded into the rows as in the flash kernel);
@@ -13,6 +12,9 @@ which cuBLAS runs near the compute roofline, and the scores make one round trip 
      kpos < 0 get P = 0;
   3. per chunk: acc = P·V (f32), one GEMM batched over the KV heads;
   4. the flash kernel's merge of (acc, m, l) over the chunks (its partials' layout).
+
+Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster (bench/RESULTS.md
+round 14: 34.5 against 127 µs), so the engine keeps it.
 
 The price is that the GEMMs always run over all `n_keys` rows (a graph's padded bucket), where the flash
 kernel stops at `nlive`; masked rows hold zeros or earlier finite K/V (normed, so never inf), and
@@ -75,14 +77,16 @@ def chunk_size(n_keys: int) -> int:
 
 
 def chunk_softmax_ref(s, nlive, chunk: int, p_dtype, kpos=None):
-    """-> (P [KV, GR, n_keys] p_dtype, pml [chunks, 2, KV·GR] f32): m in log2 units, as the kernel writes them."""
+    """-> (P [KV, GR, n_keys] p_dtype, pml [chunks, 2, KV·GR] f32): m in log2 units, as the kernel writes them.
+    No host reads (nlive stays on the device), so a CUDA graph may capture it (DIFFGEMMA_NO_TRITON=1)."""
     KV, GR, n_keys = s.shape
     n_chunks = -(-n_keys // chunk)
-    hi = n_keys if nlive is None else min(n_keys, int(nlive))
-    x = s.float() * LOG2E
-    x[..., hi:] = -float("inf")
+    visible = torch.ones(n_keys, dtype=torch.bool, device=s.device)
+    if nlive is not None:
+        visible &= torch.arange(n_keys, device=s.device) < nlive
     if kpos is not None:
-        x[..., kpos[:n_keys] < 0] = -float("inf")
+        visible &= kpos[:n_keys] >= 0
+    x = (s.float() * LOG2E).masked_fill(~visible, -float("inf"))
     p = torch.empty(KV, GR, n_keys, dtype=p_dtype, device=s.device)
     pml = torch.empty(n_chunks, 2, KV * GR, dtype=torch.float32, device=s.device)
     for c in range(n_chunks):
