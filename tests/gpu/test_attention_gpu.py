@@ -132,10 +132,11 @@ def test_engine_kernel_vs_sdpa_mid():
     assert cos["triton"] > 0.97 and cos["triton"] >= cos["sdpa"] - 0.01
 
 
-@pytest.mark.parametrize("bucket", [1024, 8192, 32768])
-def test_canvas_full_gemm_real_shape(bucket):
+@pytest.mark.parametrize("bucket,kernels", [(1024, True), (8192, True), (32768, True), (1024, False)])
+def test_canvas_full_gemm_real_shape(bucket, kernels):
     """The GEMM path (ops/attention_gemm.py) on a padded bucket: the padding rows are finite garbage (the
-    GEMMs read them; in the cache they hold zeros or older K/V), with scores that would dominate if unmasked."""
+    GEMMs read them; in the cache they hold zeros or older K/V), with scores that would dominate if unmasked.
+    kernels=False: its torch softmax and merge (what DIFFGEMMA_NO_TRITON=1 runs)."""
     from diffgemma.ops import attention_gemm as ag
 
     key_rows = bucket + C
@@ -144,7 +145,7 @@ def test_canvas_full_gemm_real_shape(bucket):
     k[:, live:] *= 30
     kpos = torch.where(torch.arange(key_rows, device=DEV) < live, 0, -1)
     nlive = torch.tensor(live, device=DEV)
-    got = ag.attention_gemm(q, k, v, key_rows, nlive=nlive, out_dtype=torch.bfloat16)
+    got = ag.attention_gemm(q, k, v, key_rows, nlive=nlive, out_dtype=torch.bfloat16, kernels=kernels)
     exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32, q_block=128)
     flash = fl.attention_flash(q, k, v, None, key_rows, out_dtype=torch.bfloat16, nlive=nlive)
     assert not torch.isnan(got).any()
