@@ -37,12 +37,18 @@ def ring_positions(L):
     return sp
 
 
-def test_canvas_sliding_real_shape():
+def sliding_canvas():
+    """A sliding layer's canvas call after a random long context: q, k, v, kpos (the ring's live window, then
+    the canvas), n_keys."""
     L = int(torch.randint(5000, 40000, ()))
     q, k, v = qkv(8, C, RING + C + 32, 256)
     sp = ring_positions(L)
     kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), 0, -1), torch.zeros(C, dtype=torch.int64, device=DEV)])
-    n_keys = RING + C
+    return q, k, v, kpos, RING + C
+
+
+def test_canvas_sliding_real_shape():
+    q, k, v, kpos, n_keys = sliding_canvas()
     k[:, n_keys:] = float("nan")
     v[:, :n_keys][:, kpos < 0] = float("nan")
     got = fl.attention_flash(q, k, v, kpos, n_keys, out_dtype=torch.bfloat16)
@@ -160,11 +166,7 @@ def test_canvas_sliding_gemm_real_shape():
     """The GEMM path on a sliding layer's canvas: ring slots masked by kpos hold finite garbage."""
     from diffgemma.ops import attention_gemm as ag
 
-    L = int(torch.randint(5000, 40000, ()))
-    q, k, v = qkv(8, C, RING + C + 32, 256)
-    sp = ring_positions(L)
-    kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), 0, -1), torch.zeros(C, dtype=torch.int64, device=DEV)])
-    n_keys = RING + C
+    q, k, v, kpos, n_keys = sliding_canvas()
     k[:, :n_keys][:, kpos < 0] *= 30
     got = ag.attention_gemm(q, k, v, n_keys, kpos=kpos, out_dtype=torch.bfloat16)
     exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
