@@ -95,10 +95,22 @@ def test_engine_rule_takes_the_gemms_for_the_full_canvas_only():
 
     eng = SimpleNamespace(attn_impl=None, gemm_canvas_layers=("full",))
     rule = Engine._attn_impl
-    assert rule(eng, sliding=False, causal=False, keys=1280) == "gemm"
-    assert rule(eng, sliding=True, causal=False, keys=1535) is None  # the flash kernel (dispatcher default)
-    assert rule(eng, sliding=False, causal=True, keys=8192) is None  # prefill
+    assert rule(eng, sliding=False, causal=False) == "gemm"
+    assert rule(eng, sliding=True, causal=False) is None  # the flash kernel (dispatcher default)
+    assert rule(eng, sliding=False, causal=True) is None  # prefill
     eng.attn_impl = "triton"  # a forced implementation wins everywhere
-    assert rule(eng, sliding=False, causal=False, keys=1280) == "triton"
+    assert rule(eng, sliding=False, causal=False) == "triton"
     eng.attn_impl, eng.gemm_canvas_layers = None, ("full", "sliding")
-    assert rule(eng, sliding=True, causal=False, keys=1535) == "gemm"
+    assert rule(eng, sliding=True, causal=False) == "gemm"
+
+
+def test_dispatcher_calls_the_gemms_with_the_kernels_convention():
+    """attention(impl='gemm') on CUDA calls _KERNELS['gemm'] with the flash kernel's keywords; here on the CPU
+    (the dispatcher itself sends CPU tensors to the twin) the same call, through the torch softmax and merge."""
+    H, KV, C, d, key_rows, live = 8, 2, 8, 32, 60, 37
+    q, k, v = qkv(H, KV, C, key_rows, d)
+    nlive = torch.tensor(live)
+    got = attn._KERNELS["gemm"](q, k, v, None, key_rows, n_ring=0, base_pos=0, nlive=nlive, qpos=None,
+                                window=attn.NO_WINDOW, causal=False, out_dtype=torch.float32)
+    exp = attn.attention(q, k, v, None, key_rows, out_dtype=torch.float32, impl="gemm", nlive=nlive)  # -> the twin
+    torch.testing.assert_close(got, exp, atol=1e-2, rtol=1e-2)

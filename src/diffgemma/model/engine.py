@@ -159,10 +159,7 @@ class Engine:
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
-        # on CUDA over the graph's key rows: the canvas GEMMs' shapes (and the flash kernel's split count) follow
-        # key_rows, so eager and graphed steps then compute the same bits
-        rows = self.context_bucket(cache) if self.device.type == "cuda" else cache.length
-        return self._denoise_core(cache, ids, mode, sc, key_rows=rows + C)
+        return self._denoise_core(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
@@ -192,7 +189,7 @@ class Engine:
     #   prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0), sliding 0.82 vs the
     #   round-2 kernel 1.12 and SDPA 9.5 (commit 8f24671).
     # A fixed rule, not a run-time race: the same inputs always take the same kernels.
-    def _attn_impl(self, sliding: bool, causal: bool, keys: int):
+    def _attn_impl(self, sliding: bool, causal: bool):
         if self.attn_impl is None and not causal and ("sliding" if sliding else "full") in self.gemm_canvas_layers:
             return "gemm"
         return self.attn_impl
@@ -256,7 +253,7 @@ class Engine:
                 q, kv = self._qkv(li, qkv, pos, dense_kv=True)
                 Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self._attn_impl(True, True, R + n), n_ring=R, base_pos=P)
+                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -264,7 +261,7 @@ class Engine:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self._attn_impl(False, True, P + n))
+                             impl=self._attn_impl(False, True))
 
         x = self.embed(ids)  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -303,11 +300,11 @@ class Engine:
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
-                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False, R + C))
+                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False))
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
             return attention(q, K, V, None, key_rows, out_dtype=self.dtype,
-                             impl=self._attn_impl(False, False, key_rows), nlive=nlive)
+                             impl=self._attn_impl(False, False), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
         logits = h @ self.w.embed.T
@@ -333,9 +330,14 @@ class Engine:
             b *= 2
         return min(b, cache.max_tokens)
 
+    def _key_rows(self, cache: EngineKVCache, C: int) -> int:
+        """Full-layer cache rows a denoise reads. On CUDA the context's bucket, graphed or eager: the canvas
+        GEMMs' shapes (and the flash kernel's split count) follow it, so both compute the same bits."""
+        return (self.context_bucket(cache) if self.device.type == "cuda" else cache.length) + C
+
     def _denoise_graphed(self, cache: EngineKVCache, ids, mode: str, sc) -> torch.Tensor:
         C = len(ids)
-        key_rows = self.context_bucket(cache) + C
+        key_rows = self._key_rows(cache, C)
         key = (C, key_rows, mode, self.attn_impl)
         graphs = self._graphs.setdefault(cache, {})
         entry = graphs.get(key)

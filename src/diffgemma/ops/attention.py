@@ -93,7 +93,12 @@ def _all_visible(n_keys: int, nlive, device) -> torch.Tensor:
     return torch.where(ar < nlive, torch.zeros_like(ar), torch.full_like(ar, -1))
 
 
-_KERNELS = {"triton": attention_flash}
+def _attention_gemm(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
+    """attention_gemm under the kernels' calling convention (the canvas: no qpos, window or ring)."""
+    return attention_gemm(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+
+
+_KERNELS = {"triton": attention_flash, "gemm": _attention_gemm}
 _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here; SDPA takes over
 
 
@@ -102,14 +107,12 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'sdpa' or 'ref'."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
-    if impl == "gemm":
-        if not causal and q.is_cuda:
-            return attention_gemm(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+    if impl == "gemm" and (causal or not q.is_cuda):  # the GEMMs serve the canvas on CUDA only
         impl = None
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
     sig = (q.shape[-1], causal, impl)
-    if impl in _KERNELS and (q.shape[-1] < 16 or sig in _triton_failed):  # tl.dot needs K >= 16
+    if sig in _triton_failed or (impl == "triton" and q.shape[-1] < 16):  # the flash kernel's tl.dot needs K >= 16
         impl = "sdpa" if q.is_cuda else "ref"
     kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
     if impl in _KERNELS:
