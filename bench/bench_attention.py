@@ -1,5 +1,6 @@
 """Attention kernels alone at the real shapes: SDPA, the round-3 flash kernel over a config sweep, and for the
-canvas the GEMM path (ops/attention_gemm.py; impl "gemm", chunk lengths swept on the full layers).
+canvas the GEMM path (ops/attention_gemm.py; impl "gemm", chunk lengths swept on the full layers) and the tile
+path (ops/attention_tiles.py; impl "tiles", the engine's full-layer canvas).
 
 One H200 run: `PYTHONPATH=src python3 bench/bench_attention.py --json $OUT/attn.jsonl --budget 150`.
 Every variant is first checked against the f32 twin (relative Frobenius error; a variant over 1e-2 is
@@ -31,6 +32,7 @@ from bench_engine import time_graph  # also puts src/ on the path
 from diffgemma.ops import attention as A
 from diffgemma.ops import attention_flash as F
 from diffgemma.ops import attention_gemm as AG
+from diffgemma.ops import attention_tiles as AT
 
 H, W, RING, CANVAS = 16, 1024, 1279, 256
 NSETS = 6
@@ -93,6 +95,10 @@ def call(case, impl, cfg, i):
         kpos = case["kpos"] if case["nlive"] is None else None  # the engine's calls: positions on sliding layers only
         return AG.attention_gemm(q, k, v, case["n_keys"], kpos=kpos, nlive=case["nlive"], out_dtype=torch.bfloat16,
                                  **cfg)
+    if impl == "tiles":  # Triton GEMMs, the softmax per key tile in the first's epilogue
+        kpos = case["kpos"] if case["nlive"] is None else None
+        return AT.attention_tiles(q, k, v, case["n_keys"], kpos=kpos, nlive=case["nlive"], out_dtype=torch.bfloat16,
+                                  **cfg)
     hints = dict(n_ring=case["n_ring"], base_pos=case["base_pos"], nlive=case["nlive"])
     kpos = None if impl == "flash_nokpos" else case["kpos"]  # the engine's full-layer canvas call (every row a key)
     return F.attention_flash(q, k, v, kpos, case["n_keys"], **kw, **hints, **cfg)
@@ -139,9 +145,10 @@ def variants(case):
     d, causal = case["d"], case["causal"]
     out = [("sdpa", {}), ("flash", {})]  # (the round-2 kernel's column in bench/RESULTS.md came from commit 8f24671)
     if d >= 512 and not causal:  # the engine's full-canvas call: the flash kernel without positions vs the GEMMs
-        out = [("flash_nokpos", {}), ("gemm", {}), ("sdpa", {})] + [("gemm", dict(chunk=c)) for c in (1024, 2048, 8192)]
+        out = [("flash_nokpos", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {}), ("tiles", dict(tma=False)),
+               ("tiles", dict(tile=64))]
     elif not causal:
-        out = [("flash", {}), ("gemm", {}), ("sdpa", {})]
+        out = [("flash", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {})]
     if d >= 512 and causal:
         cfgs = [dict(BM=64, BN=16, BD=512, num_warps=8, num_stages=2),
                 dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2),

@@ -50,7 +50,8 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
 CANVAS = 256
 # (engine attribute, value, name) for the A/B timings of bench_ours; --ab picks by name
 AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
-               ("launch_order", False, "expert_order")]  # the expert GEMMs' programs in expert order
+               ("launch_order", False, "expert_order"),  # the expert GEMMs' programs in expert order
+               ("canvas_impls", {"full": "gemm"}, "gemm"), ("canvas_impls", {"full": "tiles"}, "tiles")]
 
 
 def log(*a):
@@ -114,7 +115,8 @@ def weight_bytes(w) -> int:
     return total
 
 
-def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), generate: bool = True) -> dict:
+def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), generate: bool = True,
+               alternate: int = 0) -> dict:
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     t0 = time.time()
     eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
@@ -158,9 +160,23 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
         # SDPA (round 1's path) or to the Triton kernel, or the expert GEMMs' programs in expert order
         ab = {}
-        for attr, value, name in AB_VARIANTS:
-            if name not in ab_names:
-                continue
+        chosen = [v for v in AB_VARIANTS if v[2] in ab_names]
+        if alternate and chosen:  # the default and each variant, captured afresh, in turn: drift hits all alike
+            alt = {"default": []} | {name: [] for _, _, name in chosen}
+            for _ in range(alternate):
+                for attr, value, name in [(None, None, "default")] + chosen:
+                    old = getattr(eng, attr) if attr else None
+                    if attr:
+                        setattr(eng, attr, value)
+                    eng._graphs.clear()
+                    eng.denoise(cache, ids, sc_logits=sc)
+                    alt[name].append(statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
+                                                                 reps=max(3, reps // 2), warmup=2)))
+                    if attr:
+                        setattr(eng, attr, old)
+            eng._graphs.clear()
+            ab["denoise_alternating_ms"] = {name: [round(x, 3) for x in xs] for name, xs in alt.items()}
+        for attr, value, name in chosen:
             old = getattr(eng, attr)
             setattr(eng, attr, value)
             eng._graphs.clear()  # a knob outside the graph key (launch_order) needs a fresh capture
@@ -435,6 +451,8 @@ def main():
     ap.add_argument("--ab", default="sdpa,triton",
                     help=f"A/B variants of the denoise step to also time (of {', '.join(v[2] for v in AB_VARIANTS)}; '' for none)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-overhead measurement")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="also time the default step and the --ab variants in turn, this many rounds, in one process")
     a = ap.parse_args()
     ab_names = [x for x in a.ab.split(",") if x]
     unknown = set(ab_names) - {v[2] for v in AB_VARIANTS}
@@ -453,7 +471,7 @@ def main():
         return
     with routing(a.routing):
         ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x], ab_names,
-                          generate=not a.no_generate)
+                          generate=not a.no_generate, alternate=a.alternate)
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
     if a.json:  # ours survives a failure or time-out on transformers' side
         Path(a.json).write_text(json.dumps({"ours": ours}, indent=1, default=str))

@@ -93,15 +93,16 @@ def test_engine_rule_takes_the_gemms_for_the_full_canvas_only():
 
     from diffgemma.model.engine import Engine
 
-    eng = SimpleNamespace(attn_impl=None, gemm_canvas_layers=("full",))
+    eng = SimpleNamespace(attn_impl=None, canvas_impls={"full": "gemm"})
     rule = Engine._attn_impl
     assert rule(eng, sliding=False, causal=False) == "gemm"
     assert rule(eng, sliding=True, causal=False) is None  # the flash kernel (dispatcher default)
     assert rule(eng, sliding=False, causal=True) is None  # prefill
     eng.attn_impl = "triton"  # a forced implementation wins everywhere
     assert rule(eng, sliding=False, causal=False) == "triton"
-    eng.attn_impl, eng.gemm_canvas_layers = None, ("full", "sliding")
+    eng.attn_impl, eng.canvas_impls = None, {"full": "tiles", "sliding": "gemm"}
     assert rule(eng, sliding=True, causal=False) == "gemm"
+    assert rule(eng, sliding=False, causal=False) == "tiles"
 
 
 def test_dispatcher_calls_the_gemms_with_the_kernels_convention():

@@ -90,13 +90,15 @@ def make_config(tc, canvas):
 
 
 
+@pytest.mark.parametrize("full_impl", ["gemm", "tiles"])
 @pytest.mark.parametrize("name,tc,canvas,prompt_len", [("tiny", TINY, 8, 17), ("mid", MID, 64, 700)])
-def test_engine_matches_reference(name, tc, canvas, prompt_len):
+def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
     cfg = make_config(tc, canvas)
     src = RandomSource(cfg, DEV, torch.float32, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
     weights = {n: src.get(n) for n in expected_tensors(cfg)}
     ref = ReferenceModel(cfg, weights, device=DEV, dtype=torch.float32)
     eng = build_engine(cfg, DictSource(weights), DEV, torch.bfloat16, prefill_chunk=256)
+    eng.canvas_impls = {"full": full_impl}  # the full layers' canvas attention (both forms are kept)
     V = cfg.vocab_size
     prompt, canvas_ids = torch.randint(0, V, (prompt_len,), device=DEV), torch.randint(0, V, (canvas,), device=DEV)
     sc = torch.randn(canvas, V, device=DEV) * 3
@@ -112,7 +114,7 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len):
         cos = torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0).item()
         agree = (g.argmax(-1) == e.argmax(-1)).float().mean().item()
         err = (g - e).abs().max().item()
-        print(f"\n[parity {name} {label}] cos={cos:.6f} max|Δ|={err:.4f} argmax agree={agree:.4f} "
+        print(f"\n[parity {name} {full_impl} {label}] cos={cos:.6f} max|Δ|={err:.4f} argmax agree={agree:.4f} "
               f"(|logits| max {e.abs().max().item():.2f})")
         # bf16 activations + f16 KV vs an f32 reference: rounding can flip a near-tied expert choice or
         # a near-tied argmax, so argmax is held to agreement only where the reference is decisive.

@@ -10,7 +10,8 @@ number of launches on CUDA:
   qkv GEMM (1; its input norm came fused with the previous layer's finish)
   → qkv_prep (1: Q/K norm + RoPE, V no-scale norm, K/V into the cache, Q head-major)
   → attention (1: flash-style Triton, GQA folded, masked key blocks skipped; the full layers' denoise
-    canvas instead: cuBLAS Q·K^T, a chunked softmax, one cuBLAS P·V a key chunk, the merge) → o GEMM (1)
+    canvas instead (3): a Triton Q·K^T with the softmax per key tile in its epilogue, the tiles' weights,
+    a Triton P·V that weighs each tile) → o GEMM (1)
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3)
   → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
@@ -93,9 +94,11 @@ class Engine:
         self._graph_pool = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
-        # The canvas attention of these layer kinds as GEMMs (ops/attention_gemm.py), the flash kernel elsewhere
-        # (A/B: ("full", "sliding") or (); a graph keeps the choice it was captured with).
-        self.gemm_canvas_layers = ("full",)
+        # The denoise canvas attention's implementation by layer kind ('full' / 'sliding'); a kind not named takes
+        # the dispatcher's default, the flash kernel. 'tiles': Triton GEMMs with the softmax in the first's epilogue
+        # (ops/attention_tiles.py); 'gemm': cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py), for A/B.
+        # A graph keeps the choice it was captured with.
+        self.canvas_impls = {"full": "tiles"}
         # The streaming expert GEMMs take the most-routed experts first (ops/moe_plan.moe_plan_with_order); False:
         # in expert order, for A/B (same results; a graph captured before a change keeps the order it was made with).
         self.launch_order = True
@@ -190,8 +193,8 @@ class Engine:
     #   round-2 kernel 1.12 and SDPA 9.5 (commit 8f24671).
     # A fixed rule, not a run-time race: the same inputs always take the same kernels.
     def _attn_impl(self, sliding: bool, causal: bool):
-        if self.attn_impl is None and not causal and ("sliding" if sliding else "full") in self.gemm_canvas_layers:
-            return "gemm"
+        if self.attn_impl is None and not causal:
+            return self.canvas_impls.get("sliding" if sliding else "full")
         return self.attn_impl
 
     # ------------------------------------------------------------------ the layer

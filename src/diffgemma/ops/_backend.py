@@ -23,6 +23,20 @@ except Exception:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 
+try:  # host-side tensor descriptors (Triton >= 3.3); without them the kernels read through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+
+    HAVE_TENSOR_DESCRIPTOR = HAVE_TRITON
+except Exception:  # pragma: no cover - depends on the install
+    TensorDescriptor = None
+    HAVE_TENSOR_DESCRIPTOR = False
+
+
+def tma_available(t: torch.Tensor) -> bool:
+    """Whether a kernel can read through tensor descriptors (TMA): a CUDA device of compute capability 9.0+."""
+    return HAVE_TENSOR_DESCRIPTOR and t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda and os.environ.get("DIFFGEMMA_NO_TRITON", "0") != "1"
 

@@ -22,8 +22,9 @@ The kernel and its tile configs live in ops/attention_flash.py.
   attention_ref     f32 twin, scores materialised per query block (tests, and the CPU path)
   attention_sdpa    torch SDPA with a boolean mask (round 1's path; for A/B on the GPU)
   attention_flash   the round-3 kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
-  attention_gemm    two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py; impl 'gemm', the
-                    canvas on CUDA only: other calls with impl 'gemm' take the default)
+  attention_gemm    two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py; impl 'gemm')
+  attention_tiles   two Triton GEMMs, the softmax in the first's epilogue (ops/attention_tiles.py; impl 'tiles')
+                    ('gemm' and 'tiles' serve the canvas on CUDA only: other calls with them take the default)
   attention         dispatch: the kernel on CUDA, the twin elsewhere (`impl` overrides)
 """
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from ._backend import use_triton
 from .attention_flash import attention_flash
 from .attention_gemm import attention_gemm
+from .attention_tiles import attention_tiles
 
 
 NO_WINDOW = 1 << 30
@@ -98,16 +100,22 @@ def _attention_gemm(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
     return attention_gemm(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
 
 
-_KERNELS = {"triton": attention_flash, "gemm": _attention_gemm}
+def _attention_tiles(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
+    """attention_tiles under the kernels' calling convention (the canvas)."""
+    return attention_tiles(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+
+
+_KERNELS = {"triton": attention_flash, "gemm": _attention_gemm, "tiles": _attention_tiles}
+CANVAS_ONLY = ("gemm", "tiles")
 _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here; SDPA takes over
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
-    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'sdpa' or 'ref'."""
+    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
-    if impl == "gemm" and (causal or not q.is_cuda):  # the GEMMs serve the canvas on CUDA only
+    if impl in CANVAS_ONLY and (causal or not q.is_cuda):  # the GEMM forms serve the canvas on CUDA only
         impl = None
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TensorError
 from ..quant.codecs import pack_nibbles, unpack_nibbles
-from ._backend import HAVE_TRITON, env_choice
+from ._backend import HAVE_TRITON, TensorDescriptor, env_choice, tma_available
 from .moe_plan import order_operand
 
 if HAVE_TRITON:
@@ -47,13 +47,6 @@ if HAVE_TRITON:
 
     from .f16_operand import f16_clamped
     from .moe_plan import expert_rows
-
-try:  # host-side tensor descriptors (Triton >= 3.3); without them the GEMM reads its planes through pointers
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    HAVE_TENSOR_DESCRIPTOR = HAVE_TRITON
-except Exception:  # pragma: no cover - depends on the install
-    HAVE_TENSOR_DESCRIPTOR = False
 
 LAYOUT = "q4-tiles"
 TILE_N = 64  # output rows of a layout tile = the kernel's BN (64: 2x the programs of 128, same speed on the H200)
@@ -401,11 +394,6 @@ def _group_chunk(G: int, most: int = 4) -> int:
     while G % gc:
         gc //= 2
     return gc
-
-
-def tma_available(t: torch.Tensor) -> bool:
-    """Whether the GEMM can read its planes through tensor descriptors: a CUDA device of compute capability 9.0+."""
-    return HAVE_TENSOR_DESCRIPTOR and t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 def _descriptors(w, GC: int):

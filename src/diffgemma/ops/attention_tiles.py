@@ -1,0 +1,248 @@
+"""Canvas (bidirectional) attention as two Triton GEMMs, the softmax split between them.
+
+The full layers' denoise canvas (head dim 512, 2 KV heads, every cache row below `nlive` a key) is two large
+GEMMs a call: at 32k context 137 GFLOP each. ops/attention_gemm.py runs them on cuBLAS, but the f32 scores make
+a round trip through memory between them (written, read, P written, P read: ~1.6 GB a call at 32k). Here the
+scores never leave the first GEMM:
+
+  1. `_qk_tile_softmax_kernel`: S = Q·K^T for a [BM rows, TILE keys] tile (f32 accumulation), and in its
+     epilogue the tile's row max m, P = exp(S - m) (f16, the V cache's dtype) and the row sum l. Only P (half
+     the bytes of S) and the per-(row, tile) stats reach memory.
+  2. `_tile_weights_kernel`: per row, M = max over tiles of m, L = Σ l·exp(m - M); each tile's weight
+     f = exp(m - M) written over m, and 1/L.
+  3. `_pv_scaled_kernel`: O = Σ_tiles (f ⊙ P)·V, f applied to P in registers before the MMA, then O / L in the
+     output's layout ([n, H·d], the o projection's input): no partials to merge.
+
+GQA is folded into the rows as in the other kernels (row r of KV head g: query head g·G + r // n, token r % n).
+Keys at or past `nlive` (a device scalar: one CUDA graph serves every step of a bucket) or with kpos < 0 get
+P = 0, and their V rows are not read, so even NaN garbage in the padded rows of a bucket cannot leak in. Tiles wholly
+past `nlive` do no work, so a half-full bucket costs about half.
+Numerics: f16 operands, f32 accumulation, f32 scores and stats; P rounded to f16 after the exponential, the tile
+weight rounded to f16 and the product P·f rounded to f16 again; f32 PV accumulation. The flash kernel rounds P
+to f16 once and rescales its f32 accumulator instead (measured here: 27% slower at 32k keys).
+
+  attention_tiles       the three kernels (CUDA, or the CPU through TRITON_INTERPRET=1)
+  attention_tiles_ref   their torch twin, the same tiles and roundings (kernels=False: any device, graph-safe)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAVE_TRITON, TensorDescriptor, tma_available, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tile configs measured on the H200 (bench/RESULTS.md); the CPU tests pass their own small ones.
+QK_CONFIG = dict(BM=128, BK=64, num_warps=8, num_stages=3)
+PV_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3)
+WEIGHTS_CONFIG = dict(BR=16, BT=128, num_warps=4)
+TILE = 128  # keys a stats tile: the first kernel's N block and the PV kernel's K step
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _qk_tile_softmax_kernel(q_ptr, k_ptr, p_ptr, m_ptr, l_ptr, nlive_ptr, kpos_ptr,
+                                GR, n_keys, NP, KVGR, k_rows,
+                                D: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
+                                HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, TMA: tl.constexpr):
+        """Grid (row blocks, key tiles, KV heads): the row blocks of one key tile are neighbours, so a K tile is
+        read from memory once. q [KV·GR, D] f16, k [KV·k_rows, D] (pointers, or tensor descriptors when TMA);
+        P [KV, GR, NP] (NP = tiles · TILE); m, l [tiles, KV·GR]. A tile wholly at or past the live keys writes
+        m = -1e30, l = 0 and no P (the PV kernel stops before it)."""
+        LOG2E_: tl.constexpr = 1.4426950408889634
+        pid_m, j, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        keys = j * TILE + tl.arange(0, TILE)
+        row_ok = rows < GR
+        stat = j * KVGR + g * GR + rows
+        hi = n_keys
+        if HAS_NLIVE:
+            hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
+        if j * TILE >= hi:
+            tl.store(m_ptr + stat, tl.full((BM,), -1.0e30, tl.float32), mask=row_ok)
+            tl.store(l_ptr + stat, tl.zeros((BM,), tl.float32), mask=row_ok)
+            return
+        acc = tl.zeros((BM, TILE), dtype=tl.float32)
+        if TMA:  # rows past the head's own (the next head's, or past the tensor: zeros) are masked below
+            for k0 in range(0, D, BK):
+                a = q_ptr.load([g * GR + pid_m * BM, k0])
+                b = k_ptr.load([g * k_rows + j * TILE, k0])
+                acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            ks = tl.arange(0, BK)
+            q_rows = q_ptr + (g * GR + rows).to(tl.int64)[:, None] * D
+            k_rows_p = k_ptr + (g.to(tl.int64) * k_rows + keys)[:, None] * D
+            key_in = keys < n_keys
+            for k0 in range(0, D, BK):
+                a = tl.load(q_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+                b = tl.load(k_rows_p + (k0 + ks)[None, :], mask=key_in[:, None], other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc)
+        ok = keys < hi
+        if KPOS:
+            ok = ok & (tl.load(kpos_ptr + keys, mask=ok, other=-1) >= 0)
+        s = tl.where(ok[None, :], acc * LOG2E_, -float("inf"))
+        m = tl.maximum(tl.max(s, axis=1), -1.0e30)  # finite: an all-masked tile gets P = 0, l = 0, weight 0
+        p = tl.exp2(s - m[:, None])
+        p_rows = p_ptr + (g * GR + rows).to(tl.int64)[:, None] * NP
+        tl.store(p_rows + keys[None, :], p.to(p_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(m_ptr + stat, m, mask=row_ok)
+        tl.store(l_ptr + stat, tl.sum(p, axis=1), mask=row_ok)
+
+    @triton.jit
+    def _tile_weights_kernel(m_ptr, l_ptr, invl_ptr, n_tiles, KVGR, BR: tl.constexpr, BT: tl.constexpr):
+        """One program a block of BR rows (over every KV head): m [tiles, KV·GR] becomes f = exp2(m - M)."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        row_ok = rows < KVGR
+        big = tl.full((BR,), -1.0e30, tl.float32)
+        for t0 in range(0, n_tiles, BT):
+            ts = t0 + tl.arange(0, BT)
+            msk = (ts < n_tiles)[:, None] & row_ok[None, :]
+            m = tl.load(m_ptr + ts[:, None] * KVGR + rows[None, :], mask=msk, other=-1.0e30)
+            big = tl.maximum(big, tl.max(m, axis=0))
+        total = tl.zeros((BR,), tl.float32)
+        for t0 in range(0, n_tiles, BT):
+            ts = t0 + tl.arange(0, BT)
+            msk = (ts < n_tiles)[:, None] & row_ok[None, :]
+            off = ts[:, None] * KVGR + rows[None, :]
+            f = tl.exp2(tl.load(m_ptr + off, mask=msk, other=-1.0e30) - big[None, :])
+            total += tl.sum(f * tl.load(l_ptr + off, mask=msk, other=0.0), axis=0)
+            tl.store(m_ptr + off, f, mask=msk)
+        tl.store(invl_ptr + rows, 1.0 / total, mask=row_ok)
+
+    @triton.jit
+    def _pv_scaled_kernel(p_ptr, f_ptr, invl_ptr, v_ptr, o_ptr, nlive_ptr, kpos_ptr,
+                          GR, n_q, n_keys, NP, KVGR, v_rows, o_row_stride,
+                          G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          TILE: tl.constexpr, HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr):
+        """Grid (output column blocks, row blocks, KV heads): the column blocks of one row block are neighbours,
+        so its P is read from memory once. Only the tiles below the live keys are visited. Writes
+        out[t, h·D + cols] for row r = (h - g·G)·n + t."""
+        pid_n, pid_m, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, TILE)
+        row_ok = rows < GR
+        hi = n_keys
+        if HAS_NLIVE:
+            hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
+        p_rows = p_ptr + (g * GR + rows).to(tl.int64)[:, None] * NP
+        v_base = v_ptr + g.to(tl.int64) * v_rows * D
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for j in range(0, tl.cdiv(hi, TILE)):
+            keys = j * TILE + kk
+            f = tl.load(f_ptr + j * KVGR + g * GR + rows, mask=row_ok, other=0.0)
+            v_ok = keys < hi  # P is 0 past the live keys; their V rows (a bucket's padding) are never used
+            if KPOS:
+                v_ok = v_ok & (tl.load(kpos_ptr + keys, mask=v_ok, other=-1) >= 0)
+            p = tl.load(p_rows + keys[None, :], mask=row_ok[:, None], other=0.0)
+            v = tl.load(v_base + keys.to(tl.int64)[:, None] * D + cols[None, :], mask=v_ok[:, None], other=0.0)
+            # the tile weight on P in f16 (f32 products cost 7% more at 32k keys; on the accumulator, 27%)
+            acc = tl.dot(p * f.to(p.dtype)[:, None], v, acc)
+        acc = acc * tl.load(invl_ptr + g * GR + rows, mask=row_ok, other=0.0)[:, None]
+        head = g * G + rows // n_q
+        tok = rows % n_q
+        out = o_ptr + tok.to(tl.int64)[:, None] * o_row_stride + (head * D)[:, None] + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check(q, k, v, n_keys: int):
+    H, n, d = q.shape
+    KV = k.shape[0]
+    if (q.dim() != 3 or k.dim() != 3 or H % KV or k.shape[2] != d or v.shape != k.shape or n_keys > k.shape[1]
+            or n_keys <= 0):
+        raise ValueError(f"attention_tiles: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, n_keys {n_keys}: "
+                         f"expected q [H, n, d], H a multiple of KV, k and v [KV, rows >= n_keys > 0, d]")
+
+
+def _visible(n_keys: int, nlive, kpos, device) -> torch.Tensor:
+    ok = torch.ones(n_keys, dtype=torch.bool, device=device)
+    if nlive is not None:
+        ok &= torch.arange(n_keys, device=device) < nlive
+    if kpos is not None:
+        ok &= kpos[:n_keys] >= 0
+    return ok
+
+
+def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE):
+    """The kernels' math in torch, tile by tile, with their roundings (P to the V dtype after the exponential
+    and again after the tile weight). No host reads, so a CUDA graph may capture it."""
+    _check(q, k, v, n_keys)
+    H, n, d = q.shape
+    KV = k.shape[0]
+    GR = (H // KV) * n
+    n_tiles = -(-n_keys // tile)
+    NP = n_tiles * tile
+    ok = torch.zeros(NP, dtype=torch.bool, device=q.device)
+    ok[:n_keys] = _visible(n_keys, nlive, kpos, q.device)
+    qg = q.reshape(KV, GR, d).to(k.dtype).float()
+    kf = torch.zeros(KV, NP, d, device=q.device)
+    kf[:, :n_keys] = k[:, :n_keys].float()
+    s = ((qg @ kf.transpose(1, 2)) * LOG2E).masked_fill(~ok, -float("inf")).view(KV, GR, n_tiles, tile)
+    m = s.amax(-1).clamp_min(-1.0e30)  # [KV, GR, tiles]
+    e = torch.exp2(s - m[..., None])
+    p = e.to(v.dtype)
+    big = m.amax(-1, keepdim=True)
+    f = torch.exp2(m - big)
+    total = (f * e.sum(-1)).sum(-1)  # [KV, GR]
+    a = (p.float() * f.to(v.dtype).float()[..., None]).to(v.dtype).float().reshape(KV, GR, NP)  # exact, then rounded
+    vf = torch.zeros(KV, NP, d, device=q.device)
+    vf[:, :n_keys] = v[:, :n_keys].float()
+    vf = vf.masked_fill(~ok[None, :, None], 0.0)
+    o = (a @ vf) / total[..., None]  # [KV, GR, d], rows (local head, token)
+    out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
+    out.copy_(o.reshape(H, n, d).transpose(0, 1).reshape(n, H * d))
+    return out
+
+
+def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, kernels: bool | None = None,
+                    qk_config: dict | None = None, pv_config: dict | None = None, tile: int = TILE,
+                    tma: bool | None = None, weights_config: dict | None = None):
+    """q [H, n, d], k/v [KV, rows, d] (the first n_keys rows read; rows contiguous, d wide) -> [n, H·d]. Key j is
+    visible iff j < nlive (when given) and kpos[j] >= 0 (when given); scale 1. kernels: the Triton kernels
+    (default: on CUDA), else the torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default:
+    on compute capability 9.0+), else through pointers (the same results)."""
+    _check(q, k, v, n_keys)
+    kernels = use_triton(q) if kernels is None else kernels
+    if not kernels:
+        return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile)
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("attention_tiles: k and v must be contiguous [KV, rows, d] (a cache buffer)")
+    H, n, d = q.shape
+    KV = k.shape[0]
+    G, GR = H // KV, (H // KV) * n
+    if d % 16 or d & (d - 1):
+        raise ValueError(f"attention_tiles: head dim {d}: expected a power of two >= 16 (the tiles' MMA shapes)")
+    qc, pc = dict(QK_CONFIG, **(qk_config or {})), dict(PV_CONFIG, **(pv_config or {}))
+    qc["BK"], pc["BN"] = min(qc["BK"], d), min(pc["BN"], d)
+    n_tiles = -(-n_keys // tile)
+    NP = n_tiles * tile
+    qg = q.reshape(KV, GR, d).to(k.dtype).contiguous()
+    p = torch.empty(KV, GR, NP, dtype=v.dtype, device=q.device)
+    m = torch.empty(n_tiles, KV * GR, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    invl = torch.empty(KV * GR, dtype=torch.float32, device=q.device)
+    out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
+    dummy = m  # any pointer, for the masks a call does not use
+    nl, kp = (nlive if nlive is not None else dummy), (kpos if kpos is not None else dummy)
+    flags = dict(HAS_NLIVE=nlive is not None, KPOS=kpos is not None)
+    k_rows = k.shape[1]
+    tma = tma_available(q) if tma is None else tma
+    if tma:
+        qa = TensorDescriptor.from_tensor(qg.view(KV * GR, d), [qc["BM"], qc["BK"]])
+        ka = TensorDescriptor.from_tensor(k.view(KV * k_rows, d), [tile, qc["BK"]])
+    else:
+        qa, ka = qg, k
+    _qk_tile_softmax_kernel[(triton.cdiv(GR, qc["BM"]), n_tiles, KV)](
+        qa, ka, p, m, l, nl, kp, GR, n_keys, NP, KV * GR, k_rows, D=d, TILE=tile, TMA=tma, **flags, **qc)
+    wc = dict(WEIGHTS_CONFIG, **(weights_config or {}))
+    _tile_weights_kernel[(triton.cdiv(KV * GR, wc["BR"]),)](m, l, invl, n_tiles, KV * GR, **wc)
+    _pv_scaled_kernel[(d // pc["BN"], triton.cdiv(GR, pc["BM"]), KV)](
+        p, m, invl, v, out, nl, kp, GR, n, n_keys, NP, KV * GR, k_rows, out.stride(0),
+        G=G, D=d, TILE=tile, **flags, **pc)
+    return out

@@ -1,0 +1,111 @@
+"""The tile-softmax canvas attention (ops/attention_tiles.py): its three kernels through TRITON_INTERPRET=1
+against the torch twin, and both against the f32 reference. Tiny shapes with the real layouts (GQA folded rows,
+a graph's padded bucket: nlive < key rows, a short last tile). Fresh random data every run."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from diffgemma.ops import attention as attn  # noqa: E402
+from diffgemma.ops import attention_tiles as at  # noqa: E402
+
+SMALL = dict(qk_config=dict(BM=16, BK=16, num_warps=4, num_stages=1),
+             pv_config=dict(BM=16, BN=16, num_warps=4, num_stages=1), tile=16)
+
+
+def qkv(H, KV, n, rows, d):
+    q = torch.randn(H, n, d).half()
+    k = (torch.randn(KV, rows, d) * d ** -0.5 * 3).half()  # logits of a few units: a peaked softmax
+    v = torch.randn(KV, rows, d).half()
+    return q, k, v
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("key_rows,live", [(96, 41), (80, 80), (50, 50), (72, 9), (40, 1)])
+def test_tiles_kernels_match_the_twin_and_the_reference(key_rows, live, tma):
+    """Rows [live, key_rows) are the bucket's padding: K rows there would dominate if they were weighted, and
+    V rows there hold NaN (never read). Tiles past live count for nothing; the last tile may be short."""
+    H, KV, C, d = 8, 2, 8, 32
+    q, k, v = qkv(H, KV, C, key_rows + 3, d)
+    k[:, live:] *= 50
+    v[:, live:] = float("nan")
+    nlive = torch.tensor(live)
+    got = at.attention_tiles(q, k, v, key_rows, nlive=nlive, out_dtype=torch.bfloat16, kernels=True, tma=tma,
+                             **SMALL)
+    twin = at.attention_tiles(q, k, v, key_rows, nlive=nlive, out_dtype=torch.float32, kernels=False, tile=16)
+    kpos = torch.where(torch.arange(key_rows) < live, 0, -1)
+    v_clean = v.nan_to_num(0.0)
+    exp = attn.attention_ref(q, k, v_clean, kpos, key_rows, out_dtype=torch.float32)
+    assert got.shape == (C, H * d) and got.dtype == torch.bfloat16
+    assert torch.isfinite(twin).all()
+    torch.testing.assert_close(got.float(), twin, atol=8e-3, rtol=8e-3)  # bf16 output rounding
+    got32 = at.attention_tiles(q, k, v, key_rows, nlive=nlive, out_dtype=torch.float32, kernels=True, tma=tma, **SMALL)
+    # the same roundings, but an exp2 a last bit apart may move a P element by an f16 ulp (2^-11, twice rounded):
+    # every output within 2^-10·max|v| of the twin, and nearly all of them within 1e-4
+    diff = (got32 - twin).abs()
+    assert diff.max() <= 2 ** -10 * v[:, :live].abs().max().float()
+    assert (diff > 1e-4).float().mean() < 0.01
+    torch.testing.assert_close(twin, exp, atol=3e-3, rtol=3e-3)  # f16 P (twice rounded) against f32
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_tiles_with_key_positions(tma):
+    """A kpos mask (the sliding layers' ring form)."""
+    H, KV, C, d, ring = 4, 2, 8, 32, 37
+    n_keys = ring + C
+    q, k, v = qkv(H, KV, C, n_keys + 4, d)
+    kpos = torch.where(torch.rand(n_keys) < 0.35, -1, 0)
+    kpos[ring:] = 0
+    k[:, :n_keys][:, kpos < 0] *= 50
+    got = at.attention_tiles(q, k, v, n_keys, kpos=kpos, out_dtype=torch.float32, kernels=True, tma=tma, **SMALL)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
+    torch.testing.assert_close(got, exp, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_tiles_weigh_each_tile_by_its_own_max(kernels):
+    """Scores far apart from tile to tile: one tile ~40 units above the rest, one ~150 below (its weight underflows
+    f32 and f16): the tile weights must carry the differences."""
+    H, KV, C, d, n_keys = 4, 1, 4, 16, 80
+    q = torch.randn(H, C, d)
+    u = q.mean((0, 1)) / q.mean((0, 1)).norm()
+    k = torch.randn(KV, n_keys, d) * 0.3
+    k[:, 16:32] += u * 40 / (q @ u).mean()
+    k[:, 48:64] -= u * 150 / (q @ u).mean()
+    q, k, v = q.half(), k.half(), torch.randn(KV, n_keys, d).half()
+    exp = attn.attention_ref(q, k, v, torch.zeros(n_keys, dtype=torch.long), n_keys, out_dtype=torch.float32)
+    got = at.attention_tiles(q, k, v, n_keys, out_dtype=torch.float32, kernels=kernels, **SMALL)
+    torch.testing.assert_close(got, exp, atol=3e-3, rtol=3e-3)
+
+
+def test_dispatcher_calls_the_tiles_with_the_kernels_convention():
+    """attention(impl='tiles') on CUDA calls _KERNELS['tiles'] with the flash kernel's keywords; here the same call
+    on the CPU (through the twin), against the reference."""
+    H, KV, C, d, key_rows, live = 8, 2, 8, 32, 60, 37
+    q, k, v = qkv(H, KV, C, key_rows, d)
+    nlive = torch.tensor(live)
+    got = attn._KERNELS["tiles"](q, k, v, None, key_rows, n_ring=0, base_pos=0, nlive=nlive, qpos=None,
+                                 window=attn.NO_WINDOW, causal=False, out_dtype=torch.float32)
+    kpos = torch.where(torch.arange(key_rows) < live, 0, -1)
+    exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32)
+    torch.testing.assert_close(got, exp, atol=3e-3, rtol=3e-3)
+    # on the CPU the dispatcher sends impl='tiles' to the reference twin
+    torch.testing.assert_close(attn.attention(q, k, v, None, key_rows, out_dtype=torch.float32, impl="tiles",
+                                              nlive=nlive), exp, atol=1e-5, rtol=1e-5)
+
+
+def test_tiles_refuses_bad_shapes():
+    q, k, v = qkv(6, 4, 8, 40, 32)
+    with pytest.raises(ValueError, match="H a multiple of KV"):
+        at.attention_tiles(q, k, v, 40, kernels=False)
+    q, k, v = qkv(8, 2, 8, 40, 32)
+    with pytest.raises(ValueError, match="rows >= n_keys"):
+        at.attention_tiles(q, k, v, 41, kernels=False)
+    q, k, v = qkv(8, 2, 8, 40, 24)
+    with pytest.raises(ValueError, match="head dim 24"):
+        at.attention_tiles(q, k, v, 40, kernels=True, **SMALL)
