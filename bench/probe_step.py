@@ -31,6 +31,7 @@ FAMILIES = [
     ("expert GEMM (Triton)", r"_packed_gmm_kernel|_grouped_gemm|grouped_mm"),
     ("attention (Triton flash)", r"_flash_kernel"),
     ("attention merge", r"_combine_kernel"),
+    ("attention tiles (Triton, full layers)", r"_qk_tile_softmax_kernel|_tile_weights_kernel|_pv_scaled_kernel"),
     ("cuBLAS / CUTLASS GEMM", r"gemm|nvjet|cutlass|sm90_xmma|Kernel2|splitK|gemv"),
     ("qkv norm + rope + cache write", r"qkv|rope"),
     ("norm / residual chains", r"norm|finish|residual"),
