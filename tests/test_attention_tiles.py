@@ -106,6 +106,8 @@ def test_tiles_refuses_bad_shapes():
     q, k, v = qkv(8, 2, 8, 40, 32)
     with pytest.raises(ValueError, match="rows >= n_keys"):
         at.attention_tiles(q, k, v, 41, kernels=False)
+    with pytest.raises(ValueError, match="expected q"):
+        at.attention_tiles(q[0], k, v, 40, kernels=False)
     q, k, v = qkv(8, 2, 8, 40, 24)
     with pytest.raises(ValueError, match="head dim 24"):
         at.attention_tiles(q, k, v, 40, kernels=True, **SMALL)

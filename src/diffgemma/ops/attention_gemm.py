@@ -2,9 +2,10 @@
 
 The engine ran the full layers' denoise canvas this way (head dim 512, every cache row below `nlive` a key)
 until ops/attention_tiles.py, which keeps the scores out of memory, replaced it (bench/RESULTS.md round 15);
-it stays as the engine's A/B alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel (ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head
-leaves it 32-key blocks, and it recomputes QK^T for each output half. Here the products are plain GEMMs,
-which cuBLAS runs near the compute roofline, and the scores make one round trip through memory:
+it stays as the engine's A/B alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
+(ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head leaves it 32-key blocks,
+and it recomputes QK^T for each output half. Here the products are plain GEMMs, which cuBLAS runs near the
+compute roofline, and the scores make one round trip through memory:
 
   1. S = Q·K^T per KV head ([G·n, keys], f32; GQA folded into the rows as in the flash kernel);
   2. per chunk of `chunk` keys: m = the chunk's row max, P = exp(S - m) (f16, the V cache's dtype, written

@@ -152,10 +152,8 @@ if HAVE_TRITON:
 
 
 def _check(q, k, v, n_keys: int):
-    H, n, d = q.shape
-    KV = k.shape[0]
-    if (q.dim() != 3 or k.dim() != 3 or H % KV or k.shape[2] != d or v.shape != k.shape or n_keys > k.shape[1]
-            or n_keys <= 0):
+    if (q.dim() != 3 or k.dim() != 3 or q.shape[0] % k.shape[0] or k.shape[2] != q.shape[2] or v.shape != k.shape
+            or n_keys > k.shape[1] or n_keys <= 0):
         raise ValueError(f"attention_tiles: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, n_keys {n_keys}: "
                          f"expected q [H, n, d], H a multiple of KV, k and v [KV, rows >= n_keys > 0, d]")
 
@@ -232,7 +230,8 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     nl, kp = (nlive if nlive is not None else dummy), (kpos if kpos is not None else dummy)
     flags = dict(HAS_NLIVE=nlive is not None, KPOS=kpos is not None)
     k_rows = k.shape[1]
-    tma = tma_available(q) if tma is None else tma
+    if tma is None:  # a descriptor needs 16-byte aligned bases (a cache slice at an odd offset takes pointers)
+        tma = tma_available(q) and k.data_ptr() % 16 == 0
     if tma:
         qa = TensorDescriptor.from_tensor(qg.view(KV * GR, d), [qc["BM"], qc["BK"]])
         ka = TensorDescriptor.from_tensor(k.view(KV * k_rows, d), [tile, qc["BK"]])
