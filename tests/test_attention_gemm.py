@@ -11,15 +11,9 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from attention_cases import qkv, ring_case  # noqa: E402
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import attention_gemm as ag  # noqa: E402
-
-
-def qkv(H, KV, n, rows, d):
-    q = torch.randn(H, n, d).half()
-    k = (torch.randn(KV, rows, d) * d ** -0.5 * 3).half()  # logits of a few units: a peaked softmax
-    v = torch.randn(KV, rows, d).half()
-    return q, k, v
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -41,12 +35,7 @@ def test_gemm_attention_matches_the_twin(kernels, key_rows, live, chunk):
 @pytest.mark.parametrize("kernels", [True, False])
 def test_gemm_attention_with_key_positions(kernels):
     """The sliding layers' call: a ring with empty / out-of-window slots (kpos -1), then the canvas; no nlive."""
-    H, KV, C, d, ring = 4, 2, 8, 32, 37
-    n_keys = ring + C
-    q, k, v = qkv(H, KV, C, n_keys + 4, d)
-    kpos = torch.where(torch.rand(n_keys) < 0.35, -1, 0)
-    kpos[ring:] = 0
-    k[:, :n_keys][:, kpos < 0] *= 50
+    q, k, v, kpos, n_keys = ring_case()
     got = ag.attention_gemm(q, k, v, n_keys, kpos=kpos, out_dtype=torch.bfloat16, chunk=16, kernels=kernels)
     exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
     torch.testing.assert_close(got.float(), exp, atol=1e-2, rtol=1e-2)

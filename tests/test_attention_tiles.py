@@ -11,18 +11,12 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from attention_cases import qkv, ring_case  # noqa: E402
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import attention_tiles as at  # noqa: E402
 
 SMALL = dict(qk_config=dict(BM=16, BK=16, num_warps=4, num_stages=1),
              pv_config=dict(BM=16, BN=16, num_warps=4, num_stages=1), tile=16)
-
-
-def qkv(H, KV, n, rows, d):
-    q = torch.randn(H, n, d).half()
-    k = (torch.randn(KV, rows, d) * d ** -0.5 * 3).half()  # logits of a few units: a peaked softmax
-    v = torch.randn(KV, rows, d).half()
-    return q, k, v
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -56,12 +50,7 @@ def test_tiles_kernels_match_the_twin_and_the_reference(key_rows, live, tma):
 @pytest.mark.parametrize("tma", [False, True])
 def test_tiles_with_key_positions(tma):
     """A kpos mask (the sliding layers' ring form)."""
-    H, KV, C, d, ring = 4, 2, 8, 32, 37
-    n_keys = ring + C
-    q, k, v = qkv(H, KV, C, n_keys + 4, d)
-    kpos = torch.where(torch.rand(n_keys) < 0.35, -1, 0)
-    kpos[ring:] = 0
-    k[:, :n_keys][:, kpos < 0] *= 50
+    q, k, v, kpos, n_keys = ring_case()
     got = at.attention_tiles(q, k, v, n_keys, kpos=kpos, out_dtype=torch.float32, kernels=True, tma=tma, **SMALL)
     exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
     torch.testing.assert_close(got, exp, atol=3e-3, rtol=3e-3)

@@ -37,6 +37,18 @@ def ring_positions(L):
     return sp
 
 
+def padded_bucket(bucket):
+    """A full layer's canvas call in a graph bucket, between half and wholly live: rows past `live` are the
+    bucket's padding, finite garbage whose scores would dominate if they were weighted.
+    -> q, k, v, kpos, nlive, key_rows, live."""
+    key_rows = bucket + C
+    live = int(torch.randint(bucket // 2, bucket, ())) + C
+    q, k, v = qkv(2, C, key_rows, 512)
+    k[:, live:] *= 30
+    kpos = torch.where(torch.arange(key_rows, device=DEV) < live, 0, -1)
+    return q, k, v, kpos, torch.tensor(live, device=DEV), key_rows, live
+
+
 def sliding_canvas():
     """A sliding layer's canvas call after a random long context: q, k, v, kpos (the ring's live window, then
     the canvas), n_keys."""
@@ -145,12 +157,7 @@ def test_canvas_full_gemm_real_shape(bucket, kernels):
     kernels=False: its torch softmax and merge (what DIFFGEMMA_NO_TRITON=1 runs)."""
     from diffgemma.ops import attention_gemm as ag
 
-    key_rows = bucket + C
-    live = int(torch.randint(bucket // 2, bucket, ())) + C
-    q, k, v = qkv(2, C, key_rows, 512)
-    k[:, live:] *= 30
-    kpos = torch.where(torch.arange(key_rows, device=DEV) < live, 0, -1)
-    nlive = torch.tensor(live, device=DEV)
+    q, k, v, kpos, nlive, key_rows, live = padded_bucket(bucket)
     got = ag.attention_gemm(q, k, v, key_rows, nlive=nlive, out_dtype=torch.bfloat16, kernels=kernels)
     exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32, q_block=128)
     flash = fl.attention_flash(q, k, v, None, key_rows, out_dtype=torch.bfloat16, nlive=nlive)
@@ -181,14 +188,9 @@ def test_canvas_full_tiles_real_shape(bucket, kernels):
     unmasked and their V is NaN: the kernels must not read it. kernels=False: the torch twin."""
     from diffgemma.ops import attention_tiles as at
 
-    key_rows = bucket + C
-    live = int(torch.randint(bucket // 2, bucket, ())) + C
-    q, k, v = qkv(2, C, key_rows, 512)
-    k[:, live:] *= 30
+    q, k, v, kpos, nlive, key_rows, live = padded_bucket(bucket)
     v_nan = v.clone()
     v_nan[:, live:] = float("nan")
-    kpos = torch.where(torch.arange(key_rows, device=DEV) < live, 0, -1)
-    nlive = torch.tensor(live, device=DEV)
     got = at.attention_tiles(q, k, v_nan, key_rows, nlive=nlive, out_dtype=torch.bfloat16, kernels=kernels)
     exp = attn.attention_ref(q, k, v, kpos, key_rows, out_dtype=torch.float32, q_block=128)
     flash = fl.attention_flash(q, k, v, None, key_rows, out_dtype=torch.bfloat16, nlive=nlive)
