@@ -113,7 +113,7 @@ if HAVE_TRITON:
             f = tl.exp2(tl.load(m_ptr + off, mask=msk, other=-1.0e30) - big[None, :])
             total += tl.sum(f * tl.load(l_ptr + off, mask=msk, other=0.0), axis=0)
             tl.store(m_ptr + off, f, mask=msk)
-        tl.store(invl_ptr + rows, 1.0 / total, mask=row_ok)
+        tl.store(invl_ptr + rows, 1.0 / tl.where(row_ok, total, 1.0), mask=row_ok)  # (no 1/0 on padding rows)
 
     @triton.jit
     def _pv_scaled_kernel(p_ptr, f_ptr, invl_ptr, v_ptr, o_ptr, nlive_ptr, kpos_ptr,
