@@ -70,4 +70,10 @@ def test_demo_denoise_logits_cuda_vs_reference(models):
         agree_decisive = (a.argmax(-1) == b.argmax(-1))[decisive].float().mean().item()
         print(f"\n[demo logits cuda] {case.name}: cos min {cos.min():.5f} mean {cos.mean():.5f} "
               f"max|d| {(a - b).abs().max():.3f} argmax agree {agree:.3f} (decisive rows {agree_decisive:.3f})")
-        assert cos.min() > 0.995 and agree_decisive == 1.0
+        # separate assertions that name the case and the numbers: this test failed once in a full GPU run (round 14)
+        # without saying which condition broke
+        flips = ((a.argmax(-1) != b.argmax(-1)) & decisive).nonzero().flatten().tolist()
+        gaps = [round((top2[r, 0] - top2[r, 1]).item(), 3) for r in flips]
+        assert cos.min() > 0.995, f"{case.name}: cos min {cos.min():.5f} (row {cos.argmin().item()})"
+        assert not flips, f"{case.name}: decisive rows {flips} flipped (reference top-2 gaps {gaps}, max|d| " \
+                          f"{(a - b).abs().max():.3f})"
