@@ -101,3 +101,35 @@ def test_tiles_refuses_bad_shapes():
     q, k, v = qkv(8, 2, 8, 40, 24)
     with pytest.raises(ValueError, match="head dim 24"):
         at.attention_tiles(q, k, v, 40, kernels=True, **SMALL)
+
+
+def test_a_failing_canvas_kernel_falls_back_in_order(monkeypatch):
+    """A kernel that cannot compile here (e.g. too little shared memory for the H200's tile configs) is noted once,
+    with a warning, and the next of tiles -> gemm -> flash runs, then and on every later call."""
+    calls = []
+
+    def failing(name):
+        def fn(*a, **kw):
+            calls.append(name)
+            raise RuntimeError(f"{name}: out of resource: shared memory")
+        return fn
+
+    def working(name):
+        def fn(q, k, v, kpos, n_keys, **kw):
+            calls.append(name)
+            return torch.full((q.shape[1], q.shape[0] * q.shape[2]), float(len(name)))
+        return fn
+
+    monkeypatch.setattr(attn, "_triton_failed", {})
+    monkeypatch.setattr(attn, "_canvas_only_ok", lambda q, causal: not causal)  # as on CUDA
+    monkeypatch.setattr(attn, "_KERNELS", {"tiles": failing("tiles"), "gemm": failing("gemm"),
+                                           "triton": working("triton")})
+    q, k, v = qkv(4, 2, 8, 40, 32)
+    with pytest.warns(UserWarning, match="kernel 'tiles' unavailable.*using 'gemm'"):
+        with pytest.warns(UserWarning, match="kernel 'gemm' unavailable.*using 'triton'"):
+            out = attn.attention(q, k, v, None, 40, impl="tiles", nlive=torch.tensor(30))
+    assert calls == ["tiles", "gemm", "triton"] and out.shape == (8, 128) and (out == len("triton")).all()
+    calls.clear()
+    attn.attention(q, k, v, None, 40, impl="tiles", nlive=torch.tensor(30))
+    assert calls == ["triton"]  # the failures are remembered: no second attempt, no second warning
+    assert set(attn._triton_failed) == {(32, False, "tiles"), (32, False, "gemm")}

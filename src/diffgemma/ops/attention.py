@@ -107,34 +107,46 @@ def _attention_tiles(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
 
 _KERNELS = {"triton": attention_flash, "gemm": _attention_gemm, "tiles": _attention_tiles}
 CANVAS_ONLY = ("gemm", "tiles")
-_triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here; SDPA takes over
+# What takes over when a kernel cannot compile or launch here (e.g. a GPU with less shared memory than the H200
+# the tile configs were chosen on): the canvas paths fall back to the portable cuBLAS one first.
+_FALLBACK = {"tiles": "gemm", "gemm": "triton", "triton": "sdpa"}
+_triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here
+
+
+def _canvas_only_ok(q, causal: bool) -> bool:
+    return not causal and q.is_cuda
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
               n_ring=0, base_pos=0, nlive=None):
-    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'."""
+    """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'.
+    A kernel that fails outside graph capture is noted (with a warning, once) and the next in _FALLBACK runs
+    from then on: never wrong, only slower."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
-    if impl in CANVAS_ONLY and (causal or not q.is_cuda):  # the GEMM forms serve the canvas on CUDA only
+    if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal):  # the GEMM forms serve the canvas on CUDA only
         impl = None
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
-    sig = (q.shape[-1], causal, impl)
-    if sig in _triton_failed or (impl == "triton" and q.shape[-1] < 16):  # the flash kernel's tl.dot needs K >= 16
-        impl = "sdpa" if q.is_cuda else "ref"
     kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
-    if impl in _KERNELS:
+    while impl in _KERNELS:
+        sig = (q.shape[-1], causal, impl)
+        if sig in _triton_failed or (impl == "triton" and q.shape[-1] < 16):  # the flash kernel's tl.dot: K >= 16
+            impl = _FALLBACK[impl]
+            continue
         try:
             return _KERNELS[impl](q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
-        except Exception as e:  # never wrong, only slower: say why and use SDPA from now on
+        except Exception as e:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
             import warnings
 
             _triton_failed[sig] = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"diffgemma attention: Triton kernel {sig[2]} unavailable for head_dim {sig[0]} causal={sig[1]}, "
-                          f"using SDPA ({_triton_failed[sig]})")
-            impl = "sdpa"
+            warnings.warn(f"diffgemma attention: kernel '{impl}' unavailable for head_dim {sig[0]} causal={causal}, "
+                          f"using '{_FALLBACK[impl]}' ({_triton_failed[sig]})")
+            impl = _FALLBACK[impl]
+    if impl == "sdpa" and not q.is_cuda:
+        impl = "ref"
     if kpos is None:  # the twins take an explicit mask
         kpos = _all_visible(n_keys, nlive, q.device)
     fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]
