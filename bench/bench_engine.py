@@ -20,6 +20,7 @@ times the random model's own routing instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -99,6 +100,19 @@ def time_graph(run, calls: int, reps: int = 7) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def knob(eng, attr: str, value):
+    """The engine with one attribute changed for the block; its graphs are dropped on the way out, so the
+    default step is captured afresh after it."""
+    old = getattr(eng, attr)
+    setattr(eng, attr, value)
+    try:
+        yield
+    finally:
+        setattr(eng, attr, old)
+        eng._graphs.clear()
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
@@ -161,38 +175,33 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         # SDPA (round 1's path) or to the Triton kernel, or the expert GEMMs' programs in expert order
         ab = {}
         chosen = [v for v in AB_VARIANTS if v[2] in ab_names]
+
+        def step_ms():  # capture afresh (a knob outside the graph key, launch_order, needs it), then time
+            eng._graphs.clear()
+            eng.denoise(cache, ids, sc_logits=sc)
+            return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
+                                               reps=max(3, reps // 2), warmup=2))
+
         if alternate and chosen:  # the default and each variant, captured afresh, in turn: drift hits all alike
             alt = {"default": []} | {name: [] for _, _, name in chosen}
             for _ in range(alternate):
-                for attr, value, name in [(None, None, "default")] + chosen:
-                    old = getattr(eng, attr) if attr else None
-                    if attr:
-                        setattr(eng, attr, value)
-                    eng._graphs.clear()
-                    eng.denoise(cache, ids, sc_logits=sc)
-                    alt[name].append(statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
-                                                                 reps=max(3, reps // 2), warmup=2)))
-                    if attr:
-                        setattr(eng, attr, old)
-            eng._graphs.clear()
+                alt["default"].append(step_ms())
+                for attr, value, name in chosen:
+                    with knob(eng, attr, value):
+                        alt[name].append(step_ms())
             ab["denoise_alternating_ms"] = {name: [round(x, 3) for x in xs] for name, xs in alt.items()}
         for attr, value, name in chosen:
-            old = getattr(eng, attr)
-            setattr(eng, attr, value)
-            eng._graphs.clear()  # a knob outside the graph key (launch_order) needs a fresh capture
-            try:
-                eng.denoise(cache, ids, sc_logits=sc)
-                ab[f"denoise_{name}_ms"] = statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
-                                                                       reps=max(3, reps // 2), warmup=2))
-            except Exception as e:
-                ab[f"denoise_{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
-            eng._graphs.clear()
-            try:
-                times = time_cuda(do_prefill, reps=1, warmup=1)
-                ab[f"prefill_{name}_tok_s"] = T / (statistics.median(times) / 1e3)
-            except Exception as e:
-                ab[f"prefill_{name}_tok_s"] = f"{type(e).__name__}: {str(e)[:200]}"
-            setattr(eng, attr, old)
+            with knob(eng, attr, value):
+                try:
+                    ab[f"denoise_{name}_ms"] = step_ms()
+                except Exception as e:
+                    ab[f"denoise_{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+                eng._graphs.clear()
+                try:
+                    times = time_cuda(do_prefill, reps=1, warmup=1)
+                    ab[f"prefill_{name}_tok_s"] = T / (statistics.median(times) / 1e3)
+                except Exception as e:
+                    ab[f"prefill_{name}_tok_s"] = f"{type(e).__name__}: {str(e)[:200]}"
         r.update(ab)
         log(f"[ours] ctx {T} A/B: " + json.dumps(ab))
         eng.use_graphs = False

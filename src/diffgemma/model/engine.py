@@ -183,14 +183,15 @@ class Engine:
     # ------------------------------------------------------------------ attention implementation
 
     # Which attention runs where (None = this rule; attn_impl forces one implementation everywhere):
-    # * the full layers' canvas: two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py). On the H200
-    #   (bench/bench_attention.py, GPU µs a call, graphed; bench/RESULTS.md round 14) 41 / 209 / 716 against the
-    #   flash kernel's 58 / 307 / 1108 at 1k / 8k / 32k keys. The GEMMs run over the whole graph bucket where the
-    #   flash kernel stops at the live length: a 32k bucket holding 16.6k keys took 651 against 593.
+    # * the denoise canvas, by layer kind, as `canvas_impls` says: the full layers on two Triton GEMMs with the
+    #   softmax per key tile between them (ops/attention_tiles.py). On the H200 (bench/bench_attention.py, GPU µs a
+    #   call, graphed; bench/RESULTS.md round 15) 33.7 / 146 / 626 at 1k / 8k / 32k keys, against round 14's cuBLAS
+    #   GEMMs (ops/attention_gemm.py, 'gemm') 40.1 / 215 / 708 and the flash kernel's 58.2 / 308 / 1116; a 32k
+    #   bucket half in use 309 against 643 / 602.
     # * everything else: the round-3 flash kernel (ops/attention_flash.py), the dispatcher's default on CUDA
-    #   (unless DIFFGEMMA_NO_TRITON=1). Sliding canvas 34.5 against 127 for the GEMMs and 103 for SDPA; 8k
-    #   prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0), sliding 0.82 vs the
-    #   round-2 kernel 1.12 and SDPA 9.5 (commit 8f24671).
+    #   (unless DIFFGEMMA_NO_TRITON=1). Sliding canvas 34.0 against 46.8 for the tiles, 127 for the cuBLAS GEMMs and
+    #   103 for SDPA; 8k prefill chunks, full layers 45.6 ms vs SDPA 75.5 (at 24k) and 6.5 vs 17.7 (at 0), sliding
+    #   0.82 vs the round-2 kernel 1.12 and SDPA 9.5 (commit 8f24671).
     # A fixed rule, not a run-time race: the same inputs always take the same kernels.
     def _attn_impl(self, sliding: bool, causal: bool):
         if self.attn_impl is None and not causal:

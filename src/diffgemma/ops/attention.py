@@ -95,17 +95,15 @@ def _all_visible(n_keys: int, nlive, device) -> torch.Tensor:
     return torch.where(ar < nlive, torch.zeros_like(ar), torch.full_like(ar, -1))
 
 
-def _attention_gemm(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
-    """attention_gemm under the kernels' calling convention (the canvas: no qpos, window or ring)."""
-    return attention_gemm(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+def _canvas_call(path):
+    """A canvas path (attention_gemm, attention_tiles) under the kernels' calling convention: no qpos, window or
+    ring; those keywords are ignored."""
+    def call(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
+        return path(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
+    return call
 
 
-def _attention_tiles(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, **_):
-    """attention_tiles under the kernels' calling convention (the canvas)."""
-    return attention_tiles(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype)
-
-
-_KERNELS = {"triton": attention_flash, "gemm": _attention_gemm, "tiles": _attention_tiles}
+_KERNELS = {"triton": attention_flash, "gemm": _canvas_call(attention_gemm), "tiles": _canvas_call(attention_tiles)}
 CANVAS_ONLY = ("gemm", "tiles")
 # What takes over when a kernel cannot compile or launch here (e.g. a GPU with less shared memory than the H200
 # the tile configs were chosen on): the canvas paths fall back to the portable cuBLAS one first.

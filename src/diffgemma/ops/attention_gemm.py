@@ -71,6 +71,24 @@ if HAVE_TRITON:
             tl.store(ml + RT, tl.sum(p, axis=0))
 
 
+def check_canvas_shapes(name: str, q, k, v, n_keys: int) -> None:
+    """The canvas paths' shape contract (GEMM and tile forms), refused with a message naming the caller."""
+    if (q.dim() != 3 or k.dim() != 3 or q.shape[0] % k.shape[0] or k.shape[2] != q.shape[2] or v.shape != k.shape
+            or n_keys > k.shape[1] or n_keys <= 0):
+        raise ValueError(f"{name}: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, n_keys {n_keys}: "
+                         f"expected q [H, n, d], H a multiple of KV, k and v [KV, rows >= n_keys > 0, d]")
+
+
+def visible_keys(n_keys: int, nlive, kpos, device) -> torch.Tensor:
+    """[n_keys] bool: key j is visible iff j < nlive (when given) and kpos[j] >= 0 (when given). No host reads."""
+    ok = torch.ones(n_keys, dtype=torch.bool, device=device)
+    if nlive is not None:
+        ok &= torch.arange(n_keys, device=device) < nlive
+    if kpos is not None:
+        ok &= kpos[:n_keys] >= 0
+    return ok
+
+
 def chunk_size(n_keys: int) -> int:
     """Keys a chunk: n_keys / 8 rounded to a power of two, within [2048, 8192] (8192 keys: a row of the softmax
     in one program's registers). A function of the static key count only. Measured on the H200 against
@@ -83,12 +101,7 @@ def chunk_softmax_ref(s, nlive, chunk: int, p_dtype, kpos=None):
     No host reads (nlive stays on the device), so a CUDA graph may capture it (DIFFGEMMA_NO_TRITON=1)."""
     KV, GR, n_keys = s.shape
     n_chunks = -(-n_keys // chunk)
-    visible = torch.ones(n_keys, dtype=torch.bool, device=s.device)
-    if nlive is not None:
-        visible &= torch.arange(n_keys, device=s.device) < nlive
-    if kpos is not None:
-        visible &= kpos[:n_keys] >= 0
-    x = (s.float() * LOG2E).masked_fill(~visible, -float("inf"))
+    x = (s.float() * LOG2E).masked_fill(~visible_keys(n_keys, nlive, kpos, s.device), -float("inf"))
     p = torch.empty(KV, GR, n_keys, dtype=p_dtype, device=s.device)
     pml = torch.empty(n_chunks, 2, KV * GR, dtype=torch.float32, device=s.device)
     for c in range(n_chunks):
@@ -113,11 +126,9 @@ def attention_gemm(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, 
     """q [H, n, d] (contiguous), k/v [KV, rows, d] (the first n_keys rows read) -> [n, H·d]. Key j is visible
     iff j < nlive (when given) and kpos[j] >= 0 (when given); scale 1. kernels: the Triton softmax and merge
     (default: on CUDA), else their torch twins (tests run the kernels on the CPU through TRITON_INTERPRET=1)."""
+    check_canvas_shapes("attention_gemm", q, k, v, n_keys)
     H, n, d = q.shape
     KV = k.shape[0]
-    if H % KV or k.shape[2] != d or v.shape != k.shape or n_keys > k.shape[1] or n_keys <= 0:
-        raise ValueError(f"attention_gemm: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, n_keys {n_keys}: "
-                         f"expected H a multiple of KV, k and v [KV, rows >= n_keys > 0, {d}]")
     kernels = use_triton(q) if kernels is None else kernels
     GR = (H // KV) * n
     L = chunk or chunk_size(n_keys)

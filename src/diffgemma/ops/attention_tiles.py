@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available, use_triton
+from .attention_gemm import check_canvas_shapes, visible_keys
 
 if HAVE_TRITON:
     import triton
@@ -151,33 +152,17 @@ if HAVE_TRITON:
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _check(q, k, v, n_keys: int):
-    if (q.dim() != 3 or k.dim() != 3 or q.shape[0] % k.shape[0] or k.shape[2] != q.shape[2] or v.shape != k.shape
-            or n_keys > k.shape[1] or n_keys <= 0):
-        raise ValueError(f"attention_tiles: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, n_keys {n_keys}: "
-                         f"expected q [H, n, d], H a multiple of KV, k and v [KV, rows >= n_keys > 0, d]")
-
-
-def _visible(n_keys: int, nlive, kpos, device) -> torch.Tensor:
-    ok = torch.ones(n_keys, dtype=torch.bool, device=device)
-    if nlive is not None:
-        ok &= torch.arange(n_keys, device=device) < nlive
-    if kpos is not None:
-        ok &= kpos[:n_keys] >= 0
-    return ok
-
-
 def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE):
     """The kernels' math in torch, tile by tile, with their roundings (P to the V dtype after the exponential
     and again after the tile weight). No host reads, so a CUDA graph may capture it."""
-    _check(q, k, v, n_keys)
+    check_canvas_shapes("attention_tiles", q, k, v, n_keys)
     H, n, d = q.shape
     KV = k.shape[0]
     GR = (H // KV) * n
     n_tiles = -(-n_keys // tile)
     NP = n_tiles * tile
     ok = torch.zeros(NP, dtype=torch.bool, device=q.device)
-    ok[:n_keys] = _visible(n_keys, nlive, kpos, q.device)
+    ok[:n_keys] = visible_keys(n_keys, nlive, kpos, q.device)
     qg = q.reshape(KV, GR, d).to(k.dtype).float()
     kf = torch.zeros(KV, NP, d, device=q.device)
     kf[:, :n_keys] = k[:, :n_keys].float()
@@ -205,7 +190,7 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     visible iff j < nlive (when given) and kpos[j] >= 0 (when given); scale 1. kernels: the Triton kernels
     (default: on CUDA), else the torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default:
     on compute capability 9.0+), else through pointers (the same results)."""
-    _check(q, k, v, n_keys)
+    check_canvas_shapes("attention_tiles", q, k, v, n_keys)
     kernels = use_triton(q) if kernels is None else kernels
     if not kernels:
         return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile)
