@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, use_triton
+from .rows_at import RowsAt, kernel_args
 
 if HAVE_TRITON:
     import triton
@@ -154,9 +155,14 @@ def tempered_survivors_ref(logits, temp, thr):
 if HAVE_TRITON:
 
     @triton.jit
-    def _tempered_rowstats_kernel(x_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+    def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp,
+                                  BLOCK: tl.constexpr, ADDR: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
-        the first column holding m."""
+        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py)."""
+        if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
+            xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
+        else:
+            xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         first = seg * span
@@ -171,7 +177,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             mask = cols < last
-            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(xb + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             z = tl.where(mask, tl.math.div_rn(x, temp), -float("inf"))
             cmax = tl.max(z, axis=0)
             # lowest column holding this block's max; strictly-greater keeps the earlier block on ties
@@ -236,9 +242,14 @@ if HAVE_TRITON:
         tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
     @triton.jit
-    def _tempered_masked_probs_kernel(x_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
-                                      BLOCK: tl.constexpr, COUNT: tl.constexpr):
-        """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them."""
+    def _tempered_masked_probs_kernel(x_ptr, xoff_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
+                                      BLOCK: tl.constexpr, COUNT: tl.constexpr, ADDR: tl.constexpr):
+        """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them. ADDR: the
+        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py)."""
+        if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
+            xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
+        else:
+            xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         first = seg * span
@@ -250,7 +261,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+            x = tl.load(xb + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
             z = tl.math.div_rn(x, temp)
             keep = z >= thr
             p = tl.where(keep, tl.exp(z - lse), 0.0)
@@ -262,7 +273,8 @@ if HAVE_TRITON:
 
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4):
-    logits = logits.contiguous()
+    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py)."""
+    x, xoff, addr = kernel_args(logits if isinstance(logits, RowsAt) else logits.contiguous())
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
@@ -270,7 +282,7 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     # 4 warps: 104 µs at [256, 262144] on the H200 against 121 with 8 (its four block reductions a step wait on
     # fewer warps); the other passes here stream at the memory's rate with 8 (bench/bench_kernels.py, RESULTS round 13)
-    _tempered_rowstats_kernel[(rows, n_seg)](logits, m, s, u, best, n, span, float(temp), BLOCK=block,
+    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), BLOCK=block, ADDR=addr,
                                              num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
@@ -299,14 +311,16 @@ def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
 
 
 def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False):
-    """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them."""
-    logits = logits.contiguous()
+    """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
+    tensor, or a RowsAt naming one (ops/rows_at.py)."""
+    x, xoff, addr = kernel_args(logits if isinstance(logits, RowsAt) else logits.contiguous())
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = torch.empty((rows, n), dtype=dtype, device=logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
-    _tempered_masked_probs_kernel[(rows, n_seg)](logits, thr.float().contiguous(), lse.float().contiguous(), out,
-                                                 counts, n, span, float(temp), BLOCK=block, COUNT=count, num_warps=8)
+    _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
+                                                 counts, n, span, float(temp), BLOCK=block, COUNT=count, ADDR=addr,
+                                                 num_warps=8)
     if not count:
         return out
     return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
