@@ -52,7 +52,12 @@ CANVAS = 256
 # (engine attribute, value, name) for the A/B timings of bench_ours; --ab picks by name
 AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                ("launch_order", False, "expert_order"),  # the expert GEMMs' programs in expert order
-               ("canvas_impls", {"full": "gemm"}, "gemm"), ("canvas_impls", {"full": "tiles"}, "tiles")]
+               ("canvas_impls", {"full": "gemm"}, "gemm"), ("canvas_impls", {"full": "tiles"}, "tiles"),
+               ("overlap_router", False, "serial"),  # the router chain on the main stream, after the dense MLP
+               ("dense_sm_carveout", None, "no_carve"),  # the dense MLP's GEMMs on plain cuBLAS, every SM
+               (("overlap_router", "dense_sm_carveout"), (False, None), "one_stream"),  # both: round 15's layer
+               ("sc_by_address", False, "sc_copy"),  # the SC logits copied into the graph's buffer each step
+               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15")]
 
 
 def log(*a):
@@ -101,15 +106,18 @@ def time_graph(run, calls: int, reps: int = 7) -> list[float]:
 
 
 @contextlib.contextmanager
-def knob(eng, attr: str, value):
-    """The engine with one attribute changed for the block; its graphs are dropped on the way out, so the
-    default step is captured afresh after it."""
-    old = getattr(eng, attr)
-    setattr(eng, attr, value)
+def knob(eng, attr, value):
+    """The engine with an attribute (or a tuple of them, with a tuple of values) changed for the block; its graphs
+    are dropped on the way out, so the default step is captured afresh after it."""
+    attrs, values = (attr, value) if isinstance(attr, tuple) else ((attr,), (value,))
+    old = [getattr(eng, a) for a in attrs]
+    for a, v in zip(attrs, values):
+        setattr(eng, a, v)
     try:
         yield
     finally:
-        setattr(eng, attr, old)
+        for a, v in zip(attrs, old):
+            setattr(eng, a, v)
         eng._graphs.clear()
 
 

@@ -129,6 +129,79 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
     assert torch.nn.functional.cosine_similarity(ge.flatten(), g.flatten(), dim=0).item() > 0.9999
 
 
+def test_router_side_stream_gives_the_same_bits():
+    """The router chain on a side stream beside the dense MLP (Engine.overlap_router) changes when kernels run,
+    not what they compute: prefill's cache and the denoise logits, graphed and eager, equal the one-stream run."""
+    cfg = make_config(MID, 64)
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
+    V = cfg.vocab_size
+    prompt, ids = torch.randint(0, V, (700,), device=DEV), torch.randint(0, V, (64,), device=DEV)
+    sc = torch.randn(64, V, device=DEV) * 3
+    out = {}
+    blas = torch.backends.cuda.preferred_blas_library()
+    for overlap in (True, False):
+        eng.overlap_router = overlap
+        eng._graphs.clear()
+        cache = eng.new_cache(1024)
+        eng.prefill(cache, prompt)
+        eng.use_graphs = True
+        graphed = [eng.denoise(cache, ids, sc_logits=sc) for _ in range(2)]
+        assert eng.graph_error is None, eng.graph_error
+        eng.use_graphs = False
+        out[overlap] = (cache.keys[-1].clone(), graphed, eng.denoise(cache, ids, sc_logits=sc))
+        eng.use_graphs = True
+    (k_on, g_on, e_on), (k_off, g_off, e_off) = out[True], out[False]
+    assert torch.equal(k_on, k_off)
+    assert all(torch.equal(a, b) for a, b in zip(g_on, g_off)) and torch.equal(g_on[0], g_on[1])
+    assert torch.equal(e_on, e_off)
+    # the dense MLP's cuBLAS settings (ops/sm_carveout.py) are the process's again after every call
+    assert torch._C._get_sm_carveout_experimental() is None
+    assert torch.backends.cuda.preferred_blas_library() == blas
+
+
+def test_dense_carveout_changes_the_kernel_not_the_result():
+    """The dense MLP's GEMMs with SMs left free (cuBLASLt, a lower SM target) against plain cuBLAS: the same product
+    to bf16 rounding, and the process's cuBLAS settings restored after the block."""
+    from diffgemma.ops.sm_carveout import cublas_sm_carveout
+
+    x = torch.randn(256, 2816, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(4224, 2816, device=DEV, dtype=torch.bfloat16) * 0.02
+    blas = torch.backends.cuda.preferred_blas_library()
+    with cublas_sm_carveout(16):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        y = x @ w.T
+    assert torch._C._get_sm_carveout_experimental() is None
+    assert torch.backends.cuda.preferred_blas_library() == blas
+    exact = x.double() @ w.double().T
+    assert rel(y, exact) < 4e-3 and rel(x @ w.T, exact) < 4e-3
+
+
+def test_graph_reads_sc_logits_where_they_lie():
+    """A graphed denoise with SC logits reads them through their address (ops/rows_at.py), not a copy: fed
+    different tensors in turn (and a non-contiguous view, which it copies first) it gives each one's own result,
+    the eager path's, and the same bits whenever the same logits come back."""
+    cfg = make_config(MID, 64)
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=512)
+    V = cfg.vocab_size
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, torch.randint(0, V, (300,), device=DEV))
+    ids = torch.randint(0, V, (64,), device=DEV)
+    scs = [torch.randn(64, V, device=DEV) * 3 for _ in range(2)]
+    scs.append(torch.randn(V, 64, device=DEV).t() * 3)  # a view: the engine makes it contiguous first
+    graphed = [eng.denoise(cache, ids, sc_logits=sc) for sc in scs]
+    assert eng.graph_error is None, eng.graph_error
+    assert len(eng._graphs[cache]) == 1  # one capture served all three
+    again = eng.denoise(cache, ids, sc_logits=scs[0].clone())  # the same values at another address
+    assert torch.equal(again, graphed[0])
+    eng.use_graphs = False
+    for sc, g in zip(scs, graphed):
+        eager = eng.denoise(cache, ids, sc_logits=sc)
+        assert torch.nn.functional.cosine_similarity(eager.flatten(), g.flatten(), dim=0).item() > 0.9999
+    assert not torch.equal(graphed[0], graphed[1])
+
+
 def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
     """Graphs at two context buckets and two SC modes share the engine's memory pool: replayed in a shuffled
     order each gives its first output again, bit for bit, and the eager path agrees; a capture at a bucket

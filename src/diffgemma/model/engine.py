@@ -13,7 +13,8 @@ number of launches on CUDA:
     canvas instead (3): a Triton Q·K^T with the softmax per key tile in its epilogue, the tiles' weights,
     a Triton P·V that weighs each tile) → o GEMM (1)
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
-  → dense gate‖up GEMM, gelu·up, down GEMM (3)
+  → dense gate‖up GEMM, gelu·up, down GEMM (3; at the denoise shape on all SMs but 16, via cuBLASLt)
+    beside it on a side stream (CUDA), joined before the expert GEMMs:
   → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
   → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
   → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4;
@@ -53,11 +54,16 @@ from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
+from ..ops.rows_at import ALIGN, RowsAt
 from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
+from ..ops.sm_carveout import cublas_sm_carveout
 from .engine_cache import EngineKVCache
 from .engine_weights import DictSource, EngineWeights, load_weights
 
 _BUCKET0 = 1024  # smallest context bucket for graphed denoise; buckets double from here
+# Up to this many rows (the denoise canvas) the dense MLP's GEMMs leave SMs to the router chain beside them; a
+# prefill chunk's GEMMs have waves of blocks to interleave with, and need every SM.
+DENSE_CARVE_ROWS = 512
 
 
 def build_engine(config: ModelConfig, tensor_source, device, dtype=torch.bfloat16, **kw) -> "Engine":
@@ -105,6 +111,18 @@ class Engine:
         # A q4 expert GEMM gets its inputs as f16 operands from their producers (ops/f16_operand.py); False: as
         # bf16, converted in the GEMM's loop (A/B; the same bits; a graph keeps the form it was captured with).
         self.f16_operands = True
+        # On CUDA the router chain (f32 router GEMM on 4 thread blocks, routing, plan: ~24 µs a layer at the denoise
+        # shape, nearly all latency) runs on a high-priority side stream beside the dense MLP, and joins before the
+        # expert GEMMs (nothing runs beside the weight stream). False: one stream (A/B; the same bits; a graph keeps
+        # the form it was captured with).
+        self.overlap_router = True
+        self._side_stream = None
+        # The dense MLP's GEMMs at up to DENSE_CARVE_ROWS rows target all SMs but this many (ops/sm_carveout.py), so
+        # the router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
+        self.dense_sm_carveout = 16
+        # A denoise graph reads its SC logits where the caller's tensor lies, through their address (ops/rows_at.py);
+        # False: copied into the graph's own buffer before each replay (A/B; the same bits).
+        self.sc_by_address = True
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -212,15 +230,46 @@ class Engine:
         moe_f16 = self.f16_operands and moe_packed.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
-        dense = gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
-        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
-        # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
-        src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
-                                 else (*moe_plan(experts, cfg.num_experts), None))
+        side = self._router_stream()
+        if side is None:
+            dense = self._dense_mlp(lw, dense_in)
+            weights, experts, src, inv, offs, order = self._route(lw, router_in)
+        else:  # fork: the router chain beside the dense MLP; join before the expert GEMMs read the plan
+            main = torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                weights, experts, src, inv, offs, order = self._route(lw, router_in)
+            dense = self._dense_mlp(lw, dense_in)
+            main.wait_stream(side)
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
                        f16_operands=self.f16_operands)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
+
+    def _dense_mlp(self, lw, dense_in):
+        carve = self.dense_sm_carveout if dense_in.is_cuda and len(dense_in) <= DENSE_CARVE_ROWS else None
+        with cublas_sm_carveout(carve):
+            return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
+
+    def _route(self, lw, router_in):
+        """The router chain: weights, experts, and the plan the expert GEMMs read (src, inv, offs, order)."""
+        cfg = self.config
+        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
+        # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
+        src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
+                                 else (*moe_plan(experts, cfg.num_experts), None))
+        return weights, experts, src, inv, offs, order
+
+    def _router_stream(self):
+        """The side stream of the router chain, or None (off CUDA, or overlap_router off). Safe for the caching
+        allocator without record_stream: the side stream's tensors are last read by this layer's finish on the
+        main stream, and the next fork (which orders the side stream after that finish) comes before any side
+        allocation could reuse their blocks."""
+        if not self.overlap_router or self.device.type != "cuda":
+            return None
+        if self._side_stream is None:  # high priority: its blocks are scheduled first when SMs free up
+            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._side_stream
 
     def _qkv(self, li, qkv, positions, **kw):
         layer, lw = self.config.layers[li], self.w.layers[li]
@@ -318,7 +367,7 @@ class Engine:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's
         logsumexp, then exp(z - lse) written straight in bf16 (ops/rowstats.py), so the graph never holds
         the [canvas, vocab] f32 softmax (268 MB at full size) nor its bf16 copy as two tensors."""
-        if use_triton(sc) and sc.dtype == torch.float32:
+        if use_triton(sc) and sc.dtype == torch.float32:  # sc may be a RowsAt (a graph's SC input, no copy)
             lse = tempered_rowstats(sc, 1.0)[3]
             return tempered_masked_probs(sc, 1.0, torch.full_like(lse, -float("inf")), lse, self.dtype)
         return torch.softmax(sc.float(), dim=-1)
@@ -350,17 +399,31 @@ class Engine:
             graphs[key] = entry
         graph, ids_buf, sc_buf, out = entry
         ids_buf.copy_(ids)
-        if sc_buf is not None:
-            sc_buf.copy_(sc)
+        sc = self._feed_sc(sc_buf, sc)  # held until the replay is queued: the graph may read it where it lies
         graph.replay()
         # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
         return softcap(out, self.config.final_logit_softcapping)
 
+    def _feed_sc(self, sc_buf, sc):
+        """Give a graph its SC input: the logits' address (RowsAt: the graph reads them where they lie), or a copy
+        into its static buffer. -> the tensor the graph will read, which must outlive the replay's queueing."""
+        if isinstance(sc_buf, RowsAt):
+            sc = sc.to(self.device, torch.float32).contiguous()
+            if sc.data_ptr() % ALIGN:  # a view starting mid-vector: the kernels read 16-byte vectors
+                sc = sc.clone()
+            sc_buf.point_at(sc)
+        elif sc_buf is not None:
+            sc_buf.copy_(sc)
+        return sc
+
     def _capture(self, cache, C, key_rows, mode, sc):
         ids_buf = torch.zeros(C, dtype=torch.long, device=self.device)
-        sc_buf = None if mode == "none" else torch.zeros(sc.shape, dtype=sc.dtype, device=self.device)
-        if sc_buf is not None:
-            sc_buf.copy_(sc)
+        if mode == "logits" and use_triton(sc) and self.sc_by_address:
+            # SC logits are read by the row-stats kernels alone (_sc_probs), which take an address: no copy
+            sc_buf = RowsAt(*sc.shape, self.device)
+        else:
+            sc_buf = None if mode == "none" else torch.zeros(sc.shape, dtype=sc.dtype, device=self.device)
+        sc = self._feed_sc(sc_buf, sc)
         # Warm up on a side stream (Triton compile, cuBLAS workspaces), then capture. The warm-up
         # writes only canvas scratch rows of the cache, which no read outside a denoise sees.
         stream = torch.cuda.Stream(self.device)
