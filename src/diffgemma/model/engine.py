@@ -61,9 +61,10 @@ from .engine_cache import EngineKVCache
 from .engine_weights import DictSource, EngineWeights, load_weights
 
 _BUCKET0 = 1024  # smallest context bucket for graphed denoise; buckets double from here
-# Up to this many rows (the denoise canvas) the dense MLP's GEMMs leave SMs to the router chain beside them; a
-# prefill chunk's GEMMs have waves of blocks to interleave with, and need every SM.
-DENSE_CARVE_ROWS = 512
+# Up to this many rows (the denoise canvas, a committed block's prefill) the router chain runs on a side stream beside
+# the dense MLP, whose GEMMs leave it SMs. A prefill chunk's kernels fill the GPU by themselves: measured no faster
+# side by side (bench/RESULTS.md round 16), and the side stream's own allocator pool cost a q4 session 50 MB.
+OVERLAP_ROWS = 512
 
 
 def build_engine(config: ModelConfig, tensor_source, device, dtype=torch.bfloat16, **kw) -> "Engine":
@@ -111,14 +112,14 @@ class Engine:
         # A q4 expert GEMM gets its inputs as f16 operands from their producers (ops/f16_operand.py); False: as
         # bf16, converted in the GEMM's loop (A/B; the same bits; a graph keeps the form it was captured with).
         self.f16_operands = True
-        # On CUDA the router chain (f32 router GEMM on 4 thread blocks, routing, plan: ~24 µs a layer at the denoise
-        # shape, nearly all latency) runs on a high-priority side stream beside the dense MLP, and joins before the
-        # expert GEMMs (nothing runs beside the weight stream). False: one stream (A/B; the same bits; a graph keeps
-        # the form it was captured with).
+        # On CUDA, at up to OVERLAP_ROWS rows, the router chain (f32 router GEMM on 4 thread blocks, routing, plan:
+        # ~24 µs a layer at the denoise shape, nearly all latency) runs on a high-priority side stream beside the
+        # dense MLP, and joins before the expert GEMMs (nothing runs beside the weight stream). False: one stream
+        # (A/B; the same bits; a graph keeps the form it was captured with).
         self.overlap_router = True
         self._side_stream = None
-        # The dense MLP's GEMMs at up to DENSE_CARVE_ROWS rows target all SMs but this many (ops/sm_carveout.py), so
-        # the router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
+        # The dense MLP's GEMMs at up to OVERLAP_ROWS rows target all SMs but this many (ops/sm_carveout.py), so the
+        # router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
         self.dense_sm_carveout = 16
         # A denoise graph reads its SC logits where the caller's tensor lies, through their address (ops/rows_at.py);
         # False: copied into the graph's own buffer before each replay (A/B; the same bits).
@@ -230,7 +231,7 @@ class Engine:
         moe_f16 = self.f16_operands and moe_packed.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
-        side = self._router_stream()
+        side = self._router_stream() if len(h) <= OVERLAP_ROWS else None
         if side is None:
             dense = self._dense_mlp(lw, dense_in)
             weights, experts, src, inv, offs, order = self._route(lw, router_in)
@@ -247,7 +248,7 @@ class Engine:
                                 scalar, eps, w_next)
 
     def _dense_mlp(self, lw, dense_in):
-        carve = self.dense_sm_carveout if dense_in.is_cuda and len(dense_in) <= DENSE_CARVE_ROWS else None
+        carve = self.dense_sm_carveout if dense_in.is_cuda and len(dense_in) <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
             return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
 
