@@ -55,4 +55,5 @@ def kernel_args(x) -> tuple:
     `xb = x_ptr + tl.load(off_ptr)` when ADDR (x_ptr itself otherwise; off_ptr is then never read)."""
     if isinstance(x, RowsAt):
         return x.anchor, x.offset, True
+    x = x.contiguous()
     return x, x, False

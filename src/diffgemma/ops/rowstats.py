@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, use_triton
-from .rows_at import RowsAt, kernel_args
+from .rows_at import kernel_args
 
 if HAVE_TRITON:
     import triton
@@ -274,7 +274,7 @@ if HAVE_TRITON:
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4):
     """logits: a tensor, or a RowsAt naming one (ops/rows_at.py)."""
-    x, xoff, addr = kernel_args(logits if isinstance(logits, RowsAt) else logits.contiguous())
+    x, xoff, addr = kernel_args(logits)
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
@@ -313,7 +313,7 @@ def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
 def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False):
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
     tensor, or a RowsAt naming one (ops/rows_at.py)."""
-    x, xoff, addr = kernel_args(logits if isinstance(logits, RowsAt) else logits.contiguous())
+    x, xoff, addr = kernel_args(logits)
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = torch.empty((rows, n), dtype=dtype, device=logits.device)

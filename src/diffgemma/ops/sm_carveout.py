@@ -18,37 +18,40 @@ import os
 
 import torch
 
-_warned = False  # torch prints its "experimental" notice once a process; the first call silences it
+_quiet_done = False  # torch prints its "experimental" notices once a process; the first settings silence them
 
 
-def _set_carveout(sms):
-    global _warned
-    if sms is None or _warned:
+def _set(sms, lib):
+    """Set the carveout and the preferred BLAS library; the first time with stderr (fd 2) silenced: torch writes a
+    one-time C++ notice for each knob that it is experimental. This module is their one user and falls back to
+    plain cuBLAS if they go away, so the notices would only alarm users."""
+    global _quiet_done
+    if _quiet_done:
         torch._C._set_sm_carveout_experimental(sms)
+        torch.backends.cuda.preferred_blas_library(lib)
         return
-    # torch writes a one-time C++ notice to stderr that the knob is experimental; this module is its one user
-    # and falls back to plain cuBLAS if the knob goes away, so the notice would only alarm users
-    _warned = True
+    _quiet_done = True
     try:
         import sys
 
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError, AttributeError):
-        torch._C._set_sm_carveout_experimental(sms)
-        return
+        saved = None
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            torch._C._set_sm_carveout_experimental(sms)
+        if saved is not None:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 2)
+        torch._C._set_sm_carveout_experimental(sms)
+        torch.backends.cuda.preferred_blas_library(lib)
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def available() -> bool:
-    return (torch.cuda.is_available() and hasattr(torch._C, "_set_sm_carveout_experimental")
-            and torch.backends.cuda.is_built())
+    return torch.cuda.is_available() and hasattr(torch._C, "_set_sm_carveout_experimental")
 
 
 @contextlib.contextmanager
@@ -59,8 +62,7 @@ def cublas_sm_carveout(sms: int | None):
     old_sms = torch._C._get_sm_carveout_experimental()
     old_lib = torch.backends.cuda.preferred_blas_library()
     try:
-        _set_carveout(sms)
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+        _set(sms, "cublaslt")
         changed = True
     except (RuntimeError, AttributeError):  # a build without cuBLASLt: plain cuBLAS on every SM
         torch._C._set_sm_carveout_experimental(old_sms)
