@@ -41,10 +41,12 @@ def test_tiles_kernels_match_the_twin_and_the_reference(key_rows, live, C, tma):
     torch.testing.assert_close(got.float(), twin, atol=8e-3, rtol=8e-3)  # bf16 output rounding
     got32 = at.attention_tiles(q, k, v, key_rows, nlive=nlive, out_dtype=torch.float32, kernels=True, tma=tma, **SMALL)
     # the same roundings, but an exp2 a last bit apart may move a P element by an f16 ulp (2^-11, twice rounded):
-    # every output within 2^-10·max|v| of the twin, and nearly all of them within 1e-4
+    # every output within 2^-10·max|v| of the twin, and on average within 2^-17·max|v| (a systematic error, such as
+    # P rounded to bf16, lands near 2^-9). Observed over 100 seeds a case: mean ≤ 8.5e-7·max|v| ≈ 2^-20.
     diff = (got32 - twin).abs()
-    assert diff.max() <= 2 ** -10 * v[:, :live].abs().max().float()
-    assert (diff > 1e-4).float().mean() < 0.01
+    vmax = v[:, :live].abs().max().float()
+    assert diff.max() <= 2 ** -10 * vmax
+    assert diff.mean() <= 2 ** -17 * vmax
     torch.testing.assert_close(twin, exp, atol=3e-3, rtol=3e-3)  # f16 P (twice rounded) against f32
 
 
