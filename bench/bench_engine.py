@@ -57,9 +57,7 @@ AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                ("dense_sm_carveout", None, "no_carve"),  # the dense MLP's GEMMs on plain cuBLAS, every SM
                (("overlap_router", "dense_sm_carveout"), (False, None), "one_stream"),  # both: round 15's layer
                ("sc_by_address", False, "sc_copy"),  # the SC logits copied into the graph's buffer each step
-               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15")] + [
-    # the dense MLP on the side stream on N SMs, beside the router chain and the expert GEMMs
-    ("dense_beside_experts", n, f"beside{n}") for n in (8, 16, 24, 32, 48)]
+               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15")]
 
 
 def log(*a):

@@ -139,7 +139,6 @@ def bench_engine_q4(res, eng, cfg, reps):
     gc.collect()
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
-    bench_dense_beside(r, eng, V, reps)
     if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last, so re-laying never touches the memory measures
         bench_launch_order(r, eng, V, reps)
         bench_q4_inputs(r, eng, V, reps)
@@ -163,21 +162,6 @@ def alternate_denoise_1k(eng, V, reps, variants: dict) -> dict:
     del cache
     eng._graphs.clear()
     return by
-
-
-def bench_dense_beside(r, eng, V, reps):
-    """The dense MLP beside the router chain and the router beside the dense MLP (the default), or the dense MLP
-    on the side stream on N SMs beside the router chain and the expert GEMMs (Engine.dense_beside_experts)."""
-    def setup(n):
-        return lambda: setattr(eng, "dense_beside_experts", n)
-
-    try:
-        by = alternate_denoise_1k(eng, V, reps, {"router_beside_dense": setup(None), "dense_beside16": setup(16),
-                                                 "dense_beside32": setup(32)})
-    finally:
-        eng.dense_beside_experts = None
-    r["denoise_1k_ms_by_dense_layout"] = by
-    log(f"[q4] denoise 1k by where the dense MLP runs (alternating, ms): {by}")
 
 
 def bench_launch_order(r, eng, V, reps):

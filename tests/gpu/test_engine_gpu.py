@@ -129,35 +129,19 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
     assert torch.nn.functional.cosine_similarity(ge.flatten(), g.flatten(), dim=0).item() > 0.9999
 
 
-SIDE_SMS = 16
-
-
-def side_stream_layouts():
-    """(name, engine knobs) pairs: each side-stream layout and the one-stream run with the same cuBLAS settings."""
-    n_sm = torch.cuda.get_device_properties(DEV).multi_processor_count if torch.cuda.is_available() else 0
-    base = dict(overlap_router=True, dense_sm_carveout=16, dense_beside_experts=None)
-    return [("router beside dense", base, base | dict(overlap_router=False)),
-            ("dense beside experts", base | dict(dense_beside_experts=SIDE_SMS),
-             base | dict(overlap_router=False, dense_sm_carveout=n_sm - SIDE_SMS))]
-
-
-@pytest.mark.parametrize("layout", [0, 1], ids=["router_beside_dense", "dense_beside_experts"])
-def test_side_stream_gives_the_same_bits(layout):
-    """A side stream (the router chain beside the dense MLP, Engine.overlap_router; or the dense MLP beside the
-    router and expert GEMMs, Engine.dense_beside_experts) changes when kernels run, not what they compute:
-    prefill's cache and the denoise logits, graphed and eager, equal the one-stream run's."""
-    name, side_knobs, one_knobs = side_stream_layouts()[layout]
+def test_router_side_stream_gives_the_same_bits():
+    """The router chain on a side stream beside the dense MLP (Engine.overlap_router) changes when kernels run,
+    not what they compute: prefill's cache and the denoise logits, graphed and eager, equal the one-stream run."""
     cfg = make_config(MID, 64)
     src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
     eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
     V = cfg.vocab_size
     prompt, ids = torch.randint(0, V, (700,), device=DEV), torch.randint(0, V, (64,), device=DEV)
     sc = torch.randn(64, V, device=DEV) * 3
-    out = []
+    out = {}
     blas = torch.backends.cuda.preferred_blas_library()
-    for knobs in (side_knobs, one_knobs):
-        for k, v in knobs.items():
-            setattr(eng, k, v)
+    for overlap in (True, False):
+        eng.overlap_router = overlap
         eng._graphs.clear()
         cache = eng.new_cache(1024)
         eng.prefill(cache, prompt)
@@ -165,12 +149,12 @@ def test_side_stream_gives_the_same_bits(layout):
         graphed = [eng.denoise(cache, ids, sc_logits=sc) for _ in range(2)]
         assert eng.graph_error is None, eng.graph_error
         eng.use_graphs = False
-        out.append((cache.keys[-1].clone(), graphed, eng.denoise(cache, ids, sc_logits=sc)))
+        out[overlap] = (cache.keys[-1].clone(), graphed, eng.denoise(cache, ids, sc_logits=sc))
         eng.use_graphs = True
-    (k_on, g_on, e_on), (k_off, g_off, e_off) = out
-    assert torch.equal(k_on, k_off), name
-    assert all(torch.equal(a, b) for a, b in zip(g_on, g_off)) and torch.equal(g_on[0], g_on[1]), name
-    assert torch.equal(e_on, e_off), name
+    (k_on, g_on, e_on), (k_off, g_off, e_off) = out[True], out[False]
+    assert torch.equal(k_on, k_off)
+    assert all(torch.equal(a, b) for a, b in zip(g_on, g_off)) and torch.equal(g_on[0], g_on[1])
+    assert torch.equal(e_on, e_off)
     # the dense MLP's cuBLAS settings (ops/sm_carveout.py) are the process's again after every call
     assert torch._C._get_sm_carveout_experimental() is None
     assert torch.backends.cuda.preferred_blas_library() == blas

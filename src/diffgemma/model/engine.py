@@ -121,10 +121,6 @@ class Engine:
         # The dense MLP's GEMMs at up to OVERLAP_ROWS rows target all SMs but this many (ops/sm_carveout.py), so the
         # router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
         self.dense_sm_carveout = 16
-        # An int N: at up to OVERLAP_ROWS rows on CUDA the dense MLP instead runs on the side stream on N SMs (cuBLASLt
-        # carveout of all the others) beside the router chain and the expert GEMMs, which take the rest; the main
-        # stream joins it before the layer's finish. None: the layout above. (A/B while it is measured.)
-        self.dense_beside_experts: int | None = None
         # A denoise graph reads its SC logits where the caller's tensor lies, through their address (ops/rows_at.py);
         # False: copied into the graph's own buffer before each replay (A/B; the same bits).
         self.sc_by_address = True
@@ -236,8 +232,6 @@ class Engine:
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
         side = self._router_stream() if len(h) <= OVERLAP_ROWS else None
-        if side is not None and self.dense_beside_experts is not None:
-            return self._layer_dense_beside(lw, x, dense_in, moe_in, router_in, scalar, w_next, side)
         if side is None:
             dense = self._dense_mlp(lw, dense_in)
             weights, experts, src, inv, offs, order = self._route(lw, router_in)
@@ -253,25 +247,8 @@ class Engine:
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 
-    def _layer_dense_beside(self, lw, x, dense_in, moe_in, router_in, scalar, w_next, side):
-        """The FFN half of _layer with the dense MLP on the side stream on a few SMs, beside the router chain and
-        the expert GEMMs on the main stream: the dense GEMMs' arithmetic hides under the expert weight stream."""
-        cfg, eps = self.config, self.config.rms_norm_eps
-        main = torch.cuda.current_stream(self.device)
-        side.wait_stream(main)
-        carve = torch.cuda.get_device_properties(self.device).multi_processor_count - self.dense_beside_experts
-        with torch.cuda.stream(side):
-            dense = self._dense_mlp(lw, dense_in, carve=carve)
-        weights, experts, src, inv, offs, order = self._route(lw, router_in)
-        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
-                       f16_operands=self.f16_operands)
-        main.wait_stream(side)
-        return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
-                                scalar, eps, w_next)
-
-    def _dense_mlp(self, lw, dense_in, carve="default"):
-        if carve == "default":
-            carve = self.dense_sm_carveout if dense_in.is_cuda and len(dense_in) <= OVERLAP_ROWS else None
+    def _dense_mlp(self, lw, dense_in):
+        carve = self.dense_sm_carveout if dense_in.is_cuda and len(dense_in) <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
             return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
 
