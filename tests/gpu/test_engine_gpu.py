@@ -90,9 +90,9 @@ def make_config(tc, canvas):
 
 
 
-@pytest.mark.parametrize("full_impl", ["gemm", "tiles"])
-@pytest.mark.parametrize("name,tc,canvas,prompt_len", [("tiny", TINY, 8, 17), ("mid", MID, 64, 700)])
-def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
+def parity_draw(name, tc, canvas, prompt_len, full_impl):
+    """One fresh random model: the engine (bf16, f16 KV, graphs) against the f32 reference, without and with SC
+    logits -> [(cosine, argmax agreement on the rows where the reference is decisive)] for the two."""
     cfg = make_config(tc, canvas)
     src = RandomSource(cfg, DEV, torch.float32, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
     weights = {n: src.get(n) for n in expected_tensors(cfg)}
@@ -105,6 +105,7 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
     rc, ec = ref.new_cache(prompt_len + 64), eng.new_cache(prompt_len + 64)
     ref.prefill(rc, prompt)
     eng.prefill(ec, prompt)
+    stats = []
     for label, kw in (("no SC", {}), ("SC logits", {"sc_logits": sc})):
         e = ref.denoise(rc, canvas_ids, **kw)
         g1 = eng.denoise(ec, canvas_ids, **kw)  # captures the graph
@@ -114,19 +115,36 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, full_impl):
         cos = torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0).item()
         agree = (g.argmax(-1) == e.argmax(-1)).float().mean().item()
         err = (g - e).abs().max().item()
-        print(f"\n[parity {name} {full_impl} {label}] cos={cos:.6f} max|Δ|={err:.4f} argmax agree={agree:.4f} "
-              f"(|logits| max {e.abs().max().item():.2f})")
         # bf16 activations + f16 KV vs an f32 reference: rounding can flip a near-tied expert choice or
         # a near-tied argmax, so argmax is held to agreement only where the reference is decisive.
         top2 = e.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 0.25
         agree_decisive = (g.argmax(-1) == e.argmax(-1))[decisive].float().mean().item() if decisive.any() else 1.0
-        print(f"[parity {name} {label}] argmax agree on {int(decisive.sum())} decisive rows={agree_decisive:.4f}")
-        assert cos > 0.97 and agree_decisive >= 0.95
+        print(f"\n[parity {name} {full_impl} {label}] cos={cos:.6f} max|Δ|={err:.4f} argmax agree={agree:.4f} "
+              f"(|logits| max {e.abs().max().item():.2f}); on {int(decisive.sum())} decisive rows={agree_decisive:.4f}")
+        stats.append((cos, agree_decisive))
     # eager (no graph) path agrees with the graphed one up to the padded key range's rounding
     eng.use_graphs = False
     ge = eng.denoise(ec, canvas_ids, sc_logits=sc)
     assert torch.nn.functional.cosine_similarity(ge.flatten(), g.flatten(), dim=0).item() > 0.9999
+    return stats
+
+
+@pytest.mark.parametrize("full_impl", ["gemm", "tiles"])
+@pytest.mark.parametrize("name,tc,canvas,prompt_len,draws", [("tiny", TINY, 8, 17, 5), ("mid", MID, 64, 700, 1)])
+def test_engine_matches_reference(name, tc, canvas, prompt_len, draws, full_impl):
+    """Mid: one model, cosine > 0.97 (the CPU's bf16 engine, 60 draws: 0.984-0.996; decisive argmax 0.982-1).
+    Tiny (4 experts, top-2, hidden 32): one flipped near-tie among its ~100 routing choices moves the logits
+    far, so a single draw is judged by its median over 5 models. The CPU's bf16 engine, 1000 draws: median
+    0.99982, 0.6 % under 0.97, the least 0.947; a GPU run fell to 0.9676 twice in 7. An error in the math
+    would move every draw."""
+    stats = [s for _ in range(draws) for s in parity_draw(name, tc, canvas, prompt_len, full_impl)]
+    cos = sorted(c for c, _ in stats)
+    assert all(a >= 0.95 for _, a in stats), stats
+    if draws == 1:
+        assert cos[0] > 0.97, cos
+    else:
+        assert cos[len(cos) // 2] > 0.99 and cos[0] > 0.9, cos
 
 
 def test_router_side_stream_gives_the_same_bits():
