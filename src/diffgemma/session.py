@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import InputError
-from .tool_calls import parse_tool_calls
+from .tool_calls import CALL_OPEN, parse_tool_calls
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
 THOUGHT_LABEL = "thought"
@@ -58,6 +58,43 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def rewind(cache, length: int) -> int:
+    """Truncate `cache` to `length` tokens -> the length it now holds: `length`, or 0 where the rewind is deeper
+    than the sliding-window ring can undo (the whole prompt is then prefilled again)."""
+    if length >= cache.length:
+        return cache.length
+    try:
+        cache.truncate(length)
+    except InputError:
+        cache.truncate(0)
+        return 0
+    return length
+
+
+def reuse_prefix(cache, cached_ids: list[int], ids: list[int]) -> int:
+    """Keep the longest common prefix of what `cache` holds (`cached_ids`) and the next prompt `ids` -> how many
+    prompt tokens the cache now serves. At least one prompt token is left to prefill: the model needs one new
+    token to condition the canvas on."""
+    keep = _common_prefix(cached_ids, ids)
+    if keep == len(ids):
+        keep -= 1
+    return rewind(cache, keep)
+
+
+def reply_parts(tokenizer, tokens: list[int]) -> tuple[str, str | None, str, list]:
+    """A reply's token ids -> (raw text with special tokens, thought or None, answer, tool calls)."""
+    raw = tokenizer.decode(tokens, skip_special_tokens=False)
+    thought, answer = split_thought(raw)
+    answer = _strip_padding(answer, tokenizer).strip()
+    return raw, thought, answer, parse_tool_calls(answer)
+
+
+def tool_call_message(prose: str, calls: list) -> dict:
+    """The assistant message of a turn that called tools, as the chat template renders it."""
+    return {"role": "assistant", "content": prose, "tool_calls": [
+        {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+
+
 class Session:
     def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None):
         if getattr(model, "tokenizer", None) is None:
@@ -83,24 +120,16 @@ class Session:
         from .generation import generate
 
         ids = self.render()
-        keep = _common_prefix(self.cached_ids, ids)
-        if keep == len(ids):  # the model needs at least one new token to condition on
-            keep -= 1
-        if keep < self.cache.length:
-            self.cache.truncate(keep)
+        keep = reuse_prefix(self.cache, self.cached_ids, ids)
+        self.cached_ids = []  # until generate returns: an error part-way leaves the cache's contents unknown
         new = ids[keep:]
         result = generate(self.model, new, cache=self.cache, settings=settings, on_step=on_step,
                           on_block=on_block, **overrides)
         self.cached_ids = ids + list(result.tokens)
-        raw = self.tokenizer.decode(result.tokens, skip_special_tokens=False)
-        thought, answer = split_thought(raw)
-        answer = _strip_padding(answer, self.tokenizer).strip()
-        calls = parse_tool_calls(answer)
+        raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens)
         # History keeps the answer only: reasoning never crosses a turn boundary.
         if calls and all(c.ok for c in calls):
-            prose = answer[:answer.find("<|tool_call>")].strip()
-            self.messages.append({"role": "assistant", "content": prose, "tool_calls": [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]})
+            self.messages.append(tool_call_message(answer[:answer.find(CALL_OPEN)].strip(), calls))
         else:
             self.messages.append({"role": "assistant", "content": answer})
         return Reply(answer=answer, thought=thought, raw_text=raw, result=result, reused_tokens=keep,
