@@ -120,6 +120,22 @@ def test_truncate_deeper_than_ring_is_an_error(ref):
     assert cache.length == 0 and (cache.slot_pos < 0).all()
 
 
+def test_rewind_falls_back_to_an_empty_cache(ref):
+    """session.rewind (the Session's and the server's KV reuse): a rewind the ring cannot undo empties the cache
+    (the caller prefills the whole prompt again) instead of failing the turn."""
+    from diffgemma.session import reuse_prefix, rewind
+
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    cache = eng.new_cache(256, rewind_slack=2)
+    ids = torch.randint(0, ref.config.vocab_size, (cache.ring + 6,)).tolist()
+    eng.prefill(cache, torch.tensor(ids))
+    assert rewind(cache, cache.length - 2) == len(ids) - 2 and cache.length == len(ids) - 2
+    assert rewind(cache, cache.length - 5) == 0 and cache.length == 0
+    eng.prefill(cache, torch.tensor(ids))
+    assert reuse_prefix(cache, ids, ids) == len(ids) - 1  # one token is always left to condition on
+    assert reuse_prefix(cache, ids, ids[:3] + [ids[3] + 1]) == 0  # shares 3, but the ring cannot go back that far
+
+
 def test_engine_rejects_bad_inputs(ref):
     eng = Engine.from_reference(ref, dtype=torch.float32)
     cache = eng.new_cache(32)
