@@ -1,4 +1,4 @@
-"""The `diffgemma` command: ask, chat, quantize, repack.
+"""The `diffgemma` command: ask, chat, golden, quantize, repack, serve, replay.
 
 Every user mistake (bad flag, unknown --set name, missing model) prints ONE line on stderr and exits
 with status 2; nothing else is printed.
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_subcommands(sub)
+    from .server.commands import add_subcommands as add_server_subcommands
+
+    add_server_subcommands(sub)
     return parser
 
 

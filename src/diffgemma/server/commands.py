@@ -1,0 +1,105 @@
+"""argparse subcommands `serve` and `replay`, registered into the main CLI by add_subcommands."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+
+
+def add_subcommands(subparsers) -> None:
+    s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (chat completions, streaming, tools)")
+    s.add_argument("--model", default=None, help="checkpoint or pack directory (default: the embedded demo model)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-name", default=None, help="the model id clients name (default: the model directory's name)")
+    s.add_argument("--slots", type=int, default=2, help="conversations whose KV cache is kept for reuse (default 2)")
+    s.add_argument("--max-tokens", type=int, default=8192,
+                   help="context of each slot: prompt + reply tokens (default 8192)")
+    s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
+    s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="a generation setting for every request (repeatable); requests may override it")
+    s.set_defaults(func=_run_serve)
+
+    r = subparsers.add_parser("replay", help="run a server op-log again and compare every event")
+    r.add_argument("log", type=Path, help="an ops-*.jsonl file written by `serve --log-dir`")
+    r.add_argument("--model", default=None, help="model directory (default: the one the log names)")
+    r.add_argument("--device", default=None, help="device (default: the one the log names)")
+    r.set_defaults(func=_run_replay)
+
+
+def served_name(model) -> str:
+    from ..loader import embedded_model_path
+
+    path = Path(getattr(model, "path", "") or "")
+    return "diffgemma-demo" if path == embedded_model_path() else (path.name or "diffgemma")
+
+
+def log_header(model, slots: int, max_tokens: int) -> dict:
+    from ..loader import embedded_model_path
+
+    path = Path(getattr(model, "path", "") or "")
+    return {"model": None if path == embedded_model_path() else str(path.resolve()),
+            "device": str(model.embedding.device), "dtype": str(model.embedding.dtype), "slots": slots,
+            "max_tokens": max_tokens}
+
+
+def _run_serve(args) -> int:
+    from .. import cli
+    from ..settings import GenerationSettings
+
+    if args.slots < 1:
+        raise InputError(f"--slots {args.slots}: expected a positive number")
+    if args.max_tokens < 1:
+        raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
+    cli._validate_early(args)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise InputError("serve needs fastapi and uvicorn: pip install 'diffgemma[serve]'") from None
+    model = cli._load(args)
+    if getattr(model, "tokenizer", None) is None:
+        raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
+    settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
+    return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
+                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir)
+
+
+def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .oplog import OpLog
+    from .worker import Worker
+
+    log = OpLog(log_dir, log_header(model, slots, max_tokens)) if log_dir else None
+    worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
+    app = create_app(worker, model.tokenizer, name, settings)
+    print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
+          + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        worker.close()
+        if log is not None:
+            log.close()
+    return 0
+
+
+def _run_replay(args) -> int:
+    from ..loader import load
+    from . import oplog
+    from .replay import replay
+
+    start = oplog.read(args.log)[0]
+    model = load(args.model or start.get("model"), device=args.device or start.get("device") or "cpu")
+    report = replay(args.log, model)
+    for line in report.problems:
+        print(line)
+    verdict = "identical" if report.ok else f"{len(report.problems)} generation(s) differ"
+    print(f"replay: {report.generations} generations, {report.events} logged events: {verdict}")
+    return 0 if report.ok else 1

@@ -1,0 +1,79 @@
+"""The op-log: every generation the server runs, as JSON lines that `diffgemma replay` can execute again.
+
+A log holds token ids and settings only, never text: what the model was asked and what it answered is
+fully determined by them, so a session seen in the field becomes a repro that re-runs bit for bit on the
+same device (seeded generation is deterministic there). Records, one JSON object a line:
+
+  {"op": "start", "version": 1, "model": PATH|null, "device": ..., "dtype": ..., "slots": N, "max_tokens": M}
+  {"op": "generate", "gen": G, "slot": S, "keep": K, "prompt": [ids...], "settings": {...}}
+      slot S's KV cache rewound to its first K tokens, then `prompt` (the rest of the rendered
+      conversation) prefilled and a reply generated with `settings` (every GenerationSettings field)
+  {"event": "block", "gen": G, "block": B, "tokens": [...], "steps": n, "stop_reason": ..., "end": ...}
+  {"event": "done", "gen": G, "tokens": [...], "stop_token": id|null}
+  {"event": "cancelled", "gen": G, "blocks": n, "kept": K}   the client left after n blocks; the cache
+      was rewound to K tokens (the prompt, or 0 where the rewind was deeper than the sliding ring)
+  {"event": "error", "gen": G, "error": "Type: message"}         the cache was emptied
+
+Each line is written and flushed as it happens, so a crash leaves a readable prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import InputError
+
+VERSION = 1
+
+
+class OpLog:
+    """Appends records to one JSONL file (a new file per server process, in `directory`)."""
+
+    def __init__(self, directory, header: dict):
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"--log-dir {directory}: cannot create it ({e.strerror})") from None
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.path = directory / f"ops-{stamp}-{os.getpid()}.jsonl"
+        try:
+            self._file = open(self.path, "x", encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--log-dir {directory}: cannot write {self.path.name} ({e.strerror})") from None
+        self.write({"op": "start", "version": VERSION, **header})
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path) -> list[dict]:
+    """The records of a log, checked for the shape replay needs; errors name the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the op-log ({e.strerror})") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+        if not isinstance(rec, dict) or not ("op" in rec or "event" in rec):
+            raise InputError(f"{path}:{n}: expected an object with an 'op' or an 'event'")
+        records.append(rec)
+    if not records or records[0].get("op") != "start":
+        raise InputError(f"{path}: the first record must be the 'start' op (is this a diffgemma op-log?)")
+    if records[0].get("version") != VERSION:
+        raise InputError(f"{path}: op-log version {records[0].get('version')!r}; this diffgemma reads {VERSION}")
+    return records

@@ -1,0 +1,86 @@
+"""A reply's token ids -> the assistant message, whole (`final_message`) or as streaming deltas (`ReplyDeltas`).
+
+Both go through session.reply_parts, so a streamed reply concatenates to exactly the message a non-streamed
+request gets: the thought channel as `reasoning_content`, the answer as `content`, and well-formed tool calls
+as `tool_calls` (their text is held back while streaming and sent whole at the end, since a call is only
+known to be well-formed once it is closed). Deltas come a committed block at a time: a diffusion model
+writes a block of tokens at once, not one token after another.
+"""
+
+from __future__ import annotations
+
+from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, reply_parts, split_thought
+from ..tool_calls import CALL_OPEN
+from .protocol import tool_calls_json
+
+
+def final_message(tokenizer, tokens: list[int], tools_on: bool) -> tuple[dict, list]:
+    """-> (assistant message, well-formed tool calls answered as such, [] when none)."""
+    _, thought, answer, calls = reply_parts(tokenizer, tokens)
+    message = {"role": "assistant", "content": answer}
+    if thought is not None:
+        message["reasoning_content"] = thought
+    if tools_on and calls and all(c.ok for c in calls):
+        message["content"] = answer[:answer.find(CALL_OPEN)].strip() or None
+        message["tool_calls"] = tool_calls_json(calls)
+        return message, calls
+    return message, []
+
+
+def _held_back(text: str, marker: str) -> str:
+    """`text` without its tail that may still turn into `marker` (a prefix of it at the very end)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return text[:-n]
+    return text
+
+
+class ReplyDeltas:
+    """Feed it the tokens so far after each block; it returns what the client has not seen yet."""
+
+    def __init__(self, tokenizer, tools_on: bool):
+        self.tokenizer, self.tools_on = tokenizer, tools_on
+        self.tokens: list[int] = []
+        self.sent = {"reasoning_content": "", "content": ""}
+
+    def _visible(self) -> dict:
+        """The parts that are sure not to change as more tokens come: trailing whitespace (a final strip may drop
+        it) and anything from a tool call's opener on are held back."""
+        raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
+        thought, answer = split_thought(raw)
+        opened = raw.find(CHANNEL_OPEN)
+        if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
+            thought = ""  # the channel's label is still being written: it is not part of the thought
+        answer = _strip_padding(answer, self.tokenizer).lstrip()
+        if self.tools_on:
+            cut = answer.find(CALL_OPEN)
+            answer = _held_back(answer if cut < 0 else answer[:cut], CALL_OPEN)
+        return {"reasoning_content": (thought or "").lstrip("\n").rstrip("\n"), "content": answer.rstrip()}
+
+    def _delta(self, now: dict) -> dict:
+        out = {}
+        for key, text in now.items():
+            if text.startswith(self.sent[key]) and len(text) > len(self.sent[key]):
+                out[key] = text[len(self.sent[key]):]
+                self.sent[key] = text
+        return out
+
+    def feed(self, tokens: list[int]) -> dict:
+        self.tokens.extend(tokens)
+        return self._delta(self._visible())
+
+    def finish(self) -> tuple[dict, dict, list]:
+        """-> (the last delta, the whole message, its tool calls): the delta completes what was sent to the
+        message's content and reasoning, and carries the tool calls."""
+        message, calls = final_message(self.tokenizer, self.tokens, self.tools_on)
+        final = {"reasoning_content": message.get("reasoning_content") or "", "content": message.get("content") or ""}
+        delta = {}
+        for key, text in final.items():
+            sent = self.sent[key]
+            if not text.startswith(sent):  # cannot happen with the holds above; never send a wrong prefix silently
+                raise AssertionError(f"streamed {key} {sent!r} is not a prefix of the reply's {text!r}")
+            if len(text) > len(sent):
+                delta[key] = text[len(sent):]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
+        return delta, message, calls

@@ -1,0 +1,326 @@
+"""The OpenAI-compatible server (diffgemma.server) on the embedded demo model: the same tokens as the library's
+Session, KV reuse across requests, streaming that adds up to the whole message, tool calls both ways, refusals
+by name, cancellation, and the op-log that `diffgemma replay` runs again."""
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+import diffgemma  # noqa: E402
+from diffgemma import cli  # noqa: E402
+from diffgemma.errors import InputError  # noqa: E402
+from diffgemma.loader import embedded_model_path  # noqa: E402
+from diffgemma.server import oplog  # noqa: E402
+from diffgemma.server.app import create_app  # noqa: E402
+from diffgemma.server.commands import log_header, served_name  # noqa: E402
+from diffgemma.server.protocol import RequestError, convert_messages, parse_chat_request  # noqa: E402
+from diffgemma.server.replay import replay  # noqa: E402
+from diffgemma.server.worker import Slot, Worker  # noqa: E402
+from diffgemma.session import Session  # noqa: E402
+from diffgemma.settings import GenerationSettings  # noqa: E402
+
+TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
+WEATHER = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return diffgemma.load()
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    return GenerationSettings.resolve(model.generation_config, env={})
+
+
+class Server:
+    """A worker + app + client over the demo model, optionally logging."""
+
+    def __init__(self, model, base, log_dir=None, slots=2, max_tokens=2048):
+        self.log = oplog.OpLog(log_dir, log_header(model, slots, max_tokens)) if log_dir else None
+        self.worker = Worker(model, slots=slots, max_tokens=max_tokens, log=self.log)
+        self.client = TestClient(create_app(self.worker, model.tokenizer, served_name(model), base))
+
+    def chat(self, messages, **body):
+        r = self.client.post("/v1/chat/completions", json={"messages": messages, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, messages, **body):
+        chunks = []
+        with self.client.stream("POST", "/v1/chat/completions",
+                                json={"messages": messages, "stream": True, **body}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        for ln in lines[:-1]:
+            assert ln.startswith("data: ")
+            chunks.append(json.loads(ln[6:]))
+        return chunks
+
+    def close(self):
+        self.worker.close()
+        if self.log is not None:
+            self.log.close()
+
+
+@pytest.fixture
+def server(model, base):
+    s = Server(model, base)
+    yield s
+    s.close()
+
+
+# ------------------------------------------------------------------------------------- the wire format
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"messages": WEATHER, "temperatur": 1}, 400, "unknown field(s) ['temperatur']"),
+    ({"messages": WEATHER, "model": "gpt-4"}, 404, "'gpt-4' is not served here; this server serves 'diffgemma-demo'"),
+    ({"messages": WEATHER, "n": 2}, 400, "n: only 1"),
+    ({"messages": WEATHER, "stop": ["\n"]}, 400, "stop: stop strings are not supported"),
+    ({"messages": WEATHER, "logprobs": True}, 400, "logprobs: not supported"),
+    ({"messages": WEATHER, "tool_choice": "required"}, 400, "tool_choice: 'auto' or 'none'"),
+    ({"messages": WEATHER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": WEATHER, "stream": "yes"}, 400, "stream: expected true or false"),
+    ({"messages": WEATHER, "diffgemma": {"entropy_bond": 0.2}}, 400, "entropy_bond"),
+    ({"messages": WEATHER, "diffgemma": {"entropy_bound": -1}}, 400, "entropy_bound"),
+    ({"messages": WEATHER, "max_tokens": 0}, 400, "max_new_tokens"),
+    ({"messages": WEATHER, "chat_template_kwargs": {"add_vision": True}}, 400, "chat_template_kwargs"),
+    ({"messages": []}, 400, "messages: expected a non-empty list"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0]: only text parts are supported, got 'image_url'"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role: 'robot'"),
+    ({"messages": WEATHER + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]}, 400,
+     "messages[1].tool_calls[0].function.arguments: not valid JSON"),
+    ({"messages": WEATHER + [{"role": "tool", "tool_call_id": "nope", "content": "17"}]}, 400,
+     "tool_call_id 'nope' names no earlier assistant tool call"),
+    ({"messages": WEATHER, "tools": [{"type": "function"}]}, 400, "tools[0]"),
+])
+def test_refusals_name_the_field(server, body, status, needle):
+    r = server.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_refusals_before_anything_runs(server):
+    r = server.client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # the template's own refusal: a tool result with no tool call before it
+    r = server.client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "name": "get_weather", "content": "17"}]})
+    assert r.status_code == 400 and "tool message must follow" in r.json()["error"]["message"]
+    r = server.client.post("/v1/chat/completions", json={"messages": WEATHER, "max_tokens": 5000})
+    assert r.status_code == 400 and "over this server's context of 2048" in r.json()["error"]["message"]
+    assert all(s is None for s in server.worker.slots)  # nothing was generated or cached
+
+
+def test_messages_become_the_templates_form():
+    msgs = convert_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c7", "content": '{"temperature": -3}'},
+        {"role": "tool", "tool_call_id": "c7", "content": "snowing"},
+    ])
+    assert msgs == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "name": "get_weather", "content": {"temperature": -3}},
+        {"role": "tool", "name": "get_weather", "content": "snowing"},
+    ]
+
+
+def test_request_fields_become_settings(base):
+    req = parse_chat_request({"messages": WEATHER, "max_completion_tokens": 40, "seed": 9, "temperature": 0.3,
+                              "diffgemma": {"entropy_bound": 0.2}, "chat_template_kwargs": {"enable_thinking": True},
+                              "stream": True, "stream_options": {"include_usage": True}}, "m", base)
+    assert (req.settings.max_new_tokens, req.settings.seed, req.settings.entropy_bound) == (40, 9, 0.2)
+    assert req.think and req.stream and req.include_usage
+    assert req.settings.t_max == base.t_max  # temperature is an autoregressive knob: accepted, not applied
+    with pytest.raises(RequestError):
+        parse_chat_request(["not", "an", "object"], "m", base)
+
+
+# ------------------------------------------------------------------------------------- generation
+
+def test_reply_is_the_sessions_reply(server, model, base):
+    """The same rendering, prefill and generation as the library's Session: the same answer, token for token."""
+    for prompt in ("What is 17 + 25?", "Sort these numbers: 31 12 87 45 6"):
+        got = server.chat([{"role": "user", "content": prompt}])
+        reply = Session(model).ask(prompt, settings=base)
+        assert got["choices"][0]["message"] == {"role": "assistant", "content": reply.answer}
+        assert got["choices"][0]["finish_reason"] == "stop"
+        u = got["usage"]
+        assert u["completion_tokens"] == len(reply.result.tokens)
+        assert u["prompt_tokens"] == reply.prefilled_tokens and u["total_tokens"] == u["prompt_tokens"] + len(
+            reply.result.tokens)
+    assert got["model"] == "diffgemma-demo" and got["object"] == "chat.completion"
+
+
+def test_tool_call_round_trip_reuses_the_kv_cache(server, model, base):
+    """A tool call goes out as OpenAI tool_calls; its result comes back as a tool message. The second request
+    is served from the cache the first left (its whole prompt and reply), and answers as the Session does."""
+    first = server.chat(WEATHER, tools=TOOLS)
+    msg = first["choices"][0]["message"]
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    result = {"temperature": 17, "condition": "cloudy"}
+    second = server.chat(WEATHER + [msg, {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)}],
+                         tools=TOOLS)
+    u1, u2 = first["usage"], second["usage"]
+    assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"] - 1
+    session = Session(model, tools=TOOLS)
+    session.ask(WEATHER[0]["content"], settings=base)
+    reply = session.tool_result("get_weather", result, settings=base)
+    assert second["choices"][0]["message"]["content"] == reply.answer
+    assert u2["prompt_tokens_details"]["cached_tokens"] == reply.reused_tokens
+
+
+def test_tool_choice_none_returns_the_call_as_text(server):
+    got = server.chat(WEATHER, tools=TOOLS, tool_choice="none")["choices"][0]
+    assert got["finish_reason"] == "stop" and "tool_calls" not in got["message"]
+    assert got["message"]["content"].startswith("<|tool_call>call:get_weather")
+
+
+@pytest.mark.parametrize("case", ["plain", "tools", "thinking"])
+def test_stream_adds_up_to_the_message(server, case):
+    body = {"plain": {}, "tools": {"tools": TOOLS},
+            "thinking": {"chat_template_kwargs": {"enable_thinking": True}}}[case]
+    messages = WEATHER if case == "tools" else [{"role": "user", "content": "What is 12 + 30 + 7?"}]
+    whole = server.chat(messages, **body)
+    chunks = server.stream(messages, stream_options={"include_usage": True}, **body)
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *body_chunks, last, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    text = {"content": "", "reasoning_content": ""}
+    calls = []
+    for c in body_chunks:
+        delta = c["choices"][0]["delta"]
+        for k in text:
+            text[k] += delta.get(k) or ""
+        calls += delta.get("tool_calls", [])
+    msg = whole["choices"][0]["message"]
+    assert text["content"] == (msg["content"] or "")
+    assert text["reasoning_content"] == msg.get("reasoning_content", "")
+    assert [c["function"] for c in calls] == [c["function"] for c in msg.get("tool_calls", [])]
+    if case == "thinking":
+        assert msg.get("reasoning_content"), msg  # the demo model writes a thought when asked to
+    if case == "tools":
+        assert calls and calls[0]["index"] == 0
+
+
+def test_concurrent_requests_are_served_one_at_a_time(server):
+    out = {}
+
+    def ask(key, prompt):
+        out[key] = server.chat([{"role": "user", "content": prompt}])["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(["What is 17 + 25?", "What is 2 + 3?"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {0: "42", 1: "5"}
+
+
+# ------------------------------------------------------------------------------------- slots, cancel, replay
+
+def test_slot_choice(model):
+    worker = Worker(model, slots=3)
+    try:
+        a, b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 9, 9, 9, 9, 9]
+        assert worker.pick(a) == (0, 0)  # nothing held: the first unused slot
+        worker.slots[0] = Slot(None, a + [70, 71], last_used=1)
+        assert worker.pick(a + [70, 71, 72]) == (0, 10)  # continues slot 0's conversation
+        assert worker.pick(b) == (1, 0)  # shares 2 of slot 0's 10 tokens: a new conversation takes an unused slot
+        worker.slots[1] = Slot(None, b, last_used=2)
+        worker.slots[2] = Slot(None, [5, 5], last_used=3)
+        assert worker.pick([1, 2, 3, 0]) == (0, 3)  # all used, none continued: the least recently used
+        with pytest.raises(InputError, match="slots"):
+            Worker(model, slots=0)
+    finally:
+        worker.close()
+
+
+def test_cancel_rewinds_the_slot_to_the_prompt(model, base, tmp_path):
+    s = Server(model, base, log_dir=tmp_path)
+    try:
+        ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 200."}])
+        job = s.worker.submit(ids, base.replace(max_new_tokens=1024))
+        kind, _ = job.get(timeout=60)
+        assert kind == "start"
+        job.cancel()
+        kinds = []
+        while not kinds or kinds[-1] not in ("done", "cancelled", "error"):
+            kinds.append(job.get(timeout=60)[0])
+        assert kinds[-1] == "cancelled", kinds
+        slot = s.worker.slots[0]
+        assert slot.ids == ids and slot.cache.length == len(ids)
+        # the next turn of that conversation is served from the slot
+        again = s.chat([{"role": "user", "content": "Count from 1 to 200."}], max_tokens=16)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+    finally:
+        s.close()
+    records = oplog.read(s.log.path)
+    assert [r["event"] for r in records if r.get("event") in ("cancelled", "done")] == ["cancelled", "done"]
+    assert replay(s.log.path, model).ok
+
+
+def test_replay_repeats_a_logged_session_and_finds_a_difference(model, base, tmp_path, capsys):
+    s = Server(model, base, log_dir=tmp_path / "logs")
+    try:
+        first = s.chat(WEATHER, tools=TOOLS)
+        msg = first["choices"][0]["message"]
+        s.chat(WEATHER + [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "sunny"}],
+               tools=TOOLS)
+        s.stream([{"role": "user", "content": "Sort these numbers: 31 12 87 45 6"}], diffgemma={"seed": 3})
+    finally:
+        s.close()
+    path = s.log.path
+    records = oplog.read(path)
+    assert records[0]["model"] is None and records[0]["slots"] == 2  # the embedded model
+    assert [r["op"] for r in records if "op" in r] == ["start", "generate", "generate", "generate"]
+    assert all(isinstance(t, int) for r in records if r.get("op") == "generate" for t in r["prompt"])
+    report = replay(path, model)
+    assert report.ok and report.generations == 3, report.problems
+    assert cli.main(["replay", str(path)]) == 0
+    assert "3 generations" in capsys.readouterr().out
+
+    lines = path.read_text().splitlines()
+    k = next(i for i, ln in enumerate(lines) if json.loads(ln).get("event") == "block")
+    rec = json.loads(lines[k])
+    rec["tokens"][0] += 1
+    lines[k] = json.dumps(rec)
+    bad = tmp_path / "tampered.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    report = replay(bad, model)
+    assert not report.ok and f"generation {rec['gen']}, event 1 (block): tokens logged" in report.problems[0]
+    assert cli.main(["replay", str(bad)]) == 1
+
+    (tmp_path / "notalog.jsonl").write_text('{"op": "generate"}\n')
+    with pytest.raises(InputError, match="first record must be the 'start' op"):
+        replay(tmp_path / "notalog.jsonl", model)
+
+
+def test_serve_flags_are_checked_before_the_model_loads(capsys):
+    assert cli.main(["serve", "--slots", "0"]) == 2
+    assert "--slots 0: expected a positive number" in capsys.readouterr().err
+    assert cli.main(["serve", "--set", "entropy_bond=1"]) == 2
+    assert "entropy_bond" in capsys.readouterr().err
