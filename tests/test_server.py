@@ -16,13 +16,13 @@ import diffgemma  # noqa: E402
 from diffgemma import cli  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.loader import embedded_model_path  # noqa: E402
-from diffgemma.server import oplog  # noqa: E402
+from diffgemma import oplog  # noqa: E402
+from diffgemma.replay import replay  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
-from diffgemma.server.commands import log_header, served_name  # noqa: E402
+from diffgemma.server.commands import served_name  # noqa: E402
 from diffgemma.server.protocol import RequestError, convert_messages, parse_chat_request  # noqa: E402
-from diffgemma.server.replay import replay  # noqa: E402
-from diffgemma.server.worker import Slot, Worker  # noqa: E402
-from diffgemma.session import Session  # noqa: E402
+from diffgemma.server.worker import Worker  # noqa: E402
+from diffgemma.session import Session, Slot  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 
 TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
@@ -43,7 +43,7 @@ class Server:
     """A worker + app + client over the demo model, optionally logging."""
 
     def __init__(self, model, base, log_dir=None, slots=2, max_tokens=2048):
-        self.log = oplog.OpLog(log_dir, log_header(model, slots, max_tokens)) if log_dir else None
+        self.log = oplog.OpLog(log_dir, oplog.header(model, slots, max_tokens)) if log_dir else None
         self.worker = Worker(model, slots=slots, max_tokens=max_tokens, log=self.log)
         self.client = TestClient(create_app(self.worker, model.tokenizer, served_name(model), base))
 

@@ -15,6 +15,7 @@ import sys
 from .errors import DiffgemmaError, InputError
 
 EXIT_USAGE = 2
+SESSION_TOKENS = 8192  # the KV cache of `ask` and `chat`: prompt and replies of the whole conversation
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +39,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print steps per block, tokens per forward, timings")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2")
+    p.add_argument("--log-dir", default=None,
+                   help="journal every turn (token ids and settings) in an op-log here, for `diffgemma replay`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +145,14 @@ def _open_session(args):
     model = _load(args)
     tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
-    return model, settings, Session(model, system=args.system, think=args.think, tools=tools)
+    log = None
+    if args.log_dir:
+        from .oplog import OpLog, header
+
+        log = OpLog(args.log_dir, header(model, 1, SESSION_TOKENS))
+        print(f"diffgemma: op-log {log.path}", file=sys.stderr)
+    return model, settings, Session(model, system=args.system, think=args.think, tools=tools,
+                                    max_tokens=SESSION_TOKENS, log=log)
 
 
 def cmd_ask(args) -> int:

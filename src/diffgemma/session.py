@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import InputError
+from .generation import BlockEvent, DoneEvent, StepEvent, generate_stream, resolve_settings
 from .tool_calls import CALL_OPEN, parse_tool_calls
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -95,8 +96,61 @@ def tool_call_message(prose: str, calls: list) -> dict:
         {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
 
 
+@dataclass
+class Slot:
+    cache: object
+    ids: list[int] = field(default_factory=list)  # the token ids the cache holds, in order
+    last_used: int = 0
+
+
+def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *, log=None, gen: int = 0,
+                   slot_index: int = 0, should_stop=lambda blocks: False, emit=lambda kind, payload: None) -> None:
+    """The one way a conversation's reply is generated (Session, the server's worker, replay): `slot` already
+    rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Each event goes to
+    `emit(kind, payload)`: "step" / "block" as they come, then one of "done" (the GenerationResult),
+    "cancelled" or "error" (the exception; the cache is emptied). `should_stop(blocks)` is asked after every
+    step and block; True cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and
+    its events are journaled for `diffgemma replay`."""
+    record = log.write if log is not None else (lambda r: None)
+    record({"op": "generate", "gen": gen, "slot": slot_index, "keep": keep, "prompt": list(prompt),
+            "settings": settings.as_dict()})
+    full = slot.ids[:keep] + list(prompt)
+    slot.ids = []  # unknown until the generation ends
+    blocks = 0
+    stream = generate_stream(model, prompt, settings=settings, cache=slot.cache)
+    try:
+        for event in stream:
+            if isinstance(event, StepEvent):
+                emit("step", event)
+            elif isinstance(event, BlockEvent):
+                blocks += 1
+                record({"event": "block", "gen": gen, "block": event.block, "tokens": event.tokens,
+                        "steps": event.steps, "stop_reason": event.stop_reason, "end": event.end})
+                emit("block", event)
+            elif isinstance(event, DoneEvent):
+                result = event.result
+                slot.ids = full + list(result.tokens)
+                record({"event": "done", "gen": gen, "tokens": result.tokens, "stop_token": result.stop_token})
+                emit("done", result)
+                return
+            if should_stop(blocks):
+                stream.close()
+                kept = rewind(slot.cache, len(full))
+                slot.ids = full[:kept]
+                record({"event": "cancelled", "gen": gen, "blocks": blocks, "kept": kept})
+                emit("cancelled", None)
+                return
+    except Exception as e:  # the cache may hold part of a prefill or a block: start it afresh
+        stream.close()
+        rewind(slot.cache, 0)
+        record({"event": "error", "gen": gen, "error": f"{type(e).__name__}: {e}"})
+        emit("error", e)
+
+
 class Session:
-    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None):
+    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None,
+                 log=None):
+        """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`."""
         if getattr(model, "tokenizer", None) is None:
             raise InputError(f"{getattr(model, 'path', 'model')}: has no tokenizer.json; chat needs a tokenizer")
         self.model = model
@@ -104,8 +158,18 @@ class Session:
         self.think = think
         self.tools = tools
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.cache = model.new_cache(max_tokens)
-        self.cached_ids: list[int] = []
+        self.slot = Slot(model.new_cache(max_tokens))
+        self.log = log
+        self._turns = 0
+
+    @property
+    def cache(self):
+        return self.slot.cache
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The token ids the KV cache holds."""
+        return self.slot.ids
 
     def render(self) -> list[int]:
         return self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
@@ -117,15 +181,27 @@ class Session:
         return self._generate_turn(**kw)
 
     def _generate_turn(self, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
-        from .generation import generate
-
         ids = self.render()
-        keep = reuse_prefix(self.cache, self.cached_ids, ids)
-        self.cached_ids = []  # until generate returns: an error part-way leaves the cache's contents unknown
+        keep = reuse_prefix(self.cache, self.slot.ids, ids)
         new = ids[keep:]
-        result = generate(self.model, new, cache=self.cache, settings=settings, on_step=on_step,
-                          on_block=on_block, **overrides)
-        self.cached_ids = ids + list(result.tokens)
+        out = {}
+
+        def emit(kind, payload):
+            if kind == "step":
+                if on_step is not None:
+                    on_step(payload)
+            elif kind == "block":
+                if on_block is not None:
+                    on_block(payload)
+            else:
+                out[kind] = payload
+
+        run_generation(self.model, self.slot, keep, new, resolve_settings(self.model, settings, overrides),
+                       log=self.log, gen=self._turns, emit=emit)
+        self._turns += 1
+        if "error" in out:
+            raise out["error"]
+        result = out["done"]
         raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens)
         # History keeps the answer only: reasoning never crosses a turn boundary.
         if calls and all(c.ok for c in calls):

@@ -24,8 +24,8 @@ def add_subcommands(subparsers) -> None:
                    help="a generation setting for every request (repeatable); requests may override it")
     s.set_defaults(func=_run_serve)
 
-    r = subparsers.add_parser("replay", help="run a server op-log again and compare every event")
-    r.add_argument("log", type=Path, help="an ops-*.jsonl file written by `serve --log-dir`")
+    r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
+    r.add_argument("log", type=Path, help="an ops-*.jsonl file written by serve, ask or chat with --log-dir")
     r.add_argument("--model", default=None, help="model directory (default: the one the log names)")
     r.add_argument("--device", default=None, help="device (default: the one the log names)")
     r.set_defaults(func=_run_replay)
@@ -36,15 +36,6 @@ def served_name(model) -> str:
 
     path = Path(getattr(model, "path", "") or "")
     return "diffgemma-demo" if path == embedded_model_path() else (path.name or "diffgemma")
-
-
-def log_header(model, slots: int, max_tokens: int) -> dict:
-    from ..loader import embedded_model_path
-
-    path = Path(getattr(model, "path", "") or "")
-    return {"model": None if path == embedded_model_path() else str(path.resolve()),
-            "device": str(model.embedding.device), "dtype": str(model.embedding.dtype), "slots": slots,
-            "max_tokens": max_tokens}
 
 
 def _run_serve(args) -> int:
@@ -72,11 +63,11 @@ def _run_serve(args) -> int:
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None) -> int:
     import uvicorn
 
+    from ..oplog import OpLog, header
     from .app import create_app
-    from .oplog import OpLog
     from .worker import Worker
 
-    log = OpLog(log_dir, log_header(model, slots, max_tokens)) if log_dir else None
+    log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
     worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
     app = create_app(worker, model.tokenizer, name, settings)
     print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
@@ -91,9 +82,9 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
 
 
 def _run_replay(args) -> int:
+    from .. import oplog
     from ..loader import load
-    from . import oplog
-    from .replay import replay
+    from ..replay import replay
 
     start = oplog.read(args.log)[0]
     model = load(args.model or start.get("model"), device=args.device or start.get("device") or "cpu")

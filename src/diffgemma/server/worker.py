@@ -6,8 +6,8 @@ what some slot already holds, so the worker picks that slot (`pick`), rewinds it
 and prefills only the rest. A client that leaves mid-reply cancels its job between denoise steps; the cache is rewound to the
 prompt, so the slot still serves the conversation.
 
-Every generation goes through `run_generation`, which `replay` calls too: the op-log records exactly the
-inputs it takes (slot, kept prefix, prompt ids, settings).
+Every generation goes through session.run_generation, which `replay` calls too: the op-log records exactly
+the inputs it takes (slot, kept prefix, prompt ids, settings).
 """
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
 
 from ..errors import InputError
-from ..generation import BlockEvent, DoneEvent, generate_stream
-from ..session import _common_prefix, reuse_prefix, rewind
-
-
-@dataclass
-class Slot:
-    cache: object
-    ids: list[int] = field(default_factory=list)  # the token ids the cache holds, in order
-    last_used: int = 0
+from ..session import Slot, _common_prefix, reuse_prefix, run_generation
 
 
 class Job:
@@ -47,42 +38,6 @@ class Job:
 
     def get(self, timeout: float | None = None):
         return self.events.get(timeout=timeout)
-
-
-def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, log=None, gen: int = 0,
-                   should_stop=lambda blocks: False, emit=lambda kind, payload: None):
-    """Rewind `slot` to `keep` tokens, prefill `prompt`, generate; log and emit each event. `should_stop(blocks)`
-    is asked after every event (a step or a block); True cancels: the cache is rewound to the prompt."""
-    record = log.write if log is not None else (lambda r: None)
-    full = slot.ids[:keep] + prompt
-    slot.ids = []  # unknown until the generation ends
-    blocks = 0
-    stream = generate_stream(model, prompt, settings=settings, cache=slot.cache)
-    try:
-        for event in stream:
-            if isinstance(event, BlockEvent):
-                blocks += 1
-                record({"event": "block", "gen": gen, "block": event.block, "tokens": event.tokens,
-                        "steps": event.steps, "stop_reason": event.stop_reason, "end": event.end})
-                emit("block", event)
-            elif isinstance(event, DoneEvent):
-                result = event.result
-                slot.ids = full + list(result.tokens)
-                record({"event": "done", "gen": gen, "tokens": result.tokens, "stop_token": result.stop_token})
-                emit("done", result)
-                return
-            if should_stop(blocks):
-                stream.close()
-                kept = rewind(slot.cache, len(full))
-                slot.ids = full[:kept]
-                record({"event": "cancelled", "gen": gen, "blocks": blocks, "kept": kept})
-                emit("cancelled", None)
-                return
-    except Exception as e:  # the cache may hold part of a prefill or a block: start it afresh
-        stream.close()
-        rewind(slot.cache, 0)
-        record({"event": "error", "gen": gen, "error": f"{type(e).__name__}: {e}"})
-        emit("error", e)
 
 
 class Worker:
@@ -149,10 +104,11 @@ class Worker:
         slot = self.slots[i]
         slot.last_used = next(self._clock)
         keep = reuse_prefix(slot.cache, slot.ids, job.ids)
-        gen = next(self._gens)
-        if self.log is not None:
-            self.log.write({"op": "generate", "gen": gen, "slot": i, "keep": keep, "prompt": job.ids[keep:],
-                            "settings": job.settings.as_dict()})
         job.events.put(("start", {"cached_tokens": keep}))
-        run_generation(self.model, slot, keep, job.ids[keep:], job.settings, self.log, gen,
-                       should_stop=lambda blocks: job.cancelled, emit=lambda kind, p: job.events.put((kind, p)))
+
+        def emit(kind, payload):
+            if kind != "step":
+                job.events.put((kind, payload))
+
+        run_generation(self.model, slot, keep, job.ids[keep:], job.settings, log=self.log, gen=next(self._gens),
+                       slot_index=i, should_stop=lambda blocks: job.cancelled, emit=emit)

@@ -1,7 +1,8 @@
-"""`diffgemma replay OPS.jsonl`: run a logged server session again and compare every event with the log.
+"""`diffgemma replay OPS.jsonl`: run a logged session (`serve`, `ask` or `chat` with --log-dir) again and compare
+every event with the log.
 
-The same slots, rewinds, prompts and settings, in the logged order, through the same `run_generation` the
-server used; a cancelled generation stops after the same number of blocks. On the device and build that
+The same slots, rewinds, prompts and settings, in the logged order, through the same session.run_generation
+that wrote it; a cancelled generation stops after the same number of blocks. On the device and build that
 wrote the log every event must match: a difference is a bug (or a different device / build, which the start
 record names).
 """
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import InputError
-from ..settings import GenerationSettings
-from ..session import rewind
 from . import oplog
-from .worker import Slot, run_generation
+from .errors import InputError
+from .session import Slot, rewind, run_generation
+from .settings import GenerationSettings
 
 COMPARED = {"block": ("block", "tokens", "steps", "stop_reason", "end"), "done": ("tokens", "stop_token"),
             "cancelled": ("blocks", "kept"), "error": ("error",)}
@@ -65,15 +65,16 @@ def replay(path, model) -> ReplayReport:
         if got_keep != keep:
             report.problems.append(f"generation {gen}: the cache rewound to {got_keep} tokens, the log says {keep}")
             continue
-        ends = [r for r in logged if r["event"] in ("cancelled",)]
+        ends = [r for r in logged if r["event"] == "cancelled"]
         stop_after = ends[0].get("blocks") if ends else None
         got: list[dict] = []
 
-        class _Log:  # collects what run_generation would write
+        class _Log:  # collects what run_generation journals
             write = staticmethod(got.append)
 
-        run_generation(model, slot, keep, prompt, settings, _Log(), gen,
+        run_generation(model, slot, keep, prompt, settings, log=_Log(), gen=gen, slot_index=slot_i,
                        should_stop=lambda blocks: stop_after is not None and blocks >= stop_after)
+        got = [r for r in got if "event" in r]
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)

@@ -1,4 +1,5 @@
-"""The op-log: every generation the server runs, as JSON lines that `diffgemma replay` can execute again.
+"""The op-log: every generation of a session (`serve`, `ask`, `chat` with --log-dir), as JSON lines that
+`diffgemma replay` can execute again.
 
 A log holds token ids and settings only, never text: what the model was asked and what it answered is
 fully determined by them, so a session seen in the field becomes a repro that re-runs bit for bit on the
@@ -24,13 +25,23 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import InputError
+from .errors import InputError
 
 VERSION = 1
 
 
+def header(model, slots: int, max_tokens: int) -> dict:
+    """The start record's fields: what replay needs to rebuild the slots (the model: None for the embedded one)."""
+    from .loader import embedded_model_path
+
+    path = Path(getattr(model, "path", "") or "")
+    return {"model": None if path == embedded_model_path() else str(path.resolve()),
+            "device": str(model.embedding.device), "dtype": str(model.embedding.dtype), "slots": slots,
+            "max_tokens": max_tokens}
+
+
 class OpLog:
-    """Appends records to one JSONL file (a new file per server process, in `directory`)."""
+    """Appends records to one JSONL file (a new file per process, in `directory`)."""
 
     def __init__(self, directory, header: dict):
         directory = Path(directory)
@@ -38,12 +49,18 @@ class OpLog:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InputError(f"--log-dir {directory}: cannot create it ({e.strerror})") from None
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.path = directory / f"ops-{stamp}-{os.getpid()}.jsonl"
-        try:
-            self._file = open(self.path, "x", encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"--log-dir {directory}: cannot write {self.path.name} ({e.strerror})") from None
+        stem = f"ops-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        for n in range(1000):  # a second log of this process in the same second gets a suffix
+            self.path = directory / (f"{stem}.jsonl" if n == 0 else f"{stem}-{n}.jsonl")
+            try:
+                self._file = open(self.path, "x", encoding="utf-8")
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise InputError(f"--log-dir {directory}: cannot write {self.path.name} ({e.strerror})") from None
+        else:
+            raise InputError(f"--log-dir {directory}: 1000 logs named {stem}*.jsonl already")
         self.write({"op": "start", "version": VERSION, **header})
 
     def write(self, record: dict) -> None:
