@@ -159,7 +159,7 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatReq
     model = body.get("model")
     if model is not None and model != model_id:
         raise RequestError(404, f"model {model!r} is not served here; this server serves {model_id!r}", "model")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise _bad("n: only 1 completion per request is supported", "n")
     if body.get("stop"):
         raise _bad("stop: stop strings are not supported (the model stops at its own end-of-turn tokens)", "stop")
