@@ -50,7 +50,11 @@ def test_engine_f32_matches_reference(ref, window_multiple, chunk):
     for name, e, g in zip(("no SC", "SC logits", "block 2", "SC embeds"), two_blocks(ref, *case), two_blocks(eng, *case)):
         assert g.dtype == torch.float32 and g.shape == e.shape
         err = (g - e).abs().max().item()
-        assert err <= 1e-4, f"{name}: max |Δlogits| = {err:.3g}"
+        # f32 rounding, which these random models amplify with a heavy tail: over 5600 fresh cases (4 outputs each)
+        # max |Δlogits| median 7e-6, 0.1 % of outputs over 7e-5, worst 2.0e-4 (3 cases over the old 1e-4 bound: with
+        # 12 cases here about one suite run in 150 failed). A wiring fault (positions, ring slots, chunk edges) is
+        # O(0.1-1); f16 KV rounding alone (the test below) is 0.005-0.01 in the median.
+        assert err <= 1e-3, f"{name}: max |Δlogits| = {err:.3g}"
 
 
 def test_launch_order_knob_leaves_the_logits_unchanged(ref):
@@ -84,7 +88,7 @@ def test_engine_f16_kv_close_to_reference(ref_all_experts):
         # f16 KV rounding on random weights, measured over 1200 fresh cases (400 per config): max |Δlogits|
         # median 0.005-0.01, p99 0.03-0.05, worst 0.07, with a rare heavier tail (0.101, cos 0.99992, once in a
         # full-suite run); cosine >= 0.99997. A wiring fault (positions, ring slots, dtype) is O(1) here, and
-        # the f32-KV test above pins the same code to 1e-4.
+        # the f32-KV test above pins the same code to 1e-3.
         assert cos > 0.9995 and err < 0.3, f"cos {cos:.7f} max|Δ| {err:.3g}"
 
 

@@ -152,7 +152,12 @@ def test_load_can_pick_the_fast_engine_on_cpu(good):
 
     assert isinstance(diffgemma.load(good), ReferenceModel)  # CPU default: the reference
     fast = diffgemma.load(good, engine="fast", dtype=torch.float32)
-    assert isinstance(fast, Engine)
+    assert isinstance(fast, Engine) and fast.kv_dtype == torch.float16  # the contract's KV cache
+    # Compared with an f32 KV cache: with the f16 one an f16 rounding can flip a near-tied expert choice on these
+    # random tiny models, and the logits cosine fell below the old 0.9 bound in 2 of 3000 fresh models (0.855,
+    # 0.881). With f32 KV the loaded engine matches the reference to f32 rounding: max |Δlogits| median 5.6e-6,
+    # worst 4.1e-5 over 2500 fresh models; one layer's denoise scalar read as 1 gives a median 1.2.
+    fast.kv_dtype = torch.float32
     ref = diffgemma.load(good)
     ids, canvas = torch.randint(0, 96, (13,)), torch.randint(0, 96, (8,))
     outs = []
@@ -160,10 +165,6 @@ def test_load_can_pick_the_fast_engine_on_cpu(good):
         c = m.new_cache(64)
         m.prefill(c, ids)
         outs.append(m.denoise(c, canvas))
-    # The engine keeps its KV cache in float16, so it is close, not equal: on random tiny models an f16
-    # rounding can flip a near-tied expert choice (cosines of 0.97-0.9999 seen). Exact parity of the
-    # engine's math (f32 KV) is tests/test_engine_cpu.py's job; here: the loader built a working engine.
-    cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0)
-    assert cos > 0.9
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-3
     with pytest.raises(InputError, match="engine must be"):
         diffgemma.load(good, engine="turbo")

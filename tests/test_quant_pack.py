@@ -100,18 +100,27 @@ def test_dequantized_tensors_equal_codec_roundtrip(ckpt, packs, profile):
 
 
 def test_load_pack_logits_close_to_unquantized(ckpt, packs):
-    """diffgemma.load(PACK) on CPU vs the bf16 source: mean over canvas rows of the logits cosine.
+    """diffgemma.load(PACK) on CPU vs the bf16 source: the median over canvas rows (two prompts and canvases, 32
+    rows) of the logits cosine.
 
-    Measured on this config over 30 random models (min / median): q4 0.947 / 0.989, q5 0.976 / 0.998,
-    q6 0.992 / 0.9993, nvfp4x 0.959 / 0.981, nvfp4 (attention + dense FFN too) 0.735 / 0.880. The bounds
-    sit below those minima: random tiny models are chaotic (top-k routing flips on small weight noise)."""
+    Random tiny models are chaotic (top-k routing and attention flip on small weight noise): a few rows of a case
+    can lose most of their cosine, so the mean over one canvas's 16 rows (the earlier statistic) had a heavy tail:
+    over 5000 fresh cases its minima were q4 0.929, q5 0.949, q6 0.975, nvfp4x 0.918, nvfp4 0.592 (under the old
+    bounds 0.97 and 0.6). The median of 32 rows over 3500 fresh models: min / median q4 0.974 / 0.995, q5 0.995 /
+    0.999, q6 0.9988 / 0.9997, nvfp4x 0.963 / 0.993, nvfp4 (attention + dense FFN too) 0.623 / 0.90 (0.9 % of
+    models below 0.75, 0.17 % below 0.70, one below 0.65). A decode fault is far below the bounds: adjacent codes
+    swapped gives q4-q6 / nvfp4x at most 0.82 (median 0.67), nvfp4 at most 0.39 (median 0.23); every affine code
+    one level up gives q4 0.94, q5 0.987, q6 0.997 (medians)."""
     base = diffgemma.load(ckpt)
-    prompt, canvas = torch.randint(0, 128, (10,)), torch.randint(0, 128, (CANVAS,))
+    inputs = [(torch.randint(0, 128, (10,)), torch.randint(0, 128, (CANVAS,))) for _ in range(2)]
 
     def logits(model):
-        cache = model.new_cache(64)
-        model.prefill(cache, prompt)
-        return model.denoise(cache, canvas)
+        rows = []
+        for prompt, canvas in inputs:
+            cache = model.new_cache(64)
+            model.prefill(cache, prompt)
+            rows.append(model.denoise(cache, canvas))
+        return torch.cat(rows)
 
     ref = logits(base)
     cos = {}
@@ -119,10 +128,10 @@ def test_load_pack_logits_close_to_unquantized(ckpt, packs):
         model = diffgemma.load(path)
         assert model.config == base.config
         got = logits(model)
-        cos[profile] = torch.nn.functional.cosine_similarity(got, ref, dim=-1).mean().item()
+        cos[profile] = torch.nn.functional.cosine_similarity(got, ref, dim=-1).median().item()
         assert not torch.equal(got, ref)
-    assert cos["q4"] > 0.90 and cos["q5"] > 0.93 and cos["q6"] > 0.97, cos
-    assert cos["nvfp4x"] > 0.90 and cos["nvfp4"] > 0.6, cos
+    assert cos["q4"] > 0.94 and cos["q5"] > 0.985 and cos["q6"] > 0.996, cos
+    assert cos["nvfp4x"] > 0.92 and cos["nvfp4"] > 0.5, cos
 
 
 # ------------------------------------------------------------------------------------- refusals

@@ -1,7 +1,7 @@
 """The reference forward against transformers' DiffusionGemmaForBlockDiffusion, on tiny random checkpoints.
 
 Covers: prefill of a prompt up to 3x the sliding window, denoise without and with SC logits, a second
-block (prefill the committed first canvas, denoise the next), in float32 (≤ 1e-4) and float64.
+block (prefill the committed first canvas, denoise the next), in float32 (≤ 1e-3) and float64.
 """
 
 import pytest
@@ -13,7 +13,11 @@ from tiny_checkpoints import CONFIGS, build_model, save
 pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-TOL_F32 = 1e-4
+# The same math in another association: f32 rounding, which these random models amplify with a heavy tail. Over 4200
+# fresh cases of the two-block test (3 outputs each) max |Δlogits| median 6.5e-6, 0.1 % of outputs over 5e-5, worst
+# 1.35e-4 (2 cases over the old 1e-4 bound: with 9 cases here about one suite run in 230 failed); prefill in pieces
+# worst 4.3e-5 in 700. A forward that drops a norm, scale or position is off by O(0.1-1).
+TOL_F32 = 1e-3
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

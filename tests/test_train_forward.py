@@ -100,7 +100,9 @@ def test_training_forward_matches_transformers(with_sc):
     for b in range(B):
         want = _hf_logits(hf, seqs[b], canvas[b], None if sc_logits is None else sc_logits[b])
         err = (got[b] - want).abs().max().item()
-        assert err < 1e-4, f"row {b} (prefix {lens[b]}): max |diff| {err}"
+        # f32 rounding amplified by the random model (heavy tail): over 15000 fresh rows median 3.3e-6, 0.1 % over
+        # 2.2e-5, worst 6.9e-5 (the old bound was 1e-4). A wrong mask, position or padding is off by O(0.1-1).
+        assert err < 1e-3, f"row {b} (prefix {lens[b]}): max |diff| {err}"
         assert want.abs().max() > 0.1  # a real signal, not two zero tensors
 
 
