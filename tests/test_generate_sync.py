@@ -367,8 +367,13 @@ def _summary(events):
 @pytest.mark.parametrize("arm", range(len(ARMS)))
 def test_one_sync_loop_equals_the_host_sync_loop(tiny_model, monkeypatch, arm):
     s = _settings(tiny_model, **ARMS[arm])
-    prompt = torch.randint(4, tiny_model.config.vocab_size, (random.randint(2, 7),))
-    new = _summary(generate_stream(tiny_model, prompt, settings=s))
+    for _ in range(4):
+        # a run of one step compares little: arm 5 (stability 0) may stop at step 1 with a stop token in the first
+        # block, which ends the turn (3 of 3000 fresh runs; 0 of 2400 for the other arms): then another prompt
+        prompt = torch.randint(4, tiny_model.config.vocab_size, (random.randint(2, 7),))
+        new = _summary(generate_stream(tiny_model, prompt, settings=s))
+        if sum(1 for e in new if e[0] == "step") >= 2:
+            break
     monkeypatch.setattr(generation, "_denoise_block", _host_sync_block)
     old = _summary(generate_stream(tiny_model, prompt, settings=s))
     assert new == old
