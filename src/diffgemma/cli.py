@@ -205,11 +205,9 @@ def _last_call_name(session) -> str:
 
 
 def _tool_content(text: str):
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text.strip()
-    return value if isinstance(value, dict) else text.strip()
+    from .session import tool_result_value
+
+    return tool_result_value(text.strip())
 
 
 class CanvasView:

@@ -23,6 +23,11 @@ def embedded_model_path() -> Path:
     return Path(__file__).parent / "assets" / "demo"
 
 
+def is_embedded(model) -> bool:
+    """Whether `model` was loaded from the embedded demo model."""
+    return Path(getattr(model, "path", "") or "") == embedded_model_path()
+
+
 def resolve_path(path) -> Path:
     if path is None or str(path) in EMBEDDED_NAMES:
         return embedded_model_path()

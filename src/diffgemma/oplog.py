@@ -32,10 +32,9 @@ VERSION = 1
 
 def header(model, slots: int, max_tokens: int) -> dict:
     """The start record's fields: what replay needs to rebuild the slots (the model: None for the embedded one)."""
-    from .loader import embedded_model_path
+    from .loader import is_embedded
 
-    path = Path(getattr(model, "path", "") or "")
-    return {"model": None if path == embedded_model_path() else str(path.resolve()),
+    return {"model": None if is_embedded(model) else str(Path(model.path).resolve()),
             "device": str(model.embedding.device), "dtype": str(model.embedding.dtype), "slots": slots,
             "max_tokens": max_tokens}
 

@@ -10,6 +10,7 @@ record names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from . import oplog
 from .errors import InputError
@@ -67,12 +68,9 @@ def replay(path, model) -> ReplayReport:
             continue
         ends = [r for r in logged if r["event"] == "cancelled"]
         stop_after = ends[0].get("blocks") if ends else None
-        got: list[dict] = []
-
-        class _Log:  # collects what run_generation journals
-            write = staticmethod(got.append)
-
-        run_generation(model, slot, keep, prompt, settings, log=_Log(), gen=gen, slot_index=slot_i,
+        got: list[dict] = []  # what run_generation journals
+        run_generation(model, slot, keep, prompt, settings, log=SimpleNamespace(write=got.append), gen=gen,
+                       slot_index=slot_i,
                        should_stop=lambda blocks: stop_after is not None and blocks >= stop_after)
         got = [r for r in got if "event" in r]
         report.generations += 1

@@ -9,6 +9,7 @@ new turn, not of the whole history.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .errors import InputError
@@ -80,6 +81,21 @@ def reuse_prefix(cache, cached_ids: list[int], ids: list[int]) -> int:
     if keep == len(ids):
         keep -= 1
     return rewind(cache, keep)
+
+
+def tool_result_value(text: str):
+    """A tool's result as the chat template takes it: a JSON object becomes a mapping (rendered field by field),
+    anything else stays text."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def answer_prose(answer: str) -> str:
+    """The part of an answer before its first tool call."""
+    return answer[:answer.find(CALL_OPEN)].strip()
 
 
 def reply_parts(tokenizer, tokens: list[int]) -> tuple[str, str | None, str, list]:
@@ -205,7 +221,7 @@ class Session:
         raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens)
         # History keeps the answer only: reasoning never crosses a turn boundary.
         if calls and all(c.ok for c in calls):
-            self.messages.append(tool_call_message(answer[:answer.find(CALL_OPEN)].strip(), calls))
+            self.messages.append(tool_call_message(answer_prose(answer), calls))
         else:
             self.messages.append({"role": "assistant", "content": answer})
         return Reply(answer=answer, thought=thought, raw_text=raw, result=result, reused_tokens=keep,

@@ -65,19 +65,19 @@ def create_app(worker, tokenizer, model_id: str, base_settings):
         if req.stream:
             return StreamingResponse(_events(job, len(ids), tools_on, req.include_usage),
                                      media_type="text/event-stream")
-        cached, tokens = 0, None
-        while tokens is None:
+        cached, result = 0, None
+        while result is None:
             kind, payload = await _next(job, request)
             if kind == "start":
                 cached = payload["cached_tokens"]
             elif kind == "done":
-                tokens, result = payload.tokens, payload
+                result = payload
             elif kind == "error":
-                return _server_error(payload)
+                return JSONResponse(_error_body(payload), status_code=500)
             elif kind == "cancelled":  # the client left; nobody reads this
                 return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
-        message, calls = final_message(tokenizer, tokens, tools_on)
-        return completion(model_id, message, _finish(result, calls), usage(len(ids), len(tokens), cached))
+        message, calls = final_message(tokenizer, result.tokens, tools_on)
+        return completion(model_id, message, _finish(result, calls), usage(len(ids), len(result.tokens), cached))
 
     async def _events(job, prompt_tokens: int, tools_on: bool, include_usage: bool):
         cid, t0 = new_id("chatcmpl-"), int(time.time())
@@ -127,10 +127,6 @@ def _finish(result, calls) -> str:
 def _error_body(e: Exception) -> dict:
     return {"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
                       "param": None, "code": None}}
-
-
-def _server_error(e: Exception):
-    return JSONResponse(_error_body(e), status_code=500)
 
 
 async def _next(job, request):

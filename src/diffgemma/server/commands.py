@@ -32,10 +32,9 @@ def add_subcommands(subparsers) -> None:
 
 
 def served_name(model) -> str:
-    from ..loader import embedded_model_path
+    from ..loader import is_embedded
 
-    path = Path(getattr(model, "path", "") or "")
-    return "diffgemma-demo" if path == embedded_model_path() else (path.name or "diffgemma")
+    return "diffgemma-demo" if is_embedded(model) else (Path(model.path).name or "diffgemma")
 
 
 def _run_serve(args) -> int:

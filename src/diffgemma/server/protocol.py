@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import SettingsError
+from ..session import tool_result_value
 from ..settings import GenerationSettings
 
 # accepted and ignored: autoregressive sampling knobs (see the module docstring) and bookkeeping fields
@@ -45,7 +46,6 @@ class ChatRequest:
     include_usage: bool
     settings: GenerationSettings
     tool_choice: str = "auto"  # "auto" or "none" (calls in the reply are then returned as text)
-    extra: dict = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -82,14 +82,7 @@ def _arguments(raw, where: str) -> dict:
 
 
 def _tool_content(content, where: str):
-    """A tool result: a JSON object is passed as a mapping (the template renders its fields), anything else as
-    text."""
-    text = _text(content, where)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
+    return tool_result_value(_text(content, where))
 
 
 def convert_messages(messages) -> list[dict]:

@@ -9,7 +9,7 @@ writes a block of tokens at once, not one token after another.
 
 from __future__ import annotations
 
-from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, reply_parts, split_thought
+from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, answer_prose, reply_parts, split_thought
 from ..tool_calls import CALL_OPEN
 from .protocol import tool_calls_json
 
@@ -21,7 +21,7 @@ def final_message(tokenizer, tokens: list[int], tools_on: bool) -> tuple[dict, l
     if thought is not None:
         message["reasoning_content"] = thought
     if tools_on and calls and all(c.ok for c in calls):
-        message["content"] = answer[:answer.find(CALL_OPEN)].strip() or None
+        message["content"] = answer_prose(answer) or None
         message["tool_calls"] = tool_calls_json(calls)
         return message, calls
     return message, []
