@@ -9,7 +9,7 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
           the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then);
           denoise ms/step at 1k context
-          (CUDA-graph replays, median, CUDA events; SC from logits); prefill tok/s at 8k (one 8192-token
+          (CUDA-graph replays, median, CUDA events; SC from logits, and from SC embeddings: generate()'s call); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel);
           last, denoise at 1k alternating (same weights): the launch order on / off; the q4 GEMMs' planes through
           TMA or cp.async and their inputs as f16 operands or bf16; the expert stacks in the pack's own order
@@ -86,6 +86,13 @@ def bench_engine_q4(res, eng, cfg, reps):
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     r["graph_error"] = eng.graph_error
     log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
+    # generate()'s call with the default sparse SC: the soft embedding comes in, made outside the forward
+    emb = torch.randn(CANVAS, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    eng.denoise(cache, ids, sc_embeds=emb)  # capture
+    t = time_cuda(lambda: eng.denoise(cache, ids, sc_embeds=emb), reps=reps, warmup=3)
+    r["denoise_1k_embeds_ms"], r["denoise_1k_embeds_min_ms"] = statistics.median(t), min(t)
+    log(f"[q4] denoise 1k from SC embeds: {r['denoise_1k_embeds_ms']:.3f} ms median (min {r['denoise_1k_embeds_min_ms']:.3f})")
+    del emb
     # the bf16 section compares its logits with these on the same prompt (each model prefills its own cache)
     res["_q4_logits"] = eng.denoise(cache, ids, sc_logits=sc).cpu()
     res["_q4_case"] = (prompt_1k.cpu(), ids.cpu(), sc.cpu())  # kept off the GPU: the memory measures below
