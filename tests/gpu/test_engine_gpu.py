@@ -137,13 +137,17 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, draws, full_impl
     Tiny (4 experts, top-2, hidden 32): one flipped near-tie among its ~100 routing choices moves the logits
     far, so a single draw is judged by its median over 5 models. The CPU's bf16 engine, 1000 draws: median
     0.99982, 0.6 % under 0.97, the least 0.947; a GPU run fell to 0.9676 twice in 7. An error in the math
-    would move every draw."""
+    would move every draw. The argmax agreement on decisive rows likewise: a tiny model has ~1-8 such rows, and
+    one flipped routing near-tie (max |Δ| ~0.3 against logits of ~1) can turn one of them; the CPU's bf16 engine,
+    5000 draws of each form: 10 and 6 under 0.95, so holding every draw to it failed 16 of 1000 such tests (one
+    GPU run failed so), and the median failed none."""
     stats = [s for _ in range(draws) for s in parity_draw(name, tc, canvas, prompt_len, full_impl)]
     cos = sorted(c for c, _ in stats)
-    assert all(a >= 0.95 for _, a in stats), stats
+    agree = sorted(a for _, a in stats)
     if draws == 1:
-        assert cos[0] > 0.97, cos
+        assert agree[0] >= 0.95 and cos[0] > 0.97, stats
     else:
+        assert agree[len(agree) // 2] >= 0.95, stats
         assert cos[len(cos) // 2] > 0.99 and cos[0] > 0.9, cos
 
 
