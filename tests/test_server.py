@@ -42,10 +42,11 @@ def base(model):
 class Server:
     """A worker + app + client over the demo model, optionally logging."""
 
-    def __init__(self, model, base, log_dir=None, slots=2, max_tokens=2048):
+    def __init__(self, model, base, log_dir=None, slots=2, max_tokens=2048, tool_validate=0):
         self.log = oplog.OpLog(log_dir, oplog.header(model, slots, max_tokens)) if log_dir else None
         self.worker = Worker(model, slots=slots, max_tokens=max_tokens, log=self.log)
-        self.client = TestClient(create_app(self.worker, model.tokenizer, served_name(model), base))
+        self.client = TestClient(create_app(self.worker, model.tokenizer, served_name(model), base,
+                                            tool_validate=tool_validate))
 
     def chat(self, messages, **body):
         r = self.client.post("/v1/chat/completions", json={"messages": messages, **body})

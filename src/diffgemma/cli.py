@@ -41,6 +41,13 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2")
     p.add_argument("--log-dir", default=None,
                    help="journal every turn (token ids and settings) in an op-log here, for `diffgemma replay`")
+    add_tool_validate_flag(p)
+
+
+def add_tool_validate_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-validate", type=int, default=0, metavar="N",
+                   help="with tools: regenerate a tool call that does not parse, from its opener, with the seed "
+                        "bumped, up to N times (default 0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +91,8 @@ def _validate_early(args) -> None:
     from .settings import GenerationSettings
 
     GenerationSettings.resolve({}, env=os.environ, overrides=list(args.sets))
+    if getattr(args, "tool_validate", 0) < 0:
+        raise InputError(f"--tool-validate {args.tool_validate}: expected a number of retries >= 0")
 
 
 def _load(args):
@@ -132,6 +141,7 @@ def _print_reply(reply, args, out=None) -> None:
         r = reply.result
         print(f"[blocks={len(r.steps_per_block)} steps={r.steps_per_block} stops={r.stop_reasons} "
               f"tokens={len(r.tokens)} tokens/forward={r.tokens_per_forward:.2f} retries={r.retries} "
+              f"tool_retries={r.tool_retries} "
               f"reused={reply.reused_tokens} prefilled={reply.prefilled_tokens} "
               f"total={r.timings.get('total_s', 0):.2f}s]", file=sys.stderr)
 
@@ -152,7 +162,7 @@ def _open_session(args):
         log = OpLog(args.log_dir, header(model, 1, SESSION_TOKENS))
         print(f"diffgemma: op-log {log.path}", file=sys.stderr)
     return model, settings, Session(model, system=args.system, think=args.think, tools=tools,
-                                    max_tokens=SESSION_TOKENS, log=log)
+                                    max_tokens=SESSION_TOKENS, log=log, tool_validate=args.tool_validate)
 
 
 def cmd_ask(args) -> int:

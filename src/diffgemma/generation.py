@@ -101,6 +101,7 @@ class GenerationResult:
     forwards: int = 0  # denoise forwards, re-rolled attempts included
     block_ends: list[str] = field(default_factory=list)
     settings: GenerationSettings | None = None
+    tool_retries: int = 0  # regenerations of a malformed tool call (session.run_turn, opt-in)
 
 
 @dataclass

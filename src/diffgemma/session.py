@@ -9,6 +9,7 @@ new turn, not of the whole history.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -163,10 +164,93 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         emit("error", e)
 
 
+def malformed_call_cut(tokenizer, tokens: list[int]) -> int | None:
+    """Where to regenerate a reply whose tool call does not parse: the index just past the opener token of its
+    first malformed call (the text before the call and the opener itself are kept), or None when every call
+    parses, or when that opener is not a `<|tool_call>` token of its own (the text spelled it out)."""
+    calls = reply_parts(tokenizer, tokens)[3]
+    bad = next((k for k, c in enumerate(calls) if not c.ok), None)
+    opener = tokenizer.token_to_id(CALL_OPEN)
+    if bad is None or opener is None:
+        return None
+    for p, t in enumerate(tokens):
+        if t == opener:  # is it the answer's (bad+1)-th opener? (a thought may spell calls out too)
+            seen = split_thought(tokenizer.decode(tokens[:p + 1], skip_special_tokens=False))[1].count(CALL_OPEN)
+            if seen == bad + 1:
+                return p + 1
+            if seen > bad + 1:
+                return None
+    return None
+
+
+def _combined(results: list, tokens: list[int], tokenizer) -> object:
+    """One GenerationResult for a reply made in several generations (a tool call regenerated): the reply's tokens,
+    every generation's work (blocks, forwards, timings), the last one's stop."""
+    first, last = results[0], results[-1]
+    forwards = sum(r.forwards for r in results)
+    timings: dict = {}
+    for r in results:
+        for k, v in r.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
+    return dataclasses.replace(
+        last, tokens=tokens, text=tokenizer.decode(tokens) if tokenizer is not None else None,
+        steps_per_block=[n for r in results for n in r.steps_per_block],
+        tokens_per_forward=len(tokens) / forwards if forwards else 0.0,
+        stop_reasons=[x for r in results for x in r.stop_reasons], timings=timings,
+        retries=sum(r.retries for r in results), forwards=forwards,
+        block_ends=[x for r in results for x in r.block_ends], settings=first.settings,
+        tool_retries=len(results) - 1)
+
+
+def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_retries: int = 0, log=None,
+             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False,
+             emit=lambda kind, payload: None) -> None:
+    """run_generation, and with tool_retries > 0 a reply whose tool call does not parse is regenerated from that
+    call's opener (the text before it stays, so a stream never takes back what it sent), with the seed bumped by
+    one each time, up to tool_retries times (the last attempt stands, parsed or not). Each regeneration is a
+    generation of its own (its own op in the log, so `diffgemma replay` needs no notion of retries); between them
+    `emit("retry", {"attempt": n, "kept": reply tokens kept})` tells a consumer to drop what came after. "done"
+    carries the whole reply as one GenerationResult (tool_retries says how many regenerations it took)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    next_gen = next_gen or (lambda: 0)
+    reply_start = keep + len(prompt)
+    budget = settings.max_new_tokens
+    results, kept_reply = [], []
+    while True:
+        out = {}
+
+        def relay(kind, payload):
+            if kind == "done":
+                out["done"] = payload
+            else:
+                emit(kind, payload)
+
+        run_generation(model, slot, keep, prompt, settings, log=log, gen=next_gen(), slot_index=slot_index,
+                       should_stop=should_stop, emit=relay)
+        if "done" not in out:  # cancelled or failed: already said
+            return
+        results.append(out["done"])
+        reply = kept_reply + list(out["done"].tokens)
+        cut = None
+        if tokenizer is not None and len(results) <= tool_retries:
+            cut = malformed_call_cut(tokenizer, reply)
+        if cut is None or cut >= budget:
+            emit("done", results[0] if len(results) == 1 else _combined(results, reply, tokenizer))
+            return
+        kept_reply = reply[:cut]
+        keep = rewind(slot.cache, reply_start + cut)  # slot.ids holds the prompt and the whole reply
+        prompt = slot.ids[keep:reply_start + cut]
+        settings = settings.replace(seed=settings.seed + 1, max_new_tokens=budget - cut)
+        emit("retry", {"attempt": len(results), "kept": cut})
+
+
 class Session:
     def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None,
-                 log=None):
-        """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`."""
+                 log=None, tool_validate: int = 0):
+        """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`.
+        tool_validate: with tools, regenerate a malformed tool call up to this many times (run_turn)."""
+        if not isinstance(tool_validate, int) or isinstance(tool_validate, bool) or tool_validate < 0:
+            raise InputError(f"tool_validate: expected a whole number of retries >= 0, got {tool_validate!r}")
         if getattr(model, "tokenizer", None) is None:
             raise InputError(f"{getattr(model, 'path', 'model')}: has no tokenizer.json; chat needs a tokenizer")
         self.model = model
@@ -176,7 +260,8 @@ class Session:
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.slot = Slot(model.new_cache(max_tokens))
         self.log = log
-        self._turns = 0
+        self.tool_validate = tool_validate
+        self._gens = 0  # generations journaled (a turn with a regenerated tool call takes several)
 
     @property
     def cache(self):
@@ -212,9 +297,13 @@ class Session:
             else:
                 out[kind] = payload
 
-        run_generation(self.model, self.slot, keep, new, resolve_settings(self.model, settings, overrides),
-                       log=self.log, gen=self._turns, emit=emit)
-        self._turns += 1
+        def next_gen():
+            self._gens += 1
+            return self._gens - 1
+
+        run_turn(self.model, self.slot, keep, new, resolve_settings(self.model, settings, overrides),
+                 tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log, next_gen=next_gen,
+                 emit=emit)
         if "error" in out:
             raise out["error"]
         result = out["done"]

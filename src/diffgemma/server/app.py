@@ -26,9 +26,10 @@ from .reply_text import ReplyDeltas, final_message
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
 
-def create_app(worker, tokenizer, model_id: str, base_settings):
+def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
-    fields (max_tokens, seed, diffgemma) override."""
+    fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
+    regenerated up to this many times (session.run_turn; the held-back call text is never streamed)."""
     app = FastAPI(title="diffgemma", version="1")
     created = int(time.time())
 
@@ -55,7 +56,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings):
         try:
             ids = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
                                                 enable_thinking=req.think)
-            job = worker.submit(ids, req.settings)
+            job = worker.submit(ids, req.settings, tool_validate if req.tools is not None else 0)
         except DiffgemmaError as e:
             raise RequestError(400, str(e), "messages") from None
         except Exception as e:  # the template's own errors (a missing field, a wrong type)
@@ -97,6 +98,8 @@ def create_app(worker, tokenizer, model_id: str, base_settings):
                     delta = deltas.feed(payload.tokens)
                     if delta:
                         yield sse(chunk(cid, model_id, t0, delta))
+                elif kind == "retry":  # a malformed tool call is regenerated: its text was held back, not sent
+                    deltas.rewind(payload["kept"])
                 elif kind == "done":
                     delta, _, calls = deltas.finish()
                     if delta:

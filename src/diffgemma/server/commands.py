@@ -22,6 +22,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
+    from ..cli import add_tool_validate_flag
+
+    add_tool_validate_flag(s)
     s.set_defaults(func=_run_serve)
 
     r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
@@ -56,10 +59,11 @@ def _run_serve(args) -> int:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
     settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
-                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir)
+                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate)
 
 
-def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None) -> int:
+def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
+          tool_validate: int = 0) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -68,7 +72,7 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
 
     log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
     worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
-    app = create_app(worker, model.tokenizer, name, settings)
+    app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate)
     print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
           + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
     try:

@@ -69,6 +69,15 @@ class ReplyDeltas:
         self.tokens.extend(tokens)
         return self._delta(self._visible())
 
+    def rewind(self, kept: int) -> None:
+        """Forget the reply's tokens after the first `kept` (a malformed tool call regenerated from its opener). What
+        was sent stays a prefix of the message: the call's text, from the opener on, was held back."""
+        self.tokens = self.tokens[:kept]
+        now = self._visible()
+        for key, sent in self.sent.items():
+            if not now[key].startswith(sent):  # the holds above make this impossible; never send a wrong prefix
+                raise AssertionError(f"rewind to {kept} tokens: streamed {key} {sent!r} is not a prefix of {now[key]!r}")
+
     def finish(self) -> tuple[dict, dict, list]:
         """-> (the last delta, the whole message, its tool calls): the delta completes what was sent to the
         message's content and reasoning, and carries the tool calls."""

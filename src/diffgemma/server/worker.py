@@ -6,8 +6,9 @@ what some slot already holds, so the worker picks that slot (`pick`), rewinds it
 and prefills only the rest. A client that leaves mid-reply cancels its job between denoise steps; the cache is rewound to the
 prompt, so the slot still serves the conversation.
 
-Every generation goes through session.run_generation, which `replay` calls too: the op-log records exactly
-the inputs it takes (slot, kept prefix, prompt ids, settings).
+Every generation goes through session.run_generation (via run_turn, which may regenerate a malformed tool
+call), which `replay` calls too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
+settings).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import queue
 import threading
 
 from ..errors import InputError
-from ..session import Slot, _common_prefix, reuse_prefix, run_generation
+from ..session import Slot, _common_prefix, reuse_prefix, run_turn
 
 
 class Job:
     """One request's generation. Events, read with `get()`: ("start", {"cached_tokens": K}), ("block",
-    BlockEvent)..., then one of ("done", GenerationResult), ("cancelled", None), ("error", exception)."""
+    BlockEvent)..., ("retry", {"attempt": n, "kept": reply tokens kept}) when a malformed tool call is regenerated
+    (the blocks after it replace what followed those tokens), then one of ("done", GenerationResult),
+    ("cancelled", None), ("error", exception)."""
 
-    def __init__(self, ids: list[int], settings):
-        self.ids, self.settings = ids, settings
+    def __init__(self, ids: list[int], settings, tool_retries: int = 0):
+        self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
         self.events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
 
@@ -54,8 +57,9 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], settings) -> Job:
-        """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit."""
+    def submit(self, ids: list[int], settings, tool_retries: int = 0) -> Job:
+        """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit. tool_retries:
+        regenerate a malformed tool call up to this many times (session.run_turn)."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
@@ -63,7 +67,7 @@ class Worker:
             raise InputError(f"the prompt ({len(ids)} tokens) plus max_tokens ({settings.max_new_tokens}) is {need} "
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
-        job = Job(list(ids), settings)
+        job = Job(list(ids), settings, tool_retries)
         self._queue.put(job)
         return job
 
@@ -110,5 +114,5 @@ class Worker:
             if kind != "step":
                 job.events.put((kind, payload))
 
-        run_generation(self.model, slot, keep, job.ids[keep:], job.settings, log=self.log, gen=next(self._gens),
-                       slot_index=i, should_stop=lambda blocks: job.cancelled, emit=emit)
+        run_turn(self.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries, log=self.log,
+                 next_gen=lambda: next(self._gens), slot_index=i, should_stop=lambda blocks: job.cancelled, emit=emit)
