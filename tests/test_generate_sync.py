@@ -11,6 +11,7 @@ loop against the pre-fusion host loop, and a count of every host read the loop m
   two steps of a block only `_read_status` may read, once; per attempt `_read_block` reads once.
 """
 
+import os
 import random
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from diffgemma import generation
+from diffgemma.errors import TensorError
 from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate_stream
 from diffgemma.ops import rowstats
 from diffgemma.sampling import stats as stats_mod
@@ -429,15 +431,15 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
     bets = []
     real_init = SparsePlan.__init__
 
-    def spy(self, stats, log_ratio, dense_dtype=None):
+    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None):
         bets.append(dense_dtype is not None)
-        real_init(self, stats, log_ratio, dense_dtype)
+        real_init(self, stats, log_ratio, dense_dtype, scratch)
 
     monkeypatch.setattr(SparsePlan, "__init__", spy)
     with_bets = _summary(generate_stream(tiny_model, prompt, settings=s))
     assert bets and all(bets) == (limit == 0) and bets[0]  # the first step of a block always bets
-    monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None:
-                        real_init(self, stats, log_ratio, None))
+    monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None, scratch=None:
+                        real_init(self, stats, log_ratio, None, scratch))
     assert with_bets == _summary(generate_stream(tiny_model, prompt, settings=s))
 
 
@@ -569,3 +571,43 @@ def test_the_counter_sees_the_reads_it_claims_to(monkeypatch):
     with counter.quiet():
         t[0].item()
     assert counter.count == 7
+
+
+def test_dense_sc_writes_its_probabilities_into_a_lent_scratch(monkeypatch):
+    """SparsePlan(scratch=): the dense fallback's probabilities go into the lent buffer (the engine's dead raw-logits
+    buffer) on the bet path and after the read alike, with the same soft embedding bit for bit; a buffer of the wrong
+    dtype or shape is not used; the kernels' out= refuses a wrong buffer by name."""
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)  # every count calls for the dense product
+    vocab, hidden = 500, 24
+    x = _logits(6, vocab, peaks=False) * 0.05
+    stats = StepStats(x, 0.7, fused=True)
+    emb = torch.randn(vocab, hidden)
+    n = int(SparsePlan(stats, 10.0).count)
+    want = SparsePlan(stats, 10.0).soft_embed(n, emb, 2.5)
+    for dense_dtype in (None, emb.dtype):  # after the read / the bet before it
+        scratch = torch.full((6, vocab), float("nan"))
+        plan = SparsePlan(stats, 10.0, dense_dtype=dense_dtype, scratch=scratch)
+        assert torch.equal(plan.soft_embed(n, emb, 2.5), want)
+        assert not scratch.isnan().any() and scratch.sum(-1).sub(1).abs().max() < 1e-4  # the masked softmax
+    wrong = torch.full((6, vocab), float("nan"), dtype=torch.float64)
+    assert torch.equal(SparsePlan(stats, 10.0, dense_dtype=emb.dtype, scratch=wrong).soft_embed(n, emb, 2.5), want)
+    assert wrong.isnan().all()
+    with pytest.raises(TensorError, match=r"out must be a contiguous \[6, 500\]"):
+        rowstats.tempered_masked_probs(x, 0.7, stats.rowmax - 10, stats.lse, torch.float32, out=torch.empty(6, 499))
+
+
+def test_survivor_mask_kernel_writes_into_a_lent_buffer():
+    """tempered_survivors_triton(out=): the mask in the given int8 buffer (the sparse SC lends it the first C·V bytes
+    of the engine's dead raw-logits buffer: SparsePlan._scratch_mask), the same mask and counts as a new one."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    x = _logits(4, 3000)
+    thr = x.max(-1).values / 0.7 - 3.0
+    mask, counts = rowstats.tempered_survivors_triton(x, 0.7, thr, block=512, segment=1024)
+    scratch = torch.zeros(4, 3000, dtype=torch.bfloat16)
+    buf = scratch.view(-1).view(torch.int8)[: 4 * 3000].view(4, 3000)
+    got, got_counts = rowstats.tempered_survivors_triton(x, 0.7, thr, block=512, segment=1024, out=buf)
+    assert torch.equal(got, mask) and torch.equal(got_counts, counts) and got.data_ptr() == scratch.data_ptr()
+    plan = SparsePlan(StepStats(x, 0.7, fused=True), 3.0, scratch=scratch)
+    assert plan._scratch_mask().data_ptr() == scratch.data_ptr()
+    assert SparsePlan(StepStats(x, 0.7, fused=True), 3.0, scratch=scratch[:, :100].contiguous())._scratch_mask() is None

@@ -338,6 +338,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     stats = None
     bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
     side = _SideStream(torch.device(device))
+    scratch = getattr(model, "logits_scratch", None)  # the engine's dead raw-logits buffer, for the dense SC
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)
@@ -367,7 +368,8 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         plan = None
         if sparse_sc and step < steps_total:
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
-                              dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None)
+                              dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
+                              scratch=scratch() if scratch is not None else None)
         side.join()
         packed = [code.double(), mean_h] + ([plan.count.double()] if plan is not None else [])
         overlap = None

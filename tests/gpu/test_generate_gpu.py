@@ -219,3 +219,32 @@ def test_seeded_generate_repeats_its_tokens(engine):
     runs = [generate_stream(engine, prompt, settings=s) for _ in range(3)]
     tokens = [[e for e in r][-1].result.tokens for r in runs]
     assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) > 0
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, monkeypatch, dense):
+    """The sparse SC writes its dense fallback's probabilities (forced here) or its survivor mask (the gather, which
+    small vocabularies take) into the graph's raw-logits buffer, dead between a denoise's softcap and the next
+    replay (Engine.logits_scratch): every step is lent the buffer, and the tokens are those of a run that
+    allocates fresh ones."""
+    from diffgemma.sampling.self_condition import SparsePlan
+
+    if dense:
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)
+    s = settings()
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    lent, real = [], SparsePlan.__init__
+
+    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None):
+        lent.append(scratch is not None and self_uses(scratch, stats))
+        real(self, stats, log_ratio, dense_dtype, scratch)
+
+    def self_uses(scratch, stats):
+        return scratch.dtype == engine.embedding.dtype and tuple(scratch.shape) == tuple(stats.logits.shape)
+
+    monkeypatch.setattr(SparsePlan, "__init__", spy)
+    with_scratch = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
+    assert lent and all(lent), lent
+    monkeypatch.setattr(type(engine), "logits_scratch", lambda self: None)
+    without = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
+    assert with_scratch == without and len(with_scratch) > 0

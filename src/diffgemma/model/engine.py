@@ -402,8 +402,19 @@ class Engine:
         ids_buf.copy_(ids)
         sc = self._feed_sc(sc_buf, sc)  # held until the replay is queued: the graph may read it where it lies
         graph.replay()
+        self._last_graph = (weakref.ref(cache), key)
         # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
         return softcap(out, self.config.final_logit_softcapping)
+
+    def logits_scratch(self) -> torch.Tensor | None:
+        """The bf16 [canvas, vocab] buffer the last graphed denoise wrote its raw logits to, while that graph lives
+        (else None). It is dead from the moment that denoise returned (its softcap read it) until the next denoise
+        writes it again, and every graph writes its scratch before reading it: generate lends it to the sparse SC's
+        dense fallback, whose probabilities (128 MiB at full size) would otherwise sit on top of the step's peak."""
+        cache_ref, key = getattr(self, "_last_graph", (None, None))
+        cache = cache_ref() if cache_ref is not None else None
+        entry = self._graphs.get(cache, {}).get(key) if cache is not None else None
+        return entry[3] if entry is not None else None
 
     def _feed_sc(self, sc_buf, sc):
         """Give a graph its SC input: the logits' address (RowsAt: the graph reads them where they lie), or a copy

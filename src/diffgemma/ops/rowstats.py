@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
 from .rows_at import kernel_args
 
@@ -293,11 +294,12 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     return ent, amax, rowmax, lse
 
 
-def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT):
+def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None):
+    """out: an int8 [rows, n] buffer for the mask (see _probs_out), else a new one."""
     logits = logits.contiguous()
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
-    mask = torch.empty((rows, n), dtype=torch.int8, device=logits.device)
+    mask = _probs_out(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
                                               BLOCK=block, num_warps=8)
@@ -310,13 +312,23 @@ def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
-def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False):
+def _probs_out(out, rows: int, n: int, dtype, device) -> torch.Tensor:
+    """A [rows, n] result buffer: `out` when given (contiguous, of `dtype`, e.g. a view of a dead scratch), else new."""
+    if out is None:
+        return torch.empty((rows, n), dtype=dtype, device=device)
+    if tuple(out.shape) != (rows, n) or out.dtype != dtype or not out.is_contiguous() or out.device != device:
+        raise TensorError(f"tempered probs: out must be a contiguous [{rows}, {n}] {dtype} tensor on {device}, got "
+                          f"{out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None):
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
-    tensor, or a RowsAt naming one (ops/rows_at.py)."""
+    tensor, or a RowsAt naming one (ops/rows_at.py). out: write the probabilities there (see _probs_out)."""
     x, xoff, addr = kernel_args(logits)
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
-    out = torch.empty((rows, n), dtype=dtype, device=logits.device)
+    out = _probs_out(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
                                                  counts, n, span, float(temp), BLOCK=block, COUNT=count, ADDR=addr,
@@ -326,12 +338,16 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
 
 
-def tempered_counted_probs(logits, temp, thr, lse, dtype):
+def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None):
     """tempered_masked_probs and the survivor counts of tempered_survivors, from one pass over the logits (no
-    mask): the sparse SC's dense product started before the host has read the count (sampling/self_condition.py)."""
+    mask): the sparse SC's dense product started before the host has read the count (sampling/self_condition.py).
+    out: where to write the probabilities (default: a new tensor)."""
     if use_triton(logits):
-        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True)
-    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype), tempered_survivors_ref(logits, temp, thr)[1]
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True, out=out)
+    probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
+    if out is not None:
+        probs = _probs_out(out, *probs.shape, dtype, probs.device).copy_(probs)
+    return probs, tempered_survivors_ref(logits, temp, thr)[1]
 
 
 def tempered_rowstats(logits, temp):
@@ -341,15 +357,18 @@ def tempered_rowstats(logits, temp):
     return tempered_rowstats_ref(logits, temp)
 
 
-def tempered_survivors(logits, temp, thr):
-    """Survivor mask z >= thr[row] of z = logits / temp, and per-row counts; Triton on CUDA, torch elsewhere."""
+def tempered_survivors(logits, temp, thr, out=None):
+    """Survivor mask z >= thr[row] of z = logits / temp, and per-row counts; Triton on CUDA, torch elsewhere.
+    out: an int8 [R, V] buffer the kernel writes the mask to (the result is its bool view); the torch path ignores it."""
     if use_triton(logits):
-        return tempered_survivors_triton(logits, temp, thr)
+        return tempered_survivors_triton(logits, temp, thr, out=out)
     return tempered_survivors_ref(logits, temp, thr)
 
 
-def tempered_masked_probs(logits, temp, thr, lse, dtype):
-    """The survivors' probabilities (0 elsewhere) as `dtype`: the sparse SC's dense fallback, in one pass."""
+def tempered_masked_probs(logits, temp, thr, lse, dtype, out=None):
+    """The survivors' probabilities (0 elsewhere) as `dtype`: the sparse SC's dense fallback, in one pass. out: where
+    to write them (default: a new tensor)."""
     if use_triton(logits):
-        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype)
-    return tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, out=out)
+    probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
+    return probs if out is None else _probs_out(out, *probs.shape, dtype, probs.device).copy_(probs)

@@ -81,9 +81,14 @@ class SparsePlan:
     after the read. The gather sums with ops/sc_gather.py: index_add_ on the CPU, fixed-order kernels on CUDA.
     """
 
-    def __init__(self, stats, log_ratio: float, dense_dtype: torch.dtype | None = None):
+    def __init__(self, stats, log_ratio: float, dense_dtype: torch.dtype | None = None,
+                 scratch: torch.Tensor | None = None):
+        """scratch: a dead [C, V] buffer (Engine.logits_scratch) that the dense fallback's probabilities (when its dtype
+        is the embedding's) or the survivor mask may be written to, instead of new tensors; the same numbers either
+        way. The probabilities and the mask are never alive at once (_take_mask / _dense_soft_embed)."""
         self.stats = stats
         self.log_ratio = log_ratio
+        self.scratch = scratch
         self.probs = self.product = None
         self.took_dense = None  # set by soft_embed: which way the count sent it
         if stats.fused:
@@ -92,15 +97,30 @@ class SparsePlan:
             if dense_dtype is not None:
                 self.mask = None  # built after the read if the bet is lost (_take_mask)
                 self.probs, self.row_counts = tempered_counted_probs(stats.logits, stats.temp, self.thr, self.log_z,
-                                                                     dense_dtype)
+                                                                     dense_dtype, out=self._scratch_for(dense_dtype))
             else:
-                self.mask, self.row_counts = tempered_survivors(stats.logits, stats.temp, self.thr)
+                self.mask, self.row_counts = tempered_survivors(stats.logits, stats.temp, self.thr,
+                                                                out=self._scratch_mask())
         else:
             self._z = stats.processed.float()
             self.log_z = self._z.logsumexp(dim=-1)
             self.mask = survivors(self._z, log_ratio)
             self.row_counts = self.mask.sum(-1)
         self.count = self.row_counts.sum(dtype=torch.int64)
+
+    def _scratch_for(self, dtype) -> torch.Tensor | None:
+        s = self.scratch
+        ok = (s is not None and s.dtype == dtype and tuple(s.shape) == tuple(self.stats.logits.shape)
+              and s.is_contiguous() and s.device == self.stats.logits.device)
+        return s if ok else None
+
+    def _scratch_mask(self) -> torch.Tensor | None:
+        """The survivor mask's int8 [C, V] buffer inside the scratch (its first C·V bytes), when one is lent."""
+        s = self.scratch
+        rows, n = self.stats.logits.shape
+        if s is None or not s.is_contiguous() or s.device != self.stats.logits.device or s.numel() * s.element_size() < rows * n:
+            return None
+        return s.view(-1).view(torch.int8)[: rows * n].view(rows, n)
 
     @property
     def speculative(self) -> bool:
@@ -129,7 +149,7 @@ class SparsePlan:
         mask = self.mask
         if mask is None:
             if self.stats.fused:
-                mask = tempered_survivors(self.stats.logits, self.stats.temp, self.thr)[0]
+                mask = tempered_survivors(self.stats.logits, self.stats.temp, self.thr, out=self._scratch_mask())[0]
             else:
                 mask = survivors(self._z, self.log_ratio)
         self.mask = None
@@ -161,7 +181,8 @@ class SparsePlan:
             probs, self.probs = self.probs, None
         elif self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
             self.mask = None  # not needed here: gone before the probabilities are allocated
-            probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype)
+            probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype,
+                                          out=self._scratch_for(embedding.dtype))
         else:
             probs = torch.where(self._take_mask(), torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
         return self._product(probs, embedding, scale)
