@@ -295,11 +295,11 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
 
 
 def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None):
-    """out: an int8 [rows, n] buffer for the mask (see _probs_out), else a new one."""
+    """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one."""
     logits = logits.contiguous()
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
-    mask = _probs_out(out, rows, n, torch.int8, logits.device)
+    mask = _out_buffer(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
                                               BLOCK=block, num_warps=8)
@@ -312,7 +312,7 @@ def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
-def _probs_out(out, rows: int, n: int, dtype, device) -> torch.Tensor:
+def _out_buffer(out, rows: int, n: int, dtype, device) -> torch.Tensor:
     """A [rows, n] result buffer: `out` when given (contiguous, of `dtype`, e.g. a view of a dead scratch), else new."""
     if out is None:
         return torch.empty((rows, n), dtype=dtype, device=device)
@@ -324,11 +324,11 @@ def _probs_out(out, rows: int, n: int, dtype, device) -> torch.Tensor:
 
 def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None):
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
-    tensor, or a RowsAt naming one (ops/rows_at.py). out: write the probabilities there (see _probs_out)."""
+    tensor, or a RowsAt naming one (ops/rows_at.py). out: write the probabilities there (see _out_buffer)."""
     x, xoff, addr = kernel_args(logits)
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
-    out = _probs_out(out, rows, n, dtype, logits.device)
+    out = _out_buffer(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
                                                  counts, n, span, float(temp), BLOCK=block, COUNT=count, ADDR=addr,
@@ -346,7 +346,7 @@ def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None):
         return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True, out=out)
     probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
     if out is not None:
-        probs = _probs_out(out, *probs.shape, dtype, probs.device).copy_(probs)
+        probs = _out_buffer(out, *probs.shape, dtype, probs.device).copy_(probs)
     return probs, tempered_survivors_ref(logits, temp, thr)[1]
 
 
@@ -371,4 +371,4 @@ def tempered_masked_probs(logits, temp, thr, lse, dtype, out=None):
     if use_triton(logits):
         return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, out=out)
     probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
-    return probs if out is None else _probs_out(out, *probs.shape, dtype, probs.device).copy_(probs)
+    return probs if out is None else _out_buffer(out, *probs.shape, dtype, probs.device).copy_(probs)
