@@ -56,6 +56,9 @@ def test_a_truncated_call_is_regenerated_until_the_retries_are_spent(demo):
         assert [c.error for c in reply.tool_calls] == ["no closing <tool_call|>"]
     # without tools a tool call is just text: nothing is validated
     assert Session(demo, tool_validate=2).ask(WEATHER, max_new_tokens=4).result.tool_retries == 0
+    # the seed wraps at its range's end rather than failing the turn
+    assert Session(demo, tools=TOOLS, tool_validate=1).ask(WEATHER, max_new_tokens=4,
+                                                            seed=2**64 - 1).result.tool_retries == 1
 
 
 def reject_first(monkeypatch):

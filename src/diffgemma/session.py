@@ -240,7 +240,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
         kept_reply = reply[:cut]
         keep = rewind(slot.cache, reply_start + cut)  # slot.ids holds the prompt and the whole reply
         prompt = slot.ids[keep:reply_start + cut]
-        settings = settings.replace(seed=settings.seed + 1, max_new_tokens=budget - cut)
+        settings = settings.replace(seed=(settings.seed + 1) % 2**64, max_new_tokens=budget - cut)
         emit("retry", {"attempt": len(results), "kept": cut})
 
 
