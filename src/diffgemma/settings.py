@@ -61,7 +61,7 @@ class GenerationSettings:
     # "sparse" (survivor gather) or "exact" (dense probs @ embedding). Sparse is the default: at the real
     # vocabulary it measured 1.8-5x faster in f32 and 1-2x in bf16 on the CPU (sampling/self_condition.py);
     # on tiny vocabularies exact is faster, but by well under a millisecond. On the H200 at full size the
-    # gather of 8 survivors a row takes ~0.26 ms against ~0.65 ms for the exact product inside the step
+    # gather of 8 survivors a row takes ~0.26 ms against 0.65-0.88 ms for the exact product inside the step
     # (bench/RESULTS.md rounds 9 and 18); flat rows (random weights) fall back to the dense product.
     sc_mode: str = "sparse"
     sc_sparse_log_ratio: float = 10.0  # sparse SC keeps tokens with prob >= exp(-ratio) * row max
