@@ -79,6 +79,9 @@ def reject_first(monkeypatch):
 
 
 def test_session_regenerates_from_the_opener_with_the_next_seed(demo, monkeypatch, tmp_path):
+    """A rejected call: the reply keeps its text through the opener, the rest comes from a second generation with the
+    seed + 1 and the remaining token budget, journaled as its own op; the cache ends holding exactly the prompt and
+    the final reply (as a fresh prefill of those ids would), and the log replays identically."""
     log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 4096))
     s = Session(demo, tools=TOOLS, tool_validate=1, max_tokens=4096, log=log)
     seen = reject_first(monkeypatch)
@@ -107,11 +110,12 @@ def test_session_regenerates_from_the_opener_with_the_next_seed(demo, monkeypatc
     assert report.ok and report.generations == 2, report.problems
 
 
-def test_tool_validate_flag_is_checked_before_the_model_loads(capsys):
+def test_tool_validate_flag_is_checked_before_the_model_loads(demo, capsys):
     assert cli.main(["ask", "hi", "--tool-validate", "-1"]) == 2
     assert "--tool-validate -1: expected a number of retries >= 0" in capsys.readouterr().err
-    with pytest.raises(InputError, match="tool_validate"):
-        Session(diffgemma.load(), tool_validate=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InputError, match="tool_validate"):
+            Session(demo, tool_validate=bad)
 
 
 def test_server_streams_a_regenerated_call_without_taking_anything_back(demo, monkeypatch):
