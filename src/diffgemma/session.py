@@ -10,6 +10,7 @@ new turn, not of the whole history.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -261,7 +262,7 @@ class Session:
         self.slot = Slot(model.new_cache(max_tokens))
         self.log = log
         self.tool_validate = tool_validate
-        self._gens = 0  # generations journaled (a turn with a regenerated tool call takes several)
+        self._gens = itertools.count()  # generations journaled (a turn with a regenerated tool call takes several)
 
     @property
     def cache(self):
@@ -297,13 +298,9 @@ class Session:
             else:
                 out[kind] = payload
 
-        def next_gen():
-            self._gens += 1
-            return self._gens - 1
-
         run_turn(self.model, self.slot, keep, new, resolve_settings(self.model, settings, overrides),
-                 tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log, next_gen=next_gen,
-                 emit=emit)
+                 tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log,
+                 next_gen=lambda: next(self._gens), emit=emit)
         if "error" in out:
             raise out["error"]
         result = out["done"]

@@ -99,6 +99,7 @@ class Engine:
         # so another graph's replay may overwrite it, but only after it was read; its own next replay
         # writes it again.
         self._graph_pool = None
+        self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
         # The denoise canvas attention's implementation by layer kind ('full' / 'sliding'); a kind not named takes
@@ -411,7 +412,7 @@ class Engine:
         (else None). It is dead from the moment that denoise returned (its softcap read it) until the next denoise
         writes it again, and every graph writes its scratch before reading it: generate lends it to the sparse SC's
         dense fallback, whose probabilities (128 MiB at full size) would otherwise sit on top of the step's peak."""
-        cache_ref, key = getattr(self, "_last_graph", (None, None))
+        cache_ref, key = self._last_graph
         cache = cache_ref() if cache_ref is not None else None
         entry = self._graphs.get(cache, {}).get(key) if cache is not None else None
         return entry[3] if entry is not None else None

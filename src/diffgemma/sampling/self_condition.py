@@ -109,17 +109,21 @@ class SparsePlan:
             self.row_counts = self.mask.sum(-1)
         self.count = self.row_counts.sum(dtype=torch.int64)
 
-    def _scratch_for(self, dtype) -> torch.Tensor | None:
+    def _lent(self) -> torch.Tensor | None:
+        """The scratch, when one is lent that the kernels can write: contiguous, beside the logits."""
         s = self.scratch
-        ok = (s is not None and s.dtype == dtype and tuple(s.shape) == tuple(self.stats.logits.shape)
-              and s.is_contiguous() and s.device == self.stats.logits.device)
-        return s if ok else None
+        return s if s is not None and s.is_contiguous() and s.device == self.stats.logits.device else None
+
+    def _scratch_for(self, dtype) -> torch.Tensor | None:
+        """The scratch itself as the probabilities' buffer, when it has their dtype and shape."""
+        s = self._lent()
+        return s if s is not None and s.dtype == dtype and s.shape == self.stats.logits.shape else None
 
     def _scratch_mask(self) -> torch.Tensor | None:
-        """The survivor mask's int8 [C, V] buffer inside the scratch (its first C·V bytes), when one is lent."""
-        s = self.scratch
+        """The survivor mask's int8 [C, V] buffer inside the scratch (its first C·V bytes)."""
+        s = self._lent()
         rows, n = self.stats.logits.shape
-        if s is None or not s.is_contiguous() or s.device != self.stats.logits.device or s.numel() * s.element_size() < rows * n:
+        if s is None or s.numel() * s.element_size() < rows * n:
             return None
         return s.view(-1).view(torch.int8)[: rows * n].view(rows, n)
 
