@@ -1,12 +1,13 @@
 """Probe: where one graphed denoise step's GPU time goes, kernel by kernel (full size, random weights, one GPU).
 
-    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--json out.json]
+    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--json out.json]
 
 Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
-captures the denoise step (SC from logits, as bench_engine.py times it) and profiles a few graph replays with
+captures the denoise step (SC from logits, or with --sc embeds from SC embeddings as generate calls it) and profiles a few graph replays with
 the CUDA activity profiler, which records the kernels inside a replay one by one. Prints, per step: each
 kernel family's GPU time and launches, the sum of kernel times against the step's wall time (the rest is
-the gaps between kernels), and the step's median time from CUDA events outside the profiler.
+the gaps between kernels), and the step's median time from CUDA events outside the profiler. --idle adds where
+the GPU sits idle (no kernel on any stream), charged to the pair of kernel families around each idle interval.
 Balanced routing, as bench_engine.py (every expert's bytes are read).
 """
 
@@ -49,7 +50,7 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_replays(fn, n: int):
+def profile_replays(fn, n: int, trace: str | None = None):
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -62,6 +63,8 @@ def profile_replays(fn, n: int):
         b.record()
         torch.cuda.synchronize()
     wall_ms = a.elapsed_time(b) / n
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per_name = collections.defaultdict(lambda: [0.0, 0])
     for e in kernels:
@@ -90,6 +93,34 @@ def report(label: str, wall_ms: float, events_ms: float, per_name: dict) -> dict
             "kernels": {k: {"us": v[0], "launches": v[1]} for k, v in per_name.items()}}
 
 
+def idle_report(trace: str, n: int, top: int = 14) -> dict:
+    """Where the GPU sits idle inside the profiled replays: every interval in which no kernel runs on any stream,
+    charged to the pair (family of the kernel that ended last before it -> family of the kernel that starts
+    after it). The step's wall time is the busy union plus these intervals; a kernel boundary costs its gap."""
+    ev = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ev.sort(key=lambda e: e["ts"])
+    pairs = collections.defaultdict(lambda: [0.0, 0])
+    busy_end, last_name, idle_us = None, None, 0.0
+    for e in ev:
+        if busy_end is not None and e["ts"] > busy_end:
+            gap = e["ts"] - busy_end
+            if gap < 200:  # between replays the host relaunches: not the step's
+                key = f"{family(last_name)} -> {family(e['name'])}"
+                pairs[key][0] += gap
+                pairs[key][1] += 1
+                idle_us += gap
+        end = e["ts"] + e["dur"]
+        if busy_end is None or end >= busy_end:
+            busy_end, last_name = end, e["name"]
+    streams = collections.Counter(e.get("args", {}).get("stream") for e in ev)
+    print(f"  idle (no kernel on any stream): {idle_us / n / 1e3:.3f} ms a step, kernels on streams "
+          f"{dict(streams)}", flush=True)
+    for key, (us, cnt) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {us / n:8.1f} us {cnt / n:5.0f}x  {us / max(cnt, 1):5.2f} us each  {key}")
+    return {"idle_ms": idle_us / n / 1e3, "pairs": {k: {"us": v[0] / n, "count": v[1] / n} for k, v in pairs.items()}}
+
+
 def read_bandwidth() -> dict:
     """What this GPU's memory gives a plain streaming read and a copy (the roofline's B/s, measured here)."""
     x = torch.empty(2 * 2**30, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
@@ -108,6 +139,9 @@ def main():
     ap.add_argument("--q4", action="store_true", help="q4 experts and a q8 SC MLP (the pack bench_pack.py builds)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sc", choices=("logits", "embeds"), default="logits",
+                    help="the step from SC logits (the exact product in the graph) or from SC embeddings (generate's call)")
+    ap.add_argument("--idle", action="store_true", help="also report the GPU's idle intervals between kernels")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_step.py needs a CUDA GPU")
@@ -126,15 +160,21 @@ def main():
             cache = eng.new_cache(T)
             eng.prefill(cache, torch.randint(0, V, (T,), device="cuda"))
             ids = torch.randint(0, V, (B.CANVAS,), device="cuda")
-            sc = torch.randn(B.CANVAS, V, device="cuda") * 3
+            if a.sc == "logits":
+                sc = {"sc_logits": torch.randn(B.CANVAS, V, device="cuda") * 3}
+            else:
+                sc = {"sc_embeds": torch.randn(B.CANVAS, cfg.hidden_size, device="cuda").to(torch.bfloat16)}
 
             def step(cache=cache, ids=ids, sc=sc):
-                return eng.denoise(cache, ids, sc_logits=sc)
+                return eng.denoise(cache, ids, **sc)
 
             step()  # capture
             ms = statistics.median(B.time_cuda(step, reps=10, warmup=2))
-            wall, per_name = profile_replays(step, a.replays)
-            out["ctx"][T] = report(f"{'q4' if a.q4 else 'bf16'} context {T}", wall, ms, per_name)
+            trace = f"/tmp/probe_step_{T}.json" if a.idle else None
+            wall, per_name = profile_replays(step, a.replays, trace)
+            out["ctx"][T] = report(f"{'q4' if a.q4 else 'bf16'} context {T}, SC {a.sc}", wall, ms, per_name)
+            if trace:
+                out["ctx"][T]["idle"] = idle_report(trace, a.replays)
             del cache
             eng._graphs.clear()
             torch.cuda.empty_cache()
