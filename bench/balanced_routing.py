@@ -33,13 +33,13 @@ def balanced_ids(T: int, k: int, E: int, device, dtype=torch.int64) -> torch.Ten
 _IDS: dict = {}
 
 
-def balanced_route(router_in, router_w, k, per_expert_scale):
+def balanced_route(router_in, router_w, k, per_expert_scale, **kw):
     """The model's router runs (its cost stays in the step); its expert ids are replaced by balanced ones.
 
     The ids are a constant made once per shape, not recomputed in every layer: before round 9 the arange,
     remainder and cast (~90 small kernels a step) were timed as part of the engine's step, a cost the
     real model does not have."""
-    weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale)
+    weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale, **kw)
     key = (experts.shape[0], k, router_w.shape[0], experts.device, experts.dtype)
     if key not in _IDS:
         _IDS[key] = balanced_ids(*key)

@@ -38,8 +38,8 @@ def test_routing_switch_reaches_the_engine_and_restores_it():
     seen = []
     inner = balanced_routing.balanced_route
 
-    def spy(*a):
-        out = inner(*a)
+    def spy(*a, **kw):
+        out = inner(*a, **kw)
         seen.append(out[1])
         return out
 

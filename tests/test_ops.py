@@ -153,6 +153,7 @@ def test_grouped_experts_match_loop(dtype, tol):
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
 from diffgemma.ops.f16_operand import f16_operand_ref  # noqa: E402
+from diffgemma.errors import TensorError  # noqa: E402
 
 
 def test_route_kernel_matches_sorted_twin_with_ties():
@@ -166,6 +167,52 @@ def test_route_kernel_matches_sorted_twin_with_ties():
     assert torch.equal(ge.long(), ee)
     assert ge[0, :2].tolist() == [2, 7]
     torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bf16_weight", [True, False])
+def test_router_pieces_sum_to_the_weight_exactly(bf16_weight):
+    w = torch.randn(12, 200) * 0.3
+    if bf16_weight:
+        w = w.bfloat16().float()
+    p = route.router_pieces(w)
+    assert p.dtype == torch.bfloat16 and p.shape == ((1 if bf16_weight else 3), 12, 200)
+    assert torch.equal(p.double().sum(0), w.double())
+
+
+@pytest.mark.parametrize("bf16_weight", [True, False])
+def test_router_gemm_bf16x3_matches_f64(bf16_weight):
+    # T, H, E off every block size: row, K-slice and expert masks all in play; 4 K slices of 64
+    T, H, E = 20, 200, 12
+    x = torch.randn(T, H) * 2.0
+    w = torch.randn(E, H) * 0.3
+    if bf16_weight:
+        w = w.bfloat16().float()
+    part = route.router_gemm_triton(x, route.router_pieces(w), config=(16, 64, 32, 4, 1))
+    assert part.shape == (4, T, E)
+    truth = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    assert (part.double().sum(0) - truth).abs().max().item() <= 1e-6 * scale
+
+
+def test_route_kernel_from_the_bf16x3_gemm_matches_twin_with_ties():
+    T, H, E, k = 20, 40, 12, 3
+    x, w = torch.randn(T, H), (torch.randn(E, H) * 0.3).bfloat16().float()
+    w[7] = w[2]  # an exact tie stays exact: the same products summed in the same order
+    x[0] = w[2] * 5
+    scale = torch.rand(E) + 0.5
+    gw, ge = route.route_triton(x, w, k, scale, pieces=route.router_pieces(w), gemm_config=(16, 32, 16, 4, 1))
+    ew, ee = route.route_ref(x, w, k, scale)
+    assert torch.equal(ge.long(), ee)
+    assert ge[0, :2].tolist() == [2, 7]
+    torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-5)
+
+
+def test_router_gemm_refuses_bad_pieces():
+    x = torch.randn(4, 32)
+    with pytest.raises(TensorError, match="pieces"):
+        route.router_gemm_triton(x, torch.zeros(2, 8, 32, dtype=torch.bfloat16))
+    with pytest.raises(TensorError, match="bf16"):
+        route.router_gemm_triton(x, torch.zeros(1, 8, 32))
 
 
 def test_moe_plan_kernel_matches_argsort():

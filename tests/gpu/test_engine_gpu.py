@@ -294,13 +294,30 @@ from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
 
 
-@pytest.mark.parametrize("T,H,E,k", [(64, 512, 32, 4), (256, 2816, 128, 8), (8192, 2816, 128, 8)])
-def test_route_fused_flip_rate(T, H, E, k):
+def _router_case(T, H, E, bf16_weight):
     # router input like the engine's: a unit-RMS row times router scale·H^-0.5; weights std 0.02·sqrt(H)
     x = torch.randn(T, H, device=DEV) * (1.0 + 0.1 * torch.rand(H, device=DEV)) * H ** -0.5
     w = torch.randn(E, H, device=DEV) * 0.02 * H ** 0.5
+    return x, (w.bfloat16().float() if bf16_weight else w)
+
+
+@pytest.mark.parametrize("T", [256, 8192])
+@pytest.mark.parametrize("bf16_weight", [True, False])
+def test_router_gemm_bf16x3_as_accurate_as_cublas_f32(T, bf16_weight):
+    x, w = _router_case(T, 2816, 128, bf16_weight)
+    truth = x.double() @ w.double().T
+    err_f32 = ((x @ w.T).double() - truth).abs().max().item()
+    err = (route.router_gemm_triton(x, route.router_pieces(w)).sum(0).double() - truth).abs().max().item()
+    print(f"\n[router GEMM T={T} bf16 weight={bf16_weight}] max |err| vs f64: bf16x3 {err:.2e}, cuBLAS f32 {err_f32:.2e}")
+    assert err <= 4 * err_f32
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "bf16x3"])
+@pytest.mark.parametrize("T,H,E,k", [(64, 512, 32, 4), (256, 2816, 128, 8), (8192, 2816, 128, 8)])
+def test_route_fused_flip_rate(T, H, E, k, gemm):
+    x, w = _router_case(T, H, E, bf16_weight=gemm == "bf16x3")
     scale = torch.rand(E, device=DEV) + 0.5
-    gw, ge = route.route_triton(x, w, k, scale)
+    gw, ge = route.route_triton(x, w, k, scale, pieces=route.router_pieces(w) if gemm == "bf16x3" else None)
     ew, ee = route.route_ref(x, w, k, scale)
     gs, go = ge.long().sort(-1)
     es, eo = ee.sort(-1)
@@ -308,7 +325,7 @@ def test_route_fused_flip_rate(T, H, E, k):
     flip = 1.0 - same.float().mean().item()
     p = torch.softmax(x @ w.T, -1).sort(-1, descending=True).values
     gap = (p[:, k - 1] - p[:, k]) / p[:, k - 1]  # relative gap at the top-k boundary
-    print(f"\n[route T={T} E={E} k={k}] flip rate {flip:.5f}; min rel gap of flipped rows "
+    print(f"\n[route {gemm} T={T} E={E} k={k}] flip rate {flip:.5f}; min rel gap of flipped rows "
           f"{gap[~same].min().item() if (~same).any() else float('nan'):.2e}")
     assert (gap[~same] < 1e-4).all()  # flips only at near-ties (the orders within a set may differ only there too)
     torch.testing.assert_close(gw.gather(1, go)[same], ew.gather(1, eo)[same], atol=1e-5, rtol=1e-4)

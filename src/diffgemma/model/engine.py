@@ -15,7 +15,7 @@ number of launches on CUDA:
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3; at the denoise shape on all SMs but 16, via cuBLASLt)
     beside it on a side stream (CUDA), joined before the expert GEMMs:
-  → route_fused (2: the f32 router GEMM on cuBLAS; softmax, top-k ties→lower expert, renorm, scale in one kernel)
+  → route_fused (2: the f32 router logits (bf16x3 GEMM, exact products); softmax, top-k ties→lower expert, renorm, scale in one kernel)
   → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
   → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4;
     a q4 GEMM gets its input from attn_finish and gelu·up as f16 operands, ops/f16_operand.py)
@@ -113,12 +113,15 @@ class Engine:
         # A q4 expert GEMM gets its inputs as f16 operands from their producers (ops/f16_operand.py); False: as
         # bf16, converted in the GEMM's loop (A/B; the same bits; a graph keeps the form it was captured with).
         self.f16_operands = True
-        # On CUDA, at up to OVERLAP_ROWS rows, the router chain (f32 router GEMM on 4 thread blocks, routing, plan:
-        # ~24 µs a layer at the denoise shape, nearly all latency) runs on a high-priority side stream beside the
+        # On CUDA, at up to OVERLAP_ROWS rows, the router chain (router GEMM, routing, plan: ~20 µs a layer at the
+        # denoise shape, nearly all latency) runs on a high-priority side stream beside the
         # dense MLP, and joins before the expert GEMMs (nothing runs beside the weight stream). False: one stream
         # (A/B; the same bits; a graph keeps the form it was captured with).
         self.overlap_router = True
         self._side_stream = None
+        # The router logits on CUDA: "bf16x3" (ops/route.py: exact products on the tensor cores, few small blocks, so
+        # the dense MLP's GEMMs run beside it) or "cublas" (the f32 SIMT GEMM, whose blocks fill every SM: A/B).
+        self.router_gemm = "bf16x3"
         # The dense MLP's GEMMs at up to OVERLAP_ROWS rows target all SMs but this many (ops/sm_carveout.py), so the
         # router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
         self.dense_sm_carveout = 16
@@ -256,7 +259,8 @@ class Engine:
     def _route(self, lw, router_in):
         """The router chain: weights, experts, and the plan the expert GEMMs read (src, inv, offs, order)."""
         cfg = self.config
-        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale)
+        pieces = lw.router_pieces if self.router_gemm == "bf16x3" else None
+        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale, pieces=pieces)
         # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
         src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
                                  else (*moe_plan(experts, cfg.num_experts), None))

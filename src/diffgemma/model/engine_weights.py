@@ -5,7 +5,8 @@ Layout choices (all lossless reshuffles of the checkpoint tensors):
              layers have no v_proj (V is the raw k_proj output), so their block is q ‖ k only.
   mlp_gu     [2·F, H]  dense gate ‖ up, one GEMM.
   router_w   [E, H] f32 and router_in_scale = router.scale · H^-0.5 (f32): routing is control flow,
-             so its logits are computed in f32 (ARCHITECTURE precision policy).
+             so its logits are computed in f32 (ARCHITECTURE precision policy). On CUDA also router_pieces,
+             the same weight as exact bf16 parts for the bf16x3 router GEMM (ops/route.py).
   layer scalars are plain floats (read once; they are baked into the CUDA graph).
 Norm weights stay in the activation dtype; experts stay [E, 2F, H] / [E, H, F] as stored.
 
@@ -32,6 +33,7 @@ from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
 from ..ops import moe_q4
 from ..ops.moe_packed import EXPERT_FORMATS, PackedWeight
+from ..ops.route import router_pieces
 
 _NORMS = {
     "input_norm": "input_layernorm",
@@ -68,6 +70,7 @@ class LayerWeights:
     experts_down: torch.Tensor | PackedWeight
     denoise_scalar: float
     prefill_scalar: float
+    router_pieces: torch.Tensor | None = None  # bf16 [1 or 3, E, H] summing to router_w exactly (CUDA only)
 
 
 @dataclass
@@ -147,6 +150,7 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         mlp_gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)
         norms = {k: get(p + v + ".weight") for k, v in _NORMS.items()}
         q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+        router_w = get(p + "router.proj.weight", torch.float32)
         layers.append(LayerWeights(
             qkv=qkv,
             o=get(p + "self_attn.o_proj.weight"),
@@ -156,7 +160,8 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             inv_freq=inv_freq_for(layer).to(device),
             mlp_gu=mlp_gu,
             mlp_down=get(p + "mlp.down_proj.weight"),
-            router_w=get(p + "router.proj.weight", torch.float32),
+            router_w=router_w,
+            router_pieces=router_pieces(router_w) if router_w.is_cuda else None,
             router_in_scale=get(p + "router.scale", torch.float32) * cfg.hidden_size ** -0.5,
             per_expert_scale=get(p + "router.per_expert_scale", torch.float32),
             experts_gu=expert(p + "experts.gate_up_proj"),
@@ -240,8 +245,8 @@ class RandomSource(DictSource):
                 # Trained QK-norm weights carry the attention temperature (there is no 1/sqrt(d));
                 # weights near 1 would make q·k ~ head_dim and attention a chaotic hard max.
                 t = t * shape[0] ** -0.25
-        else:
-            t = torch.randn(shape, generator=self.gen, device=self.device, dtype=dt) * self.std
+        else:  # in the model's dtype, as a checkpoint stores them (the router's too, though it is read as f32)
+            t = torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dt) * self.std
         return t.to(device=device or self.device, dtype=dt)
 
 

@@ -1,8 +1,8 @@
 """cuBLAS GEMMs that leave some SMs free, so a small kernel chain on another stream can run beside them.
 
 At the denoise shape (256 rows) cuBLAS tiles the dense MLP's GEMMs into about one thread block per SM, each SM full.
-A kernel launched beside them on another stream (the router chain: its f32 GEMM runs on 4 thread blocks) takes a
-few SMs first and pushes the GEMM's last blocks into a second wave, so the two run one after the other. With the
+A kernel launched beside them on another stream (the router chain: a few dozen small blocks) takes a few SMs first
+and pushes the GEMM's last blocks into a second wave, so the two run one after the other. With the
 GEMM told to target all SMs but a few (cuBLASLt's SM count target, which torch sets from its experimental SM
 carveout), both fit at once: bench/RESULTS.md round 16 has the numbers.
 
