@@ -61,6 +61,7 @@ AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                (("overlap_router", "dense_sm_carveout"), (False, None), "one_stream"),  # both: round 15's layer
                ("sc_by_address", False, "sc_copy"),  # the SC logits copied into the graph's buffer each step
                ("router_gemm", "cublas", "router_cublas"),  # the router logits from cuBLAS's f32 GEMM (round 18's)
+               ("fuse_glu", False, "glu_after"),  # gelu·up as its own kernel after the expert gate_up GEMM
                (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15")]
 
 

@@ -119,3 +119,64 @@ def test_expert_gemm_switch_refuses_unknown_values_and_is_a_known_setting(monkey
         moe_stream.expert_gemm_choice()
     monkeypatch.setenv(moe_stream.ENV_VAR, "cutlass")
     GenerationSettings.resolve({})  # generation settings do not reject the kernel switch
+
+
+@interpreted
+@pytest.mark.parametrize("config", [(16, 16, 32, 4, 1), (32, 16, 64, 4, 1)])
+def test_gate_up_with_gelu_in_the_epilogue_is_gelu_mul_after_the_plain_gemm(config):
+    """glu: each program loads BN/2 gate rows and the BN/2 up rows of the same columns, and stores gelu·up of its
+    products: the same bits as the gelu·up kernel on the plain GEMM's output. F = 40 is off the BN/2 grid, routes
+    come through src in the plan's launch order, and some experts have no rows."""
+    from diffgemma.ops.gelu_mul import gelu_mul_ref, gelu_mul_triton
+    from diffgemma.ops.moe_plan import moe_plan_triton
+
+    T, k, E, F, K = 13, 3, 6, 40, 96
+    ex = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)])  # expert 5 gets nothing
+    ex[:, 0] = 2
+    src, _, offs, order = moe_plan_triton(ex, E, with_order=True)
+    x = torch.randn(T, K)
+    w = torch.randn(E, 2 * F, K) * 0.3
+    got = moe_stream.grouped_mm_triton(x, w, offs, config=config, src=src, order=order, glu=True)
+    plain = moe_stream.grouped_mm_triton(x, w, offs, config=config, src=src, order=order)
+    assert got.shape == (T * k, F)
+    assert torch.equal(got, gelu_mul_triton(plain))
+    assert rel(got, gelu_mul_ref(moe_stream.grouped_mm_ref(x[src.long()], w, offs))) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["q6", "nvfp4"])
+def test_packed_gate_up_with_gelu_in_the_epilogue(fmt):
+    from diffgemma.ops import moe_packed as mp
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    from test_moe_packed import packed
+
+    E, F, K, M = 5, 24, 64, 29
+    pw, _ = packed(fmt, (E, 2 * F, K))
+    xs = torch.randn(M, K)
+    offs = ragged_offs(E, M)
+    cfg = (16, 16, 32, 4, 1)
+    got = mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, glu=True)
+    assert torch.equal(got, gelu_mul_triton(mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg)))
+
+
+@interpreted
+def test_expert_ffn_fused_gelu_matches_gelu_after(monkeypatch):
+    E, H, Fe, M = 5, 64, 32, 40
+    gate_up, down = torch.randn(E, 2 * Fe, H) * 0.1, torch.randn(E, H, Fe) * 0.1
+    xs = torch.randn(M, H)
+    offs = ragged_offs(E, M)
+    kernel = moe_stream.grouped_mm_triton
+    monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a, **k: kernel(*a, **k, config=(16, 16, 32, 4, 1)))
+    monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
+    from diffgemma.ops import gelu_mul as gm
+
+    monkeypatch.setattr(gm, "use_triton", lambda t: True)  # gelu·up after: the kernel, as on CUDA
+    fused = moe.expert_ffn(xs, gate_up, down, offs)
+    after = moe.expert_ffn(xs, gate_up, down, offs, fuse_glu=False)
+    assert torch.equal(fused, after)
+    assert rel(fused, moe._grouped_mm(gm.gelu_mul_ref(moe_stream.grouped_mm_ref(xs, gate_up, offs)), down, offs)) < 1e-5
+
+
+def test_gate_up_with_gelu_refuses_an_odd_stack():
+    with pytest.raises(TensorError, match="even N"):
+        moe_stream.grouped_mm_triton(torch.randn(5, 8), torch.randn(2, 5, 8), torch.tensor([2, 5]), glu=True)

@@ -64,3 +64,24 @@ def test_stream_kernel_launch_order_at_real_shape():
     gu = torch.randn(E, 2 * Fe, H, device="cuda", dtype=torch.bfloat16) * 0.02
     assert torch.equal(moe_stream.grouped_mm_triton(x, gu, offs, src=src, order=order),
                        moe_stream.grouped_mm_triton(x, gu, offs, src=src))
+
+
+@pytest.mark.parametrize("routing", ["balanced", "random"])
+def test_gate_up_with_gelu_in_the_epilogue_at_real_shape(routing):
+    """The engine's gate_up call with gelu·up in the epilogue: the same bits as the gelu·up kernel after the plain
+    GEMM (both round the products to bf16, then one formula in f32)."""
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    from diffgemma.ops.moe_plan import moe_plan_with_order
+
+    experts = (torch.arange(T * K_TOP, device="cuda") % E).view(T, K_TOP) if routing == "balanced" else \
+        torch.randint(0, E, (T, K_TOP), device="cuda")
+    src, _, offs, order = moe_plan_with_order(experts, E)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(E, 2 * Fe, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    got = moe_stream.grouped_mm_triton(x, gu, offs, src=src, order=order, glu=True)
+    want = gelu_mul_triton(moe_stream.grouped_mm_triton(x, gu, offs, src=src, order=order))
+    assert got.shape == (T * K_TOP, Fe)
+    diff = (got.float() != want.float()).sum().item()
+    print(f"\n[gate_up + gelu epilogue {routing}] {diff} of {got.numel()} values differ; "
+          f"max |d| {(got.float() - want.float()).abs().max().item():.2e}")
+    assert torch.equal(got, want)

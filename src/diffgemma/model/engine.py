@@ -17,8 +17,9 @@ number of launches on CUDA:
     beside it on a side stream (CUDA), joined before the expert GEMMs:
   → route_fused (2: the f32 router logits (bf16x3 GEMM, exact products); softmax, top-k ties→lower expert, renorm, scale in one kernel)
   → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
-  → grouped GEMM (rows gathered in its loads at denoise; a row gather first in prefill), gelu·up, grouped GEMM (3-4;
-    a q4 GEMM gets its input from attn_finish and gelu·up as f16 operands, ops/f16_operand.py)
+  → grouped GEMM (rows gathered in its loads at denoise, gelu·up in its epilogue; a row gather first and gelu·up
+    after in prefill), grouped GEMM (2-4; a q4 GEMM gets its input from attn_finish and gelu·up as f16 operands,
+    ops/f16_operand.py)
   → layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual, layer scalar,
     and the next layer's input norm).
 Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.
@@ -113,6 +114,9 @@ class Engine:
         # A q4 expert GEMM gets its inputs as f16 operands from their producers (ops/f16_operand.py); False: as
         # bf16, converted in the GEMM's loop (A/B; the same bits; a graph keeps the form it was captured with).
         self.f16_operands = True
+        # The streaming expert gate_up GEMM makes gelu·up in its epilogue (ops/moe_packed.py, GLU); False: gelu_mul
+        # after it (A/B; the same bits; a graph keeps the form it was captured with).
+        self.fuse_glu = True
         # On CUDA, at up to OVERLAP_ROWS rows, the router chain (router GEMM, routing, plan: ~20 µs a layer at the
         # denoise shape, nearly all latency) runs on a high-priority side stream beside the
         # dense MLP, and joins before the expert GEMMs (nothing runs beside the weight stream). False: one stream
@@ -247,7 +251,7 @@ class Engine:
             dense = self._dense_mlp(lw, dense_in)
             main.wait_stream(side)
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
-                       f16_operands=self.f16_operands)
+                       f16_operands=self.f16_operands, fuse_glu=self.fuse_glu)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, eps, w_next)
 

@@ -6,8 +6,6 @@ two slices cast to f32, gelu, multiply, cast back).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -30,15 +28,21 @@ def gelu_mul_ref(gu, as_f16=False):
 if HAVE_TRITON:
 
     @triton.jit
-    def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, C0: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr):
+    def gelu_tanh_mul(g, u):
+        """gelu_tanh(g) · u in f32; also the epilogue of the expert GEMM that fuses it (ops/moe_packed.py): one
+        formula, so both give the same bits."""
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi)
+        th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
+        return 0.5 * g * (1.0 + th) * u
+
+    @triton.jit
+    def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, BLOCK: tl.constexpr, F16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < Fh
         g = tl.load(gu_ptr + row * 2 * Fh + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * Fh + Fh + cols, mask=ok, other=0.0).to(tl.float32)
-        y = C0 * (g + 0.044715 * g * g * g)
-        th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
-        y = 0.5 * g * (1.0 + th) * u
+        y = gelu_tanh_mul(g, u)
         if F16:
             tl.store(out_ptr + row * Fh + cols, f16_operand(y), mask=ok)
         else:
@@ -50,8 +54,7 @@ def gelu_mul_triton(gu, block: int = 1024, as_f16=False):
     M, F2 = gu.shape
     out = torch.empty(M, F2 // 2, dtype=torch.float16 if as_f16 else gu.dtype, device=gu.device)
     if M:
-        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, C0=math.sqrt(2.0 / math.pi), BLOCK=block,
-                                                           F16=as_f16)
+        _gelu_mul_kernel[(M, triton.cdiv(F2 // 2, block))](gu, out, F2 // 2, BLOCK=block, F16=as_f16)
     return out
 
 

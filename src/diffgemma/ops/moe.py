@@ -56,7 +56,7 @@ def _grouped_mm(a, w, offs):
         return out
 
 
-def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True):
+def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True, fuse_glu=True):
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
@@ -64,14 +64,19 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (moe_packed.takes_f16_operand); gelu·up hands the down GEMM
     its input the same way when that GEMM takes it, unless f16_operands is False (the engine's A/B knob). The
-    results are the same bits either way."""
+    results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
+    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B)."""
     from .gelu_mul import gelu_mul
     from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
-    from .moe_packed import takes_f16_operand
+    from .moe_packed import route_count, takes_f16_operand
 
     out_dtype = out_dtype or x.dtype
-    gu = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype)
-    h = gelu_mul(gu, as_f16=f16_operands and takes_f16_operand(down, gu.shape[0], gu))
+    if f16_operands and takes_f16_operand(down, route_count(x, src), x):
+        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=True)
+    elif fuse_glu:
+        h = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True)
+    else:
+        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype))
     return gmm(h, down, offs, order=order, out_dtype=out_dtype)
 
 

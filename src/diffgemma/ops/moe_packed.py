@@ -43,6 +43,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .gelu_mul import gelu_tanh_mul
     from .moe_plan import expert_rows
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
@@ -237,10 +238,28 @@ if HAVE_TRITON:
         return start, end, n, n < N, g.to(tl.int64) * N + n
 
     @triton.jit
+    def _glu_tile(offs_ptr, order_ptr, N, BN: tl.constexpr, HAS_ORDER: tl.constexpr):
+        """_expert_tile for a gate ‖ up stack [E, N = 2F, K] whose product goes straight into gelu·up (grid: F tiles
+        of BN/2 x experts): the tile's rows are BN/2 gate rows, then the BN/2 up rows of the same columns; n: its
+        BN/2 output columns of the [M, F] result."""
+        g, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
+        F = N // 2
+        j = tl.arange(0, BN)
+        col = tl.program_id(0) * (BN // 2) + j % (BN // 2)
+        rows = g.to(tl.int64) * N + col + tl.where(j >= BN // 2, F, 0)
+        n = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+        return start, end, n, n < F, col < F, rows
+
+    @triton.jit
     def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, p0, p1, p2, p3, tscale, N, K, stride_x,
                            stride_o, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                           BK: tl.constexpr, HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr, HAS_ORDER: tl.constexpr):
-        start, end, n, n_ok, rows = _expert_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
+                           BK: tl.constexpr, HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr, HAS_ORDER: tl.constexpr,
+                           GLU: tl.constexpr = False):
+        if GLU:  # the store's columns (BN/2 of F) differ from the rows loaded (gate and up)
+            start, end, n, n_ok, row_ok, rows = _glu_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
+        else:
+            start, end, n, row_ok, rows = _expert_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
+            n_ok = row_ok
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -253,25 +272,28 @@ if HAVE_TRITON:
                 for k0 in range(0, K, BK):
                     kk = k0 + tl.arange(0, BK)
                     xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                    w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+                    w = tl.load(p0 + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
                     acc = tl.dot(w, xt, acc)
             elif PREFETCH:  # side planes one K-step ahead (see _side_tile)
-                h, s, mn = _side_tile(p1, p2, p3, rows, n_ok, 0, K, FMT, GS, BN, BK)
+                h, s, mn = _side_tile(p1, p2, p3, rows, row_ok, 0, K, FMT, GS, BN, BK)
                 for k0 in range(0, K, BK):
                     kk = k0 + tl.arange(0, BK)
-                    h_next, s_next, mn_next = _side_tile(p1, p2, p3, rows, n_ok, k0 + BK, K, FMT, GS, BN, BK)
+                    h_next, s_next, mn_next = _side_tile(p1, p2, p3, rows, row_ok, k0 + BK, K, FMT, GS, BN, BK)
                     xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                    w = _decode_tile(p0, h, s, mn, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+                    w = _decode_tile(p0, h, s, mn, tscale, rows, row_ok, k0, K, FMT, GS, BN, BK)
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
                     h, s, mn = h_next, s_next, mn_next
             else:  # side planes loaded in the step that uses them (the twin of the prefetch, for tests and A/B)
                 for k0 in range(0, K, BK):
                     kk = k0 + tl.arange(0, BK)
                     xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, n_ok, k0, K, FMT, GS, BN, BK)
+                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K, FMT, GS, BN, BK)
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
-            tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=n_ok[:, None] & m_ok[None, :])
+            out = acc.to(out_ptr.dtype.element_ty)
+            if GLU:  # gate rows on top, up rows below; each rounded as the plain GEMM would store it
+                gate, up = tl.split(tl.permute(tl.reshape(out.to(tl.float32), (2, BN // 2, BM)), (1, 2, 0)))
+                out = gelu_tanh_mul(gate, up).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
     def _dequant_kernel(out_ptr, p0, p1, p2, p3, tscale, R, K,
@@ -329,31 +351,56 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
 
 
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True,
-                             order=None, out_dtype=None):
+                             order=None, out_dtype=None, glu: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
     loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
     to ops/moe_q4.py's kernel. order: int32 [E], the experts in the order their programs launch (the most rows
-    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: see grouped_mm_packed."""
+    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: see grouped_mm_packed.
+    glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2] (gelu_mul of the plain result), made in
+    the kernel's epilogue (the q4-tiles kernel: by gelu_mul after it)."""
     E, N, K = w.shape
     M = route_count(x, src)
     if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
         BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
-        return moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype)
+        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype)
+        return gelu_after(out, glu)
     x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    BN, BM, BK, warps, stages = config or pick_config(M, E)
+    return launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, *_plane_args(w),
+                          tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], PREFETCH=prefetch)
+
+
+def glu_shape_check(N: int, glu: bool, what: str) -> None:
+    if glu and N % 2:
+        raise TensorError(f"{what}: a gate ‖ up stack needs an even N, got {N}")
+
+
+def gelu_after(out: torch.Tensor, glu: bool) -> torch.Tensor:
+    """A grouped GEMM's result, or gelu·up of it when the caller asked for glu and the path had no fused epilogue."""
+    if not glu:
+        return out
+    from .gelu_mul import gelu_mul
+
+    return gelu_mul(out)
+
+
+def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, p0, p1, p2, p3, *, tscale, FMT, GS,
+                   PREFETCH):
+    """_packed_gmm_kernel over (N tiles, experts), or with glu over (F = N/2 tiles of BN/2, experts) -> [M, N or F]."""
+    glu_shape_check(N, glu, "grouped GEMM")
+    M = route_count(x, src)
+    out = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    BN, BM, BK, warps, stages = config or pick_config(M, E)
     offs = offs.to(torch.int32).contiguous()
-    _packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
-                                                order_operand(order, offs, E), *_plane_args(w),
-                                                float(w.tscale), N, K, x.stride(0), out.stride(0), FMT=_FMT_ID[w.fmt],
-                                                GS=codecs.GROUP[w.fmt], BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
-                                                PREFETCH=prefetch, HAS_ORDER=order is not None, num_warps=warps,
-                                                num_stages=stages)
+    grid = (triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN), E)
+    _packed_gmm_kernel[grid](x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
+                             p0, p1, p2, p3, tscale, N, K, x.stride(0), out.stride(0), FMT=FMT, GS=GS, BN=BN, BM=BM,
+                             BK=BK, HAS_SRC=src is not None, PREFETCH=PREFETCH, HAS_ORDER=order is not None, GLU=glu,
+                             num_warps=warps, num_stages=stages)
     return out
 
 
@@ -375,20 +422,21 @@ def takes_f16_operand(w, routes: int, x) -> bool:
             and not dequantizes_for(routes / w.shape[0]))
 
 
-def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None):
+def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False):
     """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
     W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn).
     order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
     out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
-    and a path other than the q4 kernel first turns x back into it (exact: it is a copy of bf16 values)."""
+    and a path other than the q4 kernel first turns x back into it (exact: it is a copy of bf16 values).
+    glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up (fused into the streaming kernels' epilogue)."""
     if out_dtype is not None and x.dtype != out_dtype and not takes_f16_operand(w, route_count(x, src), x):
         x = x.to(out_dtype)
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_mm
 
-        return grouped_mm(x, w, offs, src=src, order=order)
+        return grouped_mm(x, w, offs, src=src, order=order, glu=glu)
     if not use_triton(x):
-        return grouped_mm_packed_ref(routed(x, src), w, offs)
+        return gelu_after(grouped_mm_packed_ref(routed(x, src), w, offs), glu)
     if dequantizes_for(route_count(x, src) / w.shape[0]):
-        return _grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs)
-    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype)
+        return gelu_after(_grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs), glu)
+    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu)

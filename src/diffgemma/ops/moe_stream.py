@@ -25,12 +25,8 @@ import torch
 
 from ..errors import TensorError
 from . import moe_packed as mp
-from ._backend import HAVE_TRITON, env_choice, use_triton
+from ._backend import env_choice, use_triton
 from .moe import _grouped_mm
-from .moe_plan import order_operand
-
-if HAVE_TRITON:
-    import triton
 
 # Above this many rows per expert the GEMM is compute bound and CUTLASS's tiles win (moe_packed's threshold).
 STREAM_MAX_ROWS = mp.STREAM_MAX_ROWS
@@ -47,29 +43,22 @@ def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: tuple | None = None,
-                      src: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
+                      src: torch.Tensor | None = None, order: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w [E, N, K], offs int32 [E] -> [M, N] in x.dtype. order: int32 [E], the
-    experts in the order their programs launch (ops/moe_plan.moe_plan_with_order); the result does not depend on it."""
+    experts in the order their programs launch (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
+    glu: w is a gate ‖ up stack; -> gelu_tanh(gate)·up [M, N/2], made in the epilogue from the products rounded to
+    x.dtype as the plain GEMM stores them (the same bits as gelu_mul after it, one kernel and one [M, N] trip fewer)."""
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
         raise TensorError(f"grouped_mm: x {list(x.shape)} and w {list(w.shape)} do not make [M, K] x [E, N, K]")
     if w.dtype != x.dtype:
         raise TensorError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}; expected the same dtype")
-    M = mp.route_count(x, src)
     E, N, K = w.shape
     x, w = x.contiguous(), w.contiguous()
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
     BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
-    offs = offs.to(torch.int32).contiguous()
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
-    mp._packed_gmm_kernel[(triton.cdiv(N, BN), E)](x, x if src is None else src.contiguous(), out, offs,
-                                                   order_operand(order, offs, E), w, w, w, w,
-                                                   1.0, N, K, x.stride(0), out.stride(0), FMT=mp.RAW, GS=32, BN=BN, BM=BM,
-                                                   BK=BK, HAS_SRC=src is not None, PREFETCH=False,
-                                                   HAS_ORDER=order is not None, num_warps=warps, num_stages=stages)
-    return out
+    return mp.launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, w, w, w, w, tscale=1.0,
+                             FMT=mp.RAW, GS=32, PREFETCH=False)
 
 
 def expert_gemm_choice() -> str:
@@ -77,9 +66,9 @@ def expert_gemm_choice() -> str:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
-               order: torch.Tensor | None = None) -> torch.Tensor:
+               order: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """The streaming kernel at denoise (the gather of x[src] inside its loads; experts launched in `order` when
-    given), torch._grouped_mm otherwise."""
+    given; gelu·up in its epilogue with glu), torch._grouped_mm otherwise (then gelu_mul with glu)."""
     if use_triton(x) and mp.route_count(x, src) <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
-        return grouped_mm_triton(x, w, offs, src=src, order=order)
-    return grouped_mm_ref(mp.routed(x, src), w, offs)
+        return grouped_mm_triton(x, w, offs, src=src, order=order, glu=glu)
+    return mp.gelu_after(grouped_mm_ref(mp.routed(x, src), w, offs), glu)
