@@ -126,6 +126,7 @@ class Engine:
         # The router logits on CUDA: "bf16x3" (ops/route.py: exact products on the tensor cores, few small blocks, so
         # the dense MLP's GEMMs run beside it) or "cublas" (the f32 SIMT GEMM, whose blocks fill every SM: A/B).
         self.router_gemm = "bf16x3"
+        self.router_gemm_config = None  # the bf16x3 GEMM's tiles: None = ops/route.ROUTER_GEMM_CONFIG (A/B)
         # The dense MLP's GEMMs at up to OVERLAP_ROWS rows target all SMs but this many (ops/sm_carveout.py), so the
         # router chain finds SMs free beside them; None: plain cuBLAS on every SM (A/B).
         self.dense_sm_carveout = 16
@@ -264,7 +265,8 @@ class Engine:
         """The router chain: weights, experts, and the plan the expert GEMMs read (src, inv, offs, order)."""
         cfg = self.config
         pieces = lw.router_pieces if self.router_gemm == "bf16x3" else None
-        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale, pieces=pieces)
+        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale, pieces=pieces,
+                                       gemm_config=self.router_gemm_config)
         # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
         src, inv, offs, order = (moe_plan_with_order(experts, cfg.num_experts) if self.launch_order
                                  else (*moe_plan(experts, cfg.num_experts), None))

@@ -179,9 +179,9 @@ def route_triton(router_in, router_w, k, per_expert_scale, block_t: int = 8, pie
     return w, e
 
 
-def route_fused(router_in, router_w, k, per_expert_scale, pieces=None):
+def route_fused(router_in, router_w, k, per_expert_scale, pieces=None, gemm_config=None):
     """-> (weights f32 [T, k], experts int [T, k]; int32 from the kernel, int64 from the twin). pieces: the router
     weight's bf16 parts (router_pieces): the logits through the bf16x3 GEMM on CUDA (ignored by the twin)."""
     if use_triton(router_in):
-        return route_triton(router_in, router_w, k, per_expert_scale, pieces=pieces)
+        return route_triton(router_in, router_w, k, per_expert_scale, pieces=pieces, gemm_config=gemm_config)
     return route_ref(router_in, router_w, k, per_expert_scale)
