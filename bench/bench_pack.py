@@ -66,7 +66,7 @@ def med(fn, reps=20, warmup=3) -> float:
     return statistics.median(time_cuda(fn, reps=reps, warmup=warmup))
 
 
-def bench_engine_q4(res, eng, cfg, reps):
+def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
     V = cfg.vocab_size
     r = res.setdefault("engine_q4", {})
     # warm-up: compile every kernel once (prefill of a small prompt, one denoise)
@@ -147,9 +147,10 @@ def bench_engine_q4(res, eng, cfg, reps):
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
     if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last, so re-laying never touches the memory measures
-        bench_launch_order(r, eng, V, reps)
-        bench_q4_inputs(r, eng, V, reps)
-        bench_layouts(r, eng, V, reps)
+        for name, fn in (("launch_order", bench_launch_order), ("q4_inputs", bench_q4_inputs),
+                         ("glu", bench_glu), ("layouts", bench_layouts)):
+            if name not in skip:
+                fn(r, eng, V, reps)
 
 
 def alternate_denoise_1k(eng, V, reps, variants: dict) -> dict:
@@ -204,6 +205,30 @@ def bench_q4_inputs(r, eng, V, reps):
     log(f"[q4] denoise 1k by how the q4 GEMMs read (alternating, ms): {by}")
 
 
+def set_gate_up_glu(eng, glu: bool):
+    """Every q4-tiles gate_up stack of `eng` re-laid with or without the glu tile order (ops/moe_q4.py); without it
+    gelu·up runs as its own kernel after the GEMM. Graphs dropped."""
+    for lw in eng.w.layers:
+        w = lw.experts_gu
+        if w.layout == moe_q4.LAYOUT and w.glu != glu:
+            lw.experts_gu = moe_q4.to_tile_layout(moe_q4.to_natural_layout(w), glu=glu)
+            del w
+    eng._graphs.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_glu(r, eng, V, reps):
+    """gelu·up in the q4 gate_up GEMM's epilogue (the loader's layout) against gelu_mul after the plain GEMM."""
+    try:
+        by = alternate_denoise_1k(eng, V, reps, {"glu_epilogue": lambda: set_gate_up_glu(eng, True),
+                                                 "gelu_after": lambda: set_gate_up_glu(eng, False)})
+    finally:
+        set_gate_up_glu(eng, True)
+    r["denoise_1k_ms_by_glu"] = by
+    log(f"[q4] denoise 1k by where gelu·up runs (alternating, ms): {by}")
+
+
 def bench_layouts(r, eng, V, reps):
     """The q4 stacks in the pack's own order and in ops/moe_q4.py's tile layout."""
     by = alternate_denoise_1k(eng, V, reps, {layout: (lambda layout=layout: set_expert_layout(eng, layout))
@@ -218,7 +243,8 @@ def set_expert_layout(eng, layout):
         for name in ("experts_gu", "experts_down"):
             w = getattr(lw, name)
             if w.layout != layout:
-                setattr(lw, name, moe_q4.to_tile_layout(w) if layout == moe_q4.LAYOUT else moe_q4.to_natural_layout(w))
+                setattr(lw, name, moe_q4.to_tile_layout(w, glu=name == "experts_gu") if layout == moe_q4.LAYOUT
+                        else moe_q4.to_natural_layout(w))
     eng._graphs.clear()
     gc.collect()
     torch.cuda.empty_cache()
@@ -390,7 +416,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: engine_q4,kernels,gather,bf16")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: engine_q4,kernels,gather,bf16; "
+                    "and of engine_q4's A/B parts: launch_order,q4_inputs,glu,layouts")
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing the engine")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -414,7 +441,7 @@ def main():
         f"{res['pack_expert_bytes'] / 1e9:.2f} GB), engine weights {res['engine_weight_bytes'] / 1e9:.2f} GB, "
         f"allocated {torch.cuda.memory_allocated() / GiB:.2f} GiB; weight-byte floor {res['byte_floor_ms']:.2f} ms/step")
     dump()
-    sections = [("engine_q4", lambda: bench_engine_q4(res, eng, cfg, args.reps)),
+    sections = [("engine_q4", lambda: bench_engine_q4(res, eng, cfg, args.reps, skip)),
                 ("kernels", lambda: bench_kernels(res, 20)),
                 ("gather", lambda: bench_gather(res, 20)),
                 ("bf16", lambda: bench_bf16(res, eng, cfg, args.reps))]

@@ -212,3 +212,50 @@ def test_packed_dispatch_on_cpu_reads_the_tile_layout():
     offs = ragged_offs(E, M)
     assert torch.equal(mp.grouped_mm_packed(xs, tiled, offs), mp.grouped_mm_packed(xs, pw, offs))
     assert codecs.record_nbytes("q4", (E, N, K)) == tiled.nbytes
+
+
+@pytest.mark.parametrize("shape", [(3, 128, 96), (2, 192, 64)])  # F = 64, 96: tiles within and across 64
+def test_glu_tile_order_round_trips_to_the_pack_order(shape):
+    """A gate ‖ up stack laid for the gelu·up epilogue: tile t holds gate rows 32t.. then up rows F + 32t..; the
+    twins read it back in the pack's order."""
+    pw, want = packed("q4", shape)
+    tiled = moe_q4.to_tile_layout(pw, glu=True)
+    assert tiled.glu and not moe_q4.to_tile_layout(pw).glu
+    order = moe_q4.glu_row_order(shape[1])
+    F = shape[1] // 2
+    assert order[:32].tolist() == list(range(32)) and order[32:64].tolist() == list(range(F, F + 32))
+    back = moe_q4.natural_planes(tiled)
+    assert torch.equal(back["codes"], pw.planes["codes"])
+    assert torch.equal(moe_q4.to_natural_layout(tiled).record, pw.record)
+    assert torch.equal(mp.dequantize(tiled), want)
+
+
+@interpreted
+@pytest.mark.parametrize("glu_f16", [False, True])
+def test_tiles_kernel_gelu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16):
+    """gelu·up made in the q4 GEMM's epilogue from a glu-laid stack: the same bits as the gelu·up kernel (also
+    its f16-operand form, what the q4 down GEMM reads) after the plain GEMM on the plain layout; TMA the same;
+    a plain call on the glu-laid stack puts its columns back in order."""
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    from test_moe_stream import routes_of
+
+    T, k, E, N, K = 11, 4, 6, 192, 96
+    pw, _ = packed("q4", (E, N, K))
+    plain, glu = moe_q4.to_tile_layout(pw), moe_q4.to_tile_layout(pw, glu=True)
+    x = torch.randn(T, K)
+    src, offs = routes_of(T, k, E)
+    ref = moe_q4.grouped_mm_q4_tiles(x, plain, offs, src=src, asm=False)
+    got = moe_q4.grouped_mm_q4_tiles(x, glu, offs, src=src, asm=False, glu=True, glu_f16=glu_f16)
+    assert got.shape == (T * k, N // 2) and got.dtype == (torch.float16 if glu_f16 else torch.float32)
+    assert torch.equal(got, gelu_mul_triton(ref, as_f16=glu_f16))
+    assert torch.equal(moe_q4.grouped_mm_q4_tiles(x, glu, offs, src=src, asm=False, glu=True, glu_f16=glu_f16,
+                                                  tma=True), got)
+    assert torch.equal(moe_q4.grouped_mm_q4_tiles(x, glu, offs, src=src, asm=False), ref)
+    with pytest.raises(TensorError, match="glu"):
+        moe_q4.grouped_mm_q4_tiles(x, plain, offs, src=src, glu=True)
+
+
+@interpreted
+def test_tiles_dequantize_kernel_reads_the_glu_order_back():
+    pw, want = packed("q4", (2, 192, 96))
+    assert torch.equal(moe_q4.dequantize_q4_tiles(moe_q4.to_tile_layout(pw, glu=True), torch.float32), want)

@@ -123,6 +123,29 @@ def test_q4_tiles_kernel_denoise_shape():
             assert rel(moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, BM=bm, BM_FEW=few), exact) < 3e-3
 
 
+@pytest.mark.parametrize("glu_f16", [False, True])
+def test_q4_tiles_gelu_epilogue_at_real_shape(glu_f16):
+    """The engine's q4 gate_up call: a glu-laid stack, gelu·up in the epilogue (as the down GEMM's f16 operand with
+    glu_f16), x as attn_finish's f16 operand, the plan's order: the same bits as the gelu·up kernel after the plain
+    GEMM on the plain layout, ragged routing; the dequantize kernel reads the glu order back to the twin's bits."""
+    from diffgemma.ops.f16_operand import f16_operand_ref
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    from diffgemma.ops.moe_plan import moe_plan_with_order
+
+    experts = torch.stack([torch.randperm(E, device=DEV)[:K_TOP] for _ in range(256)])
+    src, _, offs, order = moe_plan_with_order(experts, E)
+    x = f16_operand_ref(torch.randn(256, H, device=DEV, dtype=torch.bfloat16))
+    w = packed("q4", (E, 2 * Fe, H))
+    plain, glu = moe_q4.to_tile_layout(w), moe_q4.to_tile_layout(w, glu=True)
+    kw = dict(src=src, order=order, out_dtype=torch.bfloat16)
+    want = gelu_mul_triton(moe_q4.grouped_mm_q4_tiles(x, plain, offs, **kw), as_f16=glu_f16)
+    got = moe_q4.grouped_mm_q4_tiles(x, glu, offs, glu=True, glu_f16=glu_f16, **kw)
+    diff = (got.float() != want.float()).sum().item()
+    print(f"\n[q4 gate_up + gelu epilogue, f16 out {glu_f16}] {diff} of {got.numel()} values differ")
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(moe_q4.dequantize_q4_tiles(glu), mp.dequantize(w, torch.bfloat16))
+
+
 def test_q4_tiles_launch_order_at_real_shapes():
     """Popular experts at random ids: the plan kernel's order (most routes first) is the twin's, the q4 GEMM gives
     the same bits in that order, and no order is made for prefill's route counts."""

@@ -117,8 +117,9 @@ def upload_record(source, name, device) -> torch.Tensor:
 def _packed(source, name, device) -> PackedWeight:
     fmt, shape = tensor_kind(source, name), source.shape(name)
     pw = PackedWeight.from_record(fmt, shape, upload_record(source, name, device))
-    if moe_q4.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/moe_q4.py)
-        pw = moe_q4.to_tile_layout(pw)
+    if moe_q4.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/moe_q4.py);
+        # gate ‖ up in the glu tile order, so the GEMM makes gelu·up in its epilogue
+        pw = moe_q4.to_tile_layout(pw, glu=name.endswith("gate_up_proj"))
     return pw
 
 

@@ -71,12 +71,11 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     from .moe_packed import route_count, takes_f16_operand
 
     out_dtype = out_dtype or x.dtype
-    if f16_operands and takes_f16_operand(down, route_count(x, src), x):
-        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=True)
-    elif fuse_glu:
-        h = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True)
+    as_f16 = f16_operands and takes_f16_operand(down, route_count(x, src), x)
+    if fuse_glu:
+        h = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True, glu_f16=as_f16)
     else:
-        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype))
+        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=as_f16)
     return gmm(h, down, offs, order=order, out_dtype=out_dtype)
 
 

@@ -72,6 +72,9 @@ class PackedWeight:
     planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
     tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
     layout: str = "natural"  # the pack's byte order, or ops/moe_q4.py's "q4-tiles" (made on the device at load)
+    # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
+    # the GEMM can make gelu·up in its epilogue (ops/moe_q4.to_tile_layout(glu=True)); the logical shape is unchanged
+    glu: bool = False
 
     @classmethod
     def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
@@ -351,26 +354,31 @@ def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
 
 
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True,
-                             order=None, out_dtype=None, glu: bool = False):
+                             order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
     loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
     to ops/moe_q4.py's kernel. order: int32 [E], the experts in the order their programs launch (the most rows
     first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: see grouped_mm_packed.
     glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2] (gelu_mul of the plain result), made in
-    the kernel's epilogue (the q4-tiles kernel: by gelu_mul after it)."""
+    the kernel's epilogue (a q4-tiles stack: when it was laid for it, else by gelu_mul after); glu_f16: as the f16
+    operand of its bf16 value (gelu_mul(as_f16=True)), for a down GEMM that takes one."""
     E, N, K = w.shape
     M = route_count(x, src)
     if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
         BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
-        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype)
-        return gelu_after(out, glu)
+        fused = glu and w.glu
+        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype, glu=fused,
+                                         glu_f16=fused and glu_f16)
+        return out if fused else gelu_after(out, glu, glu_f16)
     x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
     BN, BM, BK, warps, stages = config or pick_config(M, E)
-    return launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, *_plane_args(w),
-                          tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], PREFETCH=prefetch)
+    out = launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu and not glu_f16,
+                         *_plane_args(w), tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt],
+                         PREFETCH=prefetch)
+    return gelu_after(out, glu and glu_f16, True)
 
 
 def glu_shape_check(N: int, glu: bool, what: str) -> None:
@@ -378,13 +386,14 @@ def glu_shape_check(N: int, glu: bool, what: str) -> None:
         raise TensorError(f"{what}: a gate ‖ up stack needs an even N, got {N}")
 
 
-def gelu_after(out: torch.Tensor, glu: bool) -> torch.Tensor:
-    """A grouped GEMM's result, or gelu·up of it when the caller asked for glu and the path had no fused epilogue."""
+def gelu_after(out: torch.Tensor, glu: bool, as_f16: bool = False) -> torch.Tensor:
+    """A grouped GEMM's result, or gelu·up of it (as f16 operands with as_f16) when the caller asked for glu and the
+    path had no fused epilogue."""
     if not glu:
         return out
     from .gelu_mul import gelu_mul
 
-    return gelu_mul(out)
+    return gelu_mul(out, as_f16=as_f16)
 
 
 def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, p0, p1, p2, p3, *, tscale, FMT, GS,
@@ -422,21 +431,24 @@ def takes_f16_operand(w, routes: int, x) -> bool:
             and not dequantizes_for(routes / w.shape[0]))
 
 
-def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False):
+def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
     W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn).
     order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
     out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
     and a path other than the q4 kernel first turns x back into it (exact: it is a copy of bf16 values).
-    glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up (fused into the streaming kernels' epilogue)."""
+    glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up (fused into the streaming kernels' epilogue), as
+    f16 operands with glu_f16 (for a down GEMM that takes them)."""
     if out_dtype is not None and x.dtype != out_dtype and not takes_f16_operand(w, route_count(x, src), x):
         x = x.to(out_dtype)
     if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
         from .moe_stream import grouped_mm
 
+        if glu_f16:
+            return gelu_after(grouped_mm(x, w, offs, src=src, order=order), glu, True)
         return grouped_mm(x, w, offs, src=src, order=order, glu=glu)
     if not use_triton(x):
-        return gelu_after(grouped_mm_packed_ref(routed(x, src), w, offs), glu)
+        return gelu_after(grouped_mm_packed_ref(routed(x, src), w, offs), glu, glu_f16)
     if dequantizes_for(route_count(x, src) / w.shape[0]):
-        return gelu_after(_grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs), glu)
-    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu)
+        return gelu_after(_grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs), glu, glu_f16)
+    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu, glu_f16=glu_f16)

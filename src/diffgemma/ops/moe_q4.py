@@ -25,10 +25,13 @@ twin (dequantize, then the bf16 GEMM) keeps 8 (plus the one rounding of each gro
 sit closer to the exact ones than the twin's do (tests hold both to them); `decode_f16` is the kernel's decode in
 torch.
 
-  to_tile_layout         a q4 PackedWeight [E, N, K] -> the same weight in this layout (new record, same size)
+  to_tile_layout         a q4 PackedWeight [E, N, K] -> the same weight in this layout (new record, same size);
+                         glu=True for a gate ‖ up stack: each tile 32 gate rows then the matching up rows, so the
+                         GEMM makes gelu·up in its epilogue (glu_row_order)
   to_natural_layout      the inverse (a new record); natural_planes: the inverse as torch tensors (the twins read them)
   decode_f16             the kernel's decode as torch ops: the f16 weights it multiplies (tests)
-  grouped_mm_q4_tiles    the grouped GEMM (swap-AB, one program per (tile, expert) looping over row tiles)
+  grouped_mm_q4_tiles    the grouped GEMM (swap-AB, one program per (tile, expert) looping over row tiles; glu: with
+                         gelu·up in the epilogue)
   dequantize_q4_tiles    the decode as a kernel, bit-identical to ops.moe_packed.dequantize (prefill path)
 """
 
@@ -45,7 +48,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .f16_operand import f16_clamped
+    from .f16_operand import f16_clamped, f16_operand
+    from .gelu_mul import gelu_tanh_mul
     from .moe_plan import expert_rows
 
 LAYOUT = "q4-tiles"
@@ -118,9 +122,20 @@ def _side_words(pw) -> torch.Tensor:
     return pw.record[start:start + 2 * sc.numel()].view(torch.int32)
 
 
-def to_tile_layout(pw, experts_per_chunk: int = 4):
+def glu_row_order(N: int, device=None) -> torch.Tensor:
+    """The glu tile order of a gate ‖ up stack's N = 2F rows: tile t holds gate rows 32t..32t+31, then up rows
+    F + 32t..F + 32t + 31 (position -> logical row). Any N the tile layout takes (a multiple of 64) has F a multiple
+    of 32, so every q4-tiles gate ‖ up stack can take it."""
+    F, half = N // 2, TILE_N // 2
+    j = torch.arange(N, device=device)
+    t, i = j // TILE_N, j % TILE_N
+    return t * half + i % half + torch.where(i >= half, F, 0)
+
+
+def to_tile_layout(pw, experts_per_chunk: int = 4, glu: bool = False):
     """The q4 stack `pw` re-laid for the kernel, in a new record on pw's device (pw is left as it is: a source may
-    share its record). Works `experts_per_chunk` experts at a time so the scratch stays small."""
+    share its record). Works `experts_per_chunk` experts at a time so the scratch stays small. glu: pw is a
+    gate ‖ up stack, laid in the glu tile order (glu_row_order) for the GEMM's gelu·up epilogue."""
     from .moe_packed import PackedWeight
 
     if not tile_layout_ok(pw.fmt, pw.shape) or pw.layout != "natural":
@@ -132,15 +147,20 @@ def to_tile_layout(pw, experts_per_chunk: int = 4):
     words = out.planes["codes"].view(torch.int32)
     side = _side_words(out)
     perm = _nibble_source(pw.device)
+    rows_in = glu_row_order(N, pw.device) if glu else None
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
         rows = slice(e0 * N, e1 * N)
-        q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
+        planes = {n: pw.planes[n][rows] for n in ("codes", "scale", "min")}
+        if glu:
+            planes = {n: v.view(e1 - e0, N, -1)[:, rows_in].reshape(v.shape) for n, v in planes.items()}
+        q = unpack_nibbles(planes["codes"]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
         words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(_pack_words(q).permute(0, 1, 3, 2, 4))
-        s, m = (pw.planes[n][rows].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
+        s, m = (planes[n].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
         sm = (s | (m << 16)).view(e1 - e0, T, TILE_N, G).permute(0, 1, 3, 2)
         side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(_signed(sm, torch.int32))
     out.layout = LAYOUT
+    out.glu = glu
     return out
 
 
@@ -163,8 +183,11 @@ def natural_planes(pw) -> dict:
     q = _unpack_words(pw.planes["codes"].view(torch.int32).view(E, T, G, TILE_N, 4))[..., inv]
     codes = pack_nibbles(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
     sm = _side_words(pw).view(E, T, G, TILE_N).permute(0, 1, 3, 2).reshape(E * N, G)
-    side = {"scale": _f16_bits(sm & 0xFFFF), "min": _f16_bits((sm >> 16) & 0xFFFF)}
-    return {"codes": codes, **side}
+    out = {"codes": codes, "scale": _f16_bits(sm & 0xFFFF), "min": _f16_bits((sm >> 16) & 0xFFFF)}
+    if pw.glu:  # back from the glu tile order: logical row glu_row_order[j] sits at position j
+        back = torch.argsort(glu_row_order(N, pw.device))
+        out = {n: v.view(E, N, -1)[:, back].reshape(v.shape) for n, v in out.items()}
+    return out
 
 
 def _f16_bits(v: torch.Tensor) -> torch.Tensor:
@@ -294,9 +317,12 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
                    BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, GLU: tl.constexpr, GU_BF16: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows m0 .. min(m0 + BM, end) of one expert times row tile `tile` of the stack. TMA: words and side are
-        the planes' tensor descriptors; else pointers to this tile's words and side words."""
+        the planes' tensor descriptors; else pointers to this tile's words and side words. GLU: the tile is 32 gate
+        rows then the up rows of the same columns (to_tile_layout(glu=True)); the pass stores gelu·up of them at
+        the BN/2 columns n, from the products rounded as the plain GEMM stores them (GU_BF16: to bf16), as the
+        f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes for the down GEMM)."""
         G = K // 32
         m = m0 + tl.arange(0, BM)
         m_ok = m < end
@@ -315,22 +341,33 @@ if HAVE_TRITON:
             if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
                 xt = f16_clamped(xt.to(tl.float32))
             acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
-        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[None, :])
+        if GLU:
+            if GU_BF16:
+                acc = acc.to(tl.bfloat16).to(tl.float32)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
+            y = gelu_tanh_mul(gate, up)
+            if F16_OUT:
+                out = f16_operand(y)
+            else:
+                out = y.to(out_ptr.dtype.element_ty)
+        else:
+            out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=m_ok[None, :])
 
     @triton.jit
     def _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
                    BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, GLU: tl.constexpr, GU_BF16: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows start:end, BM at a time."""
         for m0 in range(start, end, BM):
             _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM, TMA)
+                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
 
     @triton.jit
     def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, sides, N, K, stride_x, stride_o,
                              BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
-                             HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr):
+                             HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
+                             GLU: tl.constexpr = False, GU_BF16: tl.constexpr = False, F16_OUT: tl.constexpr = False):
         """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
@@ -339,7 +376,10 @@ if HAVE_TRITON:
         TMA: codes and sides are tensor descriptors of the two planes (Hopper), else plain pointers."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)
-        n = tl.program_id(0) * BN + nl
+        if GLU:  # the result's columns: BN/2 of F = N/2
+            n = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+        else:
+            n = tl.program_id(0) * BN + nl
         tile = e * (N // BN) + tl.program_id(0)
         if TMA:
             words, side = codes, sides
@@ -350,16 +390,17 @@ if HAVE_TRITON:
         if BM_FEW > 0:
             if end - start > BM_FEW:
                 _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM, GC, HAS_SRC, ASM, TMA)
+                           BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
             elif end > start:  # an expert no route chose streams nothing
                 _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM_FEW, GC, HAS_SRC, ASM, TMA)
+                           BN, BM_FEW, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
         else:
             _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM, TMA)
+                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
 
     @triton.jit
-    def _q4_tiles_dequant_kernel(out_ptr, codes, sides, N, K, GC: tl.constexpr, BN: tl.constexpr):
+    def _q4_tiles_dequant_kernel(out_ptr, codes, sides, N, K, GC: tl.constexpr, BN: tl.constexpr,
+                                 GLU: tl.constexpr = False):
         tile = tl.program_id(0).to(tl.int64)  # (expert, row tile) flattened: tiles are consecutive in the planes
         G = K // 32
         nl = tl.arange(0, BN)
@@ -374,6 +415,9 @@ if HAVE_TRITON:
                      _pair_f16(_register(wd, 2), one, less16), _pair_f16(_register(wd, 3), one, less16), GC)
         w = q.to(tl.float32) * s + mn  # the twin's f32 expression (moe_packed.dequantize)
         rows = tile * BN + nl
+        if GLU:  # back to logical rows from the glu tile order (glu_row_order)
+            t = tile % (N // BN)
+            rows = (tile - t) * BN + t * (BN // 2) + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
         k = tl.program_id(1) * GC * 32 + tl.arange(0, 32 * GC)
         tl.store(out_ptr + rows[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty))
 
@@ -405,7 +449,7 @@ def _descriptors(w, GC: int):
 
 
 def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
-                        order=None, tma: bool | None = None, out_dtype=None):
+                        order=None, tma: bool | None = None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] in x.dtype. BM: rows a program takes at once;
     an expert with at most BM_FEW rows takes them in one narrower pass (0: never). At denoise 2048 routes /
@@ -413,7 +457,10 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     order: int32 [E], a permutation of the experts to launch them in (ops/moe_plan.moe_plan_with_order: the
     most rows first); the result does not depend on it. asm: the PTX decode (default: on CUDA). tma: the planes
     read by the tensor-memory accelerator (default: where available), else by cp.async; the same bits. out_dtype:
-    the result's (default x's; an f16 x, ops/f16_operand.py's copy of bf16 activations, wants bfloat16)."""
+    the result's (default x's; an f16 x, ops/f16_operand.py's copy of bf16 activations, wants bfloat16). glu: w was
+    laid with to_tile_layout(glu=True); -> gelu_tanh(gate)·up [M, N/2] made in the epilogue from the products
+    rounded to out_dtype (gelu_mul of the plain result, same bits), as f16 operands with glu_f16. Without glu a
+    glu-laid weight's product comes out in the glu tile order and is put back in column order (a copy)."""
     from .moe_packed import route_count
 
     _check(w)
@@ -423,7 +470,10 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     if x.dim() != 2 or x.shape[1] != K:
         raise TensorError(f"grouped_mm_q4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, "
                           f"got {list(x.shape)}")
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if glu and not w.glu:
+        raise TensorError("grouped_mm_q4_tiles: glu needs a weight laid with to_tile_layout(glu=True)")
+    gu_dtype = out_dtype or x.dtype
+    out = torch.empty(M, N // 2 if glu else N, dtype=torch.float16 if glu and glu_f16 else gu_dtype, device=x.device)
     if M == 0:
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
@@ -436,7 +486,10 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
         *planes, N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
         GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
-        ASM=x.is_cuda if asm is None else asm, TMA=tma, num_warps=4, num_stages=3 if tma else 4)
+        ASM=x.is_cuda if asm is None else asm, TMA=tma, GLU=glu, GU_BF16=gu_dtype == torch.bfloat16,
+        F16_OUT=glu and glu_f16, num_warps=4, num_stages=3 if tma else 4)
+    if w.glu and not glu:  # column j holds logical column glu_row_order[j]
+        out = out.index_select(1, torch.argsort(glu_row_order(N, out.device)))
     return out
 
 
@@ -447,5 +500,5 @@ def dequantize_q4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = None
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
     GC = _group_chunk(K // GROUP)
     _q4_tiles_dequant_kernel[(E * N // TILE_N, K // GROUP // GC)](out, *_planes(w), N, K, GC=GC, BN=TILE_N,
-                                                                  num_warps=4)
+                                                                  GLU=w.glu, num_warps=4)
     return out
