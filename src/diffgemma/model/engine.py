@@ -15,7 +15,8 @@ number of launches on CUDA:
   → attn_finish (1: post-attn norm + residual + the dense/MoE/router input norms)
   → dense gate‖up GEMM, gelu·up, down GEMM (3; at the denoise shape on all SMs but 16, via cuBLASLt)
     beside it on a side stream (CUDA), joined before the expert GEMMs:
-  → route_fused (2: the f32 router logits (bf16x3 GEMM, exact products); softmax, top-k ties→lower expert, renorm, scale in one kernel)
+  → route_fused (2: the f32 router logits from a bf16x3 GEMM (exact products); softmax, top-k ties→lower expert,
+    renorm, scale in one kernel)
   → moe_plan (1: sort-free stable expert grouping, and the experts by row count: the GEMMs' launch order)
   → grouped GEMM (rows gathered in its loads at denoise, gelu·up in its epilogue; a row gather first and gelu·up
     after in prefill), grouped GEMM (2-4; a q4 GEMM gets its input from attn_finish and gelu·up as f16 operands,

@@ -375,15 +375,10 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
     BN, BM, BK, warps, stages = config or pick_config(M, E)
-    out = launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu and not glu_f16,
-                         *_plane_args(w), tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt],
-                         PREFETCH=prefetch)
-    return gelu_after(out, glu and glu_f16, True)
-
-
-def glu_shape_check(N: int, glu: bool, what: str) -> None:
-    if glu and N % 2:
-        raise TensorError(f"{what}: a gate ‖ up stack needs an even N, got {N}")
+    fused = glu and not glu_f16  # this kernel's epilogue writes x's dtype; the f16-operand form is gelu_mul's
+    out = launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, fused, *_plane_args(w),
+                         tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], PREFETCH=prefetch)
+    return out if fused else gelu_after(out, glu, glu_f16)
 
 
 def gelu_after(out: torch.Tensor, glu: bool, as_f16: bool = False) -> torch.Tensor:
@@ -399,7 +394,8 @@ def gelu_after(out: torch.Tensor, glu: bool, as_f16: bool = False) -> torch.Tens
 def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, p0, p1, p2, p3, *, tscale, FMT, GS,
                    PREFETCH):
     """_packed_gmm_kernel over (N tiles, experts), or with glu over (F = N/2 tiles of BN/2, experts) -> [M, N or F]."""
-    glu_shape_check(N, glu, "grouped GEMM")
+    if glu and N % 2:
+        raise TensorError(f"grouped GEMM: a gate ‖ up stack needs an even N, got {N}")
     M = route_count(x, src)
     out = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
     if M == 0:

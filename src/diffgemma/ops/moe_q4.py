@@ -317,12 +317,12 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
                    BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   TMA: tl.constexpr, GLU: tl.constexpr, GU_BF16: tl.constexpr, F16_OUT: tl.constexpr):
+                   TMA: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows m0 .. min(m0 + BM, end) of one expert times row tile `tile` of the stack. TMA: words and side are
         the planes' tensor descriptors; else pointers to this tile's words and side words. GLU: the tile is 32 gate
         rows then the up rows of the same columns (to_tile_layout(glu=True)); the pass stores gelu·up of them at
-        the BN/2 columns n, from the products rounded as the plain GEMM stores them (GU_BF16: to bf16), as the
-        f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes for the down GEMM)."""
+        the BN/2 columns n, from the products rounded as the plain GEMM stores them (GU_ROUND: none / bf16 / f16),
+        as the f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes for the down GEMM)."""
         G = K // 32
         m = m0 + tl.arange(0, BM)
         m_ok = m < end
@@ -342,8 +342,10 @@ if HAVE_TRITON:
                 xt = f16_clamped(xt.to(tl.float32))
             acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
         if GLU:
-            if GU_BF16:
+            if GU_ROUND == 1:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
+            elif GU_ROUND == 2:
+                acc = acc.to(tl.float16).to(tl.float32)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
             y = gelu_tanh_mul(gate, up)
             if F16_OUT:
@@ -357,17 +359,17 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
                    BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   TMA: tl.constexpr, GLU: tl.constexpr, GU_BF16: tl.constexpr, F16_OUT: tl.constexpr):
+                   TMA: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows start:end, BM at a time."""
         for m0 in range(start, end, BM):
             _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
+                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _q4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, sides, N, K, stride_x, stride_o,
                              BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr, GC: tl.constexpr,
                              HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
-                             GLU: tl.constexpr = False, GU_BF16: tl.constexpr = False, F16_OUT: tl.constexpr = False):
+                             GLU: tl.constexpr = False, GU_ROUND: tl.constexpr = 0, F16_OUT: tl.constexpr = False):
         """One program per (row tile, expert). An expert with at most BM_FEW rows takes them in one BM_FEW-wide
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
@@ -390,13 +392,13 @@ if HAVE_TRITON:
         if BM_FEW > 0:
             if end - start > BM_FEW:
                 _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
+                           BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_ROUND, F16_OUT)
             elif end > start:  # an expert no route chose streams nothing
                 _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                           BN, BM_FEW, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
+                           BN, BM_FEW, GC, HAS_SRC, ASM, TMA, GLU, GU_ROUND, F16_OUT)
         else:
             _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
-                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_BF16, F16_OUT)
+                       BN, BM, GC, HAS_SRC, ASM, TMA, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _q4_tiles_dequant_kernel(out_ptr, codes, sides, N, K, GC: tl.constexpr, BN: tl.constexpr,
@@ -486,7 +488,8 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
         *planes, N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
         GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
-        ASM=x.is_cuda if asm is None else asm, TMA=tma, GLU=glu, GU_BF16=gu_dtype == torch.bfloat16,
+        ASM=x.is_cuda if asm is None else asm, TMA=tma, GLU=glu,
+        GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0),
         F16_OUT=glu and glu_f16, num_warps=4, num_stages=3 if tma else 4)
     if w.glu and not glu:  # column j holds logical column glu_row_order[j]
         out = out.index_select(1, torch.argsort(glu_row_order(N, out.device)))

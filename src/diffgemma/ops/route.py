@@ -24,9 +24,9 @@ ARCHITECTURE §2.1), mask it; w = picked / Σpicked · per_expert_scale[e].
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, next_pow2, use_triton
