@@ -44,8 +44,8 @@ def routing_stats(eng, cache, ids, sc) -> dict:
     """Distinct experts and max rows per expert, per layer, under the model's own routing (eager, syncs)."""
     seen = []
 
-    def counting_route(router_in, router_w, k, per_expert_scale):
-        weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale)
+    def counting_route(router_in, router_w, k, per_expert_scale, **kw):
+        weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale, **kw)
         counts = torch.bincount(experts.flatten(), minlength=router_w.shape[0])
         seen.append((int((counts > 0).sum()), int(counts.max())))
         return weights, experts

@@ -4,9 +4,10 @@ Layout choices (all lossless reshuffles of the checkpoint tensors):
   qkv        [ (heads + kv + kv) · hd, H ]  q ‖ k ‖ v rows stacked, one GEMM per layer. Full-attention
              layers have no v_proj (V is the raw k_proj output), so their block is q ‖ k only.
   mlp_gu     [2·F, H]  dense gate ‖ up, one GEMM.
-  router_w   [E, H] f32 and router_in_scale = router.scale · H^-0.5 (f32): routing is control flow,
-             so its logits are computed in f32 (ARCHITECTURE precision policy). On CUDA also router_pieces,
-             the same weight as exact bf16 parts for the bf16x3 router GEMM (ops/route.py).
+  router_w   [E, H] and router_in_scale = router.scale · H^-0.5 (f32): routing is control flow, so its
+             logits are computed in f32 (ARCHITECTURE precision policy). On CUDA also router_pieces, the same
+             weight as exact bf16 parts for the bf16x3 router GEMM (ops/route.py); a bf16 router (every
+             checkpoint's) is then one part, and router_w is that part (its users read it as f32), else f32.
   layer scalars are plain floats (read once; they are baked into the CUDA graph).
 Norm weights stay in the activation dtype; experts stay [E, 2F, H] / [E, H, F] as stored.
 
@@ -152,6 +153,9 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         norms = {k: get(p + v + ".weight") for k, v in _NORMS.items()}
         q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
         router_w = get(p + "router.proj.weight", torch.float32)
+        pieces = router_pieces(router_w) if router_w.is_cuda else None
+        if pieces is not None and len(pieces) == 1:  # bf16 values: keep them once (43 MB at full size)
+            router_w = pieces[0]
         layers.append(LayerWeights(
             qkv=qkv,
             o=get(p + "self_attn.o_proj.weight"),
@@ -162,7 +166,7 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             mlp_gu=mlp_gu,
             mlp_down=get(p + "mlp.down_proj.weight"),
             router_w=router_w,
-            router_pieces=router_pieces(router_w) if router_w.is_cuda else None,
+            router_pieces=pieces,
             router_in_scale=get(p + "router.scale", torch.float32) * cfg.hidden_size ** -0.5,
             per_expert_scale=get(p + "router.per_expert_scale", torch.float32),
             experts_gu=expert(p + "experts.gate_up_proj"),

@@ -55,7 +55,8 @@ def router_pieces(router_w: torch.Tensor) -> torch.Tensor:
 
 
 def route_ref(router_in, router_w, k, per_expert_scale):
-    """router_in f32 [T, H], router_w f32 [E, H] -> (weights f32 [T, k], experts int64 [T, k])."""
+    """router_in f32 [T, H], router_w [E, H] (f32, or bf16 read as f32) -> (weights f32 [T, k], experts int64
+    [T, k])."""
     return route(router_in.float() @ router_w.float().T, k, per_expert_scale)
 
 
@@ -144,7 +145,8 @@ if HAVE_TRITON:
 def router_gemm_triton(router_in, pieces, config=None):
     """router_in f32 [T, H], pieces bf16 [P, E, H] (router_pieces) -> partial logits f32 [S, T, E], whose sum over
     S (in order) is router_in @ Wᵀ."""
-    if router_in.dim() != 2 or pieces.dim() != 3 or pieces.shape[2] != router_in.shape[1] or pieces.shape[0] not in (1, 3):
+    if (router_in.dim() != 2 or pieces.dim() != 3 or pieces.shape[2] != router_in.shape[1]
+            or pieces.shape[0] not in (1, 3)):
         raise TensorError(f"router GEMM: router_in {list(router_in.shape)} and pieces {list(pieces.shape)} do not make "
                           "[T, H] x [1 or 3, E, H]")
     if pieces.dtype != torch.bfloat16:
