@@ -259,3 +259,19 @@ def test_tiles_kernel_gelu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16):
 def test_tiles_dequantize_kernel_reads_the_glu_order_back():
     pw, want = packed("q4", (2, 192, 96))
     assert torch.equal(moe_q4.dequantize_q4_tiles(moe_q4.to_tile_layout(pw, glu=True), torch.float32), want)
+
+
+@interpreted
+def test_tiles_kernel_gelu_epilogue_rounds_products_as_an_f16_result_would():
+    """out_dtype f16 (GU_ROUND 2): gate and up rounded to f16 first, as the plain GEMM's f16 result holds them."""
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+
+    E, N, K, M = 6, 128, 64, 40
+    pw, _ = packed("q4", (E, N, K))
+    x = torch.randn(M, K) * 4  # products well past f16's 11 bits, so a missing rounding shows
+    offs = ragged_offs(E, M)
+    ref = moe_q4.grouped_mm_q4_tiles(x, moe_q4.to_tile_layout(pw), offs, asm=False, out_dtype=torch.float16)
+    got = moe_q4.grouped_mm_q4_tiles(x, moe_q4.to_tile_layout(pw, glu=True), offs, asm=False, glu=True,
+                                     out_dtype=torch.float16)
+    assert ref.dtype == got.dtype == torch.float16
+    assert torch.equal(got, gelu_mul_triton(ref))
