@@ -37,6 +37,12 @@ def tma_available(t: torch.Tensor) -> bool:
     return HAVE_TENSOR_DESCRIPTOR and t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1: the tests), which has no inline PTX
+    and no bf16 tensor-core products."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda and os.environ.get("DIFFGEMMA_NO_TRITON", "0") != "1"
 

@@ -24,12 +24,10 @@ ARCHITECTURE §2.1), mask it; w = picked / Σpicked · per_expert_scale[e].
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON, next_pow2, use_triton
+from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
 from .moe import route
 
 if HAVE_TRITON:
@@ -160,7 +158,7 @@ def router_gemm_triton(router_in, pieces, config=None):
     if T:
         _router_gemm_kernel[(triton.cdiv(T, BM), S)](x, pieces.contiguous(), part, T, H, E=E,
                                                     EP=max(16, next_pow2(E)), WP=P, BM=BM, KS=KS, BK=BK,
-                                                    DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+                                                    DOT_F32=interpreting(),
                                                     num_warps=warps, num_stages=stages)
     return part
 

@@ -317,9 +317,14 @@ def _out_buffer(out, rows: int, n: int, dtype, device) -> torch.Tensor:
     if out is None:
         return torch.empty((rows, n), dtype=dtype, device=device)
     if tuple(out.shape) != (rows, n) or out.dtype != dtype or not out.is_contiguous() or out.device != device:
-        raise TensorError(f"tempered probs: out must be a contiguous [{rows}, {n}] {dtype} tensor on {device}, got "
+        raise TensorError(f"tempered rows: out must be a contiguous [{rows}, {n}] {dtype} tensor on {device}, got "
                           f"{out.dtype} {list(out.shape)} on {out.device}")
     return out
+
+
+def _into(out, probs: torch.Tensor) -> torch.Tensor:
+    """The twins' probabilities, copied into `out` when one is given (checked as the kernels check it)."""
+    return probs if out is None else _out_buffer(out, *probs.shape, probs.dtype, probs.device).copy_(probs)
 
 
 def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None):
@@ -344,9 +349,7 @@ def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None):
     out: where to write the probabilities (default: a new tensor)."""
     if use_triton(logits):
         return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True, out=out)
-    probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
-    if out is not None:
-        probs = _out_buffer(out, *probs.shape, dtype, probs.device).copy_(probs)
+    probs = _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype))
     return probs, tempered_survivors_ref(logits, temp, thr)[1]
 
 
@@ -370,5 +373,4 @@ def tempered_masked_probs(logits, temp, thr, lse, dtype, out=None):
     to write them (default: a new tensor)."""
     if use_triton(logits):
         return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, out=out)
-    probs = tempered_masked_probs_ref(logits, temp, thr, lse, dtype)
-    return probs if out is None else _out_buffer(out, *probs.shape, dtype, probs.device).copy_(probs)
+    return _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype))

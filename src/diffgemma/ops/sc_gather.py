@@ -18,12 +18,10 @@ where computing the offsets on the host took 161-200 µs (bench/RESULTS.md, roun
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON, next_pow2, use_triton
+from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -127,7 +125,7 @@ def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUN
     part = torch.empty(max_chunks, H, dtype=torch.float32, device=dev)
     out = torch.empty(R, H, dtype=torch.float32, device=dev)
     hb = triton.cdiv(H, block_h)
-    ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    ptx = not interpreting()
     counts, rp = row_counts.contiguous(), next_pow2(R)
     _chunk_sum_kernel[(max_chunks, hb)](counts, cols.contiguous(), weights.float().contiguous(), embedding.contiguous(),
                                         part, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, PTX=ptx, num_warps=4)
