@@ -6,6 +6,7 @@ import pytest
 
 import diffgemma
 from diffgemma import golden
+from diffgemma.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +45,23 @@ def test_diff_names_the_first_differing_token_and_bless_is_atomic(tmp_path):
     with pytest.raises(TypeError):
         golden.bless({"a": object()}, path)  # not serialisable: the old fixture must survive
     assert golden.load_fixture(path) == base and len(list(tmp_path.iterdir())) == 1
+
+
+def test_kv_hashes_are_kept_per_platform_and_added_only_for_the_same_run():
+    """A case keeps one KV hash per platform blessed (float kernels differ in the last bits between CPUs): a run
+    passes with any of them, and a platform's hash is added only when tokens, steps, stops and retries match."""
+    base = {"a": {"tokens": [1, 2, 3], "text": "x", "steps_per_block": [2], "stop_reasons": ["confident"],
+                  "retries": 0, "kv_sha256": "00"}}
+    other = json.loads(json.dumps(base))
+    other["a"]["kv_sha256"] = "11"
+    assert any("kv_sha256 expected one of ['00']" in l for l in golden.diff(base, other))
+    both = golden.add_platform(base, other)
+    assert both["a"]["kv_sha256"] == ["00", "11"] and base["a"]["kv_sha256"] == "00"
+    assert golden.diff(both, other) == [] and golden.diff(both, base) == []
+    assert golden.add_platform(both, other) == both  # a hash is listed once
+    third = json.loads(json.dumps(other))
+    third["a"]["kv_sha256"] = "22"
+    assert golden.diff(both, third)  # a third hash is not in the list
+    third["a"]["tokens"][2] = 9
+    with pytest.raises(CheckpointError, match="tokens differ"):
+        golden.add_platform(both, third)

@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     golden = sub.add_parser("golden", help="check (or --bless) the golden byte-identity fixture")
     golden.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
     golden.add_argument("--fixture", default=None, help="fixture path (default: MODEL/golden.json)")
-    golden.add_argument("--bless", action="store_true", help="rewrite the fixture from this run")
+    how = golden.add_mutually_exclusive_group()
+    how.add_argument("--bless", action="store_true", help="rewrite the fixture from this run")
+    how.add_argument("--add-platform", action="store_true",
+                        help="add this machine's KV hashes to the fixture (only when every token, step and stop matches)")
     golden.add_argument("--device", default="cpu")
     try:
         from .quant.commands import add_subcommands
@@ -265,6 +268,10 @@ def cmd_golden(args) -> int:
     if args.bless:
         golden.bless(results, path)
         print(f"blessed {len(results)} cases -> {path}")
+        return 0
+    if args.add_platform:
+        golden.bless(golden.add_platform(expected, results), path)
+        print(f"added this platform's KV hashes to {len(results)} cases -> {path}")
         return 0
     problems = golden.diff(expected, results)
     for line in problems:
