@@ -230,6 +230,19 @@ def test_glu_tile_order_round_trips_to_the_pack_order(shape):
     assert torch.equal(mp.dequantize(tiled), want)
 
 
+def exact_q4(shape):
+    """A q4 stack that decodes exactly to (code - 8) / 16: every group of 32 holds codes 0 and 15, so its scale is
+    1/16 and its min -1/2. On inputs of a few bits its GEMMs then sum exactly in any order, so the interpreter's
+    dot (the host's BLAS, whose blocking follows the tile's shape: an AVX2 machine's differs in the last bits
+    between the GLU tile and the plain one) gives every tile shape the same bits."""
+    q = torch.randint(0, 16, shape)
+    q[..., 0::32], q[..., 1::32] = 0, 15
+    w = (q.float() - 8) / 16
+    rec = codecs.assemble("q4", shape, codecs.encode("q4", w))
+    assert torch.equal(codecs.decode("q4", rec, shape), w)
+    return mp.PackedWeight.from_record("q4", shape, torch.frombuffer(bytearray(rec), dtype=torch.uint8).clone())
+
+
 @interpreted
 @pytest.mark.parametrize("glu_f16", [False, True])
 def test_tiles_kernel_gelu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16):
@@ -240,9 +253,9 @@ def test_tiles_kernel_gelu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16):
     from test_moe_stream import routes_of
 
     T, k, E, N, K = 11, 4, 6, 192, 96
-    pw, _ = packed("q4", (E, N, K))
+    pw = exact_q4((E, N, K))
     plain, glu = moe_q4.to_tile_layout(pw), moe_q4.to_tile_layout(pw, glu=True)
-    x = torch.randn(T, K)
+    x = torch.randint(-4, 5, (T, K)).float() / 4  # with exact_q4: every product and partial sum exact in f32
     src, offs = routes_of(T, k, E)
     ref = moe_q4.grouped_mm_q4_tiles(x, plain, offs, src=src, asm=False)
     got = moe_q4.grouped_mm_q4_tiles(x, glu, offs, src=src, asm=False, glu=True, glu_f16=glu_f16)
@@ -267,8 +280,9 @@ def test_tiles_kernel_gelu_epilogue_rounds_products_as_an_f16_result_would():
     from diffgemma.ops.gelu_mul import gelu_mul_triton
 
     E, N, K, M = 6, 128, 64, 40
-    pw, _ = packed("q4", (E, N, K))
-    x = torch.randn(M, K) * 4  # products well past f16's 11 bits, so a missing rounding shows
+    pw = exact_q4((E, N, K))
+    # sums exact in f32 (see exact_q4) yet of up to 19 significant bits, well past f16's 11: a missing rounding shows
+    x = torch.randint(-1024, 1025, (M, K)).float() / 64
     offs = ragged_offs(E, M)
     ref = moe_q4.grouped_mm_q4_tiles(x, moe_q4.to_tile_layout(pw), offs, asm=False, out_dtype=torch.float16)
     got = moe_q4.grouped_mm_q4_tiles(x, moe_q4.to_tile_layout(pw, glu=True), offs, asm=False, glu=True,

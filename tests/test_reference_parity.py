@@ -126,12 +126,17 @@ def test_sharded_checkpoint_loads_identically(pair, tmp_path):
     cfg = ours.config
     prompt = torch.randint(0, cfg.vocab_size, (cfg.sliding_window + 2,))
     canvas = torch.randint(0, cfg.vocab_size, (cfg.canvas_length,))
+    assert ours.w.keys() == other.w.keys()
+    for name, t in ours.w.items():  # the same tensors, byte for byte
+        assert t.dtype == other.w[name].dtype and torch.equal(t, other.w[name]), name
     outs = []
     for m in (ours, other):
         c = m.new_cache(64)
         m.prefill(c, prompt)
         outs.append(m.denoise(c, canvas))
-    assert torch.equal(outs[0], outs[1])
+    # Not bit for bit: the CPU's float kernels may round differently with the tensors' addresses (the shards' mmap
+    # offsets against one file's), as an AVX2 machine's do in the last bits.
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_router_ties_go_to_lower_expert_index():
