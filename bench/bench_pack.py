@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from balanced_routing import KINDS, routing  # noqa: E402
-from bench_engine import CANVAS, TEXT, profile_fn, time_cuda, weight_bytes  # noqa: E402  (also puts src/ on the path)
+from bench_engine import CANVAS, TEXT, generate_forward, profile_fn, time_cuda, weight_bytes  # noqa: E402  (also puts src/ on the path)
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -86,10 +86,12 @@ def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
     r["denoise_1k_ms"], r["denoise_1k_min_ms"] = statistics.median(t), min(t)
     r["graph_error"] = eng.graph_error
     log(f"[q4] denoise 1k: {r['denoise_1k_ms']:.3f} ms median (min {r['denoise_1k_min_ms']:.3f}) graph_error={eng.graph_error}")
-    # generate()'s call with the default sparse SC: the soft embedding comes in, made outside the forward
+    # generate()'s call with the default sparse SC: the soft embedding comes in, made outside the forward, and the
+    # raw logits go out (denoise_raw: the sampler's kernels softcap them as they read)
     emb = torch.randn(CANVAS, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-    eng.denoise(cache, ids, sc_embeds=emb)  # capture
-    t = time_cuda(lambda: eng.denoise(cache, ids, sc_embeds=emb), reps=reps, warmup=3)
+    step = generate_forward(eng)
+    step(cache, ids, sc_embeds=emb)  # capture
+    t = time_cuda(lambda: step(cache, ids, sc_embeds=emb), reps=reps, warmup=3)
     r["denoise_1k_embeds_ms"], r["denoise_1k_embeds_min_ms"] = statistics.median(t), min(t)
     log(f"[q4] denoise 1k from SC embeds: {r['denoise_1k_embeds_ms']:.3f} ms median (min {r['denoise_1k_embeds_min_ms']:.3f})")
     del emb

@@ -164,6 +164,81 @@ def test_segmented_row_kernels_match_their_twins_across_segment_boundaries():
     torch.testing.assert_close(got, rowstats.softcap_ref(raw, 30.0), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("segment", [512, 1 << 14])
+def test_row_passes_softcap_raw_logits_as_they_read_them(segment):
+    """cap=: each pass reads the raw bf16 logits (the engine's denoise_raw) and softcaps them itself with the softcap
+    kernel's own function, so every result has the bits of the same pass over softcap(raw) as the softcap kernel
+    stores it: the f32 logits generate no longer writes. The twins agree with their own softcap first."""
+    vocab, block, cap = 3001, 256, 30.0
+    raw = (torch.randn(5, vocab) * 20).to(torch.bfloat16)  # |raw| past the cap: tanh saturates on some
+    raw[1, 7] = raw[1, 2000] = raw[1].float().max() + 1.0  # a tie, across segments when they are short
+    raw[2, 11] = 300.0  # exp(2·raw/cap) overflows inside the softcap: 30.0 exactly
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    capped = rowstats.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
+    want = rowstats.tempered_rowstats_triton(capped, temp, block=block, segment=segment)
+    got = rowstats.tempered_rowstats_triton(raw, temp, block=block, segment=segment, cap=cap)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert got[1][1].item() == 7 and got[2][2].item() == pytest.approx(cap / temp)
+    thr = want[2] - random.uniform(1.0, 8.0)
+    mask, counts = rowstats.tempered_survivors_triton(raw, temp, thr, block=block, segment=segment, cap=cap)
+    want_mask, want_counts = rowstats.tempered_survivors_triton(capped, temp, thr, block=block, segment=segment)
+    assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts) and 0 < int(counts.sum()) < raw.numel()
+    for dtype in (torch.float32, torch.bfloat16):
+        for count in (False, True):
+            kw = dict(block=block, segment=segment, count=count)
+            a = rowstats.tempered_masked_probs_triton(raw, temp, thr, want[3], dtype, cap=cap, **kw)
+            b = rowstats.tempered_masked_probs_triton(capped, temp, thr, want[3], dtype, **kw)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)) if count else torch.equal(a, b)
+    # the twins: cap= is their own softcap first, and the kernels stay within float rounding of them
+    pats = torch.randperm(1 << 16)  # the table: every pattern's softcap as the kernel gives it, at any place
+    vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16).reshape(1, -1)
+    torch.testing.assert_close(rowstats.softcap_rowstats_triton(vals, cap, 1.0, stats=False, block=block)[0][0],
+                               rowstats.softcap_table(cap, torch.bfloat16, "cpu")[pats], rtol=0, atol=0, equal_nan=True)
+    ref = rowstats.softcap_ref(raw, cap)
+    twin = rowstats.tempered_rowstats_ref(raw, temp, cap)
+    assert all(torch.equal(x, y) for x, y in zip(twin, rowstats.tempered_rowstats_ref(ref, temp)))
+    assert torch.equal(twin[1], got[1]) and (twin[3] - got[3]).abs().max() < 1e-4
+    assert torch.equal(rowstats.tempered_survivors_ref(raw, temp, thr, cap)[0],
+                       rowstats.tempered_survivors_ref(ref, temp, thr)[0])
+    assert torch.equal(rowstats.tempered_masked_probs_ref(raw, temp, thr, want[3], torch.float32, cap),
+                       rowstats.tempered_masked_probs_ref(ref, temp, thr, want[3], torch.float32))
+
+
+def test_step_stats_and_sparse_sc_on_raw_logits_are_those_on_softcapped_logits(monkeypatch):
+    """StepStats(raw, cap=) (what generate builds from the engine's denoise_raw) against StepStats(softcap(raw)):
+    on the fused path (interpreted) every field, `processed`, the values at a gather and the sparse SC's count and
+    soft embedding (gather and dense product) are the same bits; on the torch path it softcaps first. A scratch that
+    is the raw logits' own storage is never lent to the SC's passes."""
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    vocab, hidden, cap = 700, 16, 30.0
+    raw = (torch.randn(4, vocab) * 15).to(torch.bfloat16)
+    emb = torch.randn(vocab, hidden)
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    a, b = StepStats(raw, temp, cap=cap), StepStats(rowstats.softcap(raw, cap), temp)
+    assert a.fused and b.fused and a.cap == cap and b.cap is None
+    for f in ("entropy", "argmax", "rowmax", "lse"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert torch.equal(a.processed, b.processed) and torch.equal(a.max_prob(), b.max_prob())
+    rows, cols = torch.randint(0, 4, (50,)), torch.randint(0, vocab, (50,))
+    assert torch.equal(a.softcapped(a.logits[rows, cols]), b.logits[rows, cols])
+    ratio = random.uniform(2.0, 6.0)
+    for limit in (None, 0):  # the gather, then the dense product
+        if limit is not None:
+            monkeypatch.setattr(SparsePlan, "gather_bytes_limit", limit)
+        pa, pb = SparsePlan(a, ratio), SparsePlan(b, ratio)
+        n = int(pb.count)
+        assert int(pa.count) == n
+        assert torch.equal(pa.soft_embed(n, emb, 4.0), pb.soft_embed(n, emb, 4.0))
+    assert SparsePlan(a, ratio, scratch=raw)._lent() is None  # the raw logits themselves: never written
+    other = torch.empty_like(raw)
+    assert SparsePlan(a, ratio, scratch=other)._lent() is other
+    monkeypatch.setattr(stats_mod, "use_triton", lambda t: False)
+    monkeypatch.setattr(rowstats, "use_triton", lambda t: False)
+    c = StepStats(raw, temp, cap=cap)
+    assert not c.fused and c.cap is None and torch.equal(c.logits, rowstats.softcap_ref(raw, cap))
+
+
 def test_dense_sc_fallback_is_the_masked_softmax_product():
     """SparsePlan's dense fallback (flat rows keep most of the vocabulary) on the fused data flow equals the
     survivors' softmax times the embedding, computed directly."""
@@ -441,6 +516,38 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
     monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None, scratch=None:
                         real_init(self, stats, log_ratio, None, scratch))
     assert with_bets == _summary(generate_stream(tiny_model, prompt, settings=s))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_steps_on_raw_logits_give_the_softcapped_steps_events(tiny_model, monkeypatch, fused):
+    """generate on the engine calls denoise_raw and leaves the softcap to the sampler (StepStats(cap=)): every
+    event and result equals the loop on denoise's softcapped logits (SOFTCAP_IN_SAMPLER off), on the torch path
+    and on the fused (interpreted) one, for the default sparse SC and exact SC."""
+    from diffgemma.model.engine import Engine
+
+    # bf16: raw logits the passes read through their softcap table (f32 ones are softcapped first)
+    eng = Engine.from_reference(tiny_model, dtype=torch.bfloat16 if fused else torch.float32)
+    if fused:
+        monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
+        monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    softcapped = []  # the loop's calls of denoise (which itself calls denoise_raw)
+    real = eng.denoise
+
+    def spy(*a, **k):
+        softcapped.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng, "denoise", spy)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
+    for arm in ({}, {"sc_mode": "exact"}):
+        s = _settings(tiny_model, **arm)
+        raw_path = _summary(generate_stream(eng, prompt, settings=s))
+        assert not softcapped
+        monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
+        assert raw_path == _summary(generate_stream(eng, prompt, settings=s))
+        assert softcapped
+        softcapped.clear()
+        monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", True)
 
 
 def test_loop_holds_one_steps_logits_at_a_time(tiny_model, monkeypatch):

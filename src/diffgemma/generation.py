@@ -6,7 +6,8 @@ the block budget ends the turn:
     for each block:                                     (canvas at positions cache.length ..)
         canvas = uniform random ids                     (seeded LCG)
         for step 1..max_denoising_steps:
-            logits = model.denoise(cache, canvas, SC)   (SC: first-step seed, then previous step's logits)
+            logits = model.denoise(cache, canvas, SC)   (SC: first-step seed, then previous step's logits;
+                                                         the engine's raw logits, softcapped as the sampler reads)
             T = schedule(step);  H, argmax = stats(logits / T)
             accept the lowest-entropy prefix (bound in nats); renoise every other position
             stop? confident / plateau / entropy-only / max steps (pad gate: never on all-pad)
@@ -338,15 +339,17 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     stats = None
     bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
     side = _SideStream(torch.device(device))
-    scratch = getattr(model, "logits_scratch", None)  # the engine's dead raw-logits buffer, for the dense SC
+    forward, cap = _forward(model)
+    # the engine's dead raw-logits buffer, for the dense SC; not when the step's stats read those raw logits
+    scratch = getattr(model, "logits_scratch", None) if cap is None else None
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)
         temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
         # the previous step's logits and plan go before this step's arrive: one [C, V] f32 alive at a time
         stats = plan = logits = probs = None
-        logits = model.denoise(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
-        stats = StepStats(logits, temp)
+        logits = forward(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        stats = StepStats(logits, temp, cap=cap)
         h, argmax = stats.entropy, stats.argmax
         with side.fork():  # the bookkeeping, beside the survivor pass below
             if s.commit == "sample":
@@ -392,6 +395,19 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
     p_max = stats.max_prob() if s.confidence_trim > 0 else None
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
+
+
+# generate's forward is the engine's denoise_raw where the model has one (raw logits, softcapped by the sampler's
+# kernels as they read them: no f32 [C, V] pass a step); False: always model.denoise (an A/B and test knob).
+SOFTCAP_IN_SAMPLER = True
+
+
+def _forward(model):
+    """-> (the denoise call a step makes, the softcap its logits still need or None)."""
+    raw = getattr(model, "denoise_raw", None)
+    if SOFTCAP_IN_SAMPLER and raw is not None:
+        return raw, model.logit_softcap
+    return model.denoise, None
 
 
 def _as_ids(input_ids, vocab: int, device) -> torch.Tensor:

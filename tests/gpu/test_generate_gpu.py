@@ -97,12 +97,12 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
 
 
 def recording(log: list):
-    """StepStats that also keeps each step's logits and temperature in `log` (one entry a denoise step)."""
+    """StepStats that also keeps each step's logits, temperature and softcap in `log` (one entry a denoise step)."""
 
     class Recording(StepStats):
-        def __init__(self, logits, temp, fused=None):
-            super().__init__(logits, temp, fused)
-            log.append((logits.clone(), temp))
+        def __init__(self, logits, temp, fused=None, cap=None):
+            super().__init__(logits, temp, fused, cap)
+            log.append((logits.clone(), temp, cap))
 
     return Recording
 
@@ -147,9 +147,9 @@ def test_fused_step_gives_the_torch_step_tokens(engine, sc_mode, monkeypatch):
         return
     x, y = a[parted], b[parted]
     assert torch.equal(x.draft, y.draft), f"step {parted}: the drafts differ (z and its argmax are the same bits)"
-    logits, temp = log[parted]
-    h_fused = StepStats(logits, temp, fused=True).entropy
-    h_torch = StepStats(logits, temp, fused=False).entropy
+    logits, temp, cap = log[parted]
+    h_fused = StepStats(logits, temp, fused=True, cap=cap).entropy
+    h_torch = StepStats(logits, temp, fused=False, cap=cap).entropy
     bound = s.entropy_bound
     assert torch.equal(accept_mask(h_fused, bound), x.accepted) and torch.equal(accept_mask(h_torch, bound), y.accepted)
     assert (h_fused.double() - h_torch.double()).abs().max().item() < 1e-4
@@ -194,6 +194,70 @@ def test_tempered_rowstats_real_shape():
           f"(torch {probs_torch_ms:.3f})")
 
 
+def test_row_passes_on_raw_logits_real_shape():
+    """The passes generate now runs on the raw bf16 logits (cap=) against the same passes over the softcap kernel's f32
+    logits, at the real shape: the same values (the table is the kernel's), so the same z, row max, argmax, survivors
+    and (given the same lse) probabilities; entropy and lse to float rounding (a 16-bit load is laid out otherwise,
+    and the sums ordered otherwise). With -s, the time of softcap + stats against stats from the raw logits."""
+    raw = (torch.randn(256, 262144, device=DEV) * 12).to(torch.bfloat16)
+    cap, temp = 30.0, 0.6083333492279053
+    # the table: each bf16 pattern's softcap, as the kernel gives it at any place of a row (patterns shuffled)
+    pats = torch.randperm(1 << 16, device=DEV)
+    vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16)
+    torch.testing.assert_close(rowstats.softcap(vals.reshape(1, -1), cap).reshape(-1),
+                               rowstats.softcap_table(cap, torch.bfloat16, DEV)[pats], rtol=0, atol=0, equal_nan=True)
+    capped = rowstats.softcap(raw, cap)
+    want = rowstats.tempered_rowstats_triton(capped, temp)
+    got = rowstats.tempered_rowstats_triton(raw, temp, cap=cap)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-6)
+    thr = want[2] - 6.0
+    m, c = rowstats.tempered_survivors_triton(raw, temp, thr, cap=cap)
+    me, ce = rowstats.tempered_survivors_triton(capped, temp, thr)
+    assert torch.equal(m, me) and torch.equal(c, ce)
+    p, pc = rowstats.tempered_masked_probs_triton(raw, temp, thr, want[3], torch.bfloat16, count=True, cap=cap)
+    pe, pce = rowstats.tempered_masked_probs_triton(capped, temp, thr, want[3], torch.bfloat16, count=True)
+    assert torch.equal(p, pe) and torch.equal(pc, pce)
+    stats = StepStats(raw, temp, cap=cap)
+    assert stats.fused and torch.equal(stats.processed, capped / torch.tensor(temp, device=DEV))
+    rows, cols = torch.randint(0, 256, (1000,), device=DEV), torch.randint(0, 262144, (1000,), device=DEV)
+    assert torch.equal(stats.softcapped(raw[rows, cols]), capped[rows, cols])
+
+    def timed(fn, n=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    before = timed(lambda: StepStats(rowstats.softcap(raw, cap), temp))
+    after = timed(lambda: StepStats(raw, temp, cap=cap))
+    surv_before = timed(lambda: rowstats.tempered_survivors_triton(capped, temp, thr))
+    surv_after = timed(lambda: rowstats.tempered_survivors_triton(raw, temp, thr, cap=cap))
+    print(f"\n[step stats 256x262144] softcap + stats {before:.3f} ms, stats from raw bf16 {after:.3f} ms; "
+          f"survivors from f32 {surv_before:.3f} ms, from raw {surv_after:.3f} ms")
+
+
+@pytest.mark.parametrize("arm", [{"sc_mode": "exact"}, {}])
+def test_generate_on_raw_logits_gives_the_softcapped_loop(engine, arm, monkeypatch):
+    """generate on the engine's denoise_raw (the sampler softcaps as it reads) against the loop on denoise's f32
+    logits. The first step sees the same logits on both paths: the same draft, entropies to float rounding (the row
+    sums are ordered otherwise, see test_row_passes_on_raw_logits_real_shape). From there a random model's runs may
+    part: an accept mask on a near-tie of entropies, or (sparse SC) survivors weighed with a differently rounded
+    lse, moves the next step's input; the CPU test (interpreted, where the sums agree) compares whole runs."""
+    s = settings(**arm)
+    prompt = torch.randint(4, engine.config.vocab_size, (23,), device=DEV)
+    a = next(e for e in generate_stream(engine, prompt, settings=s) if isinstance(e, StepEvent))
+    monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
+    b = next(e for e in generate_stream(engine, prompt, settings=s) if isinstance(e, StepEvent))
+    assert (a.block, a.step, b.block, b.step) == (0, 1, 0, 1)
+    assert torch.equal(a.draft, b.draft) and abs(a.mean_entropy - b.mean_entropy) < 1e-5
+
+
 def test_segment_kernel_is_the_cpu_twin_and_repeats():
     """The sparse SC's segmented sum on the GPU: bit-identical to its chunked twin run on the CPU, and the same on
     every run (index_add_ on CUDA is not: its atomics add in a different order each time)."""
@@ -226,8 +290,11 @@ def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, mo
     """The sparse SC writes its dense fallback's probabilities (forced here) or its survivor mask (the gather, which
     small vocabularies take) into the graph's raw-logits buffer, dead between a denoise's softcap and the next
     replay (Engine.logits_scratch): every step is lent the buffer, and the tokens are those of a run that
-    allocates fresh ones."""
+    allocates fresh ones. That is the loop on denoise's softcapped logits (SOFTCAP_IN_SAMPLER off): on the raw
+    logits the buffer is the step's logits themselves, and nothing is lent."""
     from diffgemma.sampling.self_condition import SparsePlan
+
+    monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
 
     if dense:
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)

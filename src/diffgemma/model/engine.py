@@ -35,7 +35,8 @@ CUDA graphs. On CUDA, `denoise` replays a graph per (cache, canvas length, conte
 mode, attention impl): every quantity that changes between steps (cache length, ring positions)
 is read from device tensors, so one capture serves every step at contexts up to the bucket. The
 bucket's padded key rows are masked (and skipped block-wise by the kernel). The graph ends at the
-raw bf16 logits; the softcap runs after the replay into a fresh f32 tensor (no clone).
+raw bf16 logits: `denoise_raw` returns them, and `denoise` softcaps them into a fresh f32 tensor (no clone).
+generate calls `denoise_raw`: its row-stats and SC kernels softcap as they read (sampling/stats.StepStats).
 """
 
 from __future__ import annotations
@@ -172,6 +173,19 @@ class Engine:
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                 sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return softcap(self.denoise_raw(cache, canvas_ids, sc_logits, sc_embeds), self.logit_softcap)
+
+    @property
+    def logit_softcap(self) -> float:
+        return self.config.final_logit_softcapping
+
+    @torch.no_grad()
+    def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
+                    sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The denoise forward up to its last op, the final softcap: logits in the model's dtype, [C, V], whose
+        softcap(·, logit_softcap) is `denoise`'s result. The sampler's kernels softcap them as they read them
+        (sampling/stats.StepStats(cap=)), so generate's step never writes nor reads the f32 [C, V] logits. On CUDA
+        with graphs the result is the graph's output buffer: valid until this engine's next denoise."""
         ids = self._check_ids(canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
         C = len(ids)
         if C > cache.canvas:
@@ -191,7 +205,7 @@ class Engine:
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
-        return self._denoise_core(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
+        return self._denoise_core(cache, ids, mode, sc, key_rows=self._key_rows(cache, C), raw=True)
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
@@ -415,14 +429,15 @@ class Engine:
         sc = self._feed_sc(sc_buf, sc)  # held until the replay is queued: the graph may read it where it lies
         graph.replay()
         self._last_graph = (weakref.ref(cache), key)
-        # the softcap writes a fresh f32 tensor: the static raw logits are overwritten by the next replay
-        return softcap(out, self.config.final_logit_softcapping)
+        return out  # static: the next replay overwrites it (denoise's softcap writes a fresh f32 tensor from it)
 
     def logits_scratch(self) -> torch.Tensor | None:
         """The bf16 [canvas, vocab] buffer the last graphed denoise wrote its raw logits to, while that graph lives
         (else None). It is dead from the moment that denoise returned (its softcap read it) until the next denoise
-        writes it again, and every graph writes its scratch before reading it: generate lends it to the sparse SC's
-        dense fallback, whose probabilities (128 MiB at full size) would otherwise sit on top of the step's peak."""
+        writes it again, and every graph writes its scratch before reading it: a generate on `denoise`'s softcapped
+        logits lends it to the sparse SC's dense fallback, whose probabilities (128 MiB at full size) would otherwise
+        sit on top of the step's peak. A generate on `denoise_raw` reads this very buffer as its logits: it lends
+        nothing, and holds no f32 [C, V] logits either (256 MiB at full size)."""
         cache_ref, key = self._last_graph
         cache = cache_ref() if cache_ref is not None else None
         entry = self._graphs.get(cache, {}).get(key) if cache is not None else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON, use_triton
+from ._backend import HAVE_TRITON, interpreting, use_triton
 from .rows_at import kernel_args
 
 if HAVE_TRITON:
@@ -136,19 +136,62 @@ def softcap_rowstats(raw, cap, inv_temp):
 # self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a sync-free
 # nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
 # `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
+#
+# cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass softcaps them as it reads
+# them, from a table of the softcap kernel's result for every 16-bit pattern (softcap_table): the values (so z, its
+# max, argmax and the survivors) have the bits of softcap(raw, cap) by construction, one cached load a value instead
+# of the formula's two divisions and an exp, and no f32 [R, V] tensor (at full size the softcap pass writes 256 MiB
+# and takes ~0.1 ms a step; the passes then read half the bytes). On the GPU the row sums (entropy, lse) may round
+# differently from the f32 input's: the compiler lays a 16-bit load out differently, and so orders the sums.
 
-def tempered_rowstats_ref(logits, temp):
+_TABLES: dict = {}
+
+
+def softcap_table(cap: float, dtype, device) -> torch.Tensor:
+    """f32 [65536]: softcap(v, cap) for the 16-bit `dtype` value v of every bit pattern (index = bits as uint16),
+    computed once by `softcap` itself (the kernel on CUDA), so a lookup has the bits softcap gives that value."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TensorError(f"softcap table: raw logits must be bfloat16 or float16, got {dtype}")
+    device = torch.device(device)
+    kernel = interpreting() or (HAVE_TRITON and device.type == "cuda" and use_triton(torch.empty(0, device=device)))
+    key = (float(cap), dtype, device, kernel)
+    table = _TABLES.get(key)
+    if table is None:
+        # pattern i at index i: the int16 of i - 65536 for the upper half (a cast of i itself need not wrap: CUDA's
+        # saturates)
+        i = torch.arange(1 << 16, dtype=torch.int32, device=device)
+        bits = torch.where(i >= 1 << 15, i - (1 << 16), i).to(torch.int16).view(dtype).reshape(1, -1)
+        if kernel:  # the kernel's bits, on the GPU or interpreted (the tests compare the passes with it)
+            table = softcap_rowstats_triton(bits, cap, 1.0, stats=False)[0]
+        else:
+            table = softcap_ref(bits, cap)
+        table = _TABLES[key] = table.reshape(-1)
+    return table
+
+
+def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
+    """softcap(raw, cap) through the table, for a few values (a gather's): f32, raw's shape."""
+    table = softcap_table(cap, raw.dtype, raw.device)
+    return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
+
+
+def _capped(logits, cap):
+    """The twins' view of their input: softcap(raw) when cap is given, else the logits themselves."""
+    return logits if cap is None else softcap_ref(logits, cap)
+
+
+def tempered_rowstats_ref(logits, temp, cap=None):
     """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp."""
-    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(torch.exp(logp) * logp).sum(-1)
     return entropy, z.argmax(-1), z.max(-1).values, lse
 
 
-def tempered_survivors_ref(logits, temp, thr):
+def tempered_survivors_ref(logits, temp, thr, cap=None):
     """-> (bool mask [R, V] of z >= thr[:, None], int32 counts [R]) with z = logits / temp."""
-    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     mask = z >= thr[:, None]
     return mask, mask.sum(-1, dtype=torch.int32)
 
@@ -156,10 +199,19 @@ def tempered_survivors_ref(logits, temp, thr):
 if HAVE_TRITON:
 
     @triton.jit
-    def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp,
-                                  BLOCK: tl.constexpr, ADDR: tl.constexpr):
+    def _read(ptrs, mask, table_ptr, CAP: tl.constexpr):
+        """f32 logits at ptrs: as they lie, or with CAP softcapped from their 16-bit patterns by the table."""
+        if CAP:
+            bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            return tl.load(table_ptr + bits)  # a pattern's entry; a row's values share a few cached lines
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, table_ptr,
+                                  BLOCK: tl.constexpr, ADDR: tl.constexpr, CAP: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
-        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py)."""
+        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). CAP: x_ptr holds
+        raw logits' bits (int16), softcapped as they are read (_read)."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -178,7 +230,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             mask = cols < last
-            x = tl.load(xb + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _read(xb + row * n_cols + cols, mask, table_ptr, CAP)
             z = tl.where(mask, tl.math.div_rn(x, temp), -float("inf"))
             cmax = tl.max(z, axis=0)
             # lowest column holding this block's max; strictly-greater keeps the earlier block on ties
@@ -225,7 +277,8 @@ if HAVE_TRITON:
         tl.store(lse_ptr + row, top + tl.log(s_all))
 
     @triton.jit
-    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, BLOCK: tl.constexpr):
+    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, table_ptr,
+                                   BLOCK: tl.constexpr, CAP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         first = seg * span
@@ -236,7 +289,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+            x = _read(x_ptr + row * n_cols + cols, inside, table_ptr, CAP)
             keep = (tl.math.div_rn(x, temp) >= thr) & inside
             tl.store(mask_ptr + row * n_cols + cols, keep.to(tl.int8), mask=inside)
             count += tl.sum(keep.to(tl.int32), axis=0)
@@ -244,9 +297,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tempered_masked_probs_kernel(x_ptr, xoff_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
-                                      BLOCK: tl.constexpr, COUNT: tl.constexpr, ADDR: tl.constexpr):
+                                      table_ptr, BLOCK: tl.constexpr, COUNT: tl.constexpr, ADDR: tl.constexpr,
+                                      CAP: tl.constexpr):
         """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them. ADDR: the
-        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py)."""
+        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). CAP: raw logits' bits, softcapped as they are read."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -262,7 +316,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            x = tl.load(xb + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+            x = _read(xb + row * n_cols + cols, inside, table_ptr, CAP)
             z = tl.math.div_rn(x, temp)
             keep = z >= thr
             p = tl.where(keep, tl.exp(z - lse), 0.0)
@@ -273,9 +327,19 @@ if HAVE_TRITON:
             tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
-def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4):
-    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py)."""
+def _cap_args(logits, cap) -> tuple:
+    """(what the kernel reads, table or None, CAP): the logits, or raw logits' bits as int16 and their softcap table.
+    A kernel given no table gets its input tensor in that slot, never read."""
+    if cap is None:
+        return logits, None, False
+    return logits.view(torch.int16), softcap_table(cap, logits.dtype, logits.device), True
+
+
+def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None):
+    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above)."""
+    logits, table, CAP = _cap_args(logits, cap)
     x, xoff, addr = kernel_args(logits)
+    table = x if table is None else table
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
@@ -283,8 +347,8 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     # 4 warps: 104 µs at [256, 262144] on the H200 against 121 with 8 (its four block reductions a step wait on
     # fewer warps); the other passes here stream at the memory's rate with 8 (bench/bench_kernels.py, RESULTS round 13)
-    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), BLOCK=block, ADDR=addr,
-                                             num_warps=num_warps)
+    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), table, BLOCK=block,
+                                             ADDR=addr, CAP=CAP, num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -294,21 +358,22 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     return ent, amax, rowmax, lse
 
 
-def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None):
-    """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one."""
-    logits = logits.contiguous()
+def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None, cap=None):
+    """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits (see above)."""
+    logits, table, CAP = _cap_args(logits.contiguous(), cap)
+    table = logits if table is None else table
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     mask = _out_buffer(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
-                                              BLOCK=block, num_warps=8)
+                                              table, BLOCK=block, CAP=CAP, num_warps=8)
     return mask.view(torch.bool), counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
 
 
-def tempered_masked_probs_ref(logits, temp, thr, lse, dtype):
+def tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=None):
     """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
-    z = logits.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
@@ -327,50 +392,56 @@ def _into(out, probs: torch.Tensor) -> torch.Tensor:
     return probs if out is None else _out_buffer(out, *probs.shape, probs.dtype, probs.device).copy_(probs)
 
 
-def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None):
+def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None,
+                                 cap=None):
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
-    tensor, or a RowsAt naming one (ops/rows_at.py). out: write the probabilities there (see _out_buffer)."""
+    tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). out: write the probabilities
+    there (see _out_buffer)."""
+    logits, table, CAP = _cap_args(logits, cap)
     x, xoff, addr = kernel_args(logits)
+    table = x if table is None else table
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = _out_buffer(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
-                                                 counts, n, span, float(temp), BLOCK=block, COUNT=count, ADDR=addr,
-                                                 num_warps=8)
+                                                 counts, n, span, float(temp), table, BLOCK=block, COUNT=count,
+                                                 ADDR=addr, CAP=CAP, num_warps=8)
     if not count:
         return out
     return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
 
 
-def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None):
+def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None, cap=None):
     """tempered_masked_probs and the survivor counts of tempered_survivors, from one pass over the logits (no
     mask): the sparse SC's dense product started before the host has read the count (sampling/self_condition.py).
-    out: where to write the probabilities (default: a new tensor)."""
+    out: where to write the probabilities (default: a new tensor). cap: raw logits, as for every pass here."""
     if use_triton(logits):
-        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True, out=out)
-    probs = _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype))
-    return probs, tempered_survivors_ref(logits, temp, thr)[1]
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, count=True, out=out, cap=cap)
+    probs = _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap))
+    return probs, tempered_survivors_ref(logits, temp, thr, cap)[1]
 
 
-def tempered_rowstats(logits, temp):
-    """Row stats of logits / temp: -> (entropy, argmax, rowmax, lse); Triton on CUDA, torch elsewhere."""
+def tempered_rowstats(logits, temp, cap=None):
+    """Row stats of logits / temp: -> (entropy, argmax, rowmax, lse); Triton on CUDA, torch elsewhere. cap: the
+    logits are raw, softcapped as they are read (the same numbers as passing softcap(logits, cap))."""
     if use_triton(logits):
-        return tempered_rowstats_triton(logits, temp)
-    return tempered_rowstats_ref(logits, temp)
+        return tempered_rowstats_triton(logits, temp, cap=cap)
+    return tempered_rowstats_ref(logits, temp, cap)
 
 
-def tempered_survivors(logits, temp, thr, out=None):
+def tempered_survivors(logits, temp, thr, out=None, cap=None):
     """Survivor mask z >= thr[row] of z = logits / temp, and per-row counts; Triton on CUDA, torch elsewhere.
-    out: an int8 [R, V] buffer the kernel writes the mask to (the result is its bool view); the torch path ignores it."""
+    out: an int8 [R, V] buffer the kernel writes the mask to (the result is its bool view); the torch path ignores it.
+    cap: raw logits (see tempered_rowstats)."""
     if use_triton(logits):
-        return tempered_survivors_triton(logits, temp, thr, out=out)
-    return tempered_survivors_ref(logits, temp, thr)
+        return tempered_survivors_triton(logits, temp, thr, out=out, cap=cap)
+    return tempered_survivors_ref(logits, temp, thr, cap)
 
 
-def tempered_masked_probs(logits, temp, thr, lse, dtype, out=None):
+def tempered_masked_probs(logits, temp, thr, lse, dtype, out=None, cap=None):
     """The survivors' probabilities (0 elsewhere) as `dtype`: the sparse SC's dense fallback, in one pass. out: where
-    to write them (default: a new tensor)."""
+    to write them (default: a new tensor). cap: raw logits (see tempered_rowstats)."""
     if use_triton(logits):
-        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, out=out)
-    return _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype))
+        return tempered_masked_probs_triton(logits, temp, thr, lse, dtype, out=out, cap=cap)
+    return _into(out, tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap))

@@ -98,10 +98,11 @@ class SparsePlan:
             if dense_dtype is not None:
                 self.mask = None  # built after the read if the bet is lost (_take_mask)
                 self.probs, self.row_counts = tempered_counted_probs(stats.logits, stats.temp, self.thr, self.log_z,
-                                                                     dense_dtype, out=self._scratch_for(dense_dtype))
+                                                                     dense_dtype, out=self._scratch_for(dense_dtype),
+                                                                     cap=stats.cap)
             else:
                 self.mask, self.row_counts = tempered_survivors(stats.logits, stats.temp, self.thr,
-                                                                out=self._scratch_mask())
+                                                                out=self._scratch_mask(), cap=stats.cap)
         else:
             self._z = stats.processed.float()
             self.log_z = self._z.logsumexp(dim=-1)
@@ -110,9 +111,12 @@ class SparsePlan:
         self.count = self.row_counts.sum(dtype=torch.int64)
 
     def _lent(self) -> torch.Tensor | None:
-        """The scratch, when one is lent that the kernels can write: contiguous, beside the logits."""
-        s = self.scratch
-        return s if s is not None and s.is_contiguous() and s.device == self.stats.logits.device else None
+        """The scratch, when one is lent that the kernels can write: contiguous, beside the logits, and not the logits'
+        own storage (raw logits are the engine's graph output, the very buffer it lends once they are dead)."""
+        s, logits = self.scratch, self.stats.logits
+        if s is None or not s.is_contiguous() or s.device != logits.device:
+            return None
+        return None if s.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr() else s
 
     def _scratch_for(self, dtype) -> torch.Tensor | None:
         """The scratch itself as the probabilities' buffer, when it has their dtype and shape."""
@@ -154,7 +158,8 @@ class SparsePlan:
         mask = self.mask
         if mask is None:
             if self.stats.fused:
-                mask = tempered_survivors(self.stats.logits, self.stats.temp, self.thr, out=self._scratch_mask())[0]
+                mask = tempered_survivors(self.stats.logits, self.stats.temp, self.thr, out=self._scratch_mask(),
+                                          cap=self.stats.cap)[0]
             else:
                 mask = survivors(self._z, self.log_ratio)
         self.mask = None
@@ -167,8 +172,8 @@ class SparsePlan:
             return product if product is not None else self._dense_soft_embed(embedding, scale)
         self.product = self.probs = None  # a lost bet: its product (if started) is not the sum asked for
         rows, cols = torch.nonzero_static(self._take_mask(), size=n).unbind(1)
-        if self.stats.fused:  # z at the survivors only: the same correctly rounded division as the kernel's
-            z = self.stats.logits[rows, cols] / self.stats._temp_t
+        if self.stats.fused:  # z at the survivors only: the same softcap and correctly rounded division as the kernel's
+            z = self.stats.softcapped(self.stats.logits[rows, cols]) / self.stats._temp_t
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
@@ -187,7 +192,7 @@ class SparsePlan:
         elif self.stats.fused:  # one pass over the logits (the mask is z >= thr, recomputed in the kernel)
             self.mask = None  # not needed here: gone before the probabilities are allocated
             probs = tempered_masked_probs(self.stats.logits, self.stats.temp, self.thr, self.log_z, embedding.dtype,
-                                          out=self._scratch_for(embedding.dtype))
+                                          out=self._scratch_for(embedding.dtype), cap=self.stats.cap)
         else:
             probs = torch.where(self._take_mask(), torch.exp(self._z - self.log_z[:, None]), 0.0).to(embedding.dtype)
         return self._product(probs, embedding, scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import tempered_rowstats, use_triton
+from ..ops.rowstats import softcap, softcap_lookup, tempered_rowstats, use_triton
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -40,18 +40,26 @@ class StepStats:
     - fused (CUDA + Triton, f32 logits): one kernel read of the logits gives entropy, argmax, row max and
       logsumexp (ops/rowstats.py); z exists only if someone asks for `processed` (exact SC, sampling).
       z, its max and argmax are bit-identical to the torch path; entropy and lse differ by float rounding.
+
+    cap: `logits` are the raw ones before the final softcap (the engine's `denoise_raw`). The fused kernels then
+    softcap them as they read (ops/rowstats.py; the bits of softcap(logits, cap)), and the step never holds the
+    f32 [C, V] logits; the torch path softcaps them here first. `cap` stays set only while `logits` are raw.
     """
 
-    def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None):
-        self.logits = logits
+    def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None, cap: float | None = None):
         self.temp = temp
         self._temp_t = torch.full((), temp, dtype=torch.float32, device=logits.device)  # a fill, not a copy
         self._processed: torch.Tensor | None = None
+        if cap is not None and logits.dtype not in (torch.bfloat16, torch.float16):
+            logits, cap = softcap(logits, cap), None  # the passes' table is for 16-bit raw logits
         if fused is None:
-            fused = use_triton(logits) and logits.dtype == torch.float32
+            fused = use_triton(logits) and (logits.dtype == torch.float32 or cap is not None)
+        if cap is not None and not fused:
+            logits, cap = softcap(logits, cap), None
+        self.logits, self.cap = logits, cap
         self.fused = fused
         if fused:
-            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp)
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp, cap=cap)
         else:
             z = self.processed
             self.entropy = entropy(z)
@@ -61,9 +69,15 @@ class StepStats:
     @property
     def processed(self) -> torch.Tensor:
         """logits / T (materialised on first use)."""
-        if self._processed is None:
-            self._processed = self.logits / self._temp_t
+        if self._processed is None:  # raw logits: softcapped by the kernel that made the fused passes' table
+            logits = self.logits if self.cap is None else softcap(self.logits, self.cap)
+            self._processed = logits / self._temp_t
         return self._processed
+
+    def softcapped(self, values: torch.Tensor) -> torch.Tensor:
+        """f32 logits from a few values gathered out of `self.logits`: those values, or with raw logits their softcap
+        through the fused passes' table (the bits those passes read)."""
+        return values if self.cap is None else softcap_lookup(values, self.cap)
 
     def max_prob(self) -> torch.Tensor:
         if self.fused:
