@@ -157,6 +157,18 @@ def test_fused_step_gives_the_torch_step_tokens(engine, sc_mode, monkeypatch):
     print(f"\n[fused vs torch step] identical for {parted} steps, then parted on a near-tie of entropies")
 
 
+def timed(fn, n=20) -> float:
+    """ms a call of fn, CUDA events around n back-to-back calls after one warm-up (printed with -s, not asserted)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def test_tempered_rowstats_real_shape():
     logits = torch.tanh(torch.randn(256, 262144, device=DEV) * 0.5) * 30
     temp = 0.6083333492279053
@@ -172,16 +184,6 @@ def test_tempered_rowstats_real_shape():
     want = rowstats.tempered_masked_probs_ref(logits, temp, thr, exp[3], torch.bfloat16)
     assert torch.equal(probs == 0, want == 0)
     assert ((probs.float() - want.float()).abs() <= 8e-3 * want.float().abs() + 1e-30).all()
-
-    def timed(fn, n=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
 
     fused_ms = timed(lambda: StepStats(logits, temp, fused=True))
     torch_ms = timed(lambda: StepStats(logits, temp, fused=False))
@@ -223,16 +225,6 @@ def test_row_passes_on_raw_logits_real_shape():
     assert stats.fused and torch.equal(stats.processed, capped / torch.tensor(temp, device=DEV))
     rows, cols = torch.randint(0, 256, (1000,), device=DEV), torch.randint(0, 262144, (1000,), device=DEV)
     assert torch.equal(stats.softcapped(raw[rows, cols]), capped[rows, cols])
-
-    def timed(fn, n=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
 
     before = timed(lambda: StepStats(rowstats.softcap(raw, cap), temp))
     after = timed(lambda: StepStats(raw, temp, cap=cap))
