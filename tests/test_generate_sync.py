@@ -193,7 +193,7 @@ def test_row_passes_softcap_raw_logits_as_they_read_them(segment):
     pats = torch.randperm(1 << 16)  # the table: every pattern's softcap as the kernel gives it, at any place
     vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16).reshape(1, -1)
     torch.testing.assert_close(rowstats.softcap_rowstats_triton(vals, cap, 1.0, stats=False, block=block)[0][0],
-                               rowstats.softcap_table(cap, torch.bfloat16, "cpu")[pats], rtol=0, atol=0, equal_nan=True)
+                               rowstats.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
     ref = rowstats.softcap_ref(raw, cap)
     twin = rowstats.tempered_rowstats_ref(raw, temp, cap)
     assert all(torch.equal(x, y) for x, y in zip(twin, rowstats.tempered_rowstats_ref(ref, temp)))

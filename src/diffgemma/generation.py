@@ -340,8 +340,8 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
     side = _SideStream(torch.device(device))
     forward, cap = _forward(model)
-    # the engine's dead raw-logits buffer, for the dense SC; not when the step's stats read those raw logits
-    scratch = getattr(model, "logits_scratch", None) if cap is None else None
+    # the engine's dead raw-logits buffer, for the dense SC (SparsePlan never writes the step's own logits' storage)
+    scratch = getattr(model, "logits_scratch", None)
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)

@@ -14,6 +14,7 @@ Token ids are what must survive everywhere.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -132,7 +133,7 @@ def add_platform(expected: dict, got: dict) -> dict:
     if others:
         raise CheckpointError("golden: cannot add this platform's KV hashes, the runs differ beyond them:\n"
                               + "\n".join(others))
-    out = json.loads(json.dumps(expected))
+    out = copy.deepcopy(expected)
     for name, case in out.items():
         hashes = kv_hashes(case)
         case["kv_sha256"] = hashes + [got[name]["kv_sha256"]] if got[name]["kv_sha256"] not in hashes else hashes

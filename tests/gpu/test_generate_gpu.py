@@ -207,7 +207,7 @@ def test_row_passes_on_raw_logits_real_shape():
     pats = torch.randperm(1 << 16, device=DEV)
     vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16)
     torch.testing.assert_close(rowstats.softcap(vals.reshape(1, -1), cap).reshape(-1),
-                               rowstats.softcap_table(cap, torch.bfloat16, DEV)[pats], rtol=0, atol=0, equal_nan=True)
+                               rowstats.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
     capped = rowstats.softcap(raw, cap)
     want = rowstats.tempered_rowstats_triton(capped, temp)
     got = rowstats.tempered_rowstats_triton(raw, temp, cap=cap)

@@ -205,7 +205,7 @@ class Engine:
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
-        return self._denoise_core(cache, ids, mode, sc, key_rows=self._key_rows(cache, C), raw=True)
+        return self._denoise_core(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
@@ -349,10 +349,10 @@ class Engine:
 
     # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
 
-    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int, raw: bool = False):
-        """One denoise forward. Only device tensors describe the context (graph-safe). key_rows = rows of
-        each full-attention cache the canvas reads (>= cache.length + C; rows past that are masked).
-        raw=True returns the bf16 logits before the softcap."""
+    def _denoise_core(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int):
+        """One denoise forward -> the logits before the softcap, in the model's dtype. Only device tensors describe
+        the context (graph-safe). key_rows = rows of each full-attention cache the canvas reads (>= cache.length + C;
+        rows past that are masked)."""
         cfg, eps, W, dev = self.config, self.config.rms_norm_eps, self.config.sliding_window, self.device
         C = len(ids)
         L = cache.length_t
@@ -387,8 +387,7 @@ class Engine:
                              impl=self._attn_impl(False, False), nlive=nlive)
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
-        logits = h @ self.w.embed.T
-        return logits if raw else softcap(logits, cfg.final_logit_softcapping)
+        return h @ self.w.embed.T
 
     def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's
@@ -469,7 +468,7 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
+                self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if not any(self._graphs.values()):
@@ -477,5 +476,5 @@ class Engine:
             # and capturing into that dead handle again trips its internal assert (use_count > 0).
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows, raw=True)
+            out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
         return graph, ids_buf, sc_buf, out

@@ -29,11 +29,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def gelu_tanh_mul(g, u):
-        """gelu_tanh(g) · u in f32; also the epilogue of the expert GEMM that fuses it (ops/moe_packed.py): one
+        """gelu_tanh(g) · u in f32; also the expert GEMMs' GLU epilogue (glu_tile, ops/moe_packed.py, moe_q4.py): one
         formula, so both give the same bits."""
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi)
         th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)  # tanh, saturating cleanly at both ends
         return 0.5 * g * (1.0 + th) * u
+
+    @triton.jit
+    def glu_tile(acc, BN: tl.constexpr, BM: tl.constexpr):
+        """gelu_tanh(gate)·up of a GEMM tile acc f32 [BN, BM] whose top BN/2 rows are gate rows and whose bottom BN/2
+        are the up rows of the same columns (the streaming expert GEMMs' GLU tiles) -> f32 [BN/2, BM]."""
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
+        return gelu_tanh_mul(gate, up)
 
     @triton.jit
     def _gelu_mul_kernel(gu_ptr, out_ptr, Fh, BLOCK: tl.constexpr, F16: tl.constexpr):

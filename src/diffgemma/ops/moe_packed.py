@@ -43,7 +43,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .gelu_mul import gelu_tanh_mul
+    from .gelu_mul import glu_tile
     from .moe_plan import expert_rows
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
@@ -294,8 +294,7 @@ if HAVE_TRITON:
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
             out = acc.to(out_ptr.dtype.element_ty)
             if GLU:  # gate rows on top, up rows below; each rounded as the plain GEMM would store it
-                gate, up = tl.split(tl.permute(tl.reshape(out.to(tl.float32), (2, BN // 2, BM)), (1, 2, 0)))
-                out = gelu_tanh_mul(gate, up).to(out_ptr.dtype.element_ty)
+                out = glu_tile(out.to(tl.float32), BN, BM).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit

@@ -49,7 +49,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .f16_operand import f16_clamped, f16_operand
-    from .gelu_mul import gelu_tanh_mul
+    from .gelu_mul import glu_tile
     from .moe_plan import expert_rows
 
 LAYOUT = "q4-tiles"
@@ -346,8 +346,7 @@ if HAVE_TRITON:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
             elif GU_ROUND == 2:
                 acc = acc.to(tl.float16).to(tl.float32)
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
-            y = gelu_tanh_mul(gate, up)
+            y = glu_tile(acc, BN, BM)
             if F16_OUT:
                 out = f16_operand(y)
             else:

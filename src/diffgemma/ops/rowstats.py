@@ -147,13 +147,14 @@ def softcap_rowstats(raw, cap, inv_temp):
 _TABLES: dict = {}
 
 
-def softcap_table(cap: float, dtype, device) -> torch.Tensor:
-    """f32 [65536]: softcap(v, cap) for the 16-bit `dtype` value v of every bit pattern (index = bits as uint16),
-    computed once by `softcap` itself (the kernel on CUDA), so a lookup has the bits softcap gives that value."""
+def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
+    """f32 [65536] on raw's device: softcap(v, cap) for the value v of every bit pattern of raw's 16-bit dtype
+    (index = bits as uint16), computed once by the softcap kernel where the passes over `raw` run as kernels (on
+    CUDA, or interpreted), else by its twin: a lookup has the bits the softcap of that value has there."""
+    dtype, device = raw.dtype, raw.device
     if dtype not in (torch.bfloat16, torch.float16):
         raise TensorError(f"softcap table: raw logits must be bfloat16 or float16, got {dtype}")
-    device = torch.device(device)
-    kernel = interpreting() or (HAVE_TRITON and device.type == "cuda" and use_triton(torch.empty(0, device=device)))
+    kernel = interpreting() or use_triton(raw)
     key = (float(cap), dtype, device, kernel)
     table = _TABLES.get(key)
     if table is None:
@@ -171,7 +172,7 @@ def softcap_table(cap: float, dtype, device) -> torch.Tensor:
 
 def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
     """softcap(raw, cap) through the table, for a few values (a gather's): f32, raw's shape."""
-    table = softcap_table(cap, raw.dtype, raw.device)
+    table = softcap_table(cap, raw)
     return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
 
 
@@ -328,18 +329,17 @@ if HAVE_TRITON:
 
 
 def _cap_args(logits, cap) -> tuple:
-    """(what the kernel reads, table or None, CAP): the logits, or raw logits' bits as int16 and their softcap table.
-    A kernel given no table gets its input tensor in that slot, never read."""
+    """(what the kernel reads, table, CAP): the logits (a tensor or a RowsAt) with their own buffer as an unread
+    placeholder table, or raw logits' bits as int16 and their softcap table."""
     if cap is None:
-        return logits, None, False
-    return logits.view(torch.int16), softcap_table(cap, logits.dtype, logits.device), True
+        return logits, kernel_args(logits)[0], False
+    return logits.view(torch.int16), softcap_table(cap, logits), True
 
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None):
     """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above)."""
     logits, table, CAP = _cap_args(logits, cap)
     x, xoff, addr = kernel_args(logits)
-    table = x if table is None else table
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
@@ -361,7 +361,6 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
 def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None, cap=None):
     """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits (see above)."""
     logits, table, CAP = _cap_args(logits.contiguous(), cap)
-    table = logits if table is None else table
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     mask = _out_buffer(out, rows, n, torch.int8, logits.device)
@@ -399,7 +398,6 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     there (see _out_buffer)."""
     logits, table, CAP = _cap_args(logits, cap)
     x, xoff, addr = kernel_args(logits)
-    table = x if table is None else table
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = _out_buffer(out, rows, n, dtype, logits.device)

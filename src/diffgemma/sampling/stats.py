@@ -50,12 +50,10 @@ class StepStats:
         self.temp = temp
         self._temp_t = torch.full((), temp, dtype=torch.float32, device=logits.device)  # a fill, not a copy
         self._processed: torch.Tensor | None = None
-        if cap is not None and logits.dtype not in (torch.bfloat16, torch.float16):
-            logits, cap = softcap(logits, cap), None  # the passes' table is for 16-bit raw logits
         if fused is None:
             fused = use_triton(logits) and (logits.dtype == torch.float32 or cap is not None)
-        if cap is not None and not fused:
-            logits, cap = softcap(logits, cap), None
+        if cap is not None and not (fused and logits.dtype in (torch.bfloat16, torch.float16)):
+            logits, cap = softcap(logits, cap), None  # the torch path, or raw logits wider than the passes' table
         self.logits, self.cap = logits, cap
         self.fused = fused
         if fused:
