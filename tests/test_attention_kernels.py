@@ -87,6 +87,57 @@ def test_canvas_without_kpos_equals_kpos_below_nlive(splits):
         attn.attention(q, k, v, None, key_rows, qpos=torch.arange(C), causal=True, impl="ref")
 
 
+def ring_slot_positions(ring: int, L: int) -> torch.Tensor:
+    """Slot -> position of a ring after L tokens (slot p % ring holds p; -1 where nothing was written)."""
+    sp = torch.full((ring,), -1, dtype=torch.int64)
+    p = torch.arange(max(0, L - ring), L)
+    sp[p % ring] = p
+    return sp
+
+
+@pytest.mark.parametrize("L", [0, 5, 8, 11, 12, 30, 97])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_canvas_live_window(L, splits):
+    """A sliding canvas with ring_length (the engine's call): only the ring's last window-1 positions and the
+    canvas are keys, visited in position order and split as such. Same numbers as the per-key mask made from
+    the slot positions, with every other ring slot NaN (never read): an empty ring, a partly written one,
+    exactly full, and wrapped at several phases."""
+    H, KV, C, d, W, ring = 4, 2, 8, 32, 9, 12  # ring = window - 1 + a rewind slack of 4
+    n_keys = ring + C
+    q, k, v = qkv(H, KV, C, n_keys + 3, d)
+    sp = ring_slot_positions(ring, L)
+    kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), 0, -1), torch.zeros(C, dtype=torch.int64)])
+    k[:, n_keys:] = float("nan")
+    k[:, :n_keys][:, kpos < 0] = v[:, :n_keys][:, kpos < 0] = float("nan")
+    length = torch.tensor(L)
+    assert torch.equal(attn.ring_window_kpos(ring, n_keys, length, W), kpos)
+    got = fl.attention_flash(q, k, v, None, n_keys, window=W, n_ring=ring, ring_length=length, out_dtype=torch.bfloat16,
+                             splits=splits, BD=32, **TILE)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
+    check(got, exp)
+    # the dispatcher: the kernel, and the twins through the mask ring_length stands for
+    assert torch.equal(attn.attention(q, k, v, None, n_keys, window=W, n_ring=ring, ring_length=length, impl="triton",
+                                      out_dtype=torch.bfloat16), fl.attention_flash(
+        q, k, v, None, n_keys, window=W, n_ring=ring, ring_length=length, out_dtype=torch.bfloat16))
+    check(attn.attention(q, k, v, None, n_keys, window=W, n_ring=ring, ring_length=length, impl="ref",
+                         out_dtype=torch.float32), exp)
+
+
+def test_live_window_splits_divide_only_the_visited_keys():
+    """The split count and length come from the keys a live-window call visits (window-1 + canvas), not the
+    ring's rows: at the real shape 1279 keys in 4 slices of 320 instead of 1535 in 4 of 384."""
+    assert fl.live_keys(1535, 1279, 1024) == 1279
+    assert fl.num_splits(fl.live_keys(1535, 1279, 1024), 32, 64, 132, 1) == (4, 320)
+    assert fl.num_splits(1535, 32, 64, 132, 1) == (4, 384)
+    q, k, v = qkv(4, 2, 8, 24, 32)
+    for bad in (dict(kpos=torch.zeros(20, dtype=torch.int64)), dict(causal=True, qpos=torch.arange(8)),
+                dict(nlive=torch.tensor(3)), dict(n_ring=0), dict(window=fl.NO_WINDOW)):
+        kw = dict(kpos=None, window=9, n_ring=12, ring_length=torch.tensor(5))
+        kw.update(bad)
+        with pytest.raises(ValueError, match="ring_length|not causal"):
+            fl.attention_flash(q, k, v, kw.pop("kpos"), 20, **kw)
+
+
 def test_num_splits_is_static_and_covers():
     for n_keys in (1, 100, 1280, 1535, 8448, 33024):
         for base, BN in ((32, 64), (8, 32), (128, 64)):

@@ -135,6 +135,11 @@ class Engine:
         # A denoise graph reads its SC logits where the caller's tensor lies, through their address (ops/rows_at.py);
         # False: copied into the graph's own buffer before each replay (A/B; the same bits).
         self.sc_by_address = True
+        # The sliding layers' canvas attention visits only the ring's live window (its last window-1 positions, in
+        # position order: ops/attention_flash.py ring_length), so the ring's rewind slack (256 slots) is neither
+        # read nor split over; False: every ring slot under the per-key mask of slot_pos (A/B; a graph keeps the form
+        # it was captured with).
+        self.sliding_live_window = True
 
     @classmethod
     def from_reference(cls, ref, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
@@ -368,11 +373,7 @@ class Engine:
             x = rms_norm(x, None, eps)
 
         R = cache.ring
-        sp = cache.slot_pos
-        neg = torch.full((), -1, dtype=torch.int64, device=dev)  # a fill, not a host copy: graph-capturable
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
-        # per-key visibility (0 = visible, -1 = not): the live window of the ring, then the canvas itself
-        slide_kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), zero, neg), torch.zeros(C, dtype=torch.int64, device=dev)])
+        slide_kpos = None if self.sliding_live_window else self._slide_kpos(cache, C)
         nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
         ring_canvas_slots = R + ar
 
@@ -380,6 +381,9 @@ class Engine:
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
+                if self.sliding_live_window:
+                    return attention(q, K, V, None, R + C, window=W, n_ring=R, ring_length=L, out_dtype=self.dtype,
+                                     impl=self._attn_impl(True, False))
                 return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False))
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
@@ -388,6 +392,15 @@ class Engine:
 
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
         return h @ self.w.embed.T
+
+    def _slide_kpos(self, cache: EngineKVCache, C: int) -> torch.Tensor:
+        """Per-key visibility of a sliding canvas call from the cache's slot positions (0 = visible, -1 = not): the
+        ring's live window, then the canvas itself (the form before sliding_live_window, kept for A/B)."""
+        sp, L, dev = cache.slot_pos, cache.length_t, self.device
+        neg = torch.full((), -1, dtype=torch.int64, device=dev)  # a fill, not a host copy: graph-capturable
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        ring = torch.where((sp >= 0) & (sp > L - self.config.sliding_window), zero, neg)
+        return torch.cat([ring, torch.zeros(C, dtype=torch.int64, device=dev)])
 
     def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's

@@ -4,7 +4,8 @@ Shapes (the engine's layouts, so no copies around the call):
   q    [H, n, d]       head-major queries (qkv_prep writes them so)
   k, v [KV, rows, d]   the first `n_keys` rows are read (a cache buffer, or a dense K/V)
   kpos [n_keys] int    position of each key, -1 = not a key (empty ring slot, padded bucket row);
-                       None (canvas only) = every key below n_keys and nlive is visible
+                       None (canvas only) = every key below n_keys and nlive is visible, or with
+                       ring_length (a sliding layer's canvas): the ring's last window-1 positions and the canvas
   qpos [n] int         query positions (causal mode only)
   out  [n, H·d]        what the o projection reads
 Scale is 1 (QK-norm folds it). Masks:
@@ -95,6 +96,16 @@ def _all_visible(n_keys: int, nlive, device) -> torch.Tensor:
     return torch.where(ar < nlive, torch.zeros_like(ar), torch.full_like(ar, -1))
 
 
+def ring_window_kpos(n_ring: int, n_keys: int, length: torch.Tensor, window: int) -> torch.Tensor:
+    """The per-key mask a sliding canvas call with ring_length means (for the paths that take a mask): 0 for
+    the ring slots holding the last window-1 positions before `length` (a device scalar, graph-safe) and for
+    the canvas rows [n_ring, n_keys), -1 for the ring's other slots. Slot s holds position p when p % n_ring == s."""
+    s = torch.arange(n_ring, device=length.device)
+    p = length - 1 - torch.remainder(length - 1 - s, n_ring)  # the newest position below length that s can hold
+    ring = torch.where((p >= 0) & (p > length - window), 0, -1)
+    return torch.cat([ring, torch.zeros(n_keys - n_ring, dtype=ring.dtype, device=ring.device)])
+
+
 def _canvas_call(path):
     """A canvas path (attention_gemm, attention_tiles) under the kernels' calling convention: no qpos, window or
     ring; those keywords are ignored."""
@@ -116,12 +127,15 @@ def _canvas_only_ok(q, causal: bool) -> bool:
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
-              n_ring=0, base_pos=0, nlive=None):
+              n_ring=0, base_pos=0, nlive=None, ring_length=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'.
     A kernel that fails outside graph capture is noted (with a warning, once) and the next in _FALLBACK runs
-    from then on: never wrong, only slower."""
+    from then on: never wrong, only slower. ring_length: a sliding canvas over the ring's live window (see
+    attention_flash); the flash kernel visits only those keys, the other paths get its mask (ring_window_kpos)."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
+    if ring_length is not None and (kpos is not None or causal or nlive is not None):
+        raise ValueError("attention: ring_length is for a sliding canvas call without kpos or nlive")
     if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal):  # the GEMM forms serve the canvas on CUDA only
         impl = None
     if impl is None:
@@ -133,6 +147,10 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
             impl = _FALLBACK[impl]
             continue
         try:
+            if ring_length is not None and impl == "triton":
+                return attention_flash(q, k, v, None, n_keys, n_ring=n_ring, ring_length=ring_length, **kw)
+            if ring_length is not None:
+                kpos, ring_length = ring_window_kpos(n_ring, n_keys, ring_length, window), None
             return _KERNELS[impl](q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
         except Exception as e:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -145,7 +163,9 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
             impl = _FALLBACK[impl]
     if impl == "sdpa" and not q.is_cuda:
         impl = "ref"
-    if kpos is None:  # the twins take an explicit mask
+    if ring_length is not None:
+        kpos = ring_window_kpos(n_ring, n_keys, ring_length, window)
+    elif kpos is None:  # the twins take an explicit mask
         kpos = _all_visible(n_keys, nlive, q.device)
     fn = {"sdpa": attention_sdpa, "ref": attention_ref}[impl]
     return fn(q, k, v, kpos, n_keys, **kw)

@@ -40,12 +40,18 @@ NO_WINDOW = 1 << 30
 if HAVE_TRITON:
 
     @triton.jit
-    def _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, n_keys, window, dq, dcols,
-                     HD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, KPOS: tl.constexpr):
+    def _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, n_keys, window, dq, dcols, first, n_live, n_ring,
+                     HD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, KPOS: tl.constexpr,
+                     LIVE: tl.constexpr = False):
         LOG2E: tl.constexpr = 1.4426950408889634
         keys = n0 + tl.arange(0, BN)
         key_in = keys < n_keys
-        k = tl.load(kb + keys[:, None].to(tl.int64) * HD + dq[None, :], mask=key_in[:, None], other=0.0)
+        rows = keys
+        if LIVE:  # key i < n_live: ring slot (first + i) mod n_ring; past them the canvas rows from n_ring on
+            slot = first + keys
+            slot = tl.where(slot >= n_ring, slot - n_ring, slot)
+            rows = tl.where(keys < n_live, slot, n_ring + keys - n_live)
+        k = tl.load(kb + rows[:, None].to(tl.int64) * HD + dq[None, :], mask=key_in[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
         if KPOS:
             kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
@@ -63,7 +69,7 @@ if HAVE_TRITON:
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # p = 0 on masked keys, but 0·NaN would not be: masked V rows are not read
-        v = tl.load(vb + keys[:, None].to(tl.int64) * HD + dcols[None, :], mask=v_ok[:, None], other=0.0)
+        v = tl.load(vb + rows[:, None].to(tl.int64) * HD + dcols[None, :], mask=v_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
 
@@ -72,7 +78,7 @@ if HAVE_TRITON:
                       n_q, n_keys, k_head_stride, window, n_ring, base_pos, split_len,
                       G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr,
-                      KPOS: tl.constexpr):
+                      KPOS: tl.constexpr, LIVE: tl.constexpr = False):
         NDH: tl.constexpr = HD // BD
         g = tl.program_id(1)
         split = tl.program_id(2) // NDH
@@ -102,21 +108,29 @@ if HAVE_TRITON:
                 ring_hi = tl.where(first < base_pos, n_ring, 0)
                 for n0 in range(0, ring_hi, BN):
                     m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr,
-                                                 tl.minimum(n_keys, n_ring), window, dq, dcols, HD, BN, CAUSAL, KPOS)
+                                                 tl.minimum(n_keys, n_ring), window, dq, dcols, 0, 0, 0,
+                                                 HD, BN, CAUSAL, KPOS)
             lo = n_ring + tl.maximum(first - base_pos, 0)
             hi = tl.minimum(n_keys, n_ring + qmax + 1 - base_pos)
             for n0 in range(lo, hi, BN):
                 m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
-                                             HD, BN, CAUSAL, KPOS)
+                                             0, 0, 0, HD, BN, CAUSAL, KPOS)
         else:
             hi = n_keys
-            if HAS_NLIVE:  # a device-side bound (CUDA graphs): keys past it are never visible
+            first = 0
+            n_live = 0
+            if LIVE:  # nlive is the cache's length L: the ring's keys are its last window-1 positions, in order
+                length = tl.load(nlive_ptr).to(tl.int32)
+                n_live = tl.minimum(length, window - 1)
+                first = tl.maximum(length - (window - 1), 0) % n_ring
+                hi = n_live + n_keys - n_ring
+            elif HAS_NLIVE:  # a device-side bound (CUDA graphs): keys past it are never visible
                 hi = tl.minimum(n_keys, tl.load(nlive_ptr).to(tl.int32))
             lo = split * split_len
             hi = tl.minimum(hi, lo + split_len)
             for n0 in range(lo, hi, BN):
                 m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, t, kb, vb, kpos_ptr, hi, window, dq, dcols,
-                                             HD, BN, CAUSAL, KPOS)
+                                             first, n_live, n_ring, HD, BN, CAUSAL, KPOS, LIVE)
         if SPLIT:  # unnormalised partials; the merge rescales them
             RT = R * tl.num_programs(1)  # rows of all heads
             pbase = split.to(tl.int64) * RT
@@ -195,13 +209,25 @@ def num_splits(n_keys: int, base_programs: int, BN: int, sm_count: int, waves: f
     return -(-n_keys // per), per
 
 
+def live_keys(n_keys: int, n_ring: int, window: int) -> int:
+    """The most keys a sliding canvas with ring_length visits: the ring's last window-1 positions, then the canvas."""
+    return min(n_ring, window - 1) + n_keys - n_ring
+
+
 def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
-                    n_ring=0, base_pos=0, nlive=None, splits=None, **cfg):
+                    n_ring=0, base_pos=0, nlive=None, splits=None, ring_length=None, **cfg):
     """The kernel (+ the merge when the canvas key range is split). `splits` overrides the split count
     (tests); cfg overrides the tile config. kpos=None (canvas only): every key below n_keys (and nlive) is
-    visible, so the kernel reads no per-key positions."""
+    visible, so the kernel reads no per-key positions. ring_length (a sliding layer's canvas, kpos=None): the
+    device scalar L of the cache; rows [0, n_ring) are a ring whose slot p % n_ring holds position p, and only
+    its last window-1 positions are keys, visited in position order and split as such (the ring's other slots
+    are neither read nor counted in a split), then rows [n_ring, n_keys), the canvas."""
     if kpos is None and causal:
         raise ValueError("attention_flash: kpos=None (every key visible) is for the bidirectional canvas, not causal")
+    live = ring_length is not None
+    if live and (kpos is not None or causal or nlive is not None or not 0 < n_ring <= n_keys or window >= NO_WINDOW):
+        raise ValueError("attention_flash: ring_length is for a sliding canvas: kpos and nlive None, not causal, "
+                         f"0 < n_ring <= n_keys and a window (got n_ring {n_ring}, n_keys {n_keys}, window {window})")
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
@@ -210,13 +236,14 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     G = H // KV
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     row_blocks = triton.cdiv(G * n, BM)
-    if causal or n_keys == 0:
-        S, per = 1, max(n_keys, 1)
+    visited = live_keys(n_keys, n_ring, window) if live else n_keys  # the keys the splits divide
+    if causal or visited == 0:
+        S, per = 1, max(visited, 1)
     elif splits is not None:
-        per = -(-(-(-n_keys // splits)) // BN) * BN
-        S = -(-n_keys // per)
+        per = -(-(-(-visited // splits)) // BN) * BN
+        S = -(-visited // per)
     else:
-        S, per = num_splits(n_keys, row_blocks * KV * (d // BD), BN,
+        S, per = num_splits(visited, row_blocks * KV * (d // BD), BN,
                             _sm_count(q.device.index or 0) if q.is_cuda else 132, c["waves"])
     if S > 1:
         po = torch.empty(S, H * n, d, dtype=torch.float32, device=q.device)
@@ -225,10 +252,11 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
         po = pml = out  # unused
     grid = (row_blocks, KV, S * (d // BD))
     kp = kpos if kpos is not None else k  # a pointer the kernel never reads when KPOS is off
-    _flash_kernel[grid](q, k, v, kp, qpos if causal else kp, nlive if nlive is not None else kp, out, po, pml,
+    bound = ring_length if live else nlive
+    _flash_kernel[grid](q, k, v, kp, qpos if causal else kp, bound if bound is not None else kp, out, po, pml,
                         n, n_keys, k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos), per,
                         G=G, HD=d, BD=BD, BM=BM, BN=BN, CAUSAL=causal, HAS_NLIVE=nlive is not None, SPLIT=S > 1,
-                        RING=bool(causal and n_ring > 0), KPOS=kpos is not None,
+                        RING=bool(causal and n_ring > 0), KPOS=kpos is not None, LIVE=live,
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if S > 1:
         combine_partials(po, pml, out, n)
