@@ -65,3 +65,30 @@ def test_kv_hashes_are_kept_per_platform_and_added_only_for_the_same_run():
     third["a"]["tokens"][2] = 9
     with pytest.raises(CheckpointError, match="tokens differ"):
         golden.add_platform(both, third)
+
+
+def test_an_unblessed_platform_passes_on_its_kv_statistics_only_within_tolerance():
+    """Another CPU's KV bits (a hash not listed) pass when tokens, steps and stops match and the KV statistics lie
+    within KV_RTOL; they are reported as unpinned. Statistics further off, or a fixture without them, fail."""
+    base = {"a": {"tokens": [1, 2, 3], "text": "x", "steps_per_block": [2], "stop_reasons": ["confident"],
+                  "retries": 0, "kv_sha256": ["00"], "kv_stats": [[10.0, 2.0], [5.0, 1.0]]}}
+    near = json.loads(json.dumps(base))
+    near["a"]["kv_sha256"] = "11"
+    near["a"]["kv_stats"][1][0] *= 1 + golden.KV_RTOL / 4
+    assert golden.diff(base, near) == [] and golden.unpinned(base, near) == ["a"]
+    same = json.loads(json.dumps(near))
+    same["a"]["kv_sha256"] = "00"
+    assert golden.unpinned(base, same) == []
+    far = json.loads(json.dumps(near))
+    far["a"]["kv_stats"][1][0] *= 1 + 4 * golden.KV_RTOL
+    assert any("not within" in line for line in golden.diff(base, far))
+    short = json.loads(json.dumps(near))
+    short["a"]["kv_stats"] = short["a"]["kv_stats"][:1]
+    assert golden.diff(base, short)
+    bare = json.loads(json.dumps(base))
+    del bare["a"]["kv_stats"]
+    assert golden.diff(bare, near)  # nothing to compare against: the hash must match
+    changed = json.loads(json.dumps(near))
+    changed["a"]["tokens"][0] = 7
+    assert any("tokens differ" in line for line in golden.diff(base, changed))
+    assert golden.add_platform(base, near)["a"]["kv_sha256"] == ["00", "11"]

@@ -276,6 +276,11 @@ def cmd_golden(args) -> int:
     problems = golden.diff(expected, results)
     for line in problems:
         print(line)
+    failed = {p.split(':')[0] for p in problems}
+    loose = [name for name in golden.unpinned(expected, results) if name not in failed]
+    if loose:
+        print(f"golden: this platform's KV bits are not pinned for {len(loose)} case(s) (tokens, steps and stops "
+              f"identical, KV statistics within {golden.KV_RTOL:g}); `diffgemma golden --add-platform` pins them")
     print(f"golden: {len(results) - len({p.split(':')[0] for p in problems})} passed, "
           f"{len({p.split(':')[0] for p in problems})} failed")
     return 1 if problems else 0

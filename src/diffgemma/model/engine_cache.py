@@ -102,11 +102,14 @@ class EngineKVCache:
             return self.keys[layer][:, s], self.values[layer][:, s]
         return self.keys[layer][:, : self.length], self.values[layer][:, : self.length]
 
+    def live_kv(self) -> list[torch.Tensor]:
+        """The live K and V of every layer (what later forwards can read), position-ordered: K0, V0, K1, ..."""
+        return [t for layer in range(len(self.keys)) for t in self.visible(layer)]
+
     def fingerprint(self) -> str:
-        """sha256 over the live KV (what later forwards can read), position-ordered, as f32 bytes."""
+        """sha256 over the live KV, as f32 bytes."""
         h = hashlib.sha256()
         h.update(str(self.length).encode())
-        for layer in range(len(self.keys)):
-            for t in self.visible(layer):
-                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        for t in self.live_kv():
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()

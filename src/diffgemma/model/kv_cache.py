@@ -55,11 +55,14 @@ class ReferenceKVCache:
             k, v = k[:, max(0, k.shape[1] - keep):], v[:, max(0, v.shape[1] - keep):]
         return k, v
 
+    def live_kv(self) -> list[torch.Tensor]:
+        """The live K and V of every layer (what later forwards can read), position-ordered: K0, V0, K1, ..."""
+        return [t for layer in range(len(self.keys)) for t in self.visible(layer, for_denoise=True)]
+
     def fingerprint(self) -> str:
-        """sha256 over the live KV (what later forwards can read), position-ordered, as f32 bytes."""
+        """sha256 over the live KV, as f32 bytes."""
         h = hashlib.sha256()
         h.update(str(self.length).encode())
-        for layer in range(len(self.keys)):
-            for t in self.visible(layer, for_denoise=True):
-                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        for t in self.live_kv():
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()
