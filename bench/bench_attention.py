@@ -11,7 +11,8 @@ reported as WRONG and not timed), then timed:
       (the engine replays the whole denoise step as a graph);
   causal (prefill) chunks: eager calls between CUDA events after one warm-up, median of `--reps-causal`.
 Shapes (16 query heads, f16 K/V and q, bf16 out, scale 1): the sliding canvas (hd 256, 8 KV heads,
-ring 1279 + canvas 256 rows, the live window of 1023 ring slots visible), the full canvas (hd 512,
+ring 1279 + canvas 256 rows, the live window of 1023 ring slots visible; "flash_live" visits only those,
+the engine's call), the full canvas (hd 512,
 2 KV heads) over the 1k / 8k / 32k buckets + 256 canvas rows, and an 8192-query prefill chunk at
 positions 0 and 24576 for both layer kinds (sliding: window 1024 over the ring then the chunk).
 Results stream to --json as one JSON object per line (so a run cut short keeps what it measured);
@@ -58,12 +59,14 @@ def canvas_case(name, d, KV, n_ctx, sliding, dev, live=None):
         live = (slot_pos >= 0) & (slot_pos > L - W)
         kpos = torch.cat([torch.where(live, 0, -1), torch.zeros(C, dtype=torch.int64, device=dev)])
         nlive = None
+        length = torch.tensor(L, device=dev)  # the engine's call since round 21: the ring's live window only
     else:
         n_live = rows if live is None else live + C
         kpos = torch.where(torch.arange(rows, device=dev) < n_live, 0, -1)  # rows past n_live: the bucket's padding
         nlive = torch.tensor(n_live, device=dev)
+        length = None
     return dict(name=name, d=d, KV=KV, causal=False, sets=sets, kpos=kpos, n_keys=rows, nlive=nlive,
-                qpos=None, window=A.NO_WINDOW, n_ring=0, base_pos=0, queries=C)
+                qpos=None, window=A.NO_WINDOW, n_ring=0, base_pos=0, queries=C, length=length)
 
 
 def causal_case(name, d, KV, n, P, sliding, dev):
@@ -99,6 +102,9 @@ def call(case, impl, cfg, i):
         kpos = case["kpos"] if case["nlive"] is None else None
         return AT.attention_tiles(q, k, v, case["n_keys"], kpos=kpos, nlive=case["nlive"], out_dtype=torch.bfloat16,
                                   **cfg)
+    if impl == "flash_live":  # the sliding canvas over the ring's live window (ring_length), no per-key positions
+        return F.attention_flash(q, k, v, None, case["n_keys"], window=W, n_ring=RING, ring_length=case["length"],
+                                 out_dtype=torch.bfloat16, **cfg)
     hints = dict(n_ring=case["n_ring"], base_pos=case["base_pos"], nlive=case["nlive"])
     kpos = None if impl == "flash_nokpos" else case["kpos"]  # the engine's full-layer canvas call (every row a key)
     return F.attention_flash(q, k, v, kpos, case["n_keys"], **kw, **hints, **cfg)
@@ -147,8 +153,8 @@ def variants(case):
     if d >= 512 and not causal:  # the engine's full-canvas call: the flash kernel without positions vs the GEMMs
         out = [("flash_nokpos", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {}), ("tiles", dict(tma=False)),
                ("tiles", dict(tile=64))]
-    elif not causal:
-        out = [("flash", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {})]
+    elif not causal:  # the sliding canvas: the engine's call (live window), the per-key mask over every ring slot
+        out = [("flash_live", {}), ("flash", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {})]
     if d >= 512 and causal:
         cfgs = [dict(BM=64, BN=16, BD=512, num_warps=8, num_stages=2),
                 dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2),
@@ -174,6 +180,8 @@ def variants(case):
             out += [("flash", {})] + [("flash_nokpos", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
             out += [("flash_nokpos", dict(c, waves=w)) for c in cfgs for w in (1, 2)]
         out += [("flash", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
+        if d < 512:
+            out += [("flash_live", dict(c, waves=w)) for c in cfgs for w in waves]
         return out + [("flash", dict(c, waves=w)) for c in cfgs for w in waves]
     return out + [("flash", c) for c in cfgs]
 

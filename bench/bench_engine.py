@@ -62,6 +62,7 @@ AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                ("sc_by_address", False, "sc_copy"),  # the SC logits copied into the graph's buffer each step
                ("router_gemm", "cublas", "router_cublas"),  # the router logits from cuBLAS's f32 GEMM (round 18's)
                ("fuse_glu", False, "glu_after"),  # gelu·up as its own kernel after the expert gate_up GEMM
+               ("sliding_live_window", False, "slide_mask"),  # the sliding canvas over every ring slot, per-key mask
                ("dense_sm_carveout", 8, "carve8"), ("dense_sm_carveout", 24, "carve24"),
                # the bf16x3 router GEMM's (BM, K slice, BK, warps, stages): 16 / 176 / 22 programs at the denoise shape
                ("router_gemm_config", (64, 704, 64, 4, 3), "rg16"), ("router_gemm_config", (32, 128, 64, 4, 3), "rg176"),

@@ -1,6 +1,7 @@
 """Probe: where one graphed denoise step's GPU time goes, kernel by kernel (full size, random weights, one GPU).
 
-    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--json out.json]
+    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--sequence N]
+                                              [--json out.json]
 
 Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
 captures the denoise step (SC from logits, or with --sc embeds from SC embeddings as generate calls it) and profiles a few graph replays with
@@ -121,6 +122,22 @@ def idle_report(trace: str, n: int, top: int = 14) -> dict:
     return {"idle_ms": idle_us / n / 1e3, "pairs": {k: {"us": v[0] / n, "count": v[1] / n} for k, v in pairs.items()}}
 
 
+def sequence_report(trace: str, first: int) -> list:
+    """The first kernels of the last profiled replay in launch order (start offset, duration, name): what the step
+    does before its first layer's GEMM, where a few microseconds each add up."""
+    ev = sorted((e for e in json.loads(Path(trace).read_text())["traceEvents"]
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    starts = [0] + [i for i in range(1, len(ev)) if ev[i]["ts"] - max(e["ts"] + e["dur"] for e in ev[max(0, i - 8):i]) > 200]
+    last = ev[starts[-1]:][:first]
+    t0 = last[0]["ts"] if last else 0
+    print(f"  the first {len(last)} kernels of the last replay (start µs, duration µs, family, name):")
+    rows = []
+    for e in last:
+        rows.append({"start_us": e["ts"] - t0, "us": e["dur"], "name": e["name"]})
+        print(f"    {e['ts'] - t0:8.1f} {e['dur']:7.2f}  {family(e['name'])[:22]:22s} {e['name'][:90]}")
+    return rows
+
+
 def read_bandwidth() -> dict:
     """What this GPU's memory gives a plain streaming read and a copy (the roofline's B/s, measured here)."""
     x = torch.empty(2 * 2**30, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
@@ -142,6 +159,7 @@ def main():
     ap.add_argument("--sc", choices=("logits", "embeds"), default="logits",
                     help="the step from SC logits (the exact product in the graph) or from SC embeddings (generate's call)")
     ap.add_argument("--idle", action="store_true", help="also report the GPU's idle intervals between kernels")
+    ap.add_argument("--sequence", type=int, default=0, help="also list this many of a replay's first kernels in order")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_step.py needs a CUDA GPU")
@@ -170,11 +188,13 @@ def main():
 
             step()  # capture
             ms = statistics.median(B.time_cuda(step, reps=10, warmup=2))
-            trace = f"/tmp/probe_step_{T}.json" if a.idle else None
+            trace = f"/tmp/probe_step_{T}.json" if a.idle or a.sequence else None
             wall, per_name = profile_replays(step, a.replays, trace)
             out["ctx"][T] = report(f"{'q4' if a.q4 else 'bf16'} context {T}, SC {a.sc}", wall, ms, per_name)
-            if trace:
+            if a.idle:
                 out["ctx"][T]["idle"] = idle_report(trace, a.replays)
+            if a.sequence:
+                out["ctx"][T]["sequence"] = sequence_report(trace, a.sequence)
             del cache
             eng._graphs.clear()
             torch.cuda.empty_cache()

@@ -112,6 +112,35 @@ def test_truncate_then_reprefill_matches_straight_prefill(ref):
     assert torch.equal(eng.denoise(rewound, canvas), eng.denoise(straight, canvas))
 
 
+def test_live_window_mask_is_the_slot_positions_mask(ref):
+    """The sliding canvas's live window (attention's ring_length: slot arithmetic on the cache length) names the
+    same keys as the mask made from the cache's slot positions, through prefills that wrap the ring in and across
+    chunks, rewinds within the slack and re-prefills; and the two engine forms give the same logits."""
+    from diffgemma.ops.attention import ring_window_kpos
+
+    cfg = ref.config
+    eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32, prefill_chunk=5)
+    V, C, W = cfg.vocab_size, cfg.canvas_length, cfg.sliding_window
+    cache = eng.new_cache(256)
+    canvas = torch.randint(0, V, (C,))
+    checked = 0
+    for step in (["prefill", 1], ["prefill", W - 2], ["prefill", 3], ["rewind", 2], ["prefill", 2 * W + 1],
+                 ["rewind", cache.slack], ["prefill", W], ["rewind", cache.length]):
+        op, n = step
+        if op == "prefill":
+            eng.prefill(cache, torch.randint(0, V, (n,)))
+        else:
+            cache.truncate(cache.length - n)
+        assert torch.equal(ring_window_kpos(cache.ring, cache.ring + C, cache.length_t, W), eng._slide_kpos(cache, C))
+        if cache.length:
+            eng.sliding_live_window = False
+            masked = eng.denoise(cache, canvas)
+            eng.sliding_live_window = True
+            assert torch.equal(eng.denoise(cache, canvas), masked)
+        checked += 1
+    assert checked == 8
+
+
 def test_truncate_deeper_than_ring_is_an_error(ref):
     cfg = ref.config
     eng = Engine.from_reference(ref, dtype=torch.float32)

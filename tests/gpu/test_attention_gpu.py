@@ -69,6 +69,26 @@ def test_canvas_sliding_real_shape():
     assert rel(got, exp) < 1e-2
 
 
+@pytest.mark.parametrize("L", [0, 700, 1023, 1279, "random"])
+def test_canvas_sliding_live_window_real_shape(L):
+    """The engine's sliding canvas call (ring_length): only the ring's last 1023 positions and the canvas are
+    keys. Against the twin with the slot-position mask; every other ring slot NaN (never read); an empty ring,
+    a partly written one, exactly the window, exactly full, and a long wrapped context."""
+    L = int(torch.randint(5000, 40000, ())) if L == "random" else L
+    q, k, v = qkv(8, C, RING + C + 32, 256)
+    sp = ring_positions(L)
+    kpos = torch.cat([torch.where((sp >= 0) & (sp > L - W), 0, -1), torch.zeros(C, dtype=torch.int64, device=DEV)])
+    n_keys = RING + C
+    k[:, n_keys:] = float("nan")
+    k[:, :n_keys][:, kpos < 0] = v[:, :n_keys][:, kpos < 0] = float("nan")
+    length = torch.tensor(L, device=DEV)
+    got = fl.attention_flash(q, k, v, None, n_keys, window=W, n_ring=RING, ring_length=length, out_dtype=torch.bfloat16)
+    exp = attn.attention_ref(q, k, v, kpos, n_keys, out_dtype=torch.float32)
+    assert not torch.isnan(got).any()
+    assert rel(got, exp) < 1e-2
+    assert torch.equal(attn.ring_window_kpos(RING, n_keys, length, W), kpos)
+
+
 @pytest.mark.parametrize("bucket", [1024, 8192, 32768])
 def test_canvas_full_real_shape_padded_bucket(bucket):
     """A graph bucket with nlive < key_rows: the padding rows are NaN and the splits past nlive are empty."""

@@ -182,6 +182,39 @@ def test_router_side_stream_gives_the_same_bits():
     assert torch.backends.cuda.preferred_blas_library() == blas
 
 
+def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
+    """Every sliding canvas call of an eager denoise, after a long wrapped prefill and again after a rewind within the
+    ring's slack: the engine's live-window call (ring_length) against the same q, K and V under the per-key mask of the
+    cache's slot positions (Engine._slide_kpos). The same keys in another order: equal to the bf16 output's rounding.
+    (The logits of the two forms are not compared: a random model's near-tied routing turns rounding into flips.)"""
+    import diffgemma.model.engine as engine_module
+
+    cfg = make_config(MID, 64)
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
+    eng.use_graphs = False
+    V, W = cfg.vocab_size, cfg.sliding_window
+    cache = eng.new_cache(4 * W + 128)
+    real, errors = engine_module.attention, []
+
+    def both(q, k, v, kpos, n_keys, ring_length=None, **kw):
+        out = real(q, k, v, kpos, n_keys, ring_length=ring_length, **kw)
+        if ring_length is not None:
+            masked = real(q, k, v, eng._slide_kpos(cache, q.shape[1]), n_keys, out_dtype=kw["out_dtype"], impl=kw["impl"])
+            errors.append(rel(out, masked))
+        return out
+
+    monkeypatch.setattr(engine_module, "attention", both)
+    eng.prefill(cache, torch.randint(0, V, (3 * W + 37,), device=DEV))
+    ids = torch.randint(0, V, (64,), device=DEV)
+    eng.denoise(cache, ids)
+    cache.truncate(cache.length - 29)
+    eng.denoise(cache, ids)
+    sliding = sum(layer.is_sliding for layer in cfg.layers)
+    print(f"\n[live window vs slot mask, {len(errors)} sliding calls] max rel err {max(errors):.2e}")
+    assert len(errors) == 2 * sliding and max(errors) < 4e-3
+
+
 def test_dense_carveout_changes_the_kernel_not_the_result():
     """The dense MLP's GEMMs with SMs left free (cuBLASLt, a lower SM target) against plain cuBLAS: the same product
     to bf16 rounding, and the process's cuBLAS settings restored after the block."""
