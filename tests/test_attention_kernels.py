@@ -125,10 +125,13 @@ def test_canvas_live_window(L, splits):
 
 def test_live_window_splits_divide_only_the_visited_keys():
     """The split count and length come from the keys a live-window call visits (window-1 + canvas), not the
-    ring's rows: at the real shape 1279 keys in 4 slices of 320 instead of 1535 in 4 of 384."""
+    ring's rows: at the real shape (16 heads on 8 KV heads, 256 canvas rows, the sliding config) 1279 keys."""
     assert fl.live_keys(1535, 1279, 1024) == 1279
-    assert fl.num_splits(fl.live_keys(1535, 1279, 1024), 32, 64, 132, 1) == (4, 320)
-    assert fl.num_splits(1535, 32, 64, 132, 1) == (4, 384)
+    c = fl.flash_config(256, False, live=True)
+    base = -(-2 * 256 // c["BM"]) * 8 * (256 // c["BD"])
+    S, per = fl.num_splits(fl.live_keys(1535, 1279, 1024), base, c["BN"], 132, c["waves"])
+    assert per % c["BN"] == 0 and S * per >= 1279 and (S - 1) * per < 1279
+    assert per < fl.num_splits(1535, base, c["BN"], 132, c["waves"])[1]  # shorter slices than over every ring row
     q, k, v = qkv(4, 2, 8, 24, 32)
     for bad in (dict(kpos=torch.zeros(20, dtype=torch.int64)), dict(causal=True, qpos=torch.arange(8)),
                 dict(nlive=torch.tensor(3)), dict(n_ring=0), dict(window=fl.NO_WINDOW)):

@@ -173,13 +173,16 @@ def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
 
 
-def flash_config(d: int, causal: bool, n_keys: int = 0) -> dict:
+def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> dict:
     """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
     columns per program; waves = programs per SM the canvas split aims at (0 = never split).
 
     The fastest of a sweep on the H200 (bench/bench_attention.py at commit 8f24671), each also
     compiled offline with Triton 3.6 for sm_90 and read back with no spills, under 227 KB of shared memory:
-      canvas hd 256 (1535 keys): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs (SDPA 103.5);
+      canvas hd 256 over the ring's live window (live: 1279 keys; round 21's sweep of 64 configs, with the merge):
+          BM 64, BN 64, 4 warps, 3 stages, 2 splits 25.2 µs against 27.1 for the per-key-mask call's config;
+      canvas hd 256 with the per-key mask (1535 ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs
+          (SDPA 103.5; the live window's config takes 43.5 µs here);
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps: 67.2 / 362 / 1320 µs at
           1k / 8k / 32k keys (SDPA 165 / 936 / 3554); one wave of splits up to 4k keys, two above
           (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs); without per-key positions (kpos=None, the engine's
@@ -194,6 +197,8 @@ def flash_config(d: int, causal: bool, n_keys: int = 0) -> dict:
         return dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2, waves=2 if n_keys > 4096 + 256 else 1)
     if causal:
         return dict(BM=64, BN=32, BD=d, num_warps=4, num_stages=2, waves=0)
+    if live:
+        return dict(BM=64, BN=64, BD=d, num_warps=4, num_stages=3, waves=1)
     return dict(BM=128, BN=64, BD=d, num_warps=8, num_stages=2, waves=1)
 
 
@@ -231,7 +236,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
-    c = dict(flash_config(d, causal, n_keys), **cfg)
+    c = dict(flash_config(d, causal, n_keys, live=ring_length is not None), **cfg)
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
     G = H // KV
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
