@@ -139,6 +139,10 @@ def test_live_window_splits_divide_only_the_visited_keys():
         kw.update(bad)
         with pytest.raises(ValueError, match="ring_length|not causal"):
             fl.attention_flash(q, k, v, kw.pop("kpos"), 20, **kw)
+        kw = dict(kpos=None, window=9, n_ring=12, ring_length=torch.tensor(5))
+        kw.update(bad)
+        with pytest.raises(ValueError, match="ring_length|not causal"):  # the dispatcher refuses it, not a fallback
+            attn.attention(q, k, v, kw.pop("kpos"), 20, impl="triton", **kw)
 
 
 def test_num_splits_is_static_and_covers():
