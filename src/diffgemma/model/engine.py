@@ -373,7 +373,9 @@ class Engine:
             x = rms_norm(x, None, eps)
 
         R = cache.ring
+        # sliding canvas calls: the ring's live window from the cache length, or (A/B) the slot positions' mask
         slide_kpos = None if self.sliding_live_window else self._slide_kpos(cache, C)
+        slide_kw = dict(window=W, n_ring=R, ring_length=L) if self.sliding_live_window else {}
         nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
         ring_canvas_slots = R + ar
 
@@ -381,10 +383,8 @@ class Engine:
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
-                if self.sliding_live_window:
-                    return attention(q, K, V, None, R + C, window=W, n_ring=R, ring_length=L, out_dtype=self.dtype,
-                                     impl=self._attn_impl(True, False))
-                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False))
+                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False),
+                                 **slide_kw)
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
             return attention(q, K, V, None, key_rows, out_dtype=self.dtype,

@@ -35,12 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import use_triton
-from .attention_flash import attention_flash
+from .attention_flash import NO_WINDOW, attention_flash, check_ring_length
 from .attention_gemm import attention_gemm
 from .attention_tiles import attention_tiles
-
-
-NO_WINDOW = 1 << 30
 
 
 def _mask(kpos, qpos, window, causal, rows):
@@ -134,10 +131,8 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
     attention_flash); the flash kernel visits only those keys, the other paths get its mask (ring_window_kpos)."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
-    if ring_length is not None and (kpos is not None or causal or nlive is not None or not 0 < n_ring <= n_keys
-                                    or window >= NO_WINDOW):
-        raise ValueError("attention: ring_length is for a sliding canvas call: kpos and nlive None, not causal, "
-                         f"0 < n_ring <= n_keys and a window (got n_ring {n_ring}, n_keys {n_keys}, window {window})")
+    if ring_length is not None:  # refused here, not taken for a kernel failure below
+        check_ring_length("attention", kpos, causal, nlive, n_ring, n_keys, window)
     if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal):  # the GEMM forms serve the canvas on CUDA only
         impl = None
     if impl is None:

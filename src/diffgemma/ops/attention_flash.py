@@ -214,6 +214,13 @@ def num_splits(n_keys: int, base_programs: int, BN: int, sm_count: int, waves: f
     return -(-n_keys // per), per
 
 
+def check_ring_length(who: str, kpos, causal: bool, nlive, n_ring: int, n_keys: int, window: int) -> None:
+    """A ring_length call is a sliding canvas: no per-key mask, no nlive bound, not causal, a ring and a window."""
+    if kpos is not None or causal or nlive is not None or not 0 < n_ring <= n_keys or window >= NO_WINDOW:
+        raise ValueError(f"{who}: ring_length is for a sliding canvas: kpos and nlive None, not causal, 0 < n_ring <= "
+                         f"n_keys and a window (got n_ring {n_ring}, n_keys {n_keys}, window {window})")
+
+
 def live_keys(n_keys: int, n_ring: int, window: int) -> int:
     """The most keys a sliding canvas with ring_length visits: the ring's last window-1 positions, then the canvas."""
     return min(n_ring, window - 1) + n_keys - n_ring
@@ -230,9 +237,8 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     if kpos is None and causal:
         raise ValueError("attention_flash: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     live = ring_length is not None
-    if live and (kpos is not None or causal or nlive is not None or not 0 < n_ring <= n_keys or window >= NO_WINDOW):
-        raise ValueError("attention_flash: ring_length is for a sliding canvas: kpos and nlive None, not causal, "
-                         f"0 < n_ring <= n_keys and a window (got n_ring {n_ring}, n_keys {n_keys}, window {window})")
+    if live:
+        check_ring_length("attention_flash", kpos, causal, nlive, n_ring, n_keys, window)
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
