@@ -10,7 +10,9 @@ output would in the engine. What is timed (round 13, bench/RESULTS.md):
   qkv_prep           one program per (token, head), as before round 13 (heads_per_program=1), against the
                      default (2048 values a program); the sliding (hd 256, 16 + 8 + 8 heads) and full (hd 512,
                      16 + 2 heads, V read from K's columns) layers, 256 canvas rows and an 8192-row prefill chunk
-  tempered_rowstats  8 warps a program (before round 13) against the default 4, at [256, 262144] f32
+  sampler passes     at [256, 262144]: the row stats and the counted probabilities from raw bf16 logits through
+                     the tempered table (generate's step), the table's kernel, the row stats of f32 logits at a
+                     step temperature and at T = 1 (round 22 replaced the per-block reductions: RESULTS round 22)
 """
 
 from __future__ import annotations
@@ -60,13 +62,26 @@ def bench_qkv_prep(reps: int) -> dict:
 
 
 def bench_rowstats(reps: int) -> dict:
-    logits = torch.tanh(torch.randn(256, 262144, device="cuda") * 0.5) * 30
-    temp = 0.6083333492279053
-    row = {f"warps_{w}": timed(lambda w=w: rowstats.tempered_rowstats_triton(logits, temp, num_warps=w), reps)
-           for w in (8, 4)}
-    gbps = {k: logits.numel() * 4 / v / 1e3 for k, v in row.items()}
-    print("tempered_rowstats [256, 262144] f32: " + ", ".join(f"{k} {v:.1f} µs ({gbps[k]:.0f} GB/s)"
-                                                              for k, v in row.items()), flush=True)
+    """The sampler's passes as generate runs them (raw bf16 logits, softcap 30, z from the tempered table), the
+    table itself, and the row stats over f32 logits at a step temperature and at T = 1 (the forward's SC softmax)."""
+    dev = "cuda"
+    raw = (torch.randn(256, 262144, device=dev) * 3).to(torch.bfloat16)
+    logits = torch.tanh(torch.randn(256, 262144, device=dev) * 0.5) * 30
+    temp, cap = 0.6083333492279053, 30.0
+    table = rowstats.tempered_table(cap, temp, raw)
+    stats = rowstats.tempered_rowstats_triton(raw, temp, cap=cap)
+    thr = stats[2] - 10.0
+    probs = torch.empty(256, 262144, device=dev, dtype=torch.bfloat16)
+    row = {
+        "rowstats_raw": timed(lambda: rowstats.tempered_rowstats_triton(raw, temp, cap=cap), reps),
+        "counted_probs_raw": timed(lambda: rowstats.tempered_masked_probs_triton(
+            raw, temp, thr, stats[3], torch.bfloat16, count=True, out=probs, cap=cap), reps),
+        "tempered_table": timed(lambda: rowstats._tempered_table_kernel[(64,)](
+            rowstats.softcap_table(cap, raw), table, temp, BLOCK=1024, num_warps=4), reps),
+        "rowstats_f32": timed(lambda: rowstats.tempered_rowstats_triton(logits, temp), reps),
+        "rowstats_f32_t1": timed(lambda: rowstats.tempered_rowstats_triton(logits, 1.0), reps),
+    }
+    print("sampler passes at [256, 262144]: " + ", ".join(f"{k} {v:.1f} µs" for k, v in row.items()), flush=True)
     return row
 
 

@@ -204,6 +204,57 @@ def test_row_passes_softcap_raw_logits_as_they_read_them(segment):
                        rowstats.tempered_masked_probs_ref(ref, temp, thr, want[3], torch.float32))
 
 
+def test_tempered_table_is_the_softcap_table_divided_and_kept_for_one_temperature():
+    """Each entry is the correctly rounded quotient softcap(pattern) / T (what the passes formed per value before the
+    table); a repeat call at the same T returns the kept table, another T makes a new one."""
+    cap = random.choice([30.0, 15.0])
+    raw = torch.randn(2, 64).to(torch.bfloat16)
+    t1, t2 = (temperature_value(random.randint(1, 48), 48, 0.4, 0.8) for _ in range(2))
+    t2 = t2 if t2 != t1 else t1 * 0.5
+    soft = rowstats.softcap_table(cap, raw)
+    a = rowstats.tempered_table(cap, t1, raw)
+    torch.testing.assert_close(a, soft / torch.tensor(t1), rtol=0, atol=0, equal_nan=True)
+    assert rowstats.tempered_table(cap, t1, raw) is a
+    b = rowstats.tempered_table(cap, t2, raw)
+    assert b is not a
+    torch.testing.assert_close(b, soft / torch.tensor(t2), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("unit_temp", [False, True])
+def test_row_stats_on_whole_segments_match_the_twin_and_the_masked_form(unit_temp):
+    """A vocabulary that is a whole number of segments takes the row-stats kernel's unmasked form (the full-size
+    shape); it gives the masked form's argmax and row max exactly and its sums to float rounding, from f32 logits,
+    from raw logits through the table, and at T = 1 (no division in the pass: x / 1 is x)."""
+    vocab, block, segment, cap = 2048, 256, 512, 30.0
+    x = _logits(5, vocab)
+    x[3, 5] = x[3, 1900] = 40.0  # a tie across segments: the lower column
+    x[4, vocab - 1] = 45.0  # the max in the last block
+    temp = 1.0 if unit_temp else temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    whole = rowstats.tempered_rowstats_triton(x, temp, block=block, segment=segment)
+    ent, amax, rmax, lse = rowstats.tempered_rowstats_ref(x, temp)
+    assert torch.equal(whole[1], amax) and torch.equal(whole[2], rmax)
+    assert whole[1][3].item() == 5 and whole[1][4].item() == vocab - 1
+    assert (whole[0] - ent).abs().max() < 5e-5 and (whole[3] - lse).abs().max() < 1e-5
+    # one column short: the masked form, whose rows must not read into the next row (each row's own max at column 0)
+    y = _logits(5, vocab - 1)
+    y[:, 0] = 50.0
+    masked = rowstats.tempered_rowstats_triton(y, temp, block=block, segment=segment)
+    ref_m = rowstats.tempered_rowstats_ref(y, temp)
+    assert torch.equal(masked[1], ref_m[1]) and torch.equal(masked[2], ref_m[2])
+    assert (masked[0] - ref_m[0]).abs().max() < 5e-5 and (masked[3] - ref_m[3]).abs().max() < 1e-5
+    raw = (x * random.uniform(0.3, 1.5)).to(torch.bfloat16)
+    capped = rowstats.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
+    got = rowstats.tempered_rowstats_triton(raw, temp, block=block, segment=segment, cap=cap)
+    want = rowstats.tempered_rowstats_triton(capped, temp, block=block, segment=segment)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    thr = want[2] - random.uniform(1.0, 8.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = rowstats.tempered_masked_probs_triton(raw, temp, thr, want[3], dtype, cap=cap, block=block, segment=segment)
+        b = rowstats.tempered_masked_probs_ref(capped, temp, thr, want[3], dtype)
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        assert torch.equal(a == 0, b == 0) and ((a.float() - b.float()).abs() <= tol * b.float().abs() + 1e-30).all()
+
+
 def test_step_stats_and_sparse_sc_on_raw_logits_are_those_on_softcapped_logits(monkeypatch):
     """StepStats(raw, cap=) (what generate builds from the engine's denoise_raw) against StepStats(softcap(raw)):
     on the fused path (interpreted) every field, `processed`, the values at a gather and the sparse SC's count and

@@ -27,6 +27,7 @@ if HAVE_TRITON:
 # partial per segment and a small kernel combines them. A row of at most SEGMENT columns (the demo
 # model's 2048) is one segment, with the same arithmetic as one program per row.
 SEGMENT = 16384
+ROW_LANE = 8  # the row-stats pass's lanes: consecutive columns one thread reduces in registers (one 16-byte load)
 
 
 def _segments(n_cols: int, block: int, segment: int) -> tuple[int, int]:
@@ -137,14 +138,17 @@ def softcap_rowstats(raw, cap, inv_temp):
 # nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
 # `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
 #
-# cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass softcaps them as it reads
-# them, from a table of the softcap kernel's result for every 16-bit pattern (softcap_table): the values (so z, its
-# max, argmax and the survivors) have the bits of softcap(raw, cap) by construction, one cached load a value instead
-# of the formula's two divisions and an exp, and no f32 [R, V] tensor (at full size the softcap pass writes 256 MiB
-# and takes ~0.1 ms a step; the passes then read half the bytes). On the GPU the row sums (entropy, lse) may round
-# differently from the f32 input's: the compiler lays a 16-bit load out differently, and so orders the sums.
+# cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass reads z from a table of
+# 65536 f32 entries, one per 16-bit pattern: the softcap kernel's result for that pattern (softcap_table), divided by T
+# with the same correctly rounded division (tempered_table, made once per step's temperature). So the values (z, its
+# max, argmax and the survivors) have the bits of the f32 path by construction, a pass does one cached load a value
+# instead of the softcap's two divisions and an exp and z's division, and no f32 [R, V] tensor exists (at full size the
+# softcap pass writes 256 MiB and takes ~0.1 ms a step; the passes then read half the bytes). On the GPU the row sums
+# (entropy, lse) may round differently from the f32 input's: the compiler lays a 16-bit load out differently, and so
+# orders the sums.
 
 _TABLES: dict = {}
+_TEMPERED: dict = {}
 
 
 def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,24 @@ def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
             table = softcap_ref(bits, cap)
         table = _TABLES[key] = table.reshape(-1)
     return table
+
+
+def tempered_table(cap: float, temp: float, raw: torch.Tensor) -> torch.Tensor:
+    """f32 [65536]: softcap_table(cap, raw) / temp, each entry the correctly rounded quotient the passes would form
+    (a kernel where they run as kernels, torch's division elsewhere: the same bits). The last temperature's table is
+    kept per (cap, dtype, device): a generate step builds it once (a 65536-entry kernel) for all its passes."""
+    table = softcap_table(cap, raw)
+    key = (float(cap), raw.dtype, raw.device, interpreting() or use_triton(raw))
+    kept = _TEMPERED.get(key)
+    if kept is not None and kept[0] == float(temp):
+        return kept[1]
+    if key[3]:
+        out = torch.empty_like(table)
+        _tempered_table_kernel[(table.numel() // 1024,)](table, out, float(temp), BLOCK=1024, num_warps=4)
+    else:
+        out = table / torch.full((), temp, dtype=torch.float32, device=table.device)
+    _TEMPERED[key] = (float(temp), out)
+    return out
 
 
 def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
@@ -200,19 +222,41 @@ def tempered_survivors_ref(logits, temp, thr, cap=None):
 if HAVE_TRITON:
 
     @triton.jit
-    def _read(ptrs, mask, table_ptr, CAP: tl.constexpr):
-        """f32 logits at ptrs: as they lie, or with CAP softcapped from their 16-bit patterns by the table."""
-        if CAP:
-            bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    def _tempered_table_kernel(t_ptr, z_ptr, temp, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(z_ptr + i, tl.math.div_rn(tl.load(t_ptr + i), temp))
+
+    @triton.jit
+    def _z(ptrs, mask, table_ptr, temp, TABLE: tl.constexpr, DIV: tl.constexpr, WHOLE: tl.constexpr = False):
+        """z = logits / temp at ptrs (WHOLE: every one inside, mask unused). TABLE: ptrs hold raw logits' 16-bit
+        patterns, and z is their entry in the tempered table; else the f32 logits' correctly rounded quotient (DIV
+        off when temp is 1: x / 1 is x)."""
+        if TABLE:
+            if WHOLE:
+                bits = tl.load(ptrs).to(tl.int32) & 0xFFFF
+            else:
+                bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
             return tl.load(table_ptr + bits)  # a pattern's entry; a row's values share a few cached lines
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if WHOLE:
+            x = tl.load(ptrs).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if DIV:
+            x = tl.math.div_rn(x, temp)
+        return x
 
     @triton.jit
     def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, table_ptr,
-                                  BLOCK: tl.constexpr, ADDR: tl.constexpr, CAP: tl.constexpr):
+                                  BLOCK: tl.constexpr, LANE: tl.constexpr, ADDR: tl.constexpr, TABLE: tl.constexpr,
+                                  DIV: tl.constexpr, EVEN: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
-        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). CAP: x_ptr holds
-        raw logits' bits (int16), softcapped as they are read (_read)."""
+        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z.
+        EVEN: every segment is whole (no masks).
+
+        The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
+        lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
+        lanes are combined once, at the segment's end. A cross-thread reduction per block (four of them, as the
+        kernel had before) cost more than the pass's reads: 128 -> 72 us at [256, 262144] on the H200."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -221,36 +265,47 @@ if HAVE_TRITON:
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
-        offs = tl.arange(0, BLOCK)
-        # running over the columns seen so far; H = log s - u / s needs no cancellation against m
+        NL: tl.constexpr = BLOCK // LANE
+        offs = tl.arange(0, NL)[:, None] * LANE + tl.arange(0, LANE)[None, :]
+        BIG: tl.constexpr = 2147483647
+        # running over the columns each lane has seen; H = log s - u / s needs no cancellation against m
         # (lse - sum p*z loses ~1e-4 nats at |z| ~ 100)
-        m = -float("inf")
-        s = 0.0
-        u = 0.0
-        best_i = 0
+        m = tl.full((NL,), -float("inf"), tl.float32)
+        s = tl.zeros((NL,), tl.float32)
+        u = tl.zeros((NL,), tl.float32)
+        best = tl.zeros((NL,), tl.int32)
         for start in range(first, last, BLOCK):
             cols = start + offs
-            mask = cols < last
-            x = _read(xb + row * n_cols + cols, mask, table_ptr, CAP)
-            z = tl.where(mask, tl.math.div_rn(x, temp), -float("inf"))
-            cmax = tl.max(z, axis=0)
-            # lowest column holding this block's max; strictly-greater keeps the earlier block on ties
-            cidx = tl.min(tl.where(z == cmax, cols, last), axis=0)
-            best_i = tl.where(cmax > m, cidx, best_i)
+            if EVEN:
+                z = _z(xb + row * n_cols + cols, None, table_ptr, temp, TABLE, DIV, WHOLE=True)
+            else:
+                mask = cols < last
+                z = tl.where(mask, _z(xb + row * n_cols + cols, mask, table_ptr, temp, TABLE, DIV), -float("inf"))
+            cmax = tl.max(z, axis=1)
+            # the lane's lowest column holding its max; strictly-greater keeps the earlier block on ties
+            best = tl.where(cmax > m, tl.min(tl.where(z == cmax[:, None], cols, BIG), axis=1), best)
             m_new = tl.maximum(m, cmax)
-            alpha = tl.exp(m - m_new)
-            d = tl.where(mask, z - m_new, 0.0)
-            e = tl.where(mask, tl.exp(d), 0.0)
+            ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane with no finite value yet: no inf - inf
+            alpha = tl.exp(m - ref)
+            d = z - ref[:, None]
+            e = tl.exp(d)
+            if not EVEN:
+                d = tl.where(mask, d, 0.0)
+                e = tl.where(mask, e, 0.0)
             # moving the reference from m to m_new: u' = alpha * (u + s * (m - m_new)); s == 0 before any column
-            shift = s * (tl.where(s > 0.0, m, m_new) - m_new)
-            u = alpha * (u + shift) + tl.sum(e * d, axis=0)
-            s = s * alpha + tl.sum(e, axis=0)
+            u = alpha * (u + tl.where(s > 0.0, s * (m - ref), 0.0)) + tl.sum(e * d, axis=1)
+            s = s * alpha + tl.sum(e, axis=1)
             m = m_new
+        top = tl.max(m, axis=0)
+        live = s > 0.0
+        dm = tl.where(live, m - top, 0.0)
+        a = tl.where(live, tl.exp(dm), 0.0)
         at = row * tl.num_programs(1) + seg
-        tl.store(m_ptr + at, m)
-        tl.store(s_ptr + at, s)
-        tl.store(u_ptr + at, u)
-        tl.store(best_ptr + at, best_i.to(tl.int64))
+        tl.store(m_ptr + at, top)
+        tl.store(s_ptr + at, tl.sum(a * s, axis=0))
+        tl.store(u_ptr + at, tl.sum(a * (u + s * dm), axis=0))
+        # the segment's first column holding its max (a segment of -inf only: column 0, as one running max gave)
+        tl.store(best_ptr + at, tl.min(tl.where(m == top, best, BIG), axis=0).to(tl.int64))
 
     @triton.jit
     def _rowstats_combine_kernel(m_ptr, s_ptr, u_ptr, best_ptr, ent_ptr, amax_ptr, max_ptr, lse_ptr, n_seg,
@@ -279,7 +334,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, table_ptr,
-                                   BLOCK: tl.constexpr, CAP: tl.constexpr):
+                                   BLOCK: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         first = seg * span
@@ -290,8 +345,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            x = _read(x_ptr + row * n_cols + cols, inside, table_ptr, CAP)
-            keep = (tl.math.div_rn(x, temp) >= thr) & inside
+            keep = (_z(x_ptr + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV) >= thr) & inside
             tl.store(mask_ptr + row * n_cols + cols, keep.to(tl.int8), mask=inside)
             count += tl.sum(keep.to(tl.int32), axis=0)
         tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
@@ -299,9 +353,9 @@ if HAVE_TRITON:
     @triton.jit
     def _tempered_masked_probs_kernel(x_ptr, xoff_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
                                       table_ptr, BLOCK: tl.constexpr, COUNT: tl.constexpr, ADDR: tl.constexpr,
-                                      CAP: tl.constexpr):
+                                      TABLE: tl.constexpr, DIV: tl.constexpr):
         """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them. ADDR: the
-        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). CAP: raw logits' bits, softcapped as they are read."""
+        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -317,8 +371,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            x = _read(xb + row * n_cols + cols, inside, table_ptr, CAP)
-            z = tl.math.div_rn(x, temp)
+            z = _z(xb + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV)
             keep = z >= thr
             p = tl.where(keep, tl.exp(z - lse), 0.0)
             tl.store(out_ptr + row * n_cols + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
@@ -328,27 +381,28 @@ if HAVE_TRITON:
             tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
-def _cap_args(logits, cap) -> tuple:
-    """(what the kernel reads, table, CAP): the logits (a tensor or a RowsAt) with their own buffer as an unread
-    placeholder table, or raw logits' bits as int16 and their softcap table."""
+def _z_args(logits, cap, temp) -> dict:
+    """What a pass reads and how it forms z (_z): f32 logits (a tensor or a RowsAt) with their own buffer as an unread
+    placeholder table, or raw logits' bits as int16 and their tempered table."""
     if cap is None:
-        return logits, kernel_args(logits)[0], False
-    return logits.view(torch.int16), softcap_table(cap, logits), True
+        return dict(x=logits, table=kernel_args(logits)[0], TABLE=False, DIV=float(temp) != 1.0)
+    return dict(x=logits.view(torch.int16), table=tempered_table(cap, temp, logits), TABLE=True, DIV=False)
 
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None):
     """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above)."""
-    logits, table, CAP = _cap_args(logits, cap)
-    x, xoff, addr = kernel_args(logits)
+    za = _z_args(logits, cap, temp)
+    x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape
     dev = logits.device
     n_seg, span = _segments(n, block, segment)
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
-    # 4 warps: 104 µs at [256, 262144] on the H200 against 121 with 8 (its four block reductions a step wait on
-    # fewer warps); the other passes here stream at the memory's rate with 8 (bench/bench_kernels.py, RESULTS round 13)
-    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), table, BLOCK=block,
-                                             ADDR=addr, CAP=CAP, num_warps=num_warps)
+    # 4 warps, lanes of 8: 71.6 µs at [256, 262144] on the H200 (8 warps as fast, 2 slower, lanes of 4 or 16 and
+    # blocks of 1024 or 4096 within 4 %; scratch probe of round 22)
+    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), za["table"], BLOCK=block,
+                                             LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"],
+                                             EVEN=n % span == 0, num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -360,13 +414,14 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
 
 def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None, cap=None):
     """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits (see above)."""
-    logits, table, CAP = _cap_args(logits.contiguous(), cap)
+    logits = logits.contiguous()
+    za = _z_args(logits, cap, temp)
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     mask = _out_buffer(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
-    _tempered_survivors_kernel[(rows, n_seg)](logits, thr.float().contiguous(), mask, counts, n, span, float(temp),
-                                              table, BLOCK=block, CAP=CAP, num_warps=8)
+    _tempered_survivors_kernel[(rows, n_seg)](za["x"], thr.float().contiguous(), mask, counts, n, span, float(temp),
+                                              za["table"], BLOCK=block, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
     return mask.view(torch.bool), counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
 
 
@@ -396,15 +451,15 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
     tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). out: write the probabilities
     there (see _out_buffer)."""
-    logits, table, CAP = _cap_args(logits, cap)
-    x, xoff, addr = kernel_args(logits)
+    za = _z_args(logits, cap, temp)
+    x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape
     n_seg, span = _segments(n, block, segment)
     out = _out_buffer(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
-                                                 counts, n, span, float(temp), table, BLOCK=block, COUNT=count,
-                                                 ADDR=addr, CAP=CAP, num_warps=8)
+                                                 counts, n, span, float(temp), za["table"], BLOCK=block, COUNT=count,
+                                                 ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
     if not count:
         return out
     return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
