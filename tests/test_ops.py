@@ -315,6 +315,34 @@ def test_fused_norm_chains(dtype, tol):
             torch.testing.assert_close(got[1], exp[1], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_embed_sc_norms_kernel(dtype, tol):
+    """The denoise prelude in one kernel (gather, scale and round the embedding, add the SC output, norm, then the
+    first layer's input norm) against its twin, which is what the engine did in eight ops; an id outside the table
+    makes only its own row NaN, with no read outside the table."""
+    V, H, T = 37, 48, 7
+    table = rnd(V, H, dtype=dtype)
+    ids = torch.randint(0, V, (T,))
+    s = rnd(T, H, dtype=dtype, scale=2)
+    w = torch.rand(H).to(dtype) + 0.5
+    scale = float(H) ** 0.5
+    got = rmsnorm.embed_sc_norms_triton(ids, table, scale, s, w, 1e-6, dtype)
+    exp = rmsnorm.embed_sc_norms_ref(ids, table, scale, s, w, 1e-6, dtype)
+    for g, e in zip(got, exp):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+    x_old = rmsnorm.rms_norm_ref((table[ids].float() * scale).to(dtype).float() + s.float(), None, 1e-6, dtype)
+    assert torch.equal(exp[0], x_old) and torch.equal(exp[1], rmsnorm.rms_norm_ref(x_old, w, 1e-6))
+    bad = ids.clone()
+    bad[2], bad[5] = V, -1
+    x, h = rmsnorm.embed_sc_norms_triton(bad, table, scale, s, w, 1e-6, dtype)
+    keep = torch.tensor([i not in (2, 5) for i in range(T)])
+    assert x[~keep].isnan().all() and h[~keep].isnan().all()
+    torch.testing.assert_close(x[keep], got[0][keep], atol=0, rtol=0)
+    with pytest.raises(TensorError, match="embed_sc_norms"):
+        rmsnorm.embed_sc_norms(ids, table, scale, s[:, :-1], w, 1e-6, dtype)
+
+
 # heads a program: all 8 in one; 10 in three programs, the last partly masked; one at a time
 @pytest.mark.parametrize("Hq,per_program", [(4, 8), (6, 4), (4, 1)])
 @pytest.mark.parametrize("has_v", [True, False])

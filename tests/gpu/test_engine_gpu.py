@@ -41,6 +41,12 @@ def test_norm_kernels_real_shape():
         assert rel(g, ex) < 1e-2
     assert rel(rmsnorm.layer_finish_triton(r, m, e, w1, w2, w3, 0.7, 1e-6),
                rmsnorm.layer_finish_ref(r, m, e, w1, w2, w3, 0.7, 1e-6)) < 1e-2
+    # the denoise prelude: the embedding gathered from the full-size vocabulary, plus the SC output, two norms
+    table = torch.randn(262144, H, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, 262144, (T,), device=DEV)
+    got = rmsnorm.embed_sc_norms_triton(ids, table, H ** 0.5, r, w1, 1e-6, torch.bfloat16)
+    exp = rmsnorm.embed_sc_norms_ref(ids, table, H ** 0.5, r, w1, 1e-6, torch.bfloat16)
+    assert rel(got[0], exp[0]) < 1e-2 and rel(got[1], exp[1]) < 1e-2
 
 
 @pytest.mark.parametrize("hd,heads,rot", [(256, 8, 128), (512, 2, 64)])

@@ -55,7 +55,7 @@ from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
 from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
-from ..ops.rmsnorm import attn_finish, layer_finish_moe, rms_norm
+from ..ops.rmsnorm import attn_finish, embed_sc_norms, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
 from ..ops.rows_at import ALIGN, RowsAt
 from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
@@ -125,6 +125,7 @@ class Engine:
         # (A/B; the same bits; a graph keeps the form it was captured with).
         self.overlap_router = True
         self._side_stream = None
+        self._canvas_rows_cache: dict = {}
         # The router logits on CUDA: "bf16x3" (ops/route.py: exact products on the tensor cores, few small blocks, so
         # the dense MLP's GEMMs run beside it) or "cublas" (the f32 SIMT GEMM, whose blocks fill every SM: A/B).
         self.router_gemm = "bf16x3"
@@ -310,9 +311,11 @@ class Engine:
         return qkv_prep(qkv, H, KV, hd, v_off, lw.qkv_norm, lw.inv_freq, positions, self.config.rms_norm_eps,
                         self.kv_dtype, **kw)
 
-    def _run_layers(self, x, scalars, attend, last_with_ffn: bool, final_w):
+    def _run_layers(self, x, scalars, attend, last_with_ffn: bool, final_w, h=None):
+        """h: the first layer's input norm of x, when the op that made x made it too."""
         layers = self.w.layers
-        h = rms_norm(x, layers[0].input_norm, self.config.rms_norm_eps)
+        if h is None:
+            h = rms_norm(x, layers[0].input_norm, self.config.rms_norm_eps)
         n = len(layers)
         for li in range(n):
             w_next = layers[li + 1].input_norm if li + 1 < n else final_w
@@ -358,26 +361,25 @@ class Engine:
         """One denoise forward -> the logits before the softcap, in the model's dtype. Only device tensors describe
         the context (graph-safe). key_rows = rows of each full-attention cache the canvas reads (>= cache.length + C;
         rows past that are masked)."""
-        cfg, eps, W, dev = self.config, self.config.rms_norm_eps, self.config.sliding_window, self.device
+        cfg, eps, W = self.config, self.config.rms_norm_eps, self.config.sliding_window
         C = len(ids)
         L = cache.length_t
-        ar = torch.arange(C, device=dev)
+        R = cache.ring
+        ar, ring_canvas_slots = self._canvas_rows(C, R)
         pos = L + ar
-        x = self.embed(ids)
+        h = None
         if mode != "none":
             s = self.soft_embed(self._sc_probs(sc)) if mode == "logits" else sc.to(self.dtype)
             s = rms_norm(s, self.w.sc_pre_norm, eps)
             s = self._sc_mlp(s)
-            x = rms_norm(x.float() + s.float(), None, eps, out_dtype=self.dtype)
+            x, h = embed_sc_norms(ids, self.w.embed, cfg.embed_scale, s, self.w.layers[0].input_norm, eps, self.dtype)
         else:  # a zero SC signal goes through the SC MLP as exactly zero
-            x = rms_norm(x, None, eps)
+            x = rms_norm(self.embed(ids), None, eps)
 
-        R = cache.ring
         # sliding canvas calls: the ring's live window from the cache length, or (A/B) the slot positions' mask
         slide_kpos = None if self.sliding_live_window else self._slide_kpos(cache, C)
         slide_kw = dict(window=W, n_ring=R, ring_length=L) if self.sliding_live_window else {}
         nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
-        ring_canvas_slots = R + ar
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
@@ -390,8 +392,18 @@ class Engine:
             return attention(q, K, V, None, key_rows, out_dtype=self.dtype,
                              impl=self._attn_impl(False, False), nlive=nlive)
 
-        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm)
+        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         return h @ self.w.embed.T
+
+    def _canvas_rows(self, C: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arange(C), R + arange(C)) on the device, made once per shape: constants a graph reads instead of two
+        kernels it would replay every step. (A graph's first capture comes after eager warm-ups, which make them.)"""
+        key = (C, R)
+        rows = self._canvas_rows_cache.get(key)
+        if rows is None:
+            ar = torch.arange(C, device=self.device)
+            rows = self._canvas_rows_cache[key] = (ar, R + ar)
+        return rows
 
     def _slide_kpos(self, cache: EngineKVCache, C: int) -> torch.Tensor:
         """Per-key visibility of a sliding canvas call from the cache's slot positions (0 = visible, -1 = not): the

@@ -13,6 +13,9 @@ Round 2 fuses across op boundaries (one launch instead of two, same roundings):
   layer_finish_moe(res, m, y, inv, wts, ..., w_next)
                                  e = Σ_j wts[t,j]·y[inv[t·k+j]] (the MoE un-permute, f32), then layer_finish,
                                  then (optionally) the next norm of the rounded output: x, norm(x)·w_next
+  embed_sc_norms(ids, table, scale, s, w_next)
+                                 a denoise step's first residual: the token embedding (gathered, scaled and rounded
+                                 as Engine.embed does it) plus the SC MLP's output s, normed; and its norm·w_next
 
 Intermediates stay in f32 inside each op (one rounding at the end), which is at least as accurate
 as rounding after every norm. Each `*_ref` is the torch twin the tests pin the kernel to.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TensorError
 from ._backend import HAVE_TRITON, next_pow2, use_triton
 from .f16_operand import f16_operand_ref
 
@@ -75,6 +79,12 @@ def unpermute_ref(y, inv, wts):
 def layer_finish_moe_ref(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
     x = layer_finish_ref(res, m, unpermute_ref(y, inv, wts), w1, w2, w3, scalar, eps)
     return x, (rms_norm_ref(x, w_next, eps) if w_next is not None else None)
+
+
+def embed_sc_norms_ref(ids, table, scale, s, w_next, eps, out_dtype):
+    e = (table[ids].float() * scale).to(out_dtype)
+    x = rms_norm_ref(e.float() + s.float(), None, eps, out_dtype=out_dtype)
+    return x, rms_norm_ref(x, w_next, eps)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -189,6 +199,25 @@ if HAVE_TRITON:
             tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _embed_sc_norms_kernel(ids_ptr, table_ptr, s_ptr, wn_ptr, x_ptr, hn_ptr, n_rows, n_cols, scale, eps,
+                               BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        tok = tl.load(ids_ptr + row).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        known = (tok >= 0) & (tok < n_rows)  # an id outside the table reads nothing and makes its row NaN
+        e = tl.load(table_ptr + tok * n_cols + cols, mask=cols < tl.where(known, n_cols, 0), other=0.0)
+        e = tl.where(known, e.to(tl.float32), float("nan"))
+        e = (e * scale).to(x_ptr.dtype.element_ty).to(tl.float32)  # the embedding rounded, as Engine.embed gives it
+        v = e + tl.load(s_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        xo = _row_norm(v, mask, n_cols, eps).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * n_cols + cols, xo, mask=mask)
+        wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        hn = _row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn
+        tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(x):
     x = x.contiguous()
     return x, x.numel() // x.shape[-1], x.shape[-1]
@@ -245,6 +274,16 @@ def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next
     return out, (hn if w_next is not None else None)
 
 
+def embed_sc_norms_triton(ids, table, scale, s, w_next, eps, out_dtype):
+    s = s.contiguous()
+    n = table.shape[1]
+    x = torch.empty(len(ids), n, dtype=out_dtype, device=s.device)
+    hn = torch.empty_like(x)
+    _embed_sc_norms_kernel[(len(ids),)](ids.contiguous(), table, s, w_next, x, hn, table.shape[0], n, float(scale),
+                                        eps, BLOCK=next_pow2(n))
+    return x, hn
+
+
 # ----------------------------------------------------------------------------------------- dispatch
 
 def rms_norm(x, w, eps, out_dtype=None):
@@ -273,3 +312,14 @@ def layer_finish_moe(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
     """-> (x, norm(x)·w_next or None): MoE un-permute + layer_finish (+ the next layer's input norm)."""
     fn = layer_finish_moe_triton if use_triton(res) else layer_finish_moe_ref
     return fn(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next)
+
+
+def embed_sc_norms(ids, table, scale, s, w_next, eps, out_dtype):
+    """-> (x, norm(x)·w_next), x = norm(embed(ids) + s) in out_dtype: a denoise step's residual stream from its canvas
+    ids and the SC MLP's output, and the first layer's input. One launch for what took eight (gather, cast, scale,
+    cast, two casts and an add, two norms). ids must lie in [0, len(table)); the kernel checks them without a host
+    sync, so an id outside reads nothing and its row comes out NaN (torch's gather would stop the device instead)."""
+    if s.shape != (len(ids), table.shape[1]):
+        raise TensorError(f"embed_sc_norms: s has shape {list(s.shape)}, expected [{len(ids)}, {table.shape[1]}]")
+    fn = embed_sc_norms_triton if use_triton(s) else embed_sc_norms_ref
+    return fn(ids, table, scale, s, w_next, eps, out_dtype)
