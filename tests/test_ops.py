@@ -343,6 +343,29 @@ def test_embed_sc_norms_kernel(dtype, tol):
         rmsnorm.embed_sc_norms(ids, table, scale, s[:, :-1], w, 1e-6, dtype)
 
 
+@pytest.mark.parametrize("M,N,K", [(7, 40, 96), (33, 130, 80)])  # tiles partly masked on every side
+def test_q8_linear_kernel(M, N, K):
+    """The q8 GEMM reading int8 codes against its twin (codes in x's dtype, row scales after) and the float64 product
+    of the decoded weight, f16 activations (the interpreter has no bf16 dot; tests/gpu runs bf16 at the real shapes).
+    Malformed operands are refused."""
+    from diffgemma.ops import q8_linear as q8
+
+    codes = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+    scale = torch.rand(N) * 0.02 + 0.001
+    w = codes.double() * scale.double()[:, None]
+    x = rnd(M, K, dtype=torch.float16)
+    got = q8.q8_linear_triton(x, codes, scale, config=(16, 32, 32, 4, 1))
+    twin = q8.q8_linear_ref(x, codes, scale)
+    exact = x.double() @ w.T
+    assert got.dtype == torch.float16 and got.shape == (M, N)
+    assert ((got.double() - exact).abs() <= 2 ** -10 * exact.abs() + 1e-4).all()  # one rounding of the output
+    torch.testing.assert_close(got.float(), twin.float(), atol=1e-3, rtol=2e-3)
+    with pytest.raises(TensorError, match="q8_linear"):
+        q8.q8_linear_triton(x, codes[:, :-1], scale)
+    with pytest.raises(TensorError, match="q8_linear"):
+        q8.q8_linear_triton(x, codes.to(torch.int16), scale)
+
+
 # heads a program: all 8 in one; 10 in three programs, the last partly masked; one at a time
 @pytest.mark.parametrize("Hq,per_program", [(4, 8), (6, 4), (4, 1)])
 @pytest.mark.parametrize("has_v", [True, False])

@@ -201,6 +201,21 @@ def test_linear_q8_sc_shape():
     assert rel(mp.linear(x, w), mp.linear_ref(x, w)) < 1e-2
 
 
+@pytest.mark.parametrize("N,K", [(2 * 2112, H), (H, 2112)])
+def test_q8_linear_kernel_sc_shapes(N, K):
+    """The q8 GEMM (int8 codes read in the kernel) at the SC MLP's shapes, bf16: within one output rounding of the
+    float64 product of the decoded weight, and close to its torch twin (which rounds twice)."""
+    from diffgemma.ops import q8_linear as q8
+
+    codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEV)
+    scale = torch.rand(N, device=DEV) * 0.01 + 1e-4
+    x = torch.randn(256, K, device=DEV, dtype=torch.bfloat16)
+    got = q8.q8_linear_triton(x, codes, scale)
+    exact = x.double() @ (codes.double() * scale.double()[:, None]).T
+    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-3 * exact.abs().mean()).all()
+    assert rel(got, q8.q8_linear_ref(x, codes, scale)) < 5e-3
+
+
 MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
            num_key_value_heads=4, head_dim=128, global_head_dim=256, num_global_key_value_heads=2, sliding_window=128,
            layer_types=[S, S, FULL, S, S, FULL], num_experts=32, top_k_experts=4, moe_intermediate_size=128,

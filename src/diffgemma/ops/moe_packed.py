@@ -16,8 +16,8 @@ in the record, so the kernels may use wide typed loads on it.
   dequantize_triton     the same decode as a kernel: the prefill path (many rows per expert) dequantizes
                         one layer's stack into a bf16 scratch and runs the CUTLASS grouped GEMM, which is
                         compute bound there and faster than a dequant-in-the-loop GEMM (see PREFILL_ROWS).
-  linear                x @ W^T for a plain tensor or a packed q8 per-row weight (the SC MLP):
-                        x @ codesᵀ in x.dtype (int8 codes are exact in bf16), times the row scale in f32.
+  linear                x @ W^T for a plain tensor or a packed q8 per-row weight (the SC MLP): ops/q8_linear.py
+                        (the kernel reads the int8 codes; its twin multiplies them in x.dtype, then scales rows).
   expert_ffn_packed_ref the twin of the packed expert FFN: dequantize, then the bf16 grouped GEMMs.
 
 On CUDA a q4 expert stack is re-laid at load into ops/moe_q4.py's "q4-tiles" byte order (PackedWeight.layout);
@@ -38,6 +38,7 @@ from . import moe_q4
 from ._backend import HAVE_TRITON, use_triton
 from .moe import _grouped_mm
 from .moe_plan import order_operand
+from .q8_linear import q8_linear
 
 if HAVE_TRITON:
     import triton
@@ -155,9 +156,7 @@ def linear(x, w):
         return x @ w.T
     if w.fmt != "q8":
         return linear_ref(x, w)
-    codes = w.planes["codes"].view(torch.int8)
-    y = x @ codes.to(x.dtype).T  # |code| <= 127: exact in bf16 and f16
-    return (y.float() * w.planes["scale"].view(torch.float32).reshape(1, -1)).to(x.dtype)
+    return q8_linear(x, w.planes["codes"].view(torch.int8), w.planes["scale"].view(torch.float32).reshape(-1))
 
 
 # ----------------------------------------------------------------------------------------- Triton
