@@ -2,8 +2,9 @@
 
 The SC MLP of a packed model is q8 (ARCHITECTURE.md §8). Its torch form converts the whole [N, K] code matrix to the
 activations' dtype every call (the codes are exact there, |code| <= 127) and scales the product's rows after: at the
-full-size SC shapes that took 84 µs a denoise step, 65 of it the conversions (bench/RESULTS.md round 22). Here the kernel loads the codes as they lie (half the bytes of bf16), converts each tile
-in registers, accumulates in f32 and scales the accumulator once, rounding once at the end.
+full-size SC shapes that took 84 µs a denoise step, 65 of it the conversions (bench/RESULTS.md round 22). Here the
+kernel loads the codes as they lie (half the bytes of bf16), converts each tile in registers, accumulates in f32 and
+scales the accumulator once, rounding once at the end.
 
   q8_linear_ref      the twin: x @ codes.to(x.dtype)ᵀ, then the row scale in f32 (the torch form)
   q8_linear_triton   the kernel

@@ -198,7 +198,6 @@ if HAVE_TRITON:
             hn = _row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn
             tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _embed_sc_norms_kernel(ids_ptr, table_ptr, s_ptr, wn_ptr, x_ptr, hn_ptr, n_rows, n_cols, scale, eps,
                                BLOCK: tl.constexpr):
