@@ -242,7 +242,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     H, n, d = q.shape
     KV = k.shape[0]
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
-    c = dict(flash_config(d, causal, n_keys, live=ring_length is not None), **cfg)
+    c = dict(flash_config(d, causal, n_keys, live=live), **cfg)
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
     G = H // KV
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)

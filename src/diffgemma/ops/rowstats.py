@@ -151,22 +151,25 @@ _TABLES: dict = {}
 _TEMPERED: dict = {}
 
 
+def _table_key(cap: float, raw: torch.Tensor) -> tuple:
+    """(cap, dtype, device, whether the passes over `raw` run as kernels): what a table is kept by."""
+    return float(cap), raw.dtype, raw.device, interpreting() or use_triton(raw)
+
+
 def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
     """f32 [65536] on raw's device: softcap(v, cap) for the value v of every bit pattern of raw's 16-bit dtype
     (index = bits as uint16), computed once by the softcap kernel where the passes over `raw` run as kernels (on
     CUDA, or interpreted), else by its twin: a lookup has the bits the softcap of that value has there."""
-    dtype, device = raw.dtype, raw.device
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise TensorError(f"softcap table: raw logits must be bfloat16 or float16, got {dtype}")
-    kernel = interpreting() or use_triton(raw)
-    key = (float(cap), dtype, device, kernel)
+    if raw.dtype not in (torch.bfloat16, torch.float16):
+        raise TensorError(f"softcap table: raw logits must be bfloat16 or float16, got {raw.dtype}")
+    key = _table_key(cap, raw)
     table = _TABLES.get(key)
     if table is None:
         # pattern i at index i: the int16 of i - 65536 for the upper half (a cast of i itself need not wrap: CUDA's
         # saturates)
-        i = torch.arange(1 << 16, dtype=torch.int32, device=device)
-        bits = torch.where(i >= 1 << 15, i - (1 << 16), i).to(torch.int16).view(dtype).reshape(1, -1)
-        if kernel:  # the kernel's bits, on the GPU or interpreted (the tests compare the passes with it)
+        i = torch.arange(1 << 16, dtype=torch.int32, device=raw.device)
+        bits = torch.where(i >= 1 << 15, i - (1 << 16), i).to(torch.int16).view(raw.dtype).reshape(1, -1)
+        if key[3]:  # the kernel's bits, on the GPU or interpreted (the tests compare the passes with it)
             table = softcap_rowstats_triton(bits, cap, 1.0, stats=False)[0]
         else:
             table = softcap_ref(bits, cap)
@@ -174,22 +177,25 @@ def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
     return table
 
 
+def divide_table(table: torch.Tensor, temp: float, kernel: bool) -> torch.Tensor:
+    """table / temp (a 65536-entry table) as a new f32 tensor, each entry correctly rounded: the passes' division as a
+    kernel (kernel), or torch's (the same bits)."""
+    if not kernel:
+        return table / torch.full((), temp, dtype=torch.float32, device=table.device)
+    out = torch.empty_like(table)
+    _tempered_table_kernel[(table.numel() // 1024,)](table, out, float(temp), BLOCK=1024, num_warps=4)
+    return out
+
+
 def tempered_table(cap: float, temp: float, raw: torch.Tensor) -> torch.Tensor:
     """f32 [65536]: softcap_table(cap, raw) / temp, each entry the correctly rounded quotient the passes would form
     (a kernel where they run as kernels, torch's division elsewhere: the same bits). The last temperature's table is
     kept per (cap, dtype, device): a generate step builds it once (a 65536-entry kernel) for all its passes."""
-    table = softcap_table(cap, raw)
-    key = (float(cap), raw.dtype, raw.device, interpreting() or use_triton(raw))
+    key = _table_key(cap, raw)
     kept = _TEMPERED.get(key)
-    if kept is not None and kept[0] == float(temp):
-        return kept[1]
-    if key[3]:
-        out = torch.empty_like(table)
-        _tempered_table_kernel[(table.numel() // 1024,)](table, out, float(temp), BLOCK=1024, num_warps=4)
-    else:
-        out = table / torch.full((), temp, dtype=torch.float32, device=table.device)
-    _TEMPERED[key] = (float(temp), out)
-    return out
+    if kept is None or kept[0] != float(temp):
+        kept = _TEMPERED[key] = (float(temp), divide_table(softcap_table(cap, raw), temp, key[3]))
+    return kept[1]
 
 
 def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
