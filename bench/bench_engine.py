@@ -74,12 +74,16 @@ def log(*a):
     print(*a, flush=True)
 
 
-def time_cuda(fn, reps: int, warmup: int = 1) -> list[float]:
-    """Milliseconds per call, CUDA events around each call."""
+def time_cuda(fn, reps: int, warmup: int = 1, setup=None) -> list[float]:
+    """Milliseconds per call, CUDA events around each call (setup(), if given, runs before each call, untimed)."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     out = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -200,13 +204,19 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         # step's logits outside the forward (the generate-overhead measurement below times that part), so the
         # graph starts from the [C, hidden] embedding instead of the [C, V] logits' softmax and dense product;
         # and the step ends at the raw logits (denoise_raw), which generate's row-stats and SC kernels softcap as
-        # they read them (also timed below, outside the forward)
+        # they read them (also timed below, outside the forward). generate stages each such call's inputs into the
+        # graph before its status read (Engine.stage_denoise), so the call launches the replay alone: staged here
+        # too, before the timing starts (the unstaged call, which copies its inputs first, is kept for comparison)
         emb = torch.randn(CANVAS, cfg.hidden_size, device="cuda").to(torch.bfloat16)
         step = generate_forward(eng)
         step(cache, ids, sc_embeds=emb)  # capture
-        times = time_cuda(lambda: step(cache, ids, sc_embeds=emb), reps=reps, warmup=2)
+        stage = getattr(eng, "stage_denoise", None)
+        times = time_cuda(lambda: step(cache, ids, sc_embeds=emb), reps=reps, warmup=2,
+                          setup=(lambda: stage(cache, ids, sc_embeds=emb)) if stage is not None else None)
         r["denoise_embeds_ms"] = statistics.median(times)
         r["denoise_embeds_min_ms"] = min(times)
+        r["denoise_embeds_unstaged_ms"] = statistics.median(time_cuda(lambda: step(cache, ids, sc_embeds=emb),
+                                                                      reps=reps, warmup=1))
         # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
         # SDPA (round 1's path) or to the Triton kernel, or the expert GEMMs' programs in expert order
         ab = {}
@@ -253,7 +263,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
         r["roofline_ms"] = (wb + kv_bytes) / BW * 1e3
         log(f"[ours] ctx {T}: prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:.0f} tok/s, peak {r['prefill_peak_gib']:.1f} GiB); "
-            f"denoise {r['denoise_ms']:.2f} ms graphed ({r['denoise_embeds_ms']:.2f} from SC embeds) / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
+            f"denoise {r['denoise_ms']:.2f} ms graphed ({r['denoise_embeds_ms']:.2f} from SC embeds, {r['denoise_embeds_unstaged_ms']:.2f} unstaged) / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
             f"; roofline {r['roofline_ms']:.2f} ms")
         res["ctx"][T] = r
         if T == contexts[-1] and extra_chunks:
@@ -321,7 +331,13 @@ def profile_generate(eng, prompt, cache, trace: str | None) -> str:
 
 
 def bench_generate(eng, profile_trace: str | None = None, profile: bool = False) -> dict:
-    """generate() time outside the forwards: total − prefill − Σ(CUDA-event time of each denoise call).
+    """generate() time outside the forwards: total − Σ prefill calls − Σ(CUDA-event time of each denoise call).
+
+    A prefill call (the prompt's, and each block's commit) counts as the longer of its host time and its GPU span
+    (CUDA events around it): its kernels are queued eagerly, so when the GPU is the slower side the call returns
+    before they finish, and their tail would otherwise be counted outside the forwards. `outside_s_host_prefill`
+    keeps the older count (prefill by host time alone). `gap_ms_*`: from one denoise call's end event to the next
+    one's start event inside a block (the sampler, SC and bookkeeping between two steps, as the GPU saw them).
 
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
     run replays them. Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
@@ -336,15 +352,34 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         cache = eng.new_cache(4096)
         G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: captures graphs
         cache.truncate(0)
-        events = []
+        events, prefills = [], []
+        # host seconds: in the status read, from its return to the next denoise call, and in that call
+        host = {"read": None, "wait": [], "turn": [], "call": []}
         name = generate_forward(eng).__name__  # the call each step makes: its CUDA-event time is the forward's
         inner = getattr(eng, name)
+        inner_prefill = eng.prefill
+
+        def timed_prefill(*a, **k):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            s.record()
+            out = inner_prefill(*a, **k)
+            e.record()
+            prefills.append((s, e, time.perf_counter() - t0))
+            events.append(None)  # a block boundary: no gap (nor host turn) is counted across it
+            host["read"] = None
+            return out
 
         def timed_denoise(*a, **k):
+            t0 = time.perf_counter()
+            if host["read"] is not None:
+                host["turn"].append(t0 - host["read"])
+                host["read"] = None
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             out = inner(*a, **k)
             e.record()
+            host["call"].append(time.perf_counter() - t0)
             events.append((s, e))
             return out
 
@@ -353,9 +388,14 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         if read_status is not None:
             def counted(*a, **k):
                 reads["n"] += 1
-                return read_status(*a, **k)
+                t0 = time.perf_counter()
+                out = read_status(*a, **k)
+                host["read"] = time.perf_counter()
+                host["wait"].append(host["read"] - t0)
+                return out
             G._read_status = counted
         setattr(eng, name, timed_denoise)
+        eng.prefill = timed_prefill
         try:
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -363,17 +403,30 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             torch.cuda.synchronize()
             total = time.perf_counter() - t
         finally:
-            delattr(eng, name)  # the instance attribute goes: the method is back
+            delattr(eng, name)  # the instance attributes go: the methods are back
+            del eng.prefill
             if read_status is not None:
                 G._read_status = read_status
-        fwd_s = sum(s.elapsed_time(e) for s, e in events) / 1e3
-        prefill_s = out.timings.get("prefill_s", 0.0)
+        fwd_s = sum(s.elapsed_time(e) for s, e in filter(None, events)) / 1e3
+        prefill_host_s = out.timings.get("prefill_s", 0.0)
+        prefill_gpu_s = sum(s.elapsed_time(e) for s, e, _ in prefills) / 1e3
+        prefill_s = sum(max(host, s.elapsed_time(e) / 1e3) for s, e, host in prefills)
         outside = total - prefill_s - fwd_s
+        gaps = [a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:]) if a is not None and b is not None]
         if profile or profile_trace:
             log(profile_generate(eng, prompt, cache, profile_trace))
-        return {"total_s": total, "prefill_s": prefill_s, "forward_s": fwd_s, "forwards": out.forwards,
+        host_outside = total - prefill_host_s - fwd_s
+        return {"total_s": total, "prefill_s": prefill_s, "prefill_host_s": prefill_host_s,
+                "prefill_gpu_s": prefill_gpu_s, "forward_s": fwd_s, "forwards": out.forwards,
                 "outside_s": outside, "outside_share": outside / max(total, 1e-9),
                 "outside_ms_per_step": outside / max(out.forwards, 1) * 1e3,
+                "outside_s_host_prefill": host_outside, "outside_share_host_prefill": host_outside / max(total, 1e-9),
+                "gap_ms_median": statistics.median(gaps) if gaps else None, "gap_ms_sum": sum(gaps),
+                "gaps": len(gaps),
+                # host ms from a step's status read to the next denoise call (a block's end excluded), and in that call
+                "host_read_ms_median": statistics.median(host["wait"]) * 1e3 if host["wait"] else None,
+                "host_turn_ms_median": statistics.median(host["turn"]) * 1e3 if host["turn"] else None,
+                "host_call_ms_median": statistics.median(host["call"]) * 1e3 if host["call"] else None,
                 "step_ms": (total - prefill_s) / max(out.forwards, 1) * 1e3,  # forward + outside: what a user waits
                 "status_reads_per_step": reads["n"] / max(out.forwards, 1) if read_status is not None else None,
                 "tokens": len(out.tokens), "timings": out.timings}

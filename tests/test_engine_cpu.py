@@ -231,3 +231,16 @@ def test_fast_engine_generates_the_golden_tokens():
     expected = fixture.get("cases", fixture)
     for case in golden.CASES:
         assert golden.run_case(eng, case)["tokens"] == expected[case.name]["tokens"], case.name
+
+
+def test_staging_is_a_no_op_without_graphs(ref):
+    """stage_denoise (generate's early copy of a graphed call's inputs) stages nothing off CUDA, and the call that
+    follows computes as it would have (tests/gpu/test_engine_gpu.py checks the staged replay itself)."""
+    eng = Engine.from_reference(ref, dtype=torch.float32)
+    V, H = ref.config.vocab_size, ref.config.hidden_size
+    cache = eng.new_cache(64)
+    eng.prefill(cache, torch.randint(0, V, (5,)))
+    ids, sc = torch.randint(0, V, (4,)), torch.randn(4, H)
+    want = eng.denoise_raw(cache, ids, sc_embeds=sc)
+    assert eng.stage_denoise(cache, ids, sc_embeds=sc) is False and eng._staged is None
+    assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want)

@@ -364,8 +364,21 @@ def test_sparse_plan_bet_on_the_dense_product_moves_work_not_results(monkeypatch
 def test_status_read_runs_the_overlap_once_and_reads_the_values():
     calls = []
     status = torch.tensor([2.0, 0.25, 7.0], dtype=torch.float64)
-    assert generation._read_status(status, lambda: calls.append(1)) == [2.0, 0.25, 7.0] and calls == [1]
-    assert generation._read_status(status) == [2.0, 0.25, 7.0]
+    assert generation._read_status(lambda: status, lambda: calls.append(1)) == [2.0, 0.25, 7.0] and calls == [1]
+    assert generation._read_status(lambda: status) == [2.0, 0.25, 7.0]
+    side = generation._SideStream(torch.device("cpu"))  # off CUDA the side stream is a no-op
+    assert generation._read_status(lambda: status, lambda: calls.append(2), side) == [2.0, 0.25, 7.0]
+    assert calls == [1, 2]
+
+
+def test_sparse_plan_product_scales_as_the_float_formula():
+    """The dense product's in-place scale gives the bits of the three-op formula it replaced."""
+    for _ in range(3):
+        probs = torch.rand(6, 96).softmax(-1)
+        emb = (torch.randn(96, 40) * torch.rand(()) * 4).to(torch.bfloat16)
+        scale = float(torch.rand(()) * 60 + 1)
+        want = ((probs.to(torch.bfloat16) @ emb).float() * scale).to(torch.bfloat16)
+        assert torch.equal(SparsePlan._product(probs, emb, scale), want)
 
 
 def test_sparse_plan_gathers_in_chunks_with_the_same_sums(monkeypatch):

@@ -121,28 +121,39 @@ class _Proposal:
     stop_reason: str
 
 
-def _read_status(status: torch.Tensor, overlap=None) -> list[float]:
-    """THE per-step device->host read: a few float64 numbers packed by _denoise_block.
+def _read_status(make_status, overlap=None, side=None, then=None) -> list[float]:
+    """THE per-step device->host read: the few float64 numbers `make_status()` packs (built in _denoise_block).
 
-    overlap: a callable that queues more device work behind the copy. On CUDA the host then waits for the
-    copy alone (an event), so the GPU runs that work while the host waits and turns the step around."""
-    if overlap is None:
+    overlap: a callable that queues more device work (the dense SC product) on the current stream. On CUDA the
+    status is packed and copied on `side` (a _SideStream), after the current stream's work so far but not behind
+    the overlap: the product starts as soon as its inputs are ready, and the host waits for the copy alone (an
+    event) while the GPU runs the product and the host turns the step around. then: a callable for after the side
+    stream is joined and before the wait (staging the next forward's inputs)."""
+    if side is None or side.stream is None:
+        status = make_status()
+        for f in (overlap, then):
+            if f is not None:
+                f()
         return status.tolist()
-    if not status.is_cuda:
+    with side.fork():
+        status = make_status()
+        host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+        host.copy_(status, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    if overlap is not None:
         overlap()
-        return status.tolist()
-    host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-    host.copy_(status, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    overlap()
+    side.join()
+    if then is not None:
+        then()
     copied.synchronize()
     return host.tolist()
 
 
 class _SideStream:
     """A second CUDA stream for the step's bookkeeping (accept mask, renoise, stop rules: ~15 small kernels),
-    so it runs beside the sparse SC's pass over the logits (~0.1 ms at full size) instead of before it.
+    so it runs beside the sparse SC's pass over the logits (~0.1 ms at full size) instead of before it; and for
+    the status read (_read_status), so the dense SC product need not queue behind its packing and copy.
 
     `fork()` starts a side segment after everything queued so far on the main stream; `join()` makes the main
     stream wait for it. Every side segment opens after the main stream's latest work and the main stream joins
@@ -340,6 +351,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
     side = _SideStream(torch.device(device))
     forward, cap = _forward(model)
+    stage = getattr(model, "stage_denoise", None)  # the engine's: copies a coming forward's inputs ahead of the call
     # the engine's dead raw-logits buffer, for the dense SC (SparsePlan never writes the step's own logits' storage)
     scratch = getattr(model, "logits_scratch", None)
     while reason is None:
@@ -373,12 +385,18 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
                               scratch=scratch() if scratch is not None else None)
-        side.join()
-        packed = [code.double(), mean_h] + ([plan.count.double()] if plan is not None else [])
         overlap = None
         if plan is not None and plan.speculative:
             overlap = functools.partial(plan.start_dense, model.embedding, model.config.embed_scale)
-        status = _read_status(torch.stack(packed), overlap)  # the step's one host sync
+
+        def make_status():  # on the side stream, where the bookkeeping above left code and mean_h
+            return torch.stack([code.double(), mean_h] + ([plan.count.double()] if plan is not None else []))
+
+        def stage_next():  # the next forward's inputs into its graph now, if the bet's product is what it will take
+            if stage is not None and plan is not None and plan.product is not None:
+                stage(cache, canvas, sc_embeds=plan.product)
+
+        status = _read_status(make_status, overlap, side, stage_next)  # the step's one host sync; joins the side
         overlap = None  # it holds the plan, and so this step's logits, which must go before the next step's arrive
         reason = REASONS[int(status[0])]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,

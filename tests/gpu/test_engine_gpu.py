@@ -312,6 +312,54 @@ def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
     assert eng.graph_error is None, eng.graph_error
 
 
+def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
+    """stage_denoise copies a call's inputs into its graph ahead of time: the call with those very tensors gives the
+    plain call's bits; tensors modified in place since, other tensors, or another denoise in between make the call
+    copy as before (each case's result is the plain call's on its own inputs)."""
+    cfg = make_config(MID, 64)
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=512)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, torch.randint(0, V, (300,), device=DEV))
+
+    def inputs():
+        return torch.randint(0, V, (64,), device=DEV), torch.randn(64, H, device=DEV).to(torch.bfloat16)
+
+    def plain(ids, sc):  # fresh tensors with the same values: never the staged ones
+        return eng.denoise_raw(cache, ids.clone(), sc_embeds=sc.clone()).clone()
+
+    ids, sc = inputs()
+    assert not eng.stage_denoise(cache, ids, sc_embeds=sc)  # no graph for that call yet: nothing staged
+    want = plain(ids, sc)  # captures
+    ids, sc = inputs()
+    want = plain(ids, sc)
+    assert eng.stage_denoise(cache, ids, sc_embeds=sc)
+    copies = []
+    real = eng._feed_sc
+    eng._feed_sc = lambda buf, x: (copies.append(1), real(buf, x))[1]
+    try:
+        assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want) and copies == []
+        # modified in place after staging: copied again
+        assert eng.stage_denoise(cache, ids, sc_embeds=sc)
+        sc.mul_(-1)
+        assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), plain(ids, sc)) and len(copies) == 2
+        # another denoise between the staging and the call drops the staging
+        ids2, sc2 = inputs()
+        assert eng.stage_denoise(cache, ids2, sc_embeds=sc2)
+        other = plain(*inputs())
+        n = len(copies)
+        got = eng.denoise_raw(cache, ids2, sc_embeds=sc2)
+        assert len(copies) == n + 1 and torch.equal(got, plain(ids2, sc2)) and not torch.equal(got, other)
+        # other tensors than the staged ones: copied
+        assert eng.stage_denoise(cache, ids, sc_embeds=sc)
+        n = len(copies)
+        assert torch.equal(eng.denoise_raw(cache, ids2.clone(), sc_embeds=sc2.clone()), plain(ids2, sc2))
+        assert len(copies) == n + 2  # that call's copy, then plain's own
+    finally:
+        del eng._feed_sc
+
+
 def test_sc_probs_kernel_path_matches_softmax_real_shape():
     """The graph's SC probabilities (row-stats lse, then exp(z - lse) in bf16) against torch's f32 softmax cast
     to bf16, at the real [256, 262144]: equal up to one bf16 rounding of nearly equal f32 values."""

@@ -70,7 +70,7 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
     reads = []
     original = generation._read_status
     monkeypatch.setattr(generation, "_read_status",
-                        lambda status, overlap=None: (reads.append(1), original(status, overlap))[1])
+                        lambda *a, **k: (reads.append(1), original(*a, **k))[1])
     per_step = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -307,3 +307,63 @@ def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, mo
     monkeypatch.setattr(type(engine), "logits_scratch", lambda self: None)
     without = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
     assert with_scratch == without and len(with_scratch) > 0
+
+
+def test_status_read_waits_for_the_main_stream_but_not_for_the_overlap():
+    """The status is packed on the side stream after the main stream's work so far (here a long chain whose last
+    value it reads), and the overlap queued after it (the dense SC product) still lands in order on the main stream."""
+    side = generation._SideStream(torch.device(DEV))
+    a = torch.randn(2048, 2048, device=DEV)
+    x = a
+    for _ in range(20):  # long enough that a read racing it would see the zeros below
+        x = torch.tanh(x @ a * 1e-3)
+    value = torch.zeros((), dtype=torch.float64, device=DEV)
+    value.copy_(x.double().sum())
+    want = float(value)
+    torch.cuda.synchronize()
+    value.zero_()
+    x = a
+    for _ in range(20):
+        x = torch.tanh(x @ a * 1e-3)
+    value.copy_(x.double().sum())
+    later = []
+
+    def overlap():
+        later.append(torch.tanh(x @ a * 1e-3).double().sum())
+
+    got = generation._read_status(lambda: torch.stack([value, value * 2]), overlap, side)
+    assert got == [want, 2 * want]
+    assert len(later) == 1 and torch.isfinite(later[0])
+
+
+def test_dense_sc_product_scales_as_the_float_formula_on_the_gpu():
+    from diffgemma.sampling.self_condition import SparsePlan
+
+    probs = torch.rand(256, 16384, device=DEV).softmax(-1)
+    emb = (torch.randn(16384, 2816, device=DEV) * 0.05).to(torch.bfloat16)
+    scale = 2816 ** 0.5
+    want = ((probs.to(torch.bfloat16) @ emb).float() * scale).to(torch.bfloat16)
+    assert torch.equal(SparsePlan._product(probs, emb, scale), want)
+
+
+def test_staged_forward_inputs_change_no_token(engine, monkeypatch):
+    """generate stages each next forward's inputs (Engine.stage_denoise) before its status read when the dense SC
+    product is what that forward takes (forced here: the small vocabularies otherwise take the gather): the same
+    tokens as a run that stages nothing, and the staging did happen."""
+    from diffgemma.sampling.self_condition import SparsePlan
+
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)
+    s = settings()
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    staged, real = [], type(engine).stage_denoise
+
+    def spy(self, *a, **k):
+        staged.append(real(self, *a, **k))
+        return staged[-1]
+
+    monkeypatch.setattr(type(engine), "stage_denoise", spy)
+    with_staging = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
+    assert any(staged), staged
+    monkeypatch.setattr(type(engine), "stage_denoise", lambda self, *a, **k: False)
+    without = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
+    assert with_staging == without and len(with_staging) > 0

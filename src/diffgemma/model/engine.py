@@ -103,6 +103,8 @@ class Engine:
         # writes it again.
         self._graph_pool = None
         self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
+        # stage_denoise's (graph entry, its key, ids, ids version, sc, sc version), until the next denoise call
+        self._staged = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
         # The denoise canvas attention's implementation by layer kind ('full' / 'sliding'); a kind not named takes
@@ -185,13 +187,23 @@ class Engine:
     def logit_softcap(self) -> float:
         return self.config.final_logit_softcapping
 
-    @torch.no_grad()
     def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                     sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The denoise forward up to its last op, the final softcap: logits in the model's dtype, [C, V], whose
         softcap(·, logit_softcap) is `denoise`'s result. The sampler's kernels softcap them as they read them
         (sampling/stats.StepStats(cap=)), so generate's step never writes nor reads the f32 [C, V] logits. On CUDA
         with graphs the result is the graph's output buffer: valid until this engine's next denoise."""
+        staged, self._staged = self._staged, None
+        if staged is not None and sc_logits is None:
+            entry = self._staged_entry(staged, cache, canvas_ids, sc_embeds)
+            if entry is not None:  # checked and copied by stage_denoise: the replay alone (a graph needs no no_grad)
+                entry[0].replay()
+                self._last_graph = (weakref.ref(cache), staged[1])
+                return entry[3]
+        with torch.no_grad():
+            return self._denoise_checked(cache, canvas_ids, sc_logits, sc_embeds)
+
+    def _denoise_checked(self, cache, canvas_ids, sc_logits, sc_embeds) -> torch.Tensor:
         ids = self._check_ids(canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
         C = len(ids)
         if C > cache.canvas:
@@ -454,6 +466,47 @@ class Engine:
         graph.replay()
         self._last_graph = (weakref.ref(cache), key)
         return out  # static: the next replay overwrites it (denoise's softcap writes a fresh f32 tensor from it)
+
+    @torch.no_grad()
+    def stage_denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_embeds: torch.Tensor | None = None) -> bool:
+        """Copy a coming `denoise_raw(cache, canvas_ids, sc_embeds=sc_embeds)`'s inputs into its graph's static
+        buffers now, queued on the current stream; that call, on the same stream and with these very tensors
+        unchanged, then launches the replay alone. -> whether anything was staged (a graph for that call exists).
+
+        Why: generate's loop knows the next step's inputs before its status read, and CUDA calls the host makes just
+        after such a wait run slowly (~0.1 ms a copy on the H200 machines, bench/RESULTS.md round 23) while the GPU,
+        done with the queued SC product, waits for the replay. Staged before the read, the copies are queued while
+        the GPU is busy. Any other denoise call in between drops the staging; a call with other tensors, or with
+        these modified in place since, copies as usual."""
+        self._staged = None
+        if not (self.use_graphs and self.device.type == "cuda" and isinstance(canvas_ids, torch.Tensor)
+                and canvas_ids.is_cuda and canvas_ids.dim() == 1 and canvas_ids.dtype == torch.long):
+            return False
+        C, mode = len(canvas_ids), "embeds" if sc_embeds is not None else "none"
+        if C > cache.canvas or (sc_embeds is not None and tuple(sc_embeds.shape) != (C, self.config.hidden_size)):
+            return False
+        key = (C, self._key_rows(cache, C), mode, self.attn_impl)
+        entry = self._graphs.get(cache, {}).get(key)
+        if entry is None:
+            return False
+        _, ids_buf, sc_buf, _ = entry
+        ids_buf.copy_(canvas_ids)
+        if sc_buf is not None:
+            sc_buf.copy_(sc_embeds)
+        self._staged = (entry, key, canvas_ids, canvas_ids._version, sc_embeds,
+                        None if sc_embeds is None else sc_embeds._version)
+        return True
+
+    def _staged_entry(self, staged, cache, ids, sc):
+        """The graph entry stage_denoise filled with these very inputs, unchanged since and still this call's graph
+        (the same cache and context bucket, graphs on), or None."""
+        entry, key, s_ids, s_ids_v, s_sc, s_sc_v = staged
+        if not (ids is s_ids and sc is s_sc and ids._version == s_ids_v and (sc is None or sc._version == s_sc_v)
+                and self.use_graphs):
+            return None
+        if key[1] != self._key_rows(cache, key[0]) or self._graphs.get(cache, {}).get(key) is not entry:
+            return None
+        return entry
 
     def logits_scratch(self) -> torch.Tensor | None:
         """The bf16 [canvas, vocab] buffer the last graphed denoise wrote its raw logits to, while that graph lives

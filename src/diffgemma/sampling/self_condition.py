@@ -108,7 +108,15 @@ class SparsePlan:
             self.log_z = self._z.logsumexp(dim=-1)
             self.mask = survivors(self._z, log_ratio)
             self.row_counts = self.mask.sum(-1)
-        self.count = self.row_counts.sum(dtype=torch.int64)
+        self._count = None
+
+    @property
+    def count(self) -> torch.Tensor:
+        """The survivors in all, an int64 device scalar, summed on the stream current at the first ask (the loop asks
+        on its side stream, so the sum does not queue ahead of the dense product on the main one)."""
+        if self._count is None:
+            self._count = self.row_counts.sum(dtype=torch.int64)
+        return self._count
 
     def _lent(self) -> torch.Tensor | None:
         """The scratch, when one is lent that the kernels can write: contiguous, beside the logits, and not the logits'
@@ -183,7 +191,10 @@ class SparsePlan:
 
     @staticmethod
     def _product(probs: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
-        return ((probs.to(embedding.dtype) @ embedding).float() * scale).to(embedding.dtype)
+        """(probs @ embedding) · scale in the embedding's dtype. The scale multiplies in place: torch forms a reduced
+        float times a Python scalar in f32 and rounds once, the bits of `(product.float() * scale).to(dtype)` in one
+        kernel instead of three (tests/test_generate_sync.py holds the two equal)."""
+        return (probs.to(embedding.dtype) @ embedding).mul_(scale)
 
     def _dense_soft_embed(self, embedding: torch.Tensor, scale: float) -> torch.Tensor:
         """The same sum over survivors as one [C, V] @ [V, H] product (in the embedding's dtype, like exact SC)."""

@@ -48,7 +48,7 @@ class StepStats:
 
     def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None, cap: float | None = None):
         self.temp = temp
-        self._temp_t = torch.full((), temp, dtype=torch.float32, device=logits.device)  # a fill, not a copy
+        self._temp = None
         self._processed: torch.Tensor | None = None
         if fused is None:
             fused = use_triton(logits) and (logits.dtype == torch.float32 or cap is not None)
@@ -63,6 +63,14 @@ class StepStats:
             self.entropy = entropy(z)
             self.argmax = z.argmax(dim=-1)
             self.rowmax = self.lse = None
+
+    @property
+    def _temp_t(self) -> torch.Tensor:
+        """T as an f32 device scalar (a fill, not a copy), made when a division by it is first asked for: the fused
+        passes take T as a number, so a fused step launches nothing for it."""
+        if self._temp is None:
+            self._temp = torch.full((), self.temp, dtype=torch.float32, device=self.logits.device)
+        return self._temp
 
     @property
     def processed(self) -> torch.Tensor:
