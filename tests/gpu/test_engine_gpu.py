@@ -331,7 +331,7 @@ def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
 
     ids, sc = inputs()
     assert not eng.stage_denoise(cache, ids, sc_embeds=sc)  # no graph for that call yet: nothing staged
-    want = plain(ids, sc)  # captures
+    plain(ids, sc)  # captures
     ids, sc = inputs()
     want = plain(ids, sc)
     assert eng.stage_denoise(cache, ids, sc_embeds=sc)
