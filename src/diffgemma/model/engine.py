@@ -451,14 +451,17 @@ class Engine:
         GEMMs' shapes (and the flash kernel's split count) follow it, so both compute the same bits."""
         return (self.context_bucket(cache) if self.device.type == "cuda" else cache.length) + C
 
+    def _graph_key(self, cache: EngineKVCache, C: int, mode: str) -> tuple:
+        """(canvas, key rows, SC mode, attention impl): what a denoise graph of this cache is kept by."""
+        return C, self._key_rows(cache, C), mode, self.attn_impl
+
     def _denoise_graphed(self, cache: EngineKVCache, ids, mode: str, sc) -> torch.Tensor:
         C = len(ids)
-        key_rows = self._key_rows(cache, C)
-        key = (C, key_rows, mode, self.attn_impl)
+        key = self._graph_key(cache, C, mode)
         graphs = self._graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:
-            entry = self._capture(cache, C, key_rows, mode, sc)
+            entry = self._capture(cache, C, key[1], mode, sc)
             graphs[key] = entry
         graph, ids_buf, sc_buf, out = entry
         ids_buf.copy_(ids)
@@ -485,7 +488,7 @@ class Engine:
         C, mode = len(canvas_ids), "embeds" if sc_embeds is not None else "none"
         if C > cache.canvas or (sc_embeds is not None and tuple(sc_embeds.shape) != (C, self.config.hidden_size)):
             return False
-        key = (C, self._key_rows(cache, C), mode, self.attn_impl)
+        key = self._graph_key(cache, C, mode)
         entry = self._graphs.get(cache, {}).get(key)
         if entry is None:
             return False
@@ -504,7 +507,7 @@ class Engine:
         if not (ids is s_ids and sc is s_sc and ids._version == s_ids_v and (sc is None or sc._version == s_sc_v)
                 and self.use_graphs):
             return None
-        if key[1] != self._key_rows(cache, key[0]) or self._graphs.get(cache, {}).get(key) is not entry:
+        if key != self._graph_key(cache, key[0], key[2]) or self._graphs.get(cache, {}).get(key) is not entry:
             return None
         return entry
 

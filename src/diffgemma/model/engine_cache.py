@@ -17,12 +17,11 @@ replayed as a CUDA graph. `length_t` mirrors `length` on the device for the same
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
+from .kv_cache import kv_fingerprint
 
 
 class EngineKVCache:
@@ -107,9 +106,4 @@ class EngineKVCache:
         return [t for layer in range(len(self.keys)) for t in self.visible(layer)]
 
     def fingerprint(self) -> str:
-        """sha256 over the live KV, as f32 bytes."""
-        h = hashlib.sha256()
-        h.update(str(self.length).encode())
-        for t in self.live_kv():
-            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return kv_fingerprint(self)

@@ -60,9 +60,14 @@ class ReferenceKVCache:
         return [t for layer in range(len(self.keys)) for t in self.visible(layer, for_denoise=True)]
 
     def fingerprint(self) -> str:
-        """sha256 over the live KV, as f32 bytes."""
-        h = hashlib.sha256()
-        h.update(str(self.length).encode())
-        for t in self.live_kv():
-            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return kv_fingerprint(self)
+
+
+def kv_fingerprint(cache) -> str:
+    """sha256 over a cache's length and its live KV (cache.live_kv()), as f32 bytes: the golden fixture's KV pin, the
+    same for the reference cache and the engine's."""
+    h = hashlib.sha256()
+    h.update(str(cache.length).encode())
+    for t in cache.live_kv():
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

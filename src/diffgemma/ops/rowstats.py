@@ -204,14 +204,20 @@ def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
     return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
 
 
-def _capped(logits, cap):
-    """The twins' view of their input: softcap(raw) when cap is given, else the logits themselves."""
-    return logits if cap is None else softcap_ref(logits, cap)
+def _tempered_ref(logits, temp, cap):
+    """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw)."""
+    x = logits if cap is None else softcap_ref(logits, cap)
+    return x.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+
+
+def _row_counts(counts: torch.Tensor) -> torch.Tensor:
+    """A pass's survivor counts per (row, segment) -> per row, int32."""
+    return counts[:, 0] if counts.shape[1] == 1 else counts.sum(-1, dtype=torch.int32)
 
 
 def tempered_rowstats_ref(logits, temp, cap=None):
     """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp."""
-    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _tempered_ref(logits, temp, cap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(torch.exp(logp) * logp).sum(-1)
@@ -220,7 +226,7 @@ def tempered_rowstats_ref(logits, temp, cap=None):
 
 def tempered_survivors_ref(logits, temp, thr, cap=None):
     """-> (bool mask [R, V] of z >= thr[:, None], int32 counts [R]) with z = logits / temp."""
-    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _tempered_ref(logits, temp, cap)
     mask = z >= thr[:, None]
     return mask, mask.sum(-1, dtype=torch.int32)
 
@@ -428,12 +434,12 @@ def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, ou
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](za["x"], thr.float().contiguous(), mask, counts, n, span, float(temp),
                                               za["table"], BLOCK=block, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
-    return mask.view(torch.bool), counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
+    return mask.view(torch.bool), _row_counts(counts)
 
 
 def tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=None):
     """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
-    z = _capped(logits, cap).float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
+    z = _tempered_ref(logits, temp, cap)
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
@@ -468,7 +474,7 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
                                                  ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
     if not count:
         return out
-    return out, counts[:, 0] if n_seg == 1 else counts.sum(-1, dtype=torch.int32)
+    return out, _row_counts(counts)
 
 
 def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None, cap=None):
