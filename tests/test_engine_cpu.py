@@ -11,6 +11,7 @@ import torch
 import diffgemma
 from diffgemma.errors import InputError
 from diffgemma.model.engine import Engine
+from diffgemma.model.engine_graph import DenoiseGraph
 from tiny_checkpoints import CONFIGS, build_model, save
 
 pytest.importorskip("transformers")
@@ -201,7 +202,7 @@ def test_graphs_die_with_their_cache(ref, monkeypatch):
 
     def fake_capture(cache, C, key_rows, mode, sc):
         captures.append(C)
-        return FakeGraph(), torch.zeros(C, dtype=torch.long), None, torch.randn(C, V)
+        return DenoiseGraph(FakeGraph(), torch.zeros(C, dtype=torch.long), None, torch.randn(C, V))
 
     monkeypatch.setattr(eng, "_capture", fake_capture)
     ids = torch.randint(0, V, (4,))
@@ -244,3 +245,12 @@ def test_staging_is_a_no_op_without_graphs(ref):
     want = eng.denoise_raw(cache, ids, sc_embeds=sc)
     assert eng.stage_denoise(cache, ids, sc_embeds=sc) is False and eng._staged is None
     assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want)
+    go = torch.tensor(True)
+    assert eng.stage_denoise(cache, ids, sc_embeds=sc, go=go) is False and eng._ahead is None
+    assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want)
+
+
+def test_guarded_graphs_say_why_not_off_cuda():
+    from diffgemma.model.graph_guard import guard_support
+
+    assert guard_support(torch.device("cpu")) == "not a CUDA device"

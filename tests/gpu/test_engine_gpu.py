@@ -360,6 +360,66 @@ def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
         del eng._feed_sc
 
 
+def test_a_forward_launched_under_a_device_condition_runs_only_when_told():
+    """stage_denoise(go=) launches the staged forward under a device flag (a graph IF node): with go true the call
+    with those very tensors returns that forward's output, the plain call's bits, without a second launch; with go
+    false the replay runs nothing (the output buffer keeps its bytes), and the next plain call on that graph, on
+    other inputs, runs in full (the plain graph)."""
+    from diffgemma.model.graph_guard import guard_support
+
+    why = guard_support(torch.device(DEV))
+    if why is not None:
+        pytest.skip(f"no guarded graphs here: {why}")
+    cfg = make_config(MID, 64)
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=512)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    cache = eng.new_cache(1024)
+    eng.prefill(cache, torch.randint(0, V, (300,), device=DEV))
+
+    def inputs():
+        return torch.randint(0, V, (64,), device=DEV), torch.randn(64, H, device=DEV).to(torch.bfloat16)
+
+    def plain(ids, sc):
+        return eng.denoise_raw(cache, ids.clone(), sc_embeds=sc.clone()).clone()
+
+    ids, sc = inputs()
+    plain(ids, sc)  # captures
+    entry = next(iter(eng._graphs[cache].values()))
+    assert entry.guard is not None and eng.guard_error is None  # captured with its guarded twin
+    ids, sc = inputs()
+    want = plain(ids, sc)
+    launches = []
+    real_replay, real_launch = entry.graph.replay, entry.guard.launch
+    entry.graph = type("Spy", (), {"replay": lambda self: (launches.append("plain"), real_replay())[1]})()
+    entry.guard.launch = lambda: (launches.append("guarded"), real_launch())[1]
+    assert eng.stage_denoise(cache, ids, sc_embeds=sc, go=torch.ones((), dtype=torch.bool, device=DEV))
+    got = eng.denoise_raw(cache, ids, sc_embeds=sc)
+    assert launches == ["guarded"] and torch.equal(got, want)
+    # go false: nothing runs; the buffer keeps the last forward's logits
+    before = entry.out.clone()
+    ids2, sc2 = inputs()
+    assert eng.stage_denoise(cache, ids2, sc_embeds=sc2, go=torch.zeros((), dtype=torch.bool, device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(entry.out, before)
+    # the loop then calls with other SC (a lost bet): a full forward again, the plain call's bits
+    sc3 = torch.randn(64, H, device=DEV).to(torch.bfloat16)
+    got = eng.denoise_raw(cache, ids2, sc_embeds=sc3).clone()
+    assert torch.equal(got, plain(ids2, sc3)) and not torch.equal(got, before)
+    # a device condition computed on the GPU, as generate's: (code == 0) & (count large)
+    code, count = torch.zeros((), dtype=torch.int64, device=DEV), torch.tensor(10**6, device=DEV)
+    assert eng.stage_denoise(cache, ids, sc_embeds=sc, go=(code == 0) & (count > 5))
+    assert torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want)
+    assert launches == ["guarded", "guarded", "plain", "plain", "guarded"]
+    # plain graphs (guarded_graphs off at capture): go= only stages, and the call launches
+    eng.guarded_graphs = False
+    eng._graphs.clear()
+    plain(ids, sc)
+    assert next(iter(eng._graphs[cache].values())).guard is None
+    assert not eng.stage_denoise(cache, ids, sc_embeds=sc, go=torch.ones((), dtype=torch.bool, device=DEV))
+    assert eng._staged is not None and torch.equal(eng.denoise_raw(cache, ids, sc_embeds=sc), want)
+
+
 def test_sc_probs_kernel_path_matches_softmax_real_shape():
     """The graph's SC probabilities (row-stats lse, then exp(z - lse) in bf16) against torch's f32 softmax cast
     to bf16, at the real [256, 262144]: equal up to one bf16 rounding of nearly equal f32 values."""

@@ -37,6 +37,9 @@ is read from device tensors, so one capture serves every step at contexts up to 
 bucket's padded key rows are masked (and skipped block-wise by the kernel). The graph ends at the
 raw bf16 logits: `denoise_raw` returns them, and `denoise` softcaps them into a fresh f32 tensor (no clone).
 generate calls `denoise_raw`: its row-stats and SC kernels softcap as they read (sampling/stats.StepStats).
+Each graph also gets a guarded twin (model/graph_guard.py: the same graph inside a CUDA graph IF node), which
+`stage_denoise(go=)` launches under a device flag: generate queues the next forward before its status read and the
+GPU runs it only if the device's own stop and SC-bet answer says so.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ from ..ops.rows_at import ALIGN, RowsAt
 from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
 from ..ops.sm_carveout import cublas_sm_carveout
 from .engine_cache import EngineKVCache
+from .engine_graph import DenoiseGraph
 from .engine_weights import DictSource, EngineWeights, load_weights
+from .graph_guard import GuardedGraph, guard_support
 
 _BUCKET0 = 1024  # smallest context bucket for graphed denoise; buckets double from here
 # Up to this many rows (the denoise canvas, a committed block's prefill) the router chain runs on a side stream beside
@@ -105,6 +110,14 @@ class Engine:
         self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
         # stage_denoise's (graph entry, its key, ids, ids version, sc, sc version), until the next denoise call
         self._staged = None
+        # the same for a forward stage_denoise(go=) launched, until the call that takes its output (or any other)
+        self._ahead = None
+        # Give each denoise graph a guarded twin (model/graph_guard.py: the graph as an IF node's body), so
+        # stage_denoise(go=) can launch the next forward before the host knows whether there is one. False: plain
+        # graphs only (A/B). Where the driver cannot (graph_guard.guard_support), plain graphs, and `guard_error` says
+        # why.
+        self.guarded_graphs = True
+        self.guard_error: str | None = None
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.attn_impl = attn_impl  # None: the rule in _attn_impl; or force 'triton' / 'sdpa' / 'ref' everywhere
         # The denoise canvas attention's implementation by layer kind ('full' / 'sliding'); a kind not named takes
@@ -194,12 +207,17 @@ class Engine:
         (sampling/stats.StepStats(cap=)), so generate's step never writes nor reads the f32 [C, V] logits. On CUDA
         with graphs the result is the graph's output buffer: valid until this engine's next denoise."""
         staged, self._staged = self._staged, None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and sc_logits is None:
+            entry = self._staged_entry(ahead, cache, canvas_ids, sc_embeds)
+            if entry is not None:  # launched by stage_denoise(go=): by the caller's contract its condition was true
+                return entry.out
         if staged is not None and sc_logits is None:
             entry = self._staged_entry(staged, cache, canvas_ids, sc_embeds)
             if entry is not None:  # checked and copied by stage_denoise: the replay alone (a graph needs no no_grad)
-                entry[0].replay()
+                entry.replay()
                 self._last_graph = (weakref.ref(cache), staged[1])
-                return entry[3]
+                return entry.out
         with torch.no_grad():
             return self._denoise_checked(cache, canvas_ids, sc_logits, sc_embeds)
 
@@ -463,15 +481,15 @@ class Engine:
         if entry is None:
             entry = self._capture(cache, C, key[1], mode, sc)
             graphs[key] = entry
-        graph, ids_buf, sc_buf, out = entry
-        ids_buf.copy_(ids)
-        sc = self._feed_sc(sc_buf, sc)  # held until the replay is queued: the graph may read it where it lies
-        graph.replay()
+        entry.ids.copy_(ids)
+        sc = self._feed_sc(entry.sc, sc)  # held until the replay is queued: the graph may read it where it lies
+        entry.replay()
         self._last_graph = (weakref.ref(cache), key)
-        return out  # static: the next replay overwrites it (denoise's softcap writes a fresh f32 tensor from it)
+        return entry.out  # static: the next replay overwrites it (denoise's softcap writes a fresh f32 tensor from it)
 
     @torch.no_grad()
-    def stage_denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_embeds: torch.Tensor | None = None) -> bool:
+    def stage_denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_embeds: torch.Tensor | None = None,
+                      go: torch.Tensor | None = None) -> bool:
         """Copy a coming `denoise_raw(cache, canvas_ids, sc_embeds=sc_embeds)`'s inputs into its graph's static
         buffers now, queued on the current stream; that call, on the same stream and with these very tensors
         unchanged, then launches the replay alone. -> whether anything was staged (a graph for that call exists).
@@ -480,8 +498,15 @@ class Engine:
         after such a wait run slowly (~0.1 ms a copy on the H200 machines, bench/RESULTS.md round 23) while the GPU,
         done with the queued SC product, waits for the replay. Staged before the read, the copies are queued while
         the GPU is busy. Any other denoise call in between drops the staging; a call with other tensors, or with
-        these modified in place since, copies as usual."""
-        self._staged = None
+        these modified in place since, copies as usual.
+
+        go (a bool device scalar): also launch the forward now, conditioned on `go` as the GPU finds it when the
+        replay starts (a guarded graph: engine_graph.DenoiseGraph). The GPU then runs the next forward right after
+        the work queued before it, while the host is still reading the status. Contract: the caller makes that very
+        call only when go was true, and then gets the launched forward's output (no second launch); when go was false
+        the replay ran nothing, and any other call (other inputs, another cache, or none) is safe. -> whether the
+        forward was launched (False: at most staged, e.g. plain graphs)."""
+        self._staged = self._ahead = None
         if not (self.use_graphs and self.device.type == "cuda" and isinstance(canvas_ids, torch.Tensor)
                 and canvas_ids.is_cuda and canvas_ids.dim() == 1 and canvas_ids.dtype == torch.long):
             return False
@@ -492,13 +517,23 @@ class Engine:
         entry = self._graphs.get(cache, {}).get(key)
         if entry is None:
             return False
-        _, ids_buf, sc_buf, _ = entry
-        ids_buf.copy_(canvas_ids)
-        if sc_buf is not None:
-            sc_buf.copy_(sc_embeds)
-        self._staged = (entry, key, canvas_ids, canvas_ids._version, sc_embeds,
-                        None if sc_embeds is None else sc_embeds._version)
+        entry.ids.copy_(canvas_ids)
+        if entry.sc is not None:
+            entry.sc.copy_(sc_embeds)
+        staged = (entry, key, canvas_ids, canvas_ids._version, sc_embeds,
+                  None if sc_embeds is None else sc_embeds._version)
+        if go is None or entry.guard is None:
+            self._staged = staged
+            return go is None
+        entry.launch_if(go)
+        self._ahead = staged
+        self._last_graph = (weakref.ref(cache), key)
         return True
+
+    def drop_staged(self) -> None:
+        """Forget what stage_denoise staged or launched (generate calls it when a block's loop ends): the staging holds
+        its graph and input tensors, which should not outlive the block, let alone a cache."""
+        self._staged = self._ahead = None
 
     def _staged_entry(self, staged, cache, ids, sc):
         """The graph entry stage_denoise filled with these very inputs, unchanged since and still this call's graph
@@ -521,7 +556,7 @@ class Engine:
         cache_ref, key = self._last_graph
         cache = cache_ref() if cache_ref is not None else None
         entry = self._graphs.get(cache, {}).get(key) if cache is not None else None
-        return entry[3] if entry is not None else None
+        return entry.out if entry is not None else None
 
     def _feed_sc(self, sc_buf, sc):
         """Give a graph its SC input: the logits' address (RowsAt: the graph reads them where they lie), or a copy
@@ -551,11 +586,25 @@ class Engine:
             for _ in range(2):
                 self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if not any(self._graphs.values()):
             # A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies,
             # and capturing into that dead handle again trips its internal assert (use_count > 0).
             self._graph_pool = torch.cuda.graph_pool_handle()
+        guarded = self.guarded_graphs and self._guard_ok()
+        graph = torch.cuda.CUDAGraph(keep_graph=guarded)  # a guarded twin clones the kept cudaGraph_t
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self._denoise_core(cache, ids_buf, mode, sc_buf, key_rows)
-        return graph, ids_buf, sc_buf, out
+        guard = None
+        if guarded:
+            graph.instantiate()
+            try:
+                guard = GuardedGraph(graph, torch.ones((), dtype=torch.bool, device=self.device))
+            except Exception as e:  # never wrong without it, only without the launch ahead
+                self.guard_error = f"{type(e).__name__}: {e}"
+                warnings.warn(f"diffgemma engine: no guarded denoise graph ({self.guard_error})")
+        return DenoiseGraph(graph, ids_buf, sc_buf, out, guard)
+
+    def _guard_ok(self) -> bool:
+        if self.guard_error is None:
+            self.guard_error = guard_support(self.device)
+        return self.guard_error is None

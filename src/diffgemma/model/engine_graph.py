@@ -1,0 +1,26 @@
+"""One captured denoise graph and what the engine keeps with it."""
+
+from __future__ import annotations
+
+import torch
+
+from .graph_guard import GuardedGraph
+
+
+class DenoiseGraph:
+    """A captured denoise: the torch graph, its static inputs (canvas ids; the SC buffer or None), its output (raw
+    logits), and `guard`: the same graph as the body of an IF node on a device flag (graph_guard.GuardedGraph), or
+    None where graphs are plain. `replay()` runs the forward; `launch_if(go)` runs it only if the bool device scalar
+    `go` is true when the GPU gets there (Engine.stage_denoise(go=))."""
+
+    __slots__ = ("graph", "ids", "sc", "out", "guard")
+
+    def __init__(self, graph, ids, sc, out, guard: GuardedGraph | None = None):
+        self.graph, self.ids, self.sc, self.out, self.guard = graph, ids, sc, out, guard
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def launch_if(self, go: torch.Tensor) -> None:
+        self.guard.flag.copy_(go)
+        self.guard.launch()
