@@ -75,7 +75,7 @@ def timeline():
         wrap(G, "_read_status", "read")
         wrap(ST.StepStats, "__init__", "stats")
         wrap(SC.SparsePlan, "__init__", "plan")
-        wrap(SC.SparsePlan, "start_dense", "product")
+        wrap(SC.SparsePlan, "start", "product")
         wrap(SC.SparsePlan, "soft_embed", "embed")
         for rep in range(2):
             marks.clear()

@@ -356,7 +356,7 @@ def test_sparse_plan_bet_on_the_dense_product_moves_work_not_results(monkeypatch
             bet = SparsePlan(stats, 10.0, dense_dtype=emb.dtype)
             assert bet.speculative == fused and int(bet.count) == n
             if start:
-                bet.start_dense(emb, 4.0)
+                bet.start(emb, 4.0)
             assert torch.equal(bet.soft_embed(n, emb, 4.0), want), (limit, start)
             assert bet.took_dense == (limit == 0) and bet.product is None and bet.probs is None
 
@@ -570,14 +570,14 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
     bets = []
     real_init = SparsePlan.__init__
 
-    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None):
+    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None, **kw):
         bets.append(dense_dtype is not None)
-        real_init(self, stats, log_ratio, dense_dtype, scratch)
+        real_init(self, stats, log_ratio, dense_dtype, scratch, **kw)
 
     monkeypatch.setattr(SparsePlan, "__init__", spy)
     with_bets = _summary(generate_stream(tiny_model, prompt, settings=s))
     assert bets and all(bets) == (limit == 0) and bets[0]  # the first step of a block always bets
-    monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None, scratch=None:
+    monkeypatch.setattr(SparsePlan, "__init__", lambda self, stats, log_ratio, dense_dtype=None, scratch=None, **kw:
                         real_init(self, stats, log_ratio, None, scratch))
     assert with_bets == _summary(generate_stream(tiny_model, prompt, settings=s))
 

@@ -72,3 +72,36 @@ def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, mo
     assert int(kernels.count) == n and 6 <= n < vocab
     assert int(kernels.row_counts.max()) <= sc_gather.CHUNK  # one chunk a row: the same adds as index_add_
     assert torch.equal(kernels.soft_embed(n, emb, 3.0), want)
+
+
+def test_sparse_plan_gather_ahead_at_the_cap_is_the_gather_after_the_read(interpret, monkeypatch):
+    """sparse_ahead: the gather queued before the status read, its nonzero sized for the most survivors the gather
+    takes (padded past the count), gives soft_embed(n)'s sum bit for bit and is what soft_embed returns; when the
+    count exceeds that cap the bet is lost (bet_holds false on the device) and soft_embed makes the dense product."""
+    vocab, hidden = 300, 24
+    x = torch.randn(6, vocab) * 3
+    x[:, :4] += 12.0
+    x[5] = torch.randn(vocab) * 0.3  # one flat row: many survivors
+    temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
+    emb = torch.randn(vocab, hidden).to(torch.bfloat16)
+    for mod in (stats_mod, rowstats, sc_gather):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    stats = StepStats(x, temp, fused=True)
+    n = int(SparsePlan(stats, 4.0).count)
+    for cap, gathers in ((n + random.randint(0, 50), True), (n - 1, False)):
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", cap * hidden * 4)
+        want = SparsePlan(stats, 4.0).soft_embed(n, emb, 3.0)
+        ahead = SparsePlan(stats, 4.0, sparse_ahead=True)
+        assert ahead.speculative and not ahead.bets_dense
+        ahead.start(emb, 3.0)
+        product = ahead.product
+        assert product is not None and bool(ahead.bet_holds(ahead.count, hidden)) == gathers
+        got = ahead.soft_embed(n, emb, 3.0)
+        assert torch.equal(got, want) and (got is product) == gathers and ahead.took_dense == (not gathers)
+    # past the cap the kernels get counts cut to the listed survivors: no read past the list
+    cut = SparsePlan(stats, 4.0)._counts_within(n - 3)
+    assert int(cut.sum()) == n - 3 and bool((cut <= SparsePlan(stats, 4.0).row_counts).all())
+    assert torch.equal(SparsePlan(stats, 4.0)._counts_within(n + 3), SparsePlan(stats, 4.0).row_counts.long())
+    # off the kernels (the CPU twin would add the padding) the plan does not gather ahead
+    monkeypatch.setattr(sc_gather, "use_triton", lambda t: False)
+    assert not SparsePlan(stats, 4.0, sparse_ahead=True).speculative

@@ -31,6 +31,8 @@ LCG renoise, stop rules with their argmax history and mask-run counter, the spar
 the host reads ONE small packed status per step (`_read_status`: stop code, mean entropy, survivor
 count). The temperature is a host float. Block-level work (the degenerate-opening check, the stop scan,
 the trim, the prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
+On a step whose SC took the dense bet, the next forward is queued before that read under the device's own
+go/stop answer (RUN_AHEAD, Engine.stage_denoise(go=)), so the host's turnaround no longer idles the GPU.
 """
 
 from __future__ import annotations
@@ -352,6 +354,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     side = _SideStream(torch.device(device))
     forward, cap = _forward(model)
     stage = getattr(model, "stage_denoise", None)  # the engine's: copies a coming forward's inputs ahead of the call
+    hidden = model.config.hidden_size
     # the engine's dead raw-logits buffer, for the dense SC (SparsePlan never writes the step's own logits' storage)
     scratch = getattr(model, "logits_scratch", None)
     while reason is None:
@@ -384,17 +387,29 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         if sparse_sc and step < steps_total:
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
-                              scratch=scratch() if scratch is not None else None)
+                              scratch=scratch() if scratch is not None else None,
+                              sparse_ahead=RUN_AHEAD and stage is not None)
         overlap = None
         if plan is not None and plan.speculative:
-            overlap = functools.partial(plan.start_dense, model.embedding, model.config.embed_scale)
+            overlap = functools.partial(plan.start, model.embedding, model.config.embed_scale)
+        go, launched, staged_sc = None, False, None
 
         def make_status():  # on the side stream, where the bookkeeping above left code and mean_h
-            return torch.stack([code.double(), mean_h] + ([plan.count.double()] if plan is not None else []))
+            nonlocal go
+            parts = [code.double(), mean_h]
+            if plan is not None:
+                parts.append(plan.count.double())
+                if RUN_AHEAD and stage is not None and plan.speculative:
+                    # the device's own answer to "is the next forward the staged one": no stop, and the bet holds
+                    go = (code == 0) & plan.bet_holds(plan.count, hidden)
+                    parts.append(go.double())
+            return torch.stack(parts)
 
         def stage_next():  # the next forward's inputs into its graph now, if the bet's product is what it will take
+            nonlocal launched, staged_sc  # and with `go`, the forward itself, under the device's condition
             if stage is not None and plan is not None and plan.product is not None:
-                stage(cache, canvas, sc_embeds=plan.product)
+                staged_sc = plan.product
+                launched = stage(cache, canvas, sc_embeds=staged_sc, go=go) and go is not None
 
         status = _read_status(make_status, overlap, side, stage_next)  # the step's one host sync; joins the side
         overlap = None  # it holds the plan, and so this step's logits, which must go before the next step's arrive
@@ -409,11 +424,24 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
                 bet_dense = plan.took_dense
             else:
                 sc_logits, sc_embeds = stats.processed, None
+        if launched and bool(status[3]) != (reason is None and sc_embeds is staged_sc):
+            # the next call would take (or drop) a forward the GPU skipped (or ran): never silently
+            raise RuntimeError("generate: the device's run-ahead condition disagrees with the host's reading of the "
+                               f"same status {status}")
 
+    drop = getattr(model, "drop_staged", None)
+    if drop is not None:  # a forward staged or launched (skipped) at the last step is never called for
+        drop()
     committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
     p_max = stats.max_prob() if s.confidence_trim > 0 else None
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
 
+
+# With a dense SC bet and an engine whose graphs take a device condition (Engine.stage_denoise(go=)), each step
+# launches the next forward before its status read, under the device's own stop/bet answer: the GPU goes from the
+# step's SC product straight into the next forward, however long the host takes to turn the step around. False:
+# the next forward is launched after the read (A/B and test knob; the same tokens).
+RUN_AHEAD = True
 
 # generate's forward is the engine's denoise_raw where the model has one (raw logits, softcapped by the sampler's
 # kernels as they read them: no f32 [C, V] pass a step); False: always model.denoise (an A/B and test knob).

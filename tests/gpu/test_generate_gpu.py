@@ -294,9 +294,9 @@ def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, mo
     prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
     lent, real = [], SparsePlan.__init__
 
-    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None):
+    def spy(self, stats, log_ratio, dense_dtype=None, scratch=None, **kw):
         lent.append(scratch is not None and self_uses(scratch, stats))
-        real(self, stats, log_ratio, dense_dtype, scratch)
+        real(self, stats, log_ratio, dense_dtype, scratch, **kw)
 
     def self_uses(scratch, stats):
         return scratch.dtype == engine.embedding.dtype and tuple(scratch.shape) == tuple(stats.logits.shape)
@@ -367,3 +367,43 @@ def test_staged_forward_inputs_change_no_token(engine, monkeypatch):
     monkeypatch.setattr(type(engine), "stage_denoise", lambda self, *a, **k: False)
     without = [e for e in generate_stream(engine, prompt, settings=s)][-1].result.tokens
     assert with_staging == without and len(with_staging) > 0
+
+
+@pytest.mark.parametrize("sc_way", ["dense", "gather", "both"])
+def test_forwards_launched_ahead_change_no_token(engine, monkeypatch, sc_way):
+    """generate launches each next forward before its status read, under the device's go/stop answer (RUN_AHEAD),
+    with the dense SC product (forced) or the gather (the small vocabularies' way) made ahead of the read, or a
+    cap of ~2 survivors a row so that steps go both ways and bets are lost (a gather made ahead past its cap, then
+    dropped): the same tokens as a run that launches after the read, some forwards were launched ahead, and some
+    were launched with a false condition (the block's last step, where the run must not take a skipped forward's
+    stale logits)."""
+    from diffgemma.model.graph_guard import guard_support
+    from diffgemma.sampling.self_condition import SparsePlan
+
+    why = guard_support(torch.device(DEV))
+    if why is not None:
+        pytest.skip(f"no guarded graphs here: {why}")
+    if sc_way != "gather":
+        C, H = engine.config.canvas_length, engine.config.hidden_size
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0 if sc_way == "dense" else 2 * C * H * 4)
+    s = settings(max_denoising_steps=16)
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    gos, real = [], type(engine).stage_denoise
+
+    def spy(self, *a, go=None, **k):
+        launched = real(self, *a, go=go, **k)
+        if launched and go is not None:
+            gos.append(bool(go))  # a sync: fine in a test
+        return launched
+
+    monkeypatch.setattr(type(engine), "stage_denoise", spy)
+    ahead = [e for e in generate_stream(engine, prompt, settings=s)][-1].result
+    assert True in gos, gos
+    if any(r != "max_steps" for r in ahead.stop_reasons):  # a block stopped on a step that had a plan: launched false
+        assert False in gos, (gos, ahead.stop_reasons)
+    monkeypatch.setattr(generation, "RUN_AHEAD", False)
+    gos.clear()
+    after = [e for e in generate_stream(engine, prompt, settings=s)][-1].result
+    assert gos == []
+    assert ahead.tokens == after.tokens and len(ahead.tokens) > 0
+    assert ahead.steps_per_block == after.steps_per_block

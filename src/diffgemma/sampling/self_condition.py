@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..ops import sc_gather
 from ..ops.sc_gather import segment_embed
 
 
@@ -76,14 +77,19 @@ class SparsePlan:
 
     dense_dtype (fused path only; the embedding's dtype): the caller bets that the count will call for the
     dense product (flat rows; the loop bets on what the previous step took). Then one pass writes the
-    survivors' probabilities and counts them (no mask), and `start_dense` queues the product behind the status
+    survivors' probabilities and counts them (no mask), and `start` queues the product behind the status
     copy, so the GPU computes it while the host waits for the status and turns around. The bet only moves
     work in time: soft_embed still follows the count, and a lost bet drops the product and builds the mask
     after the read. The gather sums with ops/sc_gather.py: index_add_ on the CPU, fixed-order kernels on CUDA.
+
+    sparse_ahead (fused path on CUDA, no dense bet): the bet that the count will call for the gather; `start` then
+    queues the gather before the read too, sized for the most survivors the gather takes (`gather_cap`): the kernels
+    sum each row's survivors from the row counts, so the padding past the real count adds nothing, and the sum is
+    the one soft_embed(n) makes after the read.
     """
 
     def __init__(self, stats, log_ratio: float, dense_dtype: torch.dtype | None = None,
-                 scratch: torch.Tensor | None = None):
+                 scratch: torch.Tensor | None = None, sparse_ahead: bool = False):
         """scratch: a dead [C, V] buffer (Engine.logits_scratch) that the dense fallback's probabilities (when its dtype
         is the embedding's) or the survivor mask may be written to, instead of new tensors; the same numbers either
         way. The probabilities and the mask are never alive at once (_take_mask / _dense_soft_embed)."""
@@ -91,7 +97,10 @@ class SparsePlan:
         self.log_ratio = log_ratio
         self.scratch = scratch
         self.probs = self.product = None
+        self.product_is_dense = None  # which sum `product` is, once `start` made one
         self.took_dense = None  # set by soft_embed: which way the count sent it
+        # the padding past the count is safe only where the gather runs the kernels (the CPU twin would add it)
+        self.sparse_ahead = sparse_ahead and dense_dtype is None and stats.fused and sc_gather.use_triton(stats.logits)
         if stats.fused:
             self.thr = stats.rowmax - log_ratio
             self.log_z = stats.lse
@@ -141,13 +150,33 @@ class SparsePlan:
 
     @property
     def speculative(self) -> bool:
-        return self.probs is not None
+        """Whether `start` will queue a product: a dense bet's, or the gather ahead."""
+        return self.probs is not None or self.sparse_ahead
 
-    def start_dense(self, embedding: torch.Tensor, scale: float) -> None:
-        """Queue the dense product on the bet's probabilities (called while the status read is in flight)."""
+    @property
+    def bets_dense(self) -> bool:
+        return self.probs is not None or self.product_is_dense is True
+
+    def start(self, embedding: torch.Tensor, scale: float) -> None:
+        """Queue the bet's sum (called while the status read is in flight): the dense product on the bet's
+        probabilities, or the gather sized for `gather_cap` survivors."""
         if self.probs is not None:
             self.product = self._product(self.probs, embedding, scale)
             self.probs = None
+            self.product_is_dense = True
+        elif self.sparse_ahead and self.product is None:
+            self.product = self._gather(min(self.gather_cap(embedding.shape[1]), self.stats.logits.numel()), embedding,
+                                        scale, bound=True)
+            self.product_is_dense = False
+
+    def bet_holds(self, n: torch.Tensor, hidden: int) -> torch.Tensor:
+        """On the device: whether the count `n` (an int64 device scalar) sends soft_embed the way this plan bet."""
+        dense = self.takes_dense(n, hidden)
+        return dense if self.bets_dense else ~dense
+
+    def gather_cap(self, hidden: int) -> int:
+        """The most survivors the gather takes (one more goes to the dense product)."""
+        return self.gather_bytes_limit // (hidden * 4)
 
     # Above this many bytes of gathered embedding rows (n survivors x hidden x f32) the survivors are summed
     # as one dense product of the masked probabilities instead: flat rows (random weights, an unconverged
@@ -173,21 +202,42 @@ class SparsePlan:
         self.mask = None
         return mask
 
+    def takes_dense(self, n, hidden: int):
+        """Whether n survivors (an int, or an int64 device tensor: then a bool tensor) go to the dense product."""
+        return n * (hidden * 4) > self.gather_bytes_limit
+
     def soft_embed(self, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
-        self.took_dense = n * embedding.shape[1] * 4 > self.gather_bytes_limit
+        self.took_dense = self.takes_dense(n, embedding.shape[1])
+        product, self.product = self.product, None
+        if product is not None and self.product_is_dense == self.took_dense:
+            return product  # the bet's sum, started before the read
         if self.took_dense:
-            product, self.product = self.product, None
-            return product if product is not None else self._dense_soft_embed(embedding, scale)
-        self.product = self.probs = None  # a lost bet: its product (if started) is not the sum asked for
-        rows, cols = torch.nonzero_static(self._take_mask(), size=n).unbind(1)
+            return self._dense_soft_embed(embedding, scale)
+        self.probs = None  # a lost bet: its product (if started) is not the sum asked for
+        return self._gather(n, embedding, scale)
+
+    def _gather(self, size: int, embedding: torch.Tensor, scale: float, bound: bool = False) -> torch.Tensor:
+        """The survivors' sum, their indices listed by a fixed-size nonzero: `size` = the count (after the read), or
+        (bound) a cap the count may pass (ahead of the read, on the kernels, which sum each row's survivors from the
+        row counts: the padding's weights are made at a valid index, -1, and never read). Past the cap the list is cut
+        and so are the counts the kernels get: that sum is wrong, but then the count sends soft_embed to the dense
+        product and the sum is dropped."""
+        rows, cols = torch.nonzero_static(self._take_mask(), size=size).unbind(1)
+        counts = self._counts_within(size) if bound else self.row_counts
         if self.stats.fused:  # z at the survivors only: the same softcap and correctly rounded division as the kernel's
             z = self.stats.softcapped(self.stats.logits[rows, cols]) / self.stats._temp_t
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])
         step = max(1, self.gather_chunk_bytes // (embedding.shape[1] * 4))
-        out = segment_embed(rows, self.row_counts, cols, weights, embedding, cpu_chunk=step)
+        out = segment_embed(rows, counts, cols, weights, embedding, cpu_chunk=step)
         return (out * scale).to(embedding.dtype)
+
+    def _counts_within(self, size: int) -> torch.Tensor:
+        """The row counts cut to the first `size` survivors in row order (the counts themselves when they sum to at
+        most `size`), so no kernel reads past a list of that size."""
+        counts = self.row_counts.to(torch.int64)
+        return (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
 
     @staticmethod
     def _product(probs: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
