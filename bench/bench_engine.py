@@ -67,7 +67,8 @@ AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                # the bf16x3 router GEMM's (BM, K slice, BK, warps, stages): 16 / 176 / 22 programs at the denoise shape
                ("router_gemm_config", (64, 704, 64, 4, 3), "rg16"), ("router_gemm_config", (32, 128, 64, 4, 3), "rg176"),
                ("router_gemm_config", (128, 256, 64, 8, 3), "rg22"),
-               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15")]
+               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15"),
+               ("guarded_graphs", False, "plain_graphs")]  # denoise graphs without the IF node around the forward
 
 
 def log(*a):
@@ -381,6 +382,11 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             if host["read"] is not None:
                 host["turn"].append(t0 - host["read"])
                 host["read"] = None
+            ahead = getattr(eng, "_ahead", None)
+            if ahead is not None and eng._staged_entry(ahead, a[0], a[1], k.get("sc_embeds")) is not None:
+                out = inner(*a, **k)  # takes the forward stage_denoise(go=) launched (timed there): launches nothing
+                host["call"].append(time.perf_counter() - t0)
+                return out
             s, e = pair()
             s.record()
             out = inner(*a, **k)
@@ -388,6 +394,19 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             host["call"].append(time.perf_counter() - t0)
             events.append((s, e))
             return out
+
+        inner_stage = getattr(eng, "stage_denoise", None)
+
+        def timed_stage(*a, go=None, **k):  # a forward launched ahead (generate's RUN_AHEAD) is timed here
+            if go is None:
+                return inner_stage(*a, **k)
+            s, e = pair()
+            s.record()
+            launched = inner_stage(*a, go=go, **k)
+            e.record()
+            if launched:  # its span is the forward's, or the IF node's few µs where the device said stop
+                events.append((s, e))
+            return launched
 
         reads = {"n": 0}
         read_status = getattr(G, "_read_status", None)
@@ -402,6 +421,8 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             G._read_status = counted
         setattr(eng, name, timed_denoise)
         eng.prefill = timed_prefill
+        if inner_stage is not None:
+            eng.stage_denoise = timed_stage
         try:
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -411,6 +432,8 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         finally:
             delattr(eng, name)  # the instance attributes go: the methods are back
             del eng.prefill
+            if inner_stage is not None:
+                del eng.stage_denoise
             if read_status is not None:
                 G._read_status = read_status
         fwd_s = sum(s.elapsed_time(e) for s, e in filter(None, events)) / 1e3
@@ -435,7 +458,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
                 "host_call_ms_median": statistics.median(host["call"]) * 1e3 if host["call"] else None,
                 "step_ms": (total - prefill_s) / max(out.forwards, 1) * 1e3,  # forward + outside: what a user waits
                 "status_reads_per_step": reads["n"] / max(out.forwards, 1) if read_status is not None else None,
-                "tokens": len(out.tokens), "timings": out.timings}
+                "tokens": len(out.tokens), "tokens_hash": hash(tuple(out.tokens)), "timings": out.timings}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -542,6 +565,31 @@ def table(ours, hf, contexts) -> str:
     return "\n".join(rows)
 
 
+def run_ahead_ab(eng, rounds: int) -> dict:
+    """bench_generate with generation.RUN_AHEAD on and off in turn: ms a step outside the forwards, its share, the
+    forwards' ms a step and what a user waits a step, per round."""
+    import diffgemma.generation as G
+
+    keep = G.RUN_AHEAD
+    out = {"ahead": [], "after_read": []}
+    try:
+        for _ in range(rounds):
+            for name, flag in (("ahead", True), ("after_read", False)):
+                G.RUN_AHEAD = flag
+                r = bench_generate(eng)
+                row = {k: r.get(k) for k in ("outside_ms_per_step", "outside_share", "step_ms", "gap_ms_median",
+                                              "gap_ms_sum", "host_turn_ms_median", "host_call_ms_median", "forwards",
+                                              "tokens_hash", "error")}
+                row["forward_ms"] = r["forward_s"] / max(r["forwards"], 1) * 1e3 if "forward_s" in r else None
+                out[name].append(row)
+                log(f"[ours] run-ahead A/B {name}: {json.dumps(row, default=str)}")
+    finally:
+        G.RUN_AHEAD = keep
+    out["same_tokens"] = len({row["tokens_hash"] for rows in out.values() for row in rows}) == 1
+    log(f"[ours] run-ahead A/B: the same tokens in every run: {out['same_tokens']}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="1024,8192,32768")
@@ -553,6 +601,9 @@ def main():
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing (see the docstring)")
     ap.add_argument("--profile-generate", action="store_true", help="with --generate-only: profile one more generate")
     ap.add_argument("--trace", default=None, help="with --profile-generate: also write a Chrome trace here")
+    ap.add_argument("--run-ahead-ab", type=int, default=0,
+                    help="with --generate-only: also time generate with and without the forward launched ahead "
+                         "(generation.RUN_AHEAD) in turn, this many rounds")
     ap.add_argument("--ab", default="sdpa,triton",
                     help=f"A/B variants of the denoise step to also time (of {', '.join(v[2] for v in AB_VARIANTS)}; '' for none)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-overhead measurement")
@@ -570,7 +621,9 @@ def main():
         eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
         with routing(a.routing):
             res = {"generate": bench_generate(eng, a.trace, a.profile_generate), "routing": a.routing}
-        log(f"[ours] generate: {json.dumps(res['generate'], default=str)}")
+            log(f"[ours] generate: {json.dumps(res['generate'], default=str)}")
+            if a.run_ahead_ab:
+                res["run_ahead_ab"] = run_ahead_ab(eng, a.run_ahead_ab)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
         return
