@@ -31,8 +31,9 @@ LCG renoise, stop rules with their argmax history and mask-run counter, the spar
 the host reads ONE small packed status per step (`_read_status`: stop code, mean entropy, survivor
 count). The temperature is a host float. Block-level work (the degenerate-opening check, the stop scan,
 the trim, the prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
-On a step whose SC took the dense bet, the next forward is queued before that read under the device's own
-go/stop answer (RUN_AHEAD, Engine.stage_denoise(go=)), so the host's turnaround no longer idles the GPU.
+On a step whose SC sum (the dense product or the gather, as the step bets) is made before that read, the next
+forward is queued before it too, under the device's own go/stop answer (RUN_AHEAD, Engine.stage_denoise(go=)), so
+the host's turnaround no longer idles the GPU.
 """
 
 from __future__ import annotations
@@ -437,10 +438,11 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
 
 
-# With a dense SC bet and an engine whose graphs take a device condition (Engine.stage_denoise(go=)), each step
-# launches the next forward before its status read, under the device's own stop/bet answer: the GPU goes from the
-# step's SC product straight into the next forward, however long the host takes to turn the step around. False:
-# the next forward is launched after the read (A/B and test knob; the same tokens).
+# With an engine whose graphs take a device condition (Engine.stage_denoise(go=)), each step makes its SC sum for
+# the bet (the dense product, or the gather sized for its cap) and launches the next forward before its status read,
+# under the device's own stop/bet answer: the GPU goes from the step's SC work straight into the next forward,
+# however long the host takes to turn the step around. False: the gather and the next forward come after the read
+# (A/B and test knob; the same tokens).
 RUN_AHEAD = True
 
 # generate's forward is the engine's denoise_raw where the model has one (raw logits, softcapped by the sampler's

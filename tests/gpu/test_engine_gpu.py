@@ -312,10 +312,9 @@ def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
     assert eng.graph_error is None, eng.graph_error
 
 
-def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
-    """stage_denoise copies a call's inputs into its graph ahead of time: the call with those very tensors gives the
-    plain call's bits; tensors modified in place since, other tensors, or another denoise in between make the call
-    copy as before (each case's result is the plain call's on its own inputs)."""
+def _staging_setup():
+    """A mid-size engine with 300 tokens of context, a maker of fresh (canvas ids, SC embeddings) for a 64-token canvas,
+    and the plain call: fresh tensors with the same values (never staged ones), its result copied out."""
     cfg = make_config(MID, 64)
     src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
     eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=512)
@@ -326,8 +325,17 @@ def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
     def inputs():
         return torch.randint(0, V, (64,), device=DEV), torch.randn(64, H, device=DEV).to(torch.bfloat16)
 
-    def plain(ids, sc):  # fresh tensors with the same values: never the staged ones
+    def plain(ids, sc):
         return eng.denoise_raw(cache, ids.clone(), sc_embeds=sc.clone()).clone()
+
+    return eng, cache, inputs, plain
+
+
+def test_staged_inputs_give_the_copied_call_and_are_dropped_when_stale():
+    """stage_denoise copies a call's inputs into its graph ahead of time: the call with those very tensors gives the
+    plain call's bits; tensors modified in place since, other tensors, or another denoise in between make the call
+    copy as before (each case's result is the plain call's on its own inputs)."""
+    eng, cache, inputs, plain = _staging_setup()
 
     ids, sc = inputs()
     assert not eng.stage_denoise(cache, ids, sc_embeds=sc)  # no graph for that call yet: nothing staged
@@ -370,18 +378,8 @@ def test_a_forward_launched_under_a_device_condition_runs_only_when_told():
     why = guard_support(torch.device(DEV))
     if why is not None:
         pytest.skip(f"no guarded graphs here: {why}")
-    cfg = make_config(MID, 64)
-    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
-    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=512)
-    V, H = cfg.vocab_size, cfg.hidden_size
-    cache = eng.new_cache(1024)
-    eng.prefill(cache, torch.randint(0, V, (300,), device=DEV))
-
-    def inputs():
-        return torch.randint(0, V, (64,), device=DEV), torch.randn(64, H, device=DEV).to(torch.bfloat16)
-
-    def plain(ids, sc):
-        return eng.denoise_raw(cache, ids.clone(), sc_embeds=sc.clone()).clone()
+    eng, cache, inputs, plain = _staging_setup()
+    H = eng.config.hidden_size
 
     ids, sc = inputs()
     plain(ids, sc)  # captures
