@@ -782,3 +782,15 @@ def test_survivor_mask_kernel_writes_into_a_lent_buffer():
     plan = SparsePlan(StepStats(x, 0.7, fused=True), 3.0, scratch=scratch)
     assert plan._scratch_mask().data_ptr() == scratch.data_ptr()
     assert SparsePlan(StepStats(x, 0.7, fused=True), 3.0, scratch=scratch[:, :100].contiguous())._scratch_mask() is None
+
+
+def test_each_block_drops_the_engines_staging(tiny_model, monkeypatch):
+    """generate tells the model to forget a forward staged (or launched ahead) at a block's last step, once per
+    denoised canvas (a re-rolled attempt included): on the GPU a staging left alive kept a finished block's graph,
+    and with it a dead cache's, alive into the next capture (bench/RESULTS.md round 24)."""
+    drops = []
+    monkeypatch.setattr(tiny_model, "drop_staged", lambda: drops.append(1), raising=False)
+    s = _settings(tiny_model)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
+    result = [e for e in generate_stream(tiny_model, prompt, settings=s)][-1].result
+    assert len(drops) == len(result.steps_per_block) + result.retries > 0
