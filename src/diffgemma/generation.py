@@ -355,6 +355,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     side = _SideStream(torch.device(device))
     forward, cap = _forward(model)
     stage = getattr(model, "stage_denoise", None)  # the engine's: copies a coming forward's inputs ahead of the call
+    ahead = RUN_AHEAD and stage is not None  # the SC sum and the next forward before the read (the engine decides if)
     hidden = model.config.hidden_size
     # the engine's dead raw-logits buffer, for the dense SC (SparsePlan never writes the step's own logits' storage)
     scratch = getattr(model, "logits_scratch", None)
@@ -389,7 +390,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
                               scratch=scratch() if scratch is not None else None,
-                              sparse_ahead=RUN_AHEAD and stage is not None)
+                              sparse_ahead=ahead)
         overlap = None
         if plan is not None and plan.speculative:
             overlap = functools.partial(plan.start, model.embedding, model.config.embed_scale)
@@ -400,7 +401,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
             parts = [code.double(), mean_h]
             if plan is not None:
                 parts.append(plan.count.double())
-                if RUN_AHEAD and stage is not None and plan.speculative:
+                if ahead and plan.speculative:
                     # the device's own answer to "is the next forward the staged one": no stop, and the bet holds
                     go = (code == 0) & plan.bet_holds(plan.count, hidden)
                     parts.append(go.double())
