@@ -45,6 +45,16 @@ def test_device_lcg_draws_are_bit_identical_to_the_host_lcg():
         assert dev.state == host.state
 
 
+def test_device_lcg_moves_its_state_in_place():
+    """The state tensor is written, never replaced: generate draws on two CUDA streams, and a replaced state would go
+    back to the allocator while the other stream's read of it may still be queued (tests/gpu: the race itself)."""
+    dev = DeviceLcg(random.getrandbits(64))
+    state, ptr = dev._state, dev._state.data_ptr()
+    dev.randint(300, 262144)
+    dev.uniform(7)
+    assert dev._state is state and dev._state.data_ptr() == ptr
+
+
 def test_temperature_value_is_the_float32_schedule_bit_for_bit():
     for _ in range(3000):
         n = random.randint(1, 300)

@@ -161,7 +161,13 @@ class _SideStream:
     `fork()` starts a side segment after everything queued so far on the main stream; `join()` makes the main
     stream wait for it. Every side segment opens after the main stream's latest work and the main stream joins
     it before using its results, so a tensor the side allocates is never reused while the main stream may
-    still read it (the allocator's per-stream reuse is ordered by those waits). Off CUDA both are no-ops."""
+    still read it (the allocator's per-stream reuse is ordered by those waits). Off CUDA both are no-ops.
+
+    The other way round needs care: a tensor the main stream allocated, read by a side segment and then dropped
+    by the host, goes back to the main stream's pool while that read may still be queued, and the main stream's
+    next allocation may overwrite it first. So what the side reads and replaces step by step is born on the side
+    stream (the canvas, the freeze mask), the canvas RNG moves its state in place (sampling/rng.DeviceLcg), and
+    the main stream's own tensors the side reads (entropy, argmax, row counts) live until after the join."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -344,15 +350,17 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     steps_total = s.max_denoising_steps
     stops = DeviceStopRules.from_settings(s, model.config.pad_token_id, vocab)
 
-    canvas = rng.randint(length, vocab, device)
-    frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
+    side = _SideStream(torch.device(device))
+    with side.fork():  # born on the side stream, which reads and replaces them each step (see _SideStream)
+        canvas = rng.randint(length, vocab, device)
+        frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
+    side.join()
     sc_logits = None
     sc_embeds = model.embed(canvas) if s.sc_seed else None  # first-step SC seed (§4.1, §9 #2)
     reason = None
     step = 0
     stats = None
     bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
-    side = _SideStream(torch.device(device))
     forward, cap = _forward(model)
     stage = getattr(model, "stage_denoise", None)  # the engine's: copies a coming forward's inputs ahead of the call
     ahead = RUN_AHEAD and stage is not None  # the SC sum and the next forward before the read (the engine decides if)
@@ -368,6 +376,8 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
         logits = forward(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
         stats = StepStats(logits, temp, cap=cap)
         h, argmax = stats.entropy, stats.argmax
+        if s.commit == "sample":  # T's device scalar made here: the gather made ahead reads it before the join
+            stats.temp_tensor()
         with side.fork():  # the bookkeeping, beside the survivor pass below
             if s.commit == "sample":
                 probs = torch.softmax(stats.processed, dim=-1, dtype=torch.float32)

@@ -407,3 +407,62 @@ def test_forwards_launched_ahead_change_no_token(engine, monkeypatch, sc_way):
     assert gos == []
     assert ahead.tokens == after.tokens and len(ahead.tokens) > 0
     assert ahead.steps_per_block == after.steps_per_block
+
+
+# ~10 ms on an H200 (torch.cuda._sleep spins this many cycles): long enough that the host, running ahead, queues the
+# main stream's next allocations and writes before the delayed side stream reads what it was given
+SIDE_DELAY_CYCLES = 20_000_000
+
+
+def test_device_lcg_draws_on_a_delayed_stream_match_the_host_lcg():
+    """The canvas RNG drawn on the main stream, then on a side stream held back by a spin, while the main stream
+    allocates and fills small tensors right away: the side's draws are still the host LCG's. A state replaced on
+    each draw (the code before round 25) went back to the main stream's pool here and was overwritten before the side
+    read it."""
+    from diffgemma.sampling.rng import DeviceLcg, Lcg
+
+    seed = random.getrandbits(64)
+    dev, host = DeviceLcg(seed, DEV), Lcg(seed)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    assert torch.equal(dev.randint(256, 262144).cpu(), host.randint(256, 262144))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SIDE_DELAY_CYCLES)
+        drawn = dev.randint(256, 262144)
+    junk = [torch.full((), -7, dtype=torch.int64, device=DEV) for _ in range(64)]
+    main.wait_stream(side)
+    assert torch.equal(drawn.cpu(), host.randint(256, 262144))
+    assert dev.state == host.state
+    del junk
+
+
+ARMS_DELAYED = [{}, {"freeze": True}, {"commit": "sample"}, {"commit": "sample", "freeze": True}]
+
+
+@pytest.mark.parametrize("arm", range(len(ARMS_DELAYED)))
+def test_a_delayed_side_stream_changes_no_token(engine, monkeypatch, arm):
+    """generate's bookkeeping stream held back by a spin at every fork (so the main stream's work and allocations run
+    well ahead of it) gives the tokens of a run with no side stream at all, with the freeze mask and with sampling
+    (whose temperature scalar the gather made ahead reads on the main stream). Before round 25 the first step's
+    noise read an RNG state the main stream had already reused, and seeded runs with graphs differed."""
+    from diffgemma.sampling.self_condition import SparsePlan
+
+    s = settings(max_denoising_steps=12, **ARMS_DELAYED[arm])
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 1 << 40)  # every step takes the gather (ahead, with graphs)
+    prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
+    real_fork = generation._SideStream.fork
+
+    def delayed_fork(self):
+        ctx = real_fork(self)
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(SIDE_DELAY_CYCLES)
+        return ctx
+
+    monkeypatch.setattr(generation._SideStream, "fork", delayed_fork)
+    delayed = [[e for e in generate_stream(engine, prompt, settings=s)][-1].result for _ in range(2)]
+    monkeypatch.setattr(generation._SideStream, "__init__", lambda self, device: setattr(self, "stream", None))
+    one_stream = [e for e in generate_stream(engine, prompt, settings=s)][-1].result
+    for run in delayed:
+        assert run.tokens == one_stream.tokens and len(one_stream.tokens) > 0
+        assert run.steps_per_block == one_stream.steps_per_block

@@ -134,7 +134,11 @@ class DeviceLcg:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         a, c = _tables_on(self.device, n)
         states = a * self._state + c
-        self._state = states[-1].clone()
+        # In place, never a fresh tensor: generate draws on two streams (the canvas on the main one, the noise on its
+        # side stream), and a replaced state would go back to the stream that allocated it while the other stream's
+        # read of it is still queued; that stream's next allocation could then overwrite it first (seen: seeded
+        # runs with CUDA graphs that differed from run to run, bench/RESULTS.md round 25).
+        self._state.copy_(states[-1])
         return (states >> 32) & 0xFFFFFFFF
 
     def uniform(self, n: int, device=None) -> torch.Tensor:

@@ -225,7 +225,7 @@ class SparsePlan:
         rows, cols = torch.nonzero_static(self._take_mask(), size=size).unbind(1)
         counts = self._counts_within(size) if bound else self.row_counts
         if self.stats.fused:  # z at the survivors only: the same softcap and correctly rounded division as the kernel's
-            z = self.stats.softcapped(self.stats.logits[rows, cols]) / self.stats._temp_t
+            z = self.stats.softcapped(self.stats.logits[rows, cols]) / self.stats.temp_tensor()
         else:
             z = self._z[rows, cols]
         weights = torch.exp(z - self.log_z[rows])

@@ -64,10 +64,9 @@ class StepStats:
             self.argmax = z.argmax(dim=-1)
             self.rowmax = self.lse = None
 
-    @property
-    def _temp_t(self) -> torch.Tensor:
-        """T as an f32 device scalar (a fill, not a copy), made when a division by it is first asked for: the fused
-        passes take T as a number, so a fused step launches nothing for it."""
+    def temp_tensor(self) -> torch.Tensor:
+        """T as an f32 device scalar (a fill, not a copy), made when a division by it is first asked for (on the
+        stream current then): the fused passes take T as a number, so a fused step launches nothing for it."""
         if self._temp is None:
             self._temp = torch.full((), self.temp, dtype=torch.float32, device=self.logits.device)
         return self._temp
@@ -77,7 +76,7 @@ class StepStats:
         """logits / T (materialised on first use)."""
         if self._processed is None:  # raw logits: softcapped by the kernel that made the fused passes' table
             logits = self.logits if self.cap is None else softcap(self.logits, self.cap)
-            self._processed = logits / self._temp_t
+            self._processed = logits / self.temp_tensor()
         return self._processed
 
     def softcapped(self, values: torch.Tensor) -> torch.Tensor:
