@@ -237,7 +237,11 @@ class SparsePlan:
         """The row counts cut to the first `size` survivors in row order (the counts themselves when they sum to at
         most `size`), so no kernel reads past a list of that size."""
         counts = self.row_counts.to(torch.int64)
-        return (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
+        cut = (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
+        # in the row counts' own dtype, as the gather after the read passes them: one compiled variant of the gather
+        # kernels for both paths, not two (each first compile takes ~0.1 s mid-run on a fresh Triton cache,
+        # bench/RESULTS.md round 25)
+        return cut.to(self.row_counts.dtype)
 
     @staticmethod
     def _product(probs: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
