@@ -331,6 +331,11 @@ def profile_generate(eng, prompt, cache, trace: str | None) -> str:
     return gpu_table(avg, rows=25) + "\n" + avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
 
 
+# bench_generate's seeds: the timed run's, and the warm-up's (--warm-seed; the same by default)
+TIMED_SEED = 1
+WARM_SEED = TIMED_SEED
+
+
 def bench_generate(eng, profile_trace: str | None = None, profile: bool = False) -> dict:
     """generate() time outside the forwards: total − Σ prefill calls − Σ(CUDA-event time of each denoise call).
 
@@ -341,7 +346,10 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
     one's start event inside a block (the sampler, SC and bookkeeping between two steps, as the GPU saw them).
 
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
-    run replays them. Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
+    run replays them. It runs the timed run's seed (WARM_SEED), so it takes the same paths and every Triton kernel
+    the timed run launches is compiled before the timing starts: with another seed, a path first taken in the timed
+    run compiled there, ~170 ms in one gap on a machine whose Triton cache was empty (bench/RESULTS.md round 25).
+    Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
     """
     try:
         import diffgemma.generation as G
@@ -351,7 +359,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         V = eng.config.vocab_size
         prompt = torch.randint(0, V, (1024,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
         cache = eng.new_cache(4096)
-        G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: captures graphs
+        G.generate(eng, prompt, seed=WARM_SEED, max_new_tokens=256, cache=cache)  # warm: captures graphs
         cache.truncate(0)
         events, prefills = [], []
         # host seconds: in the status read, from its return to the next denoise call, and in that call
@@ -426,7 +434,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
         try:
             torch.cuda.synchronize()
             t = time.perf_counter()
-            out = G.generate(eng, prompt, seed=1, max_new_tokens=256, cache=cache)
+            out = G.generate(eng, prompt, seed=TIMED_SEED, max_new_tokens=256, cache=cache)
             torch.cuda.synchronize()
             total = time.perf_counter() - t
         finally:
@@ -451,6 +459,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
                 "outside_ms_per_step": outside / max(out.forwards, 1) * 1e3,
                 "outside_s_host_prefill": host_outside, "outside_share_host_prefill": host_outside / max(total, 1e-9),
                 "gap_ms_median": statistics.median(gaps) if gaps else None, "gap_ms_sum": sum(gaps),
+                "gap_ms_max": max(gaps) if gaps else None,
                 "gaps": len(gaps),
                 # host ms from a step's status read to the next denoise call (a block's end excluded), and in that call
                 "host_read_ms_median": statistics.median(host["wait"]) * 1e3 if host["wait"] else None,
@@ -607,9 +616,13 @@ def main():
     ap.add_argument("--ab", default="sdpa,triton",
                     help=f"A/B variants of the denoise step to also time (of {', '.join(v[2] for v in AB_VARIANTS)}; '' for none)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-overhead measurement")
+    ap.add_argument("--warm-seed", type=int, default=TIMED_SEED,
+                    help="the generate warm-up's seed (default: the timed run's, so it compiles what the timed run runs)")
     ap.add_argument("--alternate", type=int, default=0,
                     help="also time the default step and the --ab variants in turn, this many rounds, in one process")
     a = ap.parse_args()
+    global WARM_SEED
+    WARM_SEED = a.warm_seed
     ab_names = [x for x in a.ab.split(",") if x]
     unknown = set(ab_names) - {v[2] for v in AB_VARIANTS}
     if unknown:
