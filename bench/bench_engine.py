@@ -348,7 +348,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
     run replays them. It runs the timed run's seed (WARM_SEED), so it takes the same paths and every Triton kernel
     the timed run launches is compiled before the timing starts: with another seed, a path first taken in the timed
-    run compiled there, ~170 ms in one gap on a machine whose Triton cache was empty (bench/RESULTS.md round 25).
+    run compiled there, 130-250 ms in one gap on a machine whose Triton cache was empty (bench/RESULTS.md round 25).
     Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
     """
     try:
