@@ -60,7 +60,7 @@ from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
 from ..ops.rmsnorm import attn_finish, embed_sc_norms, layer_finish_moe, rms_norm
 from ..ops.route import route_fused
-from ..ops.rows_at import ALIGN, RowsAt
+from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap, tempered_masked_probs, tempered_rowstats
 from ..ops.sm_carveout import cublas_sm_carveout
 from .engine_cache import EngineKVCache
@@ -562,9 +562,7 @@ class Engine:
         """Give a graph its SC input: the logits' address (RowsAt: the graph reads them where they lie), or a copy
         into its static buffer. -> the tensor the graph will read, which must outlive the replay's queueing."""
         if isinstance(sc_buf, RowsAt):
-            sc = sc.to(self.device, torch.float32).contiguous()
-            if sc.data_ptr() % ALIGN:  # a view starting mid-vector: the kernels read 16-byte vectors
-                sc = sc.clone()
+            sc = aligned(sc.to(self.device, torch.float32))  # a view starting mid-vector is copied
             sc_buf.point_at(sc)
         elif sc_buf is not None:
             sc_buf.copy_(sc)

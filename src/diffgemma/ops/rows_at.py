@@ -7,6 +7,7 @@ the replay writes the caller's tensor's place there first (an 8-byte fill).
 
   RowsAt              [rows, cols] f32 rows that lie where `offset` says; point_at(t) names t
   kernel_args         a tensor's or a RowsAt's arguments for a kernel that reads either
+  aligned             a tensor contiguous and starting on an ALIGN boundary (a copy where it does not)
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from ..errors import TensorError
 
 
 ALIGN = 16  # bytes; the allocator's blocks start on 512
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and starting on an ALIGN-byte boundary (a copy where it does not): kernels that load 16-byte
+    vectors need it, and Triton compiles a kernel once per pointer alignment, so a view at an odd offset would
+    otherwise cost a second compile (ops/sc_gather.py)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 class RowsAt:

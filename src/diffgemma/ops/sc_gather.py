@@ -22,6 +22,7 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
+from .rows_at import aligned
 
 if HAVE_TRITON:
     import triton
@@ -115,16 +116,6 @@ if HAVE_TRITON:
         tl.store(out_ptr + r.to(tl.int64) * H + h, acc, mask=ok)
 
 
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous and starting on a 16-byte boundary (a copy where it does not). Triton compiles a kernel once per
-    pointer alignment, and CUDA's nonzero_static lays its [n, 2] result out as [2, n] storage, so the survivor list's
-    column starts n int64s in: aligned for even n only. Passed as they come, lists of both parities would each compile
-    the gather kernels once, in the middle of a run (130-250 ms on a fresh Triton cache, bench/RESULTS.md round 25);
-    an odd one is copied instead (8 bytes a survivor)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUNK, block_h: int = 512) -> torch.Tensor:
     """row_counts int [R] (survivors per row, rows in order), cols / weights [n] in row order -> f32 [R, H].
     No host read and no offset arithmetic outside the kernels: the grid is sized by n (the host knows it) and R,
@@ -136,6 +127,9 @@ def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUN
     out = torch.empty(R, H, dtype=torch.float32, device=dev)
     hb = triton.cdiv(H, block_h)
     ptx = not interpreting()
+    # CUDA's nonzero_static lays its [n, 2] result out as [2, n] storage, so the column list starts n int64s in:
+    # aligned for even n only. Copied when odd, so lists of both parities run one compiled variant of the kernels
+    # (a second would compile mid-run: 130-250 ms on a fresh Triton cache, bench/RESULTS.md round 25).
     counts, rp = aligned(row_counts), next_pow2(R)
     _chunk_sum_kernel[(max_chunks, hb)](counts, aligned(cols), aligned(weights.float()), embedding.contiguous(),
                                         part, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, PTX=ptx, num_warps=4)
