@@ -11,7 +11,9 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           denoise ms/step at 1k context
           (CUDA-graph replays, median, CUDA events; SC from logits, and from SC embeddings: generate()'s call); prefill tok/s at 8k (one 8192-token
           chunk, median of 3) with both prefill strategies (dequant-to-bf16 + grouped GEMM / in-kernel);
-          last, denoise at 1k alternating (same weights): the launch order on / off; the q4 GEMMs' planes through
+          last, denoise at 1k alternating (same weights): the step as generate calls it with the q4 expert GEMMs,
+          with a kernel that only reads their planes in their place, and with no expert GEMM (how far a faster
+          expert GEMM could take the step: `floor`); the launch order on / off; the q4 GEMMs' planes through
           TMA or cp.async and their inputs as f16 operands or bf16; the expert stacks in the pack's own order
           against ops/moe_q4.py's tile layout.
   kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
@@ -53,6 +55,11 @@ from diffgemma.ops import moe_q4  # noqa: E402
 from diffgemma.ops import moe_stream  # noqa: E402
 from diffgemma.ops.moe import _grouped_mm  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
+from diffgemma.ops._backend import HAVE_TRITON  # noqa: E402
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
 
 BW = 4.3e12  # device-to-device copy bandwidth measured on an H200 (bytes read + written per second)
 GiB = 2**30
@@ -153,29 +160,92 @@ def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
     if eng.w.layers[0].experts_gu.layout == moe_q4.LAYOUT:  # last, so re-laying never touches the memory measures
-        for name, fn in (("launch_order", bench_launch_order), ("q4_inputs", bench_q4_inputs),
+        for name, fn in (("floor", bench_floor), ("launch_order", bench_launch_order), ("q4_inputs", bench_q4_inputs),
                          ("glu", bench_glu), ("layouts", bench_layouts)):
             if name not in skip:
                 fn(r, eng, V, reps)
 
 
-def alternate_denoise_1k(eng, V, reps, variants: dict) -> dict:
+def alternate_denoise_1k(eng, V, reps, variants: dict, as_generate: bool = False) -> dict:
     """Denoise at 1k under each of `variants` (name -> a function that sets the engine up), twice in turn, on
-    the same weights and inputs, each captured afresh -> {name: [ms, ms]}."""
+    the same weights and inputs, each captured afresh -> {name: [ms, ms]}. as_generate: the step as generate()
+    calls it (SC embeddings in, raw logits out, inputs staged beforehand), else from SC logits."""
     cache = eng.new_cache(1024)
     eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
     ids = torch.randint(0, V, (CANVAS,), device="cuda")
-    sc = torch.randn(CANVAS, V, device="cuda") * 3
+    if as_generate:
+        emb = torch.randn(CANVAS, eng.config.hidden_size, device="cuda").to(torch.bfloat16)
+        step = generate_forward(eng)
+        call, setup_call = (lambda: step(cache, ids, sc_embeds=emb)), (lambda: eng.stage_denoise(cache, ids, sc_embeds=emb))
+    else:
+        sc = torch.randn(CANVAS, V, device="cuda") * 3
+        call, setup_call = (lambda: eng.denoise(cache, ids, sc_logits=sc)), None
     by = {}
     for _ in range(2):
         for name, setup in variants.items():
             setup()
             eng._graphs.clear()
-            eng.denoise(cache, ids, sc_logits=sc)  # capture with this setup
-            by.setdefault(name, []).append(med(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps))
+            call()  # capture with this setup
+            by.setdefault(name, []).append(statistics.median(time_cuda(call, reps=reps, warmup=3, setup=setup_call)))
     del cache
     eng._graphs.clear()
     return by
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _planes_read_kernel(codes, sides, sink, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                            GC: tl.constexpr):
+        """One program per (tile, expert), as the q4 GEMM's grid: its planes read through TMA in the GEMM's K
+        steps and folded into one word (so the loads stay); no x, no decode, no MMA."""
+        G: tl.constexpr = K // 32
+        tile = tl.program_id(1) * (N // BN) + tl.program_id(0)
+        acc = tl.zeros((BN, 4 * GC), dtype=tl.int32)
+        acc_side = tl.zeros((BN, GC), dtype=tl.int32)
+        for g0 in range(0, G, GC):
+            wd, sm = moe_q4._chunk_tma(codes, sides, tile, g0, G, BN, GC)
+            acc ^= wd
+            acc_side ^= sm
+        tl.store(sink + tile, tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_side, 1), 0))
+
+
+def planes_read_only(x, w, offs, src=None, glu=False, glu_f16=False, out_dtype=None, **_):
+    """Stands in for moe_q4.grouped_mm_q4_tiles: reads w's planes as the GEMM's grid does and returns an unwritten
+    result of the GEMM's shape and dtype (wrong on purpose: for timing only)."""
+    E, N, K = w.shape
+    gc_ = moe_q4._group_chunk(K // moe_q4.GROUP)
+    sink = torch.empty(E * N // moe_q4.TILE_N, dtype=torch.int32, device=x.device)
+    _planes_read_kernel[(N // moe_q4.TILE_N, E)](*moe_q4._descriptors(w, gc_), sink, N=N, K=K, BN=moe_q4.TILE_N,
+                                                  GC=gc_, num_warps=4, num_stages=4)
+    return no_expert_gemm(x, w, offs, src=src, glu=glu, glu_f16=glu_f16, out_dtype=out_dtype)
+
+
+def no_expert_gemm(x, w, offs, src=None, glu=False, glu_f16=False, out_dtype=None, **_):
+    """Stands in for moe_q4.grouped_mm_q4_tiles with no kernel at all: an unwritten result of its shape and dtype."""
+    M = src.shape[0] if src is not None else x.shape[0]
+    N = w.shape[1] // 2 if glu else w.shape[1]
+    dtype = torch.float16 if glu and glu_f16 else (out_dtype or x.dtype)
+    return torch.empty(M, N, dtype=dtype, device=x.device)
+
+
+def bench_floor(r, eng, V, reps):
+    """How far the expert GEMMs alone can take the step: the step as generate calls it with the q4 GEMMs, with a
+    kernel that only reads their planes in their place (the GEMM's bytes, grid and K steps, nothing else), and with
+    no expert GEMM at all (the rest of the step). Results wrong on purpose in the last two; timing only."""
+    real = moe_q4.grouped_mm_q4_tiles
+
+    def use(fn):
+        return lambda: setattr(moe_q4, "grouped_mm_q4_tiles", fn)
+
+    try:
+        by = alternate_denoise_1k(eng, V, reps, {"q4_gemm": use(real), "planes_read_only": use(planes_read_only),
+                                                 "no_expert_gemm": use(no_expert_gemm)}, as_generate=True)
+    finally:
+        moe_q4.grouped_mm_q4_tiles = real
+        eng._graphs.clear()
+    r["denoise_1k_embeds_ms_by_expert_gemm"] = by
+    log(f"[q4] denoise 1k as generate calls it, by what stands for the expert GEMMs (alternating, ms): {by}")
 
 
 def bench_launch_order(r, eng, V, reps):
@@ -423,7 +493,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: engine_q4,kernels,gather,bf16; "
-                    "and of engine_q4's A/B parts: launch_order,q4_inputs,glu,layouts")
+                    "and of engine_q4's A/B parts: floor,launch_order,q4_inputs,glu,layouts")
     ap.add_argument("--routing", default="balanced", choices=KINDS, help="expert routing while timing the engine")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
