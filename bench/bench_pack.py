@@ -16,11 +16,11 @@ layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would no
           expert GEMM could take the step: `floor`); the launch order on / off; the q4 GEMMs' planes through
           TMA or cp.async and their inputs as f16 operands or bf16; the expert stacks in the pack's own order
           against ops/moe_q4.py's tile layout.
-  kernels the expert GEMMs alone at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
+  kernels the expert GEMMs alone (graph-timed: 20 calls a replay) at the denoise shape (256 tokens x top-8 = 2048 routes) and at the
           prefill shape (8192 x 8): q4 kernel configs (and at denoise the q4-tiles kernel) vs torch._grouped_mm
           on bf16 weights, and at the denoise shape the bf16 streaming kernel (ops/moe_stream.py) configs on the
           same bf16 weights.
-  gather  the engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 and q4: the routes' rows
+  gather  the engine's gate_up call at the denoise shape (GEMM, then gelu_mul; graph-timed), bf16 and q4: the routes' rows
           gathered by index_select first, or by the kernel's own loads through the routes' token ids.
   bf16    the same engine with every expert stack dequantized to bf16 (same weights): denoise at 1k, prefill
           at 8k, and the logits agreement q4 vs bf16 on one step (each model prefills the same 1k prompt
@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from balanced_routing import KINDS, routing  # noqa: E402
-from bench_engine import CANVAS, TEXT, generate_forward, profile_fn, time_cuda, weight_bytes  # noqa: E402  (also puts src/ on the path)
+from bench_engine import CANVAS, TEXT, generate_forward, profile_fn, time_cuda, time_graph, weight_bytes  # noqa: E402  (also puts src/ on the path)
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -71,6 +71,12 @@ def log(*a):
 
 def med(fn, reps=20, warmup=3) -> float:
     return statistics.median(time_cuda(fn, reps=reps, warmup=warmup))
+
+
+def gmed(fn, reps=7, calls=20) -> float:
+    """ms a call, replayed from a CUDA graph of `calls` back-to-back calls. A kernel of ~0.1 ms timed one launch at
+    a time measures the host's launch instead (bench/RESULTS.md rounds 12 and 26)."""
+    return statistics.median(time_graph(lambda: [fn() for _ in range(calls)], calls, reps)) / 1e3
 
 
 def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
@@ -379,21 +385,21 @@ def bench_kernels(res, reps):
                 if fmt == "q4":
                     if label == "denoise":  # the q4-tiles kernel (ops/moe_q4.py) on the same weights
                         tw = moe_q4.to_tile_layout(pw)
-                        row["q4_tiles_ms"] = med(lambda: moe_q4.grouped_mm_q4_tiles(xs, tw, offs), reps=reps)
+                        row["q4_tiles_ms"] = gmed(lambda: moe_q4.grouped_mm_q4_tiles(xs, tw, offs), reps=reps)
                         row["q4_tiles_GBps"] = pw.nbytes / row["q4_tiles_ms"] / 1e6
                         del tw
                     wb = mp.dequantize_triton(pw, torch.bfloat16)
-                    row["bf16_grouped_mm_ms"] = med(lambda: _grouped_mm(xs, wb, offs), reps=reps)
+                    row["bf16_grouped_mm_ms"] = gmed(lambda: _grouped_mm(xs, wb, offs), reps=reps)
                     if label == "denoise":  # the bf16 streaming kernel (ops/moe_stream.py) on the same weights
                         for cfg in (moe_stream.CONFIG, (64, 16, 128, 4, 4), (128, 16, 128, 8, 4), (64, 32, 256, 4, 3),
                                     (32, 16, 256, 4, 4), (128, 32, 64, 8, 5)):
                             key = "bf16_stream_" + "_".join(map(str, cfg)) + "_ms"
                             try:
-                                row[key] = med(lambda: moe_stream.grouped_mm_triton(xs, wb, offs, config=cfg), reps=reps)
+                                row[key] = gmed(lambda: moe_stream.grouped_mm_triton(xs, wb, offs, config=cfg), reps=reps)
                             except Exception as e:
                                 row[key] = f"{type(e).__name__}: {str(e)[:200]}"
                     if label == "prefill":
-                        row["dequant_ms"] = med(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
+                        row["dequant_ms"] = gmed(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
                 # the last three: fewer registers (3 blocks an SM) or fewer instructions an element than the
                 # default, read from Triton 3.6's sm_90 build offline (round 8); not yet timed
@@ -409,7 +415,7 @@ def bench_kernels(res, reps):
                             continue
                         key = prefix + "_".join(map(str, cfg)) + "_ms"
                         try:
-                            row[key] = med(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, prefetch=prefetch),
+                            row[key] = gmed(lambda: mp.grouped_mm_packed_triton(xs, pw, offs, config=cfg, prefetch=prefetch),
                                            reps=reps)
                         except Exception as e:
                             row[key] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -446,12 +452,12 @@ def bench_gather(res, reps):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     pw = mp.PackedWeight.from_record("q4", (E, 2 * Fe, H), random_record("q4", (E, 2 * Fe, H), "cuda", gen, 0.02))
     wb = mp.dequantize_triton(pw, torch.bfloat16)
-    r["bf16_index_select_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x.index_select(0, src), wb, offs)),
+    r["bf16_index_select_ms"] = gmed(lambda: gelu_mul(moe_stream.grouped_mm_triton(x.index_select(0, src), wb, offs)),
                                     reps=reps)
-    r["bf16_src_ms"] = med(lambda: gelu_mul(moe_stream.grouped_mm_triton(x, wb, offs, src=src)), reps=reps)
-    r["q4_index_select_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs)),
+    r["bf16_src_ms"] = gmed(lambda: gelu_mul(moe_stream.grouped_mm_triton(x, wb, offs, src=src)), reps=reps)
+    r["q4_index_select_ms"] = gmed(lambda: gelu_mul(mp.grouped_mm_packed_triton(x.index_select(0, src), pw, offs)),
                                   reps=reps)
-    r["q4_src_ms"] = med(lambda: gelu_mul(mp.grouped_mm_packed_triton(x, pw, offs, src=src)), reps=reps)
+    r["q4_src_ms"] = gmed(lambda: gelu_mul(mp.grouped_mm_packed_triton(x, pw, offs, src=src)), reps=reps)
     log("[gather] " + ", ".join(f"{a}={b:.4g}" for a, b in r.items()))
 
 
