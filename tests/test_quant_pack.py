@@ -281,14 +281,47 @@ def test_corrupted_manifest_and_truncated_blob_refused(packs, tmp_path):
         PackSource(p)
 
     p = _copy(packs["q4"], tmp_path, "flip")
-    e = PackSource(p).manifest.tensors["model.decoder.layers.1.experts.gate_up_proj"]
-    with open(p / BLOB, "r+b") as f:
-        f.seek(e.offset + 5)
-        b = f.read(1)
-        f.seek(e.offset + 5)
-        f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match="gate_up_proj does not match its sha256"):
+    _flip_byte(p, "model.decoder.layers.1.experts.gate_up_proj")
+    with pytest.raises(CheckpointError, match=r"1 of \d+ tensor.*do not match their sha256.*\(model.decoder.layers.1.experts.gate_up_proj\)"):
         PackSource(p).verify()
+
+
+def _flip_byte(pack, name, at=5):
+    e = PackSource(pack).manifest.tensors[name]
+    with open(pack / BLOB, "r+b") as f:
+        f.seek(e.offset + at)
+        b = f.read(1)
+        f.seek(e.offset + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_verify_command_checks_every_tensor_and_names_the_damaged_ones(packs, tmp_path, capsys):
+    """`diffgemma verify PACK`: what loading checks, plus every tensor's sha256 (loading does not hash 19 GB)."""
+    from diffgemma.cli import main
+
+    assert main(["verify", str(packs["q4"]), "--no-progress"]) == 0
+    n = len(PackSource(packs["q4"]).manifest.tensors)
+    assert f"{n} tensors" in capsys.readouterr().out
+
+    p = _copy(packs["q4"], tmp_path, "flip2")
+    names = ["model.decoder.layers.1.experts.gate_up_proj", "model.decoder.layers.0.self_attn.q_proj.weight"]
+    for name in names:
+        _flip_byte(p, name)
+    with pytest.raises(CheckpointError, match=f"2 of {n} tensor.*do not match") as err:
+        PackSource(p).verify(workers=3)
+    assert all(name in str(err.value) for name in names)
+    assert main(["verify", str(p), "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "gate_up_proj" in lines[0] and "corrupted" in lines[0]
+
+    p = _copy(packs["q4"], tmp_path, "unpinned")
+    m = json.loads((p / MANIFEST).read_text())
+    m["tensors"][2]["sha256"] = ""
+    (p / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=f"1 tensor.*no sha256.*{m['tensors'][2]['name']}"):
+        PackSource(p).verify()
+    assert main(["verify", str(tmp_path / "absent"), "--no-progress"]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- overlays

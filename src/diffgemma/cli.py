@@ -1,4 +1,4 @@
-"""The `diffgemma` command: ask, chat, golden, quantize, repack, serve, replay.
+"""The `diffgemma` command: ask, chat, golden, quantize, repack, verify, serve, replay.
 
 Every user mistake (bad flag, unknown --set name, missing model) prints ONE line on stderr and exits
 with status 2; nothing else is printed.

@@ -1,4 +1,4 @@
-"""argparse subcommands `quantize` and `repack`, registered into the main CLI by add_subcommands.
+"""argparse subcommands `quantize`, `repack` and `verify`, registered into the main CLI by add_subcommands.
 
 Each subparser sets `func` (args -> exit status); errors are raised as DiffgemmaError for the CLI to
 print on one line.
@@ -43,6 +43,14 @@ def add_subcommands(subparsers) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_run_repack)
 
+    v = subparsers.add_parser("verify", help="check a pack: its manifest, sizes, shards and every tensor's sha256",
+                              description="Open a pack as the loader does (manifest, 64-byte alignment, blob size, an "
+                                          "overlay's external shards), then read every tensor and check its sha256 "
+                                          "against the manifest. Loading checks all but the hashes.")
+    v.add_argument("pack", type=Path, help="pack directory")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v.set_defaults(func=_run_verify)
+
 
 def _run_quantize(args) -> int:
     from .quantize import quantize
@@ -63,4 +71,16 @@ def _run_repack(args) -> int:
         model = args.model or Path(read_manifest(args.pack).source_model)
         out = repack_overlay(args.pack, model, args.output, progress=not args.no_progress)
     print(out)
+    return 0
+
+
+def _run_verify(args) -> int:
+    from .source import PackSource
+
+    src = PackSource(args.pack)
+    try:
+        n, nbytes = src.verify(progress=not args.no_progress)
+    finally:
+        src.close()
+    print(f"{args.pack}: {n} tensors, {nbytes} bytes: every sha256 matches the manifest")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import warnings
 from pathlib import Path
 
@@ -126,13 +127,33 @@ class PackSource:
         a = e.source["offset"]
         return self._map(self.external_paths[e.source["file"]])[a:a + e.nbytes]
 
-    def verify(self, names=None) -> None:
-        """Check each record's sha256 against the manifest (reads every byte; not done on open)."""
-        for name in names or self.manifest.tensors:
-            e = self.entry(name)
-            if e.sha256 and hashlib.sha256(self.record(name)).hexdigest() != e.sha256:
-                raise CheckpointError(f"{self.path}: tensor {name} does not match its sha256 in the manifest; "
-                                      "the pack is corrupted — re-create it")
+    def verify(self, names=None, progress: bool = False, workers: int | None = None) -> tuple[int, int]:
+        """Check each record's sha256 against the manifest (reads every byte; not done on open: a full pack is
+        ~19 GB) -> (tensors checked, bytes read). Hashes run on `workers` threads (hashlib lets go of the GIL on
+        large buffers). Every tensor is checked before a failure is raised, so the error says how many differ."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm import tqdm
+
+        names = list(names or self.manifest.tensors)
+        entries = [self.entry(n) for n in names]
+        unpinned = [e.name for e in entries if not e.sha256]
+        if unpinned:
+            raise CheckpointError(f"{self.path}: {len(unpinned)} tensor(s) have no sha256 in the manifest (first: "
+                                  f"{unpinned[0]}); re-create the pack with `diffgemma quantize` to verify it")
+        workers = workers or min(8, os.cpu_count() or 1)
+        bad = []
+        with ThreadPoolExecutor(workers) as pool, tqdm(total=sum(e.nbytes for e in entries), unit="B",
+                                                       unit_scale=True, desc="verify", disable=not progress) as bar:
+            for e, digest in zip(entries, pool.map(lambda e: hashlib.sha256(self.record(e.name)).hexdigest(), entries)):
+                bar.update(e.nbytes)
+                if digest != e.sha256:
+                    bad.append(e.name)
+        if bad:
+            raise CheckpointError(f"{self.path}: {len(bad)} of {len(entries)} tensor(s) do not match their sha256 in the "
+                                  f"manifest ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the pack is "
+                                  "corrupted — re-copy or re-create it")
+        return len(entries), sum(e.nbytes for e in entries)
 
     def close(self) -> None:
         for m in self._maps.values():
