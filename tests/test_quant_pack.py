@@ -324,6 +324,27 @@ def test_verify_command_checks_every_tensor_and_names_the_damaged_ones(packs, tm
     assert "no manifest.json" in capsys.readouterr().err
 
 
+def test_verify_reads_an_overlays_external_tensors(ckpt, tmp_path):
+    """An overlay pins each source shard by size and header only (opening stays cheap), so a changed payload byte
+    passes the open; verify hashes the raw tensors where they lie, in the source shards, and names the one."""
+    from diffgemma.quant.shards import HFCheckpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    ov = quantize(src, tmp_path / "ov", profile="q4", overlay=True, progress=False)
+    assert PackSource(ov).verify()[0] == len(PackSource(ov).manifest.tensors)
+    name = "model.decoder.layers.0.self_attn.o_proj.weight"
+    t = HFCheckpoint(src).entry(name)
+    at = t.start + 3
+    with open(t.file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match=f"1 of .*do not match.*{name}"):
+        PackSource(ov).verify()
+
+
 # ------------------------------------------------------------------------------------- overlays
 
 def test_overlay_pack_and_repack_roundtrips(ckpt, packs, tmp_path):

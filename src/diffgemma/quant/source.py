@@ -145,7 +145,8 @@ class PackSource:
         bad = []
         with ThreadPoolExecutor(workers) as pool, tqdm(total=sum(e.nbytes for e in entries), unit="B",
                                                        unit_scale=True, desc="verify", disable=not progress) as bar:
-            for e, digest in zip(entries, pool.map(lambda e: hashlib.sha256(self.record(e.name)).hexdigest(), entries)):
+            records = [self.record(e.name) for e in entries]  # mapped here: the threads only hash
+            for e, digest in zip(entries, pool.map(lambda r: hashlib.sha256(r).hexdigest(), records)):
                 bar.update(e.nbytes)
                 if digest != e.sha256:
                     bad.append(e.name)
