@@ -69,8 +69,8 @@ def log(*a):
     print(*a, flush=True)
 
 
-def med(fn, reps=20, warmup=3) -> float:
-    return statistics.median(time_cuda(fn, reps=reps, warmup=warmup))
+def med(fn, reps=20, warmup=3, setup=None) -> float:
+    return statistics.median(time_cuda(fn, reps=reps, warmup=warmup, setup=setup))
 
 
 def gmed(fn, reps=7, calls=20) -> float:
@@ -192,7 +192,7 @@ def alternate_denoise_1k(eng, V, reps, variants: dict, as_generate: bool = False
             setup()
             eng._graphs.clear()
             call()  # capture with this setup
-            by.setdefault(name, []).append(statistics.median(time_cuda(call, reps=reps, warmup=3, setup=setup_call)))
+            by.setdefault(name, []).append(med(call, reps=reps, setup=setup_call))
     del cache
     eng._graphs.clear()
     return by
@@ -229,10 +229,9 @@ def planes_read_only(x, w, offs, src=None, glu=False, glu_f16=False, out_dtype=N
 
 def no_expert_gemm(x, w, offs, src=None, glu=False, glu_f16=False, out_dtype=None, **_):
     """Stands in for moe_q4.grouped_mm_q4_tiles with no kernel at all: an unwritten result of its shape and dtype."""
-    M = src.shape[0] if src is not None else x.shape[0]
     N = w.shape[1] // 2 if glu else w.shape[1]
     dtype = torch.float16 if glu and glu_f16 else (out_dtype or x.dtype)
-    return torch.empty(M, N, dtype=dtype, device=x.device)
+    return torch.empty(mp.route_count(x, src), N, dtype=dtype, device=x.device)
 
 
 def bench_floor(r, eng, V, reps):
