@@ -135,8 +135,9 @@ def test_sharded_checkpoint_loads_identically(pair, tmp_path):
         m.prefill(c, prompt)
         outs.append(m.denoise(c, canvas))
     # Not bit for bit: the CPU's float kernels may round differently with the tensors' addresses (the shards' mmap
-    # offsets against one file's), as an AVX2 machine's do in the last bits.
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    # offsets against one file's), as an AVX2 machine's do in the last bits. Through every layer that grows like any
+    # other f32 reordering (CI once saw 1.3e-5), so the bound is the file's; the bytes are compared exactly above.
+    assert (outs[0] - outs[1]).abs().max().item() < TOL_F32
 
 
 def test_router_ties_go_to_lower_expert_index():
