@@ -4,8 +4,10 @@ by name, cancellation, and the op-log that `diffgemma replay` runs again."""
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -325,3 +327,63 @@ def test_serve_flags_are_checked_before_the_model_loads(capsys):
     assert "--slots 0: expected a positive number" in capsys.readouterr().err
     assert cli.main(["serve", "--set", "entropy_bond=1"]) == 2
     assert "entropy_bond" in capsys.readouterr().err
+
+
+def test_warmed_worker_serves_a_fresh_workers_replies(model, base, tmp_path):
+    """Worker.warm_up (serve --warmup) makes every slot's cache, generates in each of its context buckets and empties
+    it: the requests after it get the same replies and KV reuse as on a worker that never warmed, and the op-log
+    holds the requests alone, so replay needs no warm-up."""
+    cold, warm = Server(model, base, max_tokens=1500), Server(model, base, max_tokens=1500, log_dir=tmp_path)
+    try:
+        assert warm.worker.warm_up(base) > 0
+        assert all(s is not None and s.ids == [] and s.cache.length == 0 for s in warm.worker.slots)
+        for s in (cold, warm):
+            s.replies = [s.chat(WEATHER, tools=TOOLS), s.chat([{"role": "user", "content": "What is 17 + 25?"}])]
+        for r in warm.replies + cold.replies:  # a tool call's id is random; the rest must be equal
+            for c in r["choices"][0]["message"].get("tool_calls") or []:
+                c.pop("id")
+        assert [r["choices"] for r in warm.replies] == [r["choices"] for r in cold.replies]
+        assert [r["usage"] for r in warm.replies] == [r["usage"] for r in cold.replies]
+        again = warm.worker.warm_up(base)  # slots holding a conversation keep it
+        assert again == 0 and [s.cache.length for s in warm.worker.slots] == [len(s.ids) for s in warm.worker.slots]
+    finally:
+        cold.close()
+        warm.close()
+    assert [r["op"] for r in oplog.read(warm.log.path) if "op" in r] == ["start", "generate", "generate"]
+    assert replay(warm.log.path, model).ok
+
+
+def test_a_failed_warm_up_reaches_the_caller_and_the_worker_still_serves(model, base, monkeypatch):
+    s = Server(model, base, max_tokens=1100)
+    try:
+        def broken(*a, **k):
+            raise RuntimeError("warm-up boom")
+
+        with monkeypatch.context() as m:
+            m.setattr(model, "prefill", broken)
+            with pytest.raises(RuntimeError, match="warm-up boom"):
+                s.worker.warm_up(base)
+        assert all(slot is None or slot.cache.length == 0 for slot in s.worker.slots)
+        assert s.chat([{"role": "user", "content": "What is 17 + 25?"}])["choices"][0]["message"]["content"] == "42"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("flag,device,warms", [("auto", "cpu", False), ("auto", "cuda", True), ("on", "cpu", True),
+                                               ("off", "cuda", False)])
+def test_serve_warms_up_on_cuda_unless_told(monkeypatch, flag, device, warms):
+    from diffgemma.server import commands
+
+    fake = SimpleNamespace(tokenizer=object(), generation_config={}, path=None,
+                           embedding=SimpleNamespace(device=torch.device(device)))
+    monkeypatch.setattr(cli, "_load", lambda args: fake)
+    seen = {}
+    monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
+    assert cli.main(["serve", "--warmup", flag, "--served-name", "m"]) == 0
+    assert seen["warmup"] is warms
+
+
+def test_serve_refuses_a_bad_warmup_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--warmup", "sometimes"])
+    assert "--warmup" in capsys.readouterr().err

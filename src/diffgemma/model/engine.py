@@ -464,6 +464,15 @@ class Engine:
             b *= 2
         return min(b, cache.max_tokens)
 
+    def context_buckets(self, cache: EngineKVCache) -> list[int]:
+        """Every context bucket a denoise on `cache` can use, ascending: bucket k serves cache lengths above bucket
+        k-1 up to its own (a graph is captured per bucket; warmup.py visits each)."""
+        out, b = [], _BUCKET0
+        while b < cache.max_tokens:
+            out.append(b)
+            b *= 2
+        return out + [cache.max_tokens]
+
     def _key_rows(self, cache: EngineKVCache, C: int) -> int:
         """Full-layer cache rows a denoise reads. On CUDA the context's bucket, graphed or eager: the canvas
         GEMMs' shapes (and the flash kernel's split count) follow it, so both compute the same bits."""

@@ -22,6 +22,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
+    s.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="before serving, compile the kernels and capture every slot's denoise graphs at each context "
+                        "bucket, so the first requests do not wait for it (auto: on CUDA only; default auto)")
     from ..cli import add_tool_validate_flag
 
     add_tool_validate_flag(s)
@@ -58,12 +61,14 @@ def _run_serve(args) -> int:
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
     settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
+    warmup = args.warmup == "on" or (args.warmup == "auto" and model.embedding.device.type == "cuda")
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
-                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate)
+                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
+                 warmup=warmup)
 
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
-          tool_validate: int = 0) -> int:
+          tool_validate: int = 0, warmup: bool = False) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -72,10 +77,15 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
 
     log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
     worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
-    app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate)
-    print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
-          + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
     try:
+        if warmup:
+            print(f"diffgemma serve: warming up {slots} slot(s) at every context bucket up to {max_tokens} tokens",
+                  file=sys.stderr)
+            seconds = worker.warm_up(settings, progress=lambda m: print(f"  warm-up {m}", file=sys.stderr))
+            print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
+        app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate)
+        print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
+              + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
         worker.close()

@@ -43,6 +43,25 @@ class Job:
         return self.events.get(timeout=timeout)
 
 
+class _Call:
+    """A function the worker thread runs between jobs (the thread that owns the model); result() waits for it."""
+
+    def __init__(self, fn):
+        self.fn, self._done = fn, queue.Queue(maxsize=1)
+
+    def run(self) -> None:
+        try:
+            self._done.put((True, self.fn()))
+        except Exception as e:  # handed to the caller, not left to kill the thread
+            self._done.put((False, e))
+
+    def result(self):
+        ok, value = self._done.get()
+        if not ok:
+            raise value
+        return value
+
+
 class Worker:
     def __init__(self, model, *, slots: int = 2, max_tokens: int = 8192, log=None):
         if not isinstance(slots, int) or slots < 1:
@@ -75,6 +94,26 @@ class Worker:
         self._queue.put(None)
         self._thread.join()
 
+    def warm_up(self, settings, progress=None) -> float:
+        """Make every slot's cache now and warm it up (warmup.py: kernels compiled, a denoise graph per context
+        bucket) with the settings requests will use, on the worker thread, ahead of any request queued later.
+        -> seconds taken."""
+        from ..warmup import warm_up
+
+        def run():
+            t = 0.0
+            for i in range(len(self.slots)):
+                if self.slots[i] is None:
+                    self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
+                if not self.slots[i].ids:  # a slot holding a conversation keeps it
+                    t += warm_up(self.model, self.slots[i].cache, settings,
+                                 progress=None if progress is None else (lambda m, i=i: progress(f"slot {i}: {m}")))
+            return t
+
+        call = _Call(run)
+        self._queue.put(call)
+        return call.result()
+
     def pick(self, ids: list[int]) -> tuple[int, int]:
         """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
         what it holds (the request continues its conversation, or rewinds a little of it); otherwise an unused
@@ -93,6 +132,9 @@ class Worker:
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
+            if isinstance(job, _Call):
+                job.run()
+                continue
             if job.cancelled:  # the client left while the job waited
                 job.events.put(("cancelled", None))
                 continue

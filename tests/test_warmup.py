@@ -1,0 +1,77 @@
+"""The warm-up before serving (warmup.py; `serve --warmup`): it generates once in every context bucket of the cache,
+leaves the cache empty, and changes no later token. On the CPU, through the fast engine's code path (its torch
+twins); tests/gpu/test_generate_gpu.py checks on CUDA that the graphs it captures are the ones requests replay."""
+
+import random
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma import generation
+from diffgemma.errors import InputError
+from diffgemma.model.engine import Engine
+from diffgemma.settings import GenerationSettings
+from diffgemma.warmup import warm_up
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_reference(diffgemma.load(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def settings(engine):
+    return GenerationSettings.resolve(engine.generation_config, env={})
+
+
+def buckets_seen(engine, monkeypatch) -> list:
+    """The context bucket of every denoise the engine makes from now on."""
+    seen = []
+    inner = engine.denoise_raw
+
+    def spy(cache, *a, **k):
+        seen.append(engine.context_bucket(cache))
+        return inner(cache, *a, **k)
+
+    monkeypatch.setattr(engine, "denoise_raw", spy)
+    return seen
+
+
+@pytest.mark.parametrize("max_tokens,buckets", [(2500, [1024, 2048, 2500]), (900, [900]), (1025, [1024])])
+def test_warm_up_denoises_in_every_bucket_and_empties_the_cache(engine, settings, monkeypatch, max_tokens, buckets):
+    # 1025: the last bucket holds one length only, and a reply would carry the cache past it; it is skipped
+    assert engine.context_buckets(engine.new_cache(max_tokens))[-1] == max_tokens
+    seen = buckets_seen(engine, monkeypatch)
+    cache = engine.new_cache(max_tokens)
+    seconds = warm_up(engine, cache, settings)
+    assert sorted(set(seen)) == buckets and seconds > 0
+    assert cache.length == 0
+
+
+def test_a_warmed_cache_gives_a_fresh_caches_tokens(engine, settings):
+    s = settings.replace(seed=random.getrandbits(32), max_new_tokens=64)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}])
+    fresh = generation.generate(engine, prompt, settings=s, cache=engine.new_cache(2100)).tokens
+    warmed = engine.new_cache(2100)
+    warm_up(engine, warmed, settings)
+    assert generation.generate(engine, prompt, settings=s, cache=warmed).tokens == fresh and fresh
+
+
+def test_warm_up_refuses_a_cache_in_use(engine, settings):
+    cache = engine.new_cache(256)
+    engine.prefill(cache, torch.tensor([2, 105]))
+    with pytest.raises(InputError, match="holds 2 tokens"):
+        warm_up(engine, cache, settings)
+    assert cache.length == 2  # left as it was
+
+
+def test_warm_up_empties_the_cache_when_a_generation_fails(engine, settings, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "denoise_raw", broken)
+    cache = engine.new_cache(1500)
+    with pytest.raises(RuntimeError, match="boom"):
+        warm_up(engine, cache, settings)
+    assert cache.length == 0
