@@ -508,3 +508,27 @@ def test_a_fresh_process_first_seeded_generate_gives_the_later_runs_tokens():
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.strip().splitlines()[-1])
     assert runs[0] == runs[1] == runs[2] and len(runs[0]) > 0, f"seed {seed}"
+
+
+def test_a_warmed_cache_replays_its_graphs_and_gives_a_fresh_caches_tokens(engine, monkeypatch):
+    """serve --warmup: warm_up captures the denoise graphs of every context bucket on the cache itself, so the
+    requests after it capture none; and a warmed cache, emptied, gives a fresh cache's tokens in each bucket."""
+    from diffgemma.warmup import warm_up
+
+    s = settings()
+    C = engine.config.canvas_length
+    cache = engine.new_cache(2600)
+    warm_up(engine, cache, s)
+    assert cache.length == 0
+    assert {key[1] - C for key in engine._graphs[cache]} == {1024, 2048, 2600}
+    captures = []
+    inner = engine._capture
+    monkeypatch.setattr(engine, "_capture", lambda *a, **k: captures.append(a[0]) or inner(*a, **k))
+    for n in (29, 1500, 2300):  # one prompt in each bucket
+        prompt = torch.randint(4, engine.config.vocab_size, (n,), device=DEV)
+        cache.truncate(0)
+        warmed = generation.generate(engine, prompt, settings=s, cache=cache).tokens
+        assert not captures, f"a {n}-token prompt captured a graph on the warmed cache"
+        fresh = generation.generate(engine, prompt, settings=s, cache=engine.new_cache(2600)).tokens
+        assert warmed == fresh and warmed, n
+        captures.clear()
