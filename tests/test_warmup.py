@@ -75,3 +75,31 @@ def test_warm_up_empties_the_cache_when_a_generation_fails(engine, settings, mon
     with pytest.raises(RuntimeError, match="boom"):
         warm_up(engine, cache, settings)
     assert cache.length == 0
+
+
+def test_warm_up_stops_between_buckets_when_asked(engine, settings, monkeypatch):
+    seen = buckets_seen(engine, monkeypatch)
+    cache = engine.new_cache(2500)
+    asked = []
+    warm_up(engine, cache, settings, should_stop=lambda: asked.append(1) or len(asked) > 1)
+    assert sorted(set(seen)) == [1024] and cache.length == 0
+
+
+def test_a_worker_interrupted_while_warming_stops_at_the_next_bucket(engine, settings, monkeypatch):
+    """Ctrl-C while `serve` waits for the warm-up: the worker thread stops warming before its next bucket, so
+    closing the worker does not wait for the rest of the warm-up."""
+    from diffgemma.server import worker as worker_mod
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    seen = buckets_seen(engine, monkeypatch)
+    monkeypatch.setattr(worker_mod._Call, "result", interrupted)
+    w = worker_mod.Worker(engine, slots=2, max_tokens=2500)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.warm_up(settings)
+    finally:
+        w.close()
+    assert set(seen) <= {1024}  # at most the bucket slot 0 had begun
+    assert all(s is None or s.cache.length == 0 for s in w.slots)

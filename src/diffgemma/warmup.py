@@ -23,9 +23,11 @@ from .generation import generate
 FILLER_SEED = 0
 
 
-def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = None) -> float:
+def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False) -> float:
     """Run one short generation in every context bucket `cache` can reach, then empty it. `settings` are those
-    requests will use (their SC mode and sampler pick the graphs and kernels). -> seconds taken."""
+    requests will use (their SC mode and sampler pick the graphs and kernels). `should_stop()` is asked before each
+    bucket: True ends the warm-up there (the cache is emptied all the same). -> seconds taken."""
     if cache.length != 0:
         raise InputError(f"warm_up: the cache holds {cache.length} tokens; expected an empty one (it is emptied after)")
     t0 = time.perf_counter()
@@ -35,6 +37,8 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
     try:
         low = 0  # the bucket below: this bucket serves lengths in (low, top]
         for top in buckets:
+            if should_stop():
+                break
             # a short prompt in the first bucket; in the others, just past the one below
             target = min(8, top) if low == 0 else low + 1
             n = target - cache.length

@@ -100,19 +100,25 @@ class Worker:
         -> seconds taken."""
         from ..warmup import warm_up
 
+        stop = threading.Event()
+
         def run():
             t = 0.0
             for i in range(len(self.slots)):
                 if self.slots[i] is None:
                     self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
                 if not self.slots[i].ids:  # a slot holding a conversation keeps it
-                    t += warm_up(self.model, self.slots[i].cache, settings,
+                    t += warm_up(self.model, self.slots[i].cache, settings, should_stop=stop.is_set,
                                  progress=None if progress is None else (lambda m, i=i: progress(f"slot {i}: {m}")))
             return t
 
         call = _Call(run)
         self._queue.put(call)
-        return call.result()
+        try:
+            return call.result()
+        except BaseException:  # e.g. Ctrl-C while waiting: the worker thread stops warming at the next bucket
+            stop.set()
+            raise
 
     def pick(self, ids: list[int]) -> tuple[int, int]:
         """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
