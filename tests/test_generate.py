@@ -265,6 +265,83 @@ def test_max_new_tokens_is_honoured_exactly():
     assert result.block_ends[-1] == "max_new_tokens"
 
 
+# ------------------------------------------------------------------------------ stop strings
+
+# Each token decodes to one letter, but token 9 to two ("Jj"), so a stop text can begin inside a token.
+LETTERS = [chr(65 + t) if t < 26 else chr(97 + t - 26) for t in range(V)]
+LETTERS[9] = "Jj"
+
+
+class LetterTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(LETTERS[int(t)] for t in ids)
+
+
+def two_blocks(first: list[int] | None = None):
+    """A prompt and two 8-token blocks of distinct single-letter tokens (a stop text made of them occurs once),
+    and a model that commits block k when the cache holds the prompt and k blocks."""
+    plain = [t for t in range(V) if t not in CONTROL and t != 9]
+    ids = random.sample(plain, 16)
+    blocks = [torch.tensor(first or ids[:8]), torch.tensor(ids[8:])]
+    model = FakeModel(lambda call: tempered(peaked(blocks[min((call.cache_len - 5) // 8, 1)], 40.0), call))
+    model.tokenizer = LetterTokenizer()
+    return answer_ids(5), blocks, model
+
+
+def test_a_stop_string_across_two_blocks_ends_the_turn_after_its_last_token():
+    prompt, blocks, model = two_blocks()
+    stop = model.tokenizer.decode(blocks[0][-2:]) + model.tokenizer.decode(blocks[1][:2])
+    cache = model.new_cache(100)
+    result = generate(model, prompt, cache=cache, settings=GenerationSettings.resolve(
+        model.generation_config, env={}, overrides={"max_new_tokens": 40, "stop_strings": ["zzz", stop]}))
+    want = blocks[0].tolist() + blocks[1][:2].tolist()
+    assert result.tokens == want and result.stop_string == stop and result.stop_token is None
+    assert result.text == model.tokenizer.decode(want)[:-4]  # ends where the stop text begins
+    assert result.block_ends == ["continue", "stop_string"]
+    assert cache.tokens == prompt.tolist() + want  # the stop text's tokens are cached: the model wrote them
+    assert model.prefills == [prompt.tolist(), blocks[0].tolist(), blocks[1][:2].tolist()]
+    assert sorted({c.cache_len for c in model.calls}) == [5, 13]  # no third block
+
+
+def test_a_stop_string_beginning_inside_a_token_cuts_the_text_there():
+    prompt, blocks, model = two_blocks()
+    blocks[0][3] = 9  # decodes to "Jj"
+    stop = "j" + LETTERS[int(blocks[0][4])]
+    result = generate(model, prompt, settings=GenerationSettings.resolve(
+        model.generation_config, env={}, overrides={"max_new_tokens": 40, "stop_strings": stop}))
+    assert result.tokens == blocks[0][:5].tolist() and result.block_ends == ["stop_string"]
+    assert result.text == model.tokenizer.decode(blocks[0][:3]) + "J"
+
+
+def test_stop_strings_that_never_occur_change_nothing():
+    prompt, blocks, model = two_blocks()
+    settings = GenerationSettings.resolve(model.generation_config, env={}, overrides={"max_new_tokens": 16})
+    plain = generate(model, prompt, settings=settings)
+    again = generate(model, prompt, settings=settings.replace(stop_strings=["@", "AAAA"]))
+    assert again.tokens == plain.tokens and again.text == plain.text and again.stop_string is None
+    assert again.block_ends == plain.block_ends == ["continue", "max_new_tokens"]
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_a_stop_string_and_a_stop_token_in_one_block_the_earlier_wins(stop_first):
+    prompt, blocks, model = two_blocks()
+    blocks[0][5] = EOS
+    stop = model.tokenizer.decode(blocks[0][1:3] if stop_first else blocks[0][6:8])
+    result = generate(model, prompt, settings=GenerationSettings.resolve(
+        model.generation_config, env={}, overrides={"max_new_tokens": 40, "stop_strings": stop}))
+    if stop_first:
+        assert result.tokens == blocks[0][:3].tolist() and result.stop_string == stop and result.stop_token is None
+    else:  # the text after the stop token is not the reply's: its stop text never counts
+        assert result.tokens == blocks[0][:5].tolist() and result.stop_token == EOS and result.stop_string is None
+    assert result.text == model.tokenizer.decode(result.tokens)[:1 if stop_first else None]
+
+
+def test_stop_strings_need_a_tokenizer():
+    model = FakeModel(lambda call: tempered(peaked(answer_ids(8), 40.0), call))
+    with pytest.raises(InputError, match="stop_strings: this model has no tokenizer"):
+        run(model, stop_strings="x")
+
+
 # ------------------------------------------------------- SC, renoise, commit, freeze: one step at a time
 
 def _events(model, **overrides):

@@ -23,6 +23,7 @@ from diffgemma.replay import replay  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import served_name  # noqa: E402
 from diffgemma.server.protocol import RequestError, convert_messages, parse_chat_request  # noqa: E402
+from diffgemma.server.reply_text import ReplyDeltas  # noqa: E402
 from diffgemma.server.worker import Worker  # noqa: E402
 from diffgemma.session import Session, Slot  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
@@ -87,7 +88,8 @@ def server(model, base):
     ({"messages": WEATHER, "temperatur": 1}, 400, "unknown field(s) ['temperatur']"),
     ({"messages": WEATHER, "model": "gpt-4"}, 404, "'gpt-4' is not served here; this server serves 'diffgemma-demo'"),
     ({"messages": WEATHER, "n": 2}, 400, "n: only 1"),
-    ({"messages": WEATHER, "stop": ["\n"]}, 400, "stop: stop strings are not supported"),
+    ({"messages": WEATHER, "stop": ["\n", 3]}, 400, "stop: expected a non-empty string or an array of them"),
+    ({"messages": WEATHER, "stop": ""}, 400, "stop: expected a non-empty string"),
     ({"messages": WEATHER, "logprobs": True}, 400, "logprobs: not supported"),
     ({"messages": WEATHER, "tool_choice": "required"}, 400, "tool_choice: 'auto' or 'none'"),
     ({"messages": WEATHER, "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -227,6 +229,45 @@ def test_stream_adds_up_to_the_message(server, case):
         assert msg.get("reasoning_content"), msg  # the demo model writes a thought when asked to
     if case == "tools":
         assert calls and calls[0]["index"] == 0
+
+
+SORT = [{"role": "user", "content": "Sort these numbers: 31 12 87 45 6"}]
+
+
+@pytest.mark.parametrize("stop", ["45", ["nope", " 45"]])
+def test_stop_ends_the_reply_where_the_stop_text_begins(server, model, base, stop):
+    """OpenAI's `stop`: the reply ends at the first stop text, which it leaves out; finish_reason "stop"; the stream
+    adds up to the same message; usage counts the tokens the model wrote (through the stop text), and the next turn
+    reuses the slot's cache."""
+    whole = server.chat(SORT)["choices"][0]["message"]["content"]
+    assert whole == "6 12 31 45 87"  # the demo model's answer, which the stops below cut
+    got = server.chat(SORT, stop=stop)
+    choice = got["choices"][0]
+    assert choice["message"]["content"] == "6 12 31" and choice["finish_reason"] == "stop"
+    assert got["usage"]["completion_tokens"] == len(model.tokenizer.encode("6 12 31 45"))  # through the stop text
+    chunks = server.stream(SORT, stop=stop)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "6 12 31" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    follow = server.chat(SORT + [choice["message"], {"role": "user", "content": "What is 17 + 25?"}])
+    assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= got["usage"]["prompt_tokens"]
+
+
+def test_streamed_text_never_shows_what_a_stop_text_will_cut(model):
+    """Fed a reply a token at a time, the deltas hold back a tail that may grow into a stop text, and never send
+    text from a stop text on: what was sent is always a prefix of the final message."""
+    tok = model.tokenizer
+    ids = tok.encode("6 12 31 45 87")
+    for stops in (("45",), ("31 4", "1 45 8"), ("87",), ("none",)):
+        deltas = ReplyDeltas(tok, False, stops)
+        sent = ""
+        for t in ids:
+            sent += deltas.feed([t]).get("content", "")
+        last, message, _ = deltas.finish()
+        sent += last.get("content", "")
+        want = "6 12 31 45 87"
+        for s in stops:
+            want = want[:want.find(s)] if s in want else want
+        assert sent == message["content"] == want.strip(), stops
 
 
 def test_concurrent_requests_are_served_one_at_a_time(server):

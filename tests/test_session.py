@@ -72,3 +72,23 @@ def test_thinking_drops_the_thought_from_history(demo):
     reply = session.ask("What is 12 + 30?")
     assert reply.thought is not None and "<|channel>" not in reply.answer
     assert session.messages[-1] == {"role": "assistant", "content": reply.answer}
+
+
+def test_a_stop_string_cuts_the_reply_and_its_turn_replays(demo, tmp_path):
+    """stop_strings on a Session turn: the answer (and the history) ends where the stop text begins, the next turn
+    reuses the cache, and the op-log (which records the setting) replays to the same events."""
+    from diffgemma import oplog
+    from diffgemma.replay import replay
+
+    log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 512))
+    session = Session(demo, max_tokens=512, log=log)
+    reply = session.ask("Sort these numbers: 31 12 87 45 6", stop_strings=["45"])
+    assert reply.answer == "6 12 31" and reply.result.stop_string == "45"
+    assert reply.result.text.endswith("31 ") and session.messages[-1] == {"role": "assistant", "content": "6 12 31"}
+    nxt = session.ask("What is 17 + 25?")
+    assert nxt.answer == "42" and nxt.reused_tokens > 0
+    log.close()
+    records = oplog.read(log.path)
+    assert [r["settings"]["stop_strings"] for r in records if r.get("op") == "generate"] == [["45"], []]
+    report = replay(log.path, demo)
+    assert report.ok and report.generations == 2, report.problems

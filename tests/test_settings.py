@@ -1,6 +1,7 @@
 """GenerationSettings: defaults, layering (generation_config <- hf preset <- env <- overrides), errors."""
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -13,7 +14,7 @@ DOCUMENTED_DEFAULTS = dict(
     confidence_threshold=0.005, max_new_tokens=256, commit="argmax", sc_seed=True, sc_mode="sparse",
     sc_sparse_log_ratio=10.0, freeze=False, plateau_steps=8, plateau_entropy=0.05, pad_gate=True,
     entropy_stop=0.05, entropy_stop_min_steps=12, empty_reply_retry=3, confidence_trim=0.9, seed=0,
-    canvas_length=None, stop_ids=None, semantics="contract",
+    canvas_length=None, stop_ids=None, stop_strings=(), semantics="contract",
 )
 
 
@@ -93,6 +94,10 @@ def test_bad_environment_is_an_error_naming_the_variable(env, match):
     ({"max_new_tokens": True}, "max_new_tokens"),
     ({"max_new_tokens": 2.5}, "max_new_tokens"),
     ({"sc_seed": "sometimes"}, "sc_seed"),
+    (["stop_strings=[1]"], "stop_strings.*non-empty texts"),
+    (["stop_strings=[\"\"]"], "stop_strings"),
+    (["stop_strings=[oops"], "stop_strings"),
+    ({"stop_strings": ["a", None]}, "stop_strings"),
 ])
 def test_bad_overrides_are_errors_naming_the_field(overrides, match):
     with pytest.raises(SettingsError, match=match):
@@ -153,3 +158,17 @@ def test_import_defaults_expandable_segments_and_respects_the_user():
     env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "max_split_size_mb:128"
+
+
+def test_stop_strings_from_every_way_in():
+    """A Python str is one text as it is; from env / --set a text starting with '[' is a JSON array of texts (so one
+    flag can carry several, newlines included), any other is one text, and '' is none."""
+    assert GenerationSettings(stop_strings=" 45").stop_strings == (" 45",)
+    assert GenerationSettings(stop_strings=["a", "b"]).stop_strings == ("a", "b")
+    assert GenerationSettings.resolve({}, env={}, overrides=["stop_strings=Observation:"]).stop_strings == (
+        "Observation:",)
+    env = {"DIFFGEMMA_STOP_STRINGS": '["\\n\\n", "</tool>"]'}
+    assert GenerationSettings.resolve({}, env=env).stop_strings == ("\n\n", "</tool>")
+    assert GenerationSettings.resolve({}, env={}, overrides=["stop_strings="]).stop_strings == ()
+    s = GenerationSettings(stop_strings=["x"])
+    assert GenerationSettings(**json.loads(json.dumps(s.as_dict()))) == s  # as the op-log writes and replay reads

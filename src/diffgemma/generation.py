@@ -21,6 +21,10 @@ Cache contract (multi-turn reuse): on return the cache holds the prompt plus exa
 `stop_token`); the chat layer appends the template's own end-of-turn text as part of the next turn's
 new tokens. When a cache is passed in, `input_ids` are only the tokens it does not hold yet.
 
+Stop strings (settings.stop_strings, stop_strings.py): after each block the decoded reply is searched; at a match
+the block keeps its tokens through the one completing it and the turn ends (`stop_string`). Those tokens stay in
+`tokens` and in the cache (the model wrote them); `text` ends where the match begins.
+
 RNG layout: with semantics="contract" every (block, re-roll attempt) gets its own LCG seeded with
 block_seed(seed, block, attempt) (§7 "re-seed the canvas RNG"); with semantics="hf" one LCG(seed)
 stream serves the whole call in transformers' order (canvas init, then per step: categorical draw
@@ -57,10 +61,12 @@ from .sampling.stats import StepStats
 from .sampling.stops import REASONS, DeviceStopRules, filler_id
 from .sampling.trim import trim_cut
 from .settings import GenerationSettings
+from .stop_strings import first_stop, text_end, tokens_through_stop
 
 STOP_TOKEN = "stop_token"  # BlockEvent.end: the block held a stop id; the turn is over
 BUDGET = "max_new_tokens"  # the token budget is spent
 TRIMMED = "trimmed"  # the confidence trim cut the block; the tail re-denoises next block
+STOP_STRING = "stop_string"  # the reply holds a stop text; the block was cut after it and the turn is over
 CONTINUE = "continue"  # a full block was committed; the next block follows
 
 
@@ -86,7 +92,7 @@ class BlockEvent:
     tokens: list[int]  # what this block added to the answer (and to the cache)
     steps: int  # denoising steps of the committed attempt
     stop_reason: str  # confident / plateau / entropy / max_steps
-    end: str  # STOP_TOKEN / BUDGET / TRIMMED / CONTINUE
+    end: str  # STOP_TOKEN / STOP_STRING / BUDGET / TRIMMED / CONTINUE
     attempts: int  # 1 + re-rolls
     stop_token: int | None = None
     trimmed_at: int | None = None
@@ -106,6 +112,7 @@ class GenerationResult:
     block_ends: list[str] = field(default_factory=list)
     settings: GenerationSettings | None = None
     tool_retries: int = 0  # regenerations of a malformed tool call (session.run_turn, opt-in)
+    stop_string: str | None = None  # the stop text that ended the turn (its tokens are in tokens, not in text)
 
 
 @dataclass
@@ -240,6 +247,9 @@ def generate_stream(
     if cfg.bos_token_id is not None:
         control_ids.add(cfg.bos_token_id)
     hf = s.semantics == "hf"
+    tokenizer = getattr(model, "tokenizer", None)
+    if s.stop_strings and tokenizer is None:
+        raise InputError("stop_strings: this model has no tokenizer to decode the reply with")
     # the trim can shorten blocks, so it gets twice the block budget (§9 #11 "max_blocks *= 2")
     max_blocks = math.ceil(s.max_new_tokens / canvas_len) * (2 if s.confidence_trim > 0 else 1)
 
@@ -262,6 +272,7 @@ def generate_stream(
     retries = 0
     forwards = 0
     final_stop: int | None = None
+    final_string: str | None = None
 
     block = 0
     while len(tokens) < s.max_new_tokens and block < max_blocks:
@@ -303,6 +314,11 @@ def generate_stream(
         else:
             keep = committed[:limit]
             end = BUDGET if len(tokens) + limit >= s.max_new_tokens else CONTINUE
+        if s.stop_strings and keep:
+            k = tokens_through_stop(tokenizer.decode, tokens + keep, len(tokens), s.stop_strings)
+            if k is not None:
+                keep, end, stop_token, cut = keep[:k - len(tokens)], STOP_STRING, None, None
+                final_string = first_stop(tokenizer.decode(tokens + keep), s.stop_strings)[1]
 
         if keep:
             t = time.perf_counter()
@@ -318,10 +334,13 @@ def generate_stream(
         if stop_token is not None:
             final_stop = stop_token
             break
+        if end == STOP_STRING:
+            break
 
     timings["total_s"] = time.perf_counter() - t_start
-    tokenizer = getattr(model, "tokenizer", None)
     text = tokenizer.decode(tokens) if tokenizer is not None else None
+    if text is not None and final_string is not None:
+        text = text[:text_end(text, s.stop_strings)]
     result = GenerationResult(
         tokens=tokens,
         text=text,
@@ -334,6 +353,7 @@ def generate_stream(
         forwards=forwards,
         block_ends=block_ends,
         settings=s,
+        stop_string=final_string,
     )
     yield DoneEvent(result)
 

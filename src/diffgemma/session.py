@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import InputError
 from .generation import BlockEvent, DoneEvent, StepEvent, generate_stream, resolve_settings
+from .stop_strings import text_end
 from .tool_calls import CALL_OPEN, parse_tool_calls
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -100,9 +101,11 @@ def answer_prose(answer: str) -> str:
     return answer[:answer.find(CALL_OPEN)].strip()
 
 
-def reply_parts(tokenizer, tokens: list[int]) -> tuple[str, str | None, str, list]:
-    """A reply's token ids -> (raw text with special tokens, thought or None, answer, tool calls)."""
+def reply_parts(tokenizer, tokens: list[int], stops=()) -> tuple[str, str | None, str, list]:
+    """A reply's token ids -> (raw text with special tokens, thought or None, answer, tool calls). `stops`: the
+    reply's stop strings; its text ends where the first begins (stop_strings.py)."""
     raw = tokenizer.decode(tokens, skip_special_tokens=False)
+    raw = raw[:text_end(raw, stops)]
     thought, answer = split_thought(raw)
     answer = _strip_padding(answer, tokenizer).strip()
     return raw, thought, answer, parse_tool_calls(answer)
@@ -189,12 +192,15 @@ def _combined(results: list, tokens: list[int], tokenizer) -> object:
     every generation's work (blocks, forwards, timings), the last one's stop."""
     first, last = results[0], results[-1]
     forwards = sum(r.forwards for r in results)
+    text = tokenizer.decode(tokens) if tokenizer is not None else None
+    if text is not None and last.stop_string is not None:
+        text = text[:text_end(text, last.settings.stop_strings)]
     timings: dict = {}
     for r in results:
         for k, v in r.timings.items():
             timings[k] = timings.get(k, 0.0) + v
     return dataclasses.replace(
-        last, tokens=tokens, text=tokenizer.decode(tokens) if tokenizer is not None else None,
+        last, tokens=tokens, text=text,
         steps_per_block=[n for r in results for n in r.steps_per_block],
         tokens_per_forward=len(tokens) / forwards if forwards else 0.0,
         stop_reasons=[x for r in results for x in r.stop_reasons], timings=timings,
@@ -235,7 +241,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
         cut = None
         if tokenizer is not None and len(results) <= tool_retries:
             cut = malformed_call_cut(tokenizer, reply)
-        if cut is None or cut >= budget:
+        if cut is None or cut >= budget or out["done"].stop_string is not None:  # a stop string ends the reply
             emit("done", results[0] if len(results) == 1 else _combined(results, reply, tokenizer))
             return
         kept_reply = reply[:cut]
@@ -304,7 +310,7 @@ class Session:
         if "error" in out:
             raise out["error"]
         result = out["done"]
-        raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens)
+        raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens, result.settings.stop_strings)
         # History keeps the answer only: reasoning never crosses a turn boundary.
         if calls and all(c.ok for c in calls):
             self.messages.append(tool_call_message(answer_prose(answer), calls))

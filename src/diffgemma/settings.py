@@ -16,6 +16,7 @@ value raises SettingsError naming the field, where it came from, and what was ex
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -76,6 +77,9 @@ class GenerationSettings:
     seed: int = 0
     canvas_length: int | None = None  # None = the model's canvas_length
     stop_ids: tuple[int, ...] | None = None  # None = generation_config eos_token_id, else config eos ids
+    # Texts that end the reply (OpenAI's `stop`): matched in the decoded reply after each committed block; the reply
+    # ends at the first match, which the returned text leaves out (generation.py, stop_strings.py)
+    stop_strings: tuple[str, ...] = ()
     semantics: str = "contract"  # "contract" (ARCHITECTURE.md) or "hf" (transformers' generate())
 
     def __post_init__(self):
@@ -175,6 +179,7 @@ _FIELD_TYPES: dict[str, str] = {
     "seed": "int",
     "canvas_length": "optional_int",
     "stop_ids": "optional_ids",
+    "stop_strings": "strings",
     "semantics": "choice",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
@@ -200,6 +205,7 @@ def _expected(name: str) -> str:
         "bool": "a boolean (1/0, true/false, yes/no, on/off)",
         "optional_int": "a positive integer or 'none'",
         "optional_ids": "a comma-separated list of token ids or 'none'",
+        "strings": "non-empty texts: one text, or a JSON array of them ('[\"a\", \"b\"]'; '' for none)",
     }[kind]
 
 
@@ -213,6 +219,7 @@ def _check_type(name: str, value: Any, origin: str) -> None:
         "optional_int": value is None or (isinstance(value, int) and not isinstance(value, bool)),
         "optional_ids": value is None
         or (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)),
+        "strings": isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
     }[kind]
     if not ok:
         raise SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
@@ -249,6 +256,15 @@ def _parse(name: str, value: Any, origin: str) -> Any:
     def bad():
         return SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
 
+    if kind == "strings" and isinstance(value, str):
+        # one text as it is (whitespace counts), or from env / --set a JSON array of texts, or '' for none
+        if origin == "value" or not value.lstrip().startswith("["):
+            value = (value,) if value else ()
+        else:
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad() from None
     if isinstance(value, str):
         text = value.strip()
         low = text.lower()
@@ -288,6 +304,8 @@ def _parse(name: str, value: Any, origin: str) -> Any:
         value = int(value)
     elif kind == "optional_ids" and isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
+    elif kind == "strings" and isinstance(value, (list, tuple)):
+        value = tuple(value)
     elif kind == "optional_ids" and isinstance(value, (list, tuple, set, frozenset)):
         value = tuple(sorted(value)) if isinstance(value, (set, frozenset)) else tuple(value)
     _check_type(name, value, origin)

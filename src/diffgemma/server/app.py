@@ -64,7 +64,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                                "messages") from None
         tools_on = req.tools is not None and req.tool_choice == "auto"
         if req.stream:
-            return StreamingResponse(_events(job, len(ids), tools_on, req.include_usage),
+            return StreamingResponse(_events(job, len(ids), tools_on, req.include_usage, req.settings.stop_strings),
                                      media_type="text/event-stream")
         cached, result = 0, None
         while result is None:
@@ -77,12 +77,12 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                 return JSONResponse(_error_body(payload), status_code=500)
             elif kind == "cancelled":  # the client left; nobody reads this
                 return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
-        message, calls = final_message(tokenizer, result.tokens, tools_on)
+        message, calls = final_message(tokenizer, result.tokens, tools_on, req.settings.stop_strings)
         return completion(model_id, message, _finish(result, calls), usage(len(ids), len(result.tokens), cached))
 
-    async def _events(job, prompt_tokens: int, tools_on: bool, include_usage: bool):
+    async def _events(job, prompt_tokens: int, tools_on: bool, include_usage: bool, stops):
         cid, t0 = new_id("chatcmpl-"), int(time.time())
-        deltas = ReplyDeltas(tokenizer, tools_on)
+        deltas = ReplyDeltas(tokenizer, tools_on, stops)
         cached = 0
 
         def sse(obj) -> str:
@@ -124,7 +124,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 def _finish(result, calls) -> str:
     if calls:
         return "tool_calls"
-    return "stop" if result.stop_token is not None else "length"
+    return "stop" if result.stop_token is not None or result.stop_string is not None else "length"
 
 
 def _error_body(e: Exception) -> dict:

@@ -154,8 +154,11 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatReq
         raise RequestError(404, f"model {model!r} is not served here; this server serves {model_id!r}", "model")
     if body.get("n") not in (None, 1):
         raise _bad("n: only 1 completion per request is supported", "n")
-    if body.get("stop"):
-        raise _bad("stop: stop strings are not supported (the model stops at its own end-of-turn tokens)", "stop")
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise _bad("stop: expected a non-empty string or an array of them", "stop")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _bad("logprobs: not supported by the diffusion sampler (tokens are accepted by entropy, not drawn "
                    "one at a time)", "logprobs")
@@ -186,6 +189,8 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatReq
             overrides["max_new_tokens"] = body[name]
     if body.get("seed") is not None:
         overrides["seed"] = body["seed"]
+    if stop is not None:
+        overrides["stop_strings"] = tuple(stop)
     try:
         settings = base.replace(**overrides)
     except SettingsError as e:

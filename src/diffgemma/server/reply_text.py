@@ -4,19 +4,21 @@ Both go through session.reply_parts, so a streamed reply concatenates to exactly
 request gets: the thought channel as `reasoning_content`, the answer as `content`, and well-formed tool calls
 as `tool_calls` (their text is held back while streaming and sent whole at the end, since a call is only
 known to be well-formed once it is closed). Deltas come a committed block at a time: a diffusion model
-writes a block of tokens at once, not one token after another.
+writes a block of tokens at once, not one token after another. With stop strings the text ends where the first
+begins, and a stream holds back a tail that the next block could complete into one.
 """
 
 from __future__ import annotations
 
+from ..stop_strings import held_back, text_end
 from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, answer_prose, reply_parts, split_thought
 from ..tool_calls import CALL_OPEN
 from .protocol import tool_calls_json
 
 
-def final_message(tokenizer, tokens: list[int], tools_on: bool) -> tuple[dict, list]:
+def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=()) -> tuple[dict, list]:
     """-> (assistant message, well-formed tool calls answered as such, [] when none)."""
-    _, thought, answer, calls = reply_parts(tokenizer, tokens)
+    _, thought, answer, calls = reply_parts(tokenizer, tokens, stops)
     message = {"role": "assistant", "content": answer}
     if thought is not None:
         message["reasoning_content"] = thought
@@ -38,8 +40,8 @@ def _held_back(text: str, marker: str) -> str:
 class ReplyDeltas:
     """Feed it the tokens so far after each block; it returns what the client has not seen yet."""
 
-    def __init__(self, tokenizer, tools_on: bool):
-        self.tokenizer, self.tools_on = tokenizer, tools_on
+    def __init__(self, tokenizer, tools_on: bool, stops=()):
+        self.tokenizer, self.tools_on, self.stops = tokenizer, tools_on, tuple(stops)
         self.tokens: list[int] = []
         self.sent = {"reasoning_content": "", "content": ""}
 
@@ -47,6 +49,8 @@ class ReplyDeltas:
         """The parts that are sure not to change as more tokens come: trailing whitespace (a final strip may drop
         it) and anything from a tool call's opener on are held back."""
         raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
+        end = text_end(raw, self.stops)
+        raw = raw[:end] if end < len(raw) else raw[:len(raw) - held_back(raw, self.stops)]
         thought, answer = split_thought(raw)
         opened = raw.find(CHANNEL_OPEN)
         if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
@@ -81,7 +85,7 @@ class ReplyDeltas:
     def finish(self) -> tuple[dict, dict, list]:
         """-> (the last delta, the whole message, its tool calls): the delta completes what was sent to the
         message's content and reasoning, and carries the tool calls."""
-        message, calls = final_message(self.tokenizer, self.tokens, self.tools_on)
+        message, calls = final_message(self.tokenizer, self.tokens, self.tools_on, self.stops)
         final = {"reasoning_content": message.get("reasoning_content") or "", "content": message.get("content") or ""}
         delta = {}
         for key, text in final.items():
