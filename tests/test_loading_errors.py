@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,21 @@ def test_unsupported_rope_type(copy):
     (copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"rope_type='yarn'"):
         diffgemma.load(copy)
+
+
+@pytest.mark.parametrize("value", [0, -5, "4096", 2.5, True])
+def test_bad_max_position_embeddings(copy, value):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = value
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"max_position_embeddings must be a positive integer"):
+        diffgemma.load(copy)
+
+
+def test_the_context_the_model_was_made_for_is_read(good):
+    assert diffgemma.load(good).config.max_positions == json.loads((Path(good) / "config.json").read_text())[
+        "text_config"]["max_position_embeddings"]
+    assert diffgemma.load().config.max_positions == 4096  # the demo model's
 
 
 def test_bad_runtime_input(good):

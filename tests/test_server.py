@@ -415,7 +415,7 @@ def test_a_failed_warm_up_reaches_the_caller_and_the_worker_still_serves(model, 
 def test_serve_warms_up_on_cuda_unless_told(monkeypatch, flag, device, warms):
     from diffgemma.server import commands
 
-    fake = SimpleNamespace(tokenizer=object(), generation_config={}, path=None,
+    fake = SimpleNamespace(tokenizer=object(), generation_config={}, path=None, config=SimpleNamespace(max_positions=None),
                            embedding=SimpleNamespace(device=torch.device(device)))
     monkeypatch.setattr(cli, "_load", lambda args: fake)
     seen = {}
@@ -428,3 +428,19 @@ def test_serve_refuses_a_bad_warmup_flag(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--warmup", "sometimes"])
     assert "--warmup" in capsys.readouterr().err
+
+
+def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, capsys):
+    """--max-tokens: 8192 by default, but never past the model's max_position_embeddings (the demo model's is 4096):
+    the default shrinks to it, and asking for more is an error naming both."""
+    from diffgemma.server import commands
+
+    seen = {}
+    monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
+    assert cli.main(["serve"]) == 0 and seen["max_tokens"] == 4096
+    assert cli.main(["serve", "--max-tokens", "3000"]) == 0 and seen["max_tokens"] == 3000
+    assert cli.main(["serve", "--max-tokens", "5000"]) == 2
+    assert "--max-tokens 5000: over this model's context of 4096 tokens" in capsys.readouterr().err
+    big = SimpleNamespace(config=SimpleNamespace(max_positions=262144))
+    assert cli.context_tokens(big) == cli.SESSION_TOKENS and cli.context_tokens(big, 100000) == 100000
+    assert cli.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6

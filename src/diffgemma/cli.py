@@ -18,6 +18,18 @@ EXIT_USAGE = 2
 SESSION_TOKENS = 8192  # the KV cache of `ask` and `chat`: prompt and replies of the whole conversation
 
 
+def context_tokens(model, requested: int | None = None, flag: str = "--max-tokens") -> int:
+    """The tokens a conversation's KV cache holds: `requested`, or SESSION_TOKENS, but never past the context the
+    model was made for (its max_position_embeddings): asked for more, an error naming both."""
+    limit = model.config.max_positions
+    if requested is None:
+        return SESSION_TOKENS if limit is None else min(SESSION_TOKENS, limit)
+    if limit is not None and requested > limit:
+        raise InputError(f"{flag} {requested}: over this model's context of {limit} tokens "
+                         f"(text_config.max_position_embeddings); use at most {limit}")
+    return requested
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + message; we want one line
         print(f"diffgemma: error: {message}", file=sys.stderr)
@@ -158,14 +170,15 @@ def _open_session(args):
     model = _load(args)
     tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
+    tokens = context_tokens(model)
     log = None
     if args.log_dir:
         from .oplog import OpLog, header
 
-        log = OpLog(args.log_dir, header(model, 1, SESSION_TOKENS))
+        log = OpLog(args.log_dir, header(model, 1, tokens))
         print(f"diffgemma: op-log {log.path}", file=sys.stderr)
     return model, settings, Session(model, system=args.system, think=args.think, tools=tools,
-                                    max_tokens=SESSION_TOKENS, log=log, tool_validate=args.tool_validate)
+                                    max_tokens=tokens, log=log, tool_validate=args.tool_validate)
 
 
 def cmd_ask(args) -> int:

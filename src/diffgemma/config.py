@@ -72,6 +72,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     hidden_activation: str = "gelu_pytorch_tanh"
+    max_positions: int | None = None  # text_config.max_position_embeddings: the context the model was made for
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -176,6 +177,11 @@ class ModelConfig:
                 raise ConfigError(f"{source}: layer {i}: head_dim={hd} cannot carry its RoPE ({rope})")
             layers.append(LayerConfig(index=i, layer_type=t, head_dim=hd, num_kv_heads=kvh, rope=rope))
 
+        max_positions = text.get("max_position_embeddings")
+        if max_positions is not None and (not isinstance(max_positions, int) or isinstance(max_positions, bool)
+                                          or max_positions <= 0):
+            raise ConfigError(f"{source}: text_config.max_position_embeddings must be a positive integer, "
+                              f"got {max_positions!r}")
         eos = text.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         canvas = raw.get("canvas_length", 256)
@@ -202,6 +208,7 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", 2),
             eos_token_ids=eos_ids,
             hidden_activation=activation,
+            max_positions=max_positions,
             raw=raw,
         )
 

@@ -17,8 +17,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-name", default=None, help="the model id clients name (default: the model directory's name)")
     s.add_argument("--slots", type=int, default=2, help="conversations whose KV cache is kept for reuse (default 2)")
-    s.add_argument("--max-tokens", type=int, default=8192,
-                   help="context of each slot: prompt + reply tokens (default 8192)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="context of each slot: prompt + reply tokens (default 8192, or the model's "
+                        "max_position_embeddings if smaller; more than that is refused)")
     s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
@@ -49,7 +50,7 @@ def _run_serve(args) -> int:
 
     if args.slots < 1:
         raise InputError(f"--slots {args.slots}: expected a positive number")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
     cli._validate_early(args)
     try:
@@ -61,9 +62,10 @@ def _run_serve(args) -> int:
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
     settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
+    max_tokens = cli.context_tokens(model, args.max_tokens)
     warmup = args.warmup == "on" or (args.warmup == "auto" and model.embedding.device.type == "cuda")
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
-                 slots=args.slots, max_tokens=args.max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
+                 slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
                  warmup=warmup)
 
 
