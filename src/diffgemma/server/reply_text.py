@@ -47,7 +47,7 @@ class ReplyDeltas:
 
     def _visible(self) -> dict:
         """The parts that are sure not to change as more tokens come: trailing whitespace (a final strip may drop
-        it) and anything from a tool call's opener on are held back."""
+        it), anything from a tool call's opener on, and a tail that may still become a stop text are held back."""
         raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
         end = text_end(raw, self.stops)
         raw = raw[:end] if end < len(raw) else raw[:len(raw) - held_back(raw, self.stops)]
