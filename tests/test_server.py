@@ -444,3 +444,69 @@ def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, caps
     big = SimpleNamespace(config=SimpleNamespace(max_positions=262144))
     assert cli.context_tokens(big) == cli.SESSION_TOKENS and cli.context_tokens(big, 100000) == 100000
     assert cli.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6
+
+
+# ------------------------------------------------------------------------------------- /v1/completions
+
+def complete(server, **body):
+    r = server.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_of_a_rendered_chat_is_the_chats_reply(server, model):
+    """/v1/completions continues a raw prompt: given the chat template's own text (BOS spelt out) or its token ids,
+    it writes the chat endpoint's reply, token for token (same settings and seed); the text is not stripped, and a
+    text prompt without BOS gets it in front."""
+    messages = [{"role": "user", "content": "What is 17 + 25?"}]
+    chat = server.chat(messages)
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    by_text, by_ids = complete(server, prompt=text), complete(server, prompt=ids)
+    for got in (by_text, by_ids):
+        assert got["object"] == "text_completion" and got["model"] == "diffgemma-demo"
+        c = got["choices"][0]
+        assert c["text"].strip() == chat["choices"][0]["message"]["content"] == "42"
+        assert c["finish_reason"] == chat["choices"][0]["finish_reason"] and c["logprobs"] is None
+        assert got["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"]
+        assert got["usage"]["prompt_tokens"] == len(ids)
+    assert by_ids["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1  # the same conversation
+    bos = model.tokenizer.id_to_token(model.tokenizer.bos_id)
+    assert text.startswith(bos)
+    without = complete(server, prompt=text[len(bos):], max_tokens=8)
+    assert without["usage"]["prompt_tokens"] == len(ids)  # BOS put back in front
+
+
+@pytest.mark.parametrize("stop", [None, "31"])
+def test_completion_stream_adds_up_to_the_text(server, model, stop):
+    ids = model.tokenizer.apply_chat_template(SORT, add_generation_prompt=True)
+    extra = {} if stop is None else {"stop": stop}
+    whole = complete(server, prompt=ids, **extra)
+    r = server.client.post("/v1/completions", json={"prompt": ids, "stream": True,
+                                                     "stream_options": {"include_usage": True}, **extra})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    *body, last, use = chunks
+    assert "".join(c["choices"][0]["text"] for c in body) == whole["choices"][0]["text"]
+    assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "stop"
+    assert use["choices"] == [] and use["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert whole["choices"][0]["text"].strip() == ("6 12 31 45 87" if stop is None else "6 12")
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "x", "echo": True}, "echo: not supported"),
+    ({"prompt": "x", "suffix": "y"}, "suffix: not supported"),
+    ({"prompt": "x", "best_of": 2}, "best_of: only 1"),
+    ({"prompt": ["a", "b"]}, "prompt: expected one non-empty prompt"),
+    ({"prompt": ""}, "prompt: expected one non-empty prompt"),
+    ({"prompt": [1, "2"]}, "prompt: expected one non-empty prompt"),
+    ({"prompt": [2, 10**6]}, "prompt: token id 1000000 is outside the vocabulary [0, 2048)"),
+    ({"prompt": "x", "messages": []}, "unknown field(s) ['messages']"),
+    ({"prompt": "x", "n": 3}, "n: only 1"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs: not supported"),
+    ({"prompt": "x", "max_tokens": 10**6}, "over this server's context"),
+])
+def test_completion_refusals_name_the_field(server, body, needle):
+    r = server.client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]

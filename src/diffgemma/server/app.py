@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions (plain and streamed), /v1/models, /health.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions and /v1/completions (plain and streamed),
+/v1/models, /health.
 
 Handlers only translate: the request is checked and rendered here (protocol.py, the chat template), the
 worker thread runs the generation, and its events become a response or server-sent events. A streaming
@@ -20,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import DiffgemmaError
-from .protocol import RequestError, chunk, completion, new_id, parse_chat_request, usage
-from .reply_text import ReplyDeltas, final_message
+from .protocol import (RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
+                       text_chunk, text_completion, usage)
+from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
@@ -48,11 +50,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON ({e})") from None
-        req = parse_chat_request(body, model_id, base_settings)
+        req = parse_chat_request(await _json(request), model_id, base_settings)
         try:
             ids = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
                                                 enable_thinking=req.think)
@@ -63,62 +61,128 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
             raise RequestError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                                "messages") from None
         tools_on = req.tools is not None and req.tool_choice == "auto"
+        stops = req.settings.stop_strings
         if req.stream:
-            return StreamingResponse(_events(job, len(ids), tools_on, req.include_usage, req.settings.stop_strings),
-                                     media_type="text/event-stream")
-        cached, result = 0, None
-        while result is None:
-            kind, payload = await _next(job, request)
-            if kind == "start":
-                cached = payload["cached_tokens"]
-            elif kind == "done":
-                result = payload
-            elif kind == "error":
-                return JSONResponse(_error_body(payload), status_code=500)
-            elif kind == "cancelled":  # the client left; nobody reads this
-                return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
-        message, calls = final_message(tokenizer, result.tokens, tools_on, req.settings.stop_strings)
+            cid, t0 = new_id("chatcmpl-"), int(time.time())
+
+            def message_chunk(delta, finish=None, usage_=None, choices=True):
+                return chunk(cid, model_id, t0, delta, finish, usage_, choices)
+
+            deltas = ReplyDeltas(tokenizer, tools_on, stops)
+            return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
+                                      first={"role": "assistant", "content": ""}, empty={}))
+        done = await _result(job, request)
+        if not isinstance(done, tuple):
+            return done
+        cached, result = done
+        message, calls = final_message(tokenizer, result.tokens, tools_on, stops)
         return completion(model_id, message, _finish(result, calls), usage(len(ids), len(result.tokens), cached))
 
-    async def _events(job, prompt_tokens: int, tools_on: bool, include_usage: bool, stops):
-        cid, t0 = new_id("chatcmpl-"), int(time.time())
-        deltas = ReplyDeltas(tokenizer, tools_on, stops)
-        cached = 0
-
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_completion_request(await _json(request), model_id, base_settings)
+        ids = prompt_ids(tokenizer, req.prompt)
         try:
-            yield sse(chunk(cid, model_id, t0, {"role": "assistant", "content": ""}))
-            while True:
-                kind, payload = await asyncio.to_thread(job.get)
-                if kind == "start":
-                    cached = payload["cached_tokens"]
-                elif kind == "block":
-                    delta = deltas.feed(payload.tokens)
-                    if delta:
-                        yield sse(chunk(cid, model_id, t0, delta))
-                elif kind == "retry":  # a malformed tool call is regenerated: its text was held back, not sent
-                    deltas.rewind(payload["kept"])
-                elif kind == "done":
-                    delta, _, calls = deltas.finish()
-                    if delta:
-                        yield sse(chunk(cid, model_id, t0, delta))
-                    yield sse(chunk(cid, model_id, t0, {}, _finish(payload, calls)))
-                    if include_usage:
-                        yield sse(chunk(cid, model_id, t0, {}, usage_=usage(prompt_tokens, len(payload.tokens),
-                                                                            cached), choices=False))
-                    break
-                elif kind == "error":
-                    yield sse(_error_body(payload))
-                    break
-                else:  # cancelled
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # also reached when the client disconnects and the response is torn down
-            job.cancel()
+            job = worker.submit(ids, req.settings)
+        except DiffgemmaError as e:
+            raise RequestError(400, str(e), "prompt") from None
+        stops = req.settings.stop_strings
+        if req.stream:
+            cid, t0 = new_id("cmpl-"), int(time.time())
+
+            def piece(text, finish=None, usage_=None, choices=True):
+                return text_chunk(cid, model_id, t0, text, finish, usage_, choices)
+
+            deltas = CompletionDeltas(tokenizer, stops)
+            return _streaming(_events(job, len(ids), req.include_usage, deltas, piece, first=None, empty=""))
+        done = await _result(job, request)
+        if not isinstance(done, tuple):
+            return done
+        cached, result = done
+        return text_completion(model_id, completion_text(tokenizer, result.tokens, stops), _finish(result, []),
+                               usage(len(ids), len(result.tokens), cached))
 
     return app
+
+
+async def _json(request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """A /v1/completions prompt -> token ids: text gets the model's BOS in front (as a chat rendering starts with
+    it) unless it spells BOS out itself; ids are taken as they are, each checked against the vocabulary."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+        bos = tokenizer.bos_id
+        return ids if bos is None or ids[:1] == [bos] else [bos] + ids
+    bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise RequestError(400, f"prompt: token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                           "prompt")
+    return list(prompt)
+
+
+def _streaming(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _result(job, request):
+    """Wait for a non-streaming job -> (cached tokens, GenerationResult), or the error response to send."""
+    cached = 0
+    while True:
+        kind, payload = await _next(job, request)
+        if kind == "start":
+            cached = payload["cached_tokens"]
+        elif kind == "done":
+            return cached, payload
+        elif kind == "error":
+            return JSONResponse(_error_body(payload), status_code=500)
+        elif kind == "cancelled":  # the client left; nobody reads this
+            return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
+
+
+async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty):
+    """A job's events as server-sent events: `make(delta, finish, usage, choices)` builds a chunk from what
+    `deltas` (ReplyDeltas or CompletionDeltas) gives; `first`, if any, opens the stream; `empty` is a chunk's
+    delta with nothing in it."""
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    cached = 0
+    try:
+        if first is not None:
+            yield sse(make(first))
+        while True:
+            kind, payload = await asyncio.to_thread(job.get)
+            if kind == "start":
+                cached = payload["cached_tokens"]
+            elif kind == "block":
+                delta = deltas.feed(payload.tokens)
+                if delta:
+                    yield sse(make(delta))
+            elif kind == "retry":  # a malformed tool call is regenerated: its text was held back, not sent
+                deltas.rewind(payload["kept"])
+            elif kind == "done":
+                delta, _, calls = deltas.finish()
+                if delta:
+                    yield sse(make(delta))
+                yield sse(make(empty, _finish(payload, calls)))
+                if include_usage:
+                    yield sse(make(empty, None, usage(prompt_tokens, len(payload.tokens), cached), False))
+                break
+            elif kind == "error":
+                yield sse(_error_body(payload))
+                break
+            else:  # cancelled
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # also reached when the client disconnects and the response is torn down
+        job.cancel()
 
 
 def _finish(result, calls) -> str:

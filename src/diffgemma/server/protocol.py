@@ -1,4 +1,5 @@
-"""The OpenAI chat-completions wire format: a request body -> what the engine needs, a reply -> response JSON.
+"""The OpenAI wire format (chat completions and completions): a request body -> what the engine needs, a reply ->
+response JSON.
 
 Pure functions over dicts (no HTTP, no model), so every refusal is testable on its own. A request field we
 cannot honour is refused with its name (HTTP 400), never silently dropped, except the sampling knobs of
@@ -23,6 +24,8 @@ IGNORED_FIELDS = {"temperature", "top_p", "frequency_penalty", "presence_penalty
 KNOWN_FIELDS = IGNORED_FIELDS | {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
                                  "max_completion_tokens", "seed", "n", "stop", "logprobs", "top_logprobs",
                                  "response_format", "chat_template_kwargs", "diffgemma"}
+COMPLETION_FIELDS = IGNORED_FIELDS | {"model", "prompt", "stream", "stream_options", "max_tokens", "seed", "n", "stop",
+                                      "logprobs", "echo", "suffix", "best_of", "diffgemma"}
 
 
 class RequestError(Exception):
@@ -46,6 +49,14 @@ class ChatRequest:
     include_usage: bool
     settings: GenerationSettings
     tool_choice: str = "auto"  # "auto" or "none" (calls in the reply are then returned as text)
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str | list[int]  # text (BOS is put before it), or token ids as they are
+    stream: bool
+    include_usage: bool
+    settings: GenerationSettings
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -142,13 +153,14 @@ def _tools(tools) -> list[dict] | None:
     return tools or None
 
 
-def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatRequest:
-    """Validate a /v1/chat/completions body against what this server does -> ChatRequest, or RequestError."""
+def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[bool, bool, GenerationSettings]:
+    """The fields both endpoints share -> (stream, include_usage, settings): unknown fields, model, n, stop, logprobs,
+    stream and stream_options, and the generation settings (max_tokens, seed, stop, diffgemma)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN_FIELDS)
+    unknown = sorted(set(body) - known)
     if unknown:
-        raise _bad(f"unknown field(s) {unknown}; this server takes {sorted(KNOWN_FIELDS)}", unknown[0])
+        raise _bad(f"unknown field(s) {unknown}; this server takes {sorted(known)}", unknown[0])
     model = body.get("model")
     if model is not None and model != model_id:
         raise RequestError(404, f"model {model!r} is not served here; this server serves {model_id!r}", "model")
@@ -162,17 +174,6 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatReq
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _bad("logprobs: not supported by the diffusion sampler (tokens are accepted by entropy, not drawn "
                    "one at a time)", "logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format: only {'type': 'text'} is supported", "response_format")
-    tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in ("auto", "none"):
-        raise _bad("tool_choice: 'auto' or 'none' (the model's tool-call grammar is not constrained, so a call "
-                   "cannot be required)", "tool_choice")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} \
-            or not isinstance(kwargs.get("enable_thinking", False), bool):
-        raise _bad("chat_template_kwargs: only {'enable_thinking': true|false} is supported", "chat_template_kwargs")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: expected true or false", "stream")
@@ -195,10 +196,44 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatReq
         settings = base.replace(**overrides)
     except SettingsError as e:
         raise _bad(f"settings: {e}", "diffgemma") from None
+    return stream, bool(opts.get("include_usage", False)), settings
+
+
+def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatRequest:
+    """Validate a /v1/chat/completions body against what this server does -> ChatRequest, or RequestError."""
+    stream, include_usage, settings = _common(body, model_id, base, KNOWN_FIELDS)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format: only {'type': 'text'} is supported", "response_format")
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("auto", "none"):
+        raise _bad("tool_choice: 'auto' or 'none' (the model's tool-call grammar is not constrained, so a call "
+                   "cannot be required)", "tool_choice")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} \
+            or not isinstance(kwargs.get("enable_thinking", False), bool):
+        raise _bad("chat_template_kwargs: only {'enable_thinking': true|false} is supported", "chat_template_kwargs")
     return ChatRequest(messages=convert_messages(body.get("messages")), tools=_tools(body.get("tools")),
-                       think=kwargs.get("enable_thinking", False), stream=stream,
-                       include_usage=bool(opts.get("include_usage", False)), settings=settings,
-                       tool_choice=tool_choice)
+                       think=kwargs.get("enable_thinking", False), stream=stream, include_usage=include_usage,
+                       settings=settings, tool_choice=tool_choice)
+
+
+def parse_completion_request(body, model_id: str, base: GenerationSettings) -> CompletionRequest:
+    """Validate a /v1/completions body -> CompletionRequest, or RequestError. One prompt: a string, or token ids."""
+    stream, include_usage, settings = _common(body, model_id, base, COMPLETION_FIELDS)
+    if body.get("echo"):
+        raise _bad("echo: not supported (the response carries the completion only)", "echo")
+    if body.get("suffix"):
+        raise _bad("suffix: not supported (the model has no fill-in-the-middle format)", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of: only 1 is supported", "best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ids_ok = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) or ids_ok) or not prompt:
+        raise _bad("prompt: expected one non-empty prompt: a string or a list of token ids", "prompt")
+    return CompletionRequest(prompt=prompt, stream=stream, include_usage=include_usage, settings=settings)
 
 
 # ----------------------------------------------------------------------------------------- responses
@@ -227,6 +262,22 @@ def chunk(cid: str, model_id: str, created: int, delta: dict, finish_reason: str
           usage_: dict | None = None, choices: bool = True) -> dict:
     out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if choices else []}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def text_completion(model_id: str, text: str, finish_reason: str, usage_: dict) -> dict:
+    return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def text_chunk(cid: str, model_id: str, created: int, text: str, finish_reason: str | None = None,
+               usage_: dict | None = None, choices: bool = True) -> dict:
+    out = {"id": cid, "object": "text_completion", "created": created, "model": model_id,
+           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if choices
+           else []}
     if usage_ is not None:
         out["usage"] = usage_
     return out

@@ -97,3 +97,38 @@ class ReplyDeltas:
         if "tool_calls" in message:
             delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
         return delta, message, calls
+
+
+def completion_text(tokenizer, tokens: list[int], stops=()) -> str:
+    """A /v1/completions reply's text: the decoded tokens (special tokens as text, padding dropped) up to the first
+    stop text. Nothing is stripped: in a raw completion whitespace is part of the text."""
+    raw = tokenizer.decode(tokens, skip_special_tokens=False)
+    return _strip_padding(raw[:text_end(raw, stops)], tokenizer)
+
+
+class CompletionDeltas:
+    """ReplyDeltas for /v1/completions: feed it each block's tokens; it returns the text the client has not seen,
+    holding back a tail that may still become a stop text."""
+
+    def __init__(self, tokenizer, stops=()):
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def _delta(self, text: str) -> str:
+        if not text.startswith(self.sent):  # the hold above makes this impossible; never send a wrong prefix
+            raise AssertionError(f"streamed {self.sent!r} is not a prefix of the completion's {text!r}")
+        out, self.sent = text[len(self.sent):], text
+        return out
+
+    def feed(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
+        end = text_end(raw, self.stops)
+        raw = raw[:end] if end < len(raw) else raw[:len(raw) - held_back(raw, self.stops)]
+        return self._delta(_strip_padding(raw, self.tokenizer))
+
+    def finish(self) -> tuple[str, str, list]:
+        """-> (the last delta, the whole text, no tool calls): ReplyDeltas.finish's shape."""
+        text = completion_text(self.tokenizer, self.tokens, self.stops)
+        return self._delta(text), text, []
