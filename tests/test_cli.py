@@ -80,6 +80,9 @@ def test_chat_reuses_the_kv_cache_between_turns(tiny_with_tokenizer, capsys, mon
     (["ask", "hi", "--frobnicate"], "--frobnicate"),
     (["ask"], "prompt"),
     (["summon"], "summon"),
+    (["ask", "hi", "--context", "0"], "--context 0: expected a positive number"),
+    (["ask", "hi", "--context", "5000"], "--context 5000: over this model's context of 4096 tokens"),
+    (["ask", "What is 17 + 25?", "--context", "16"], "max_tokens=16"),  # the flag sizes the session's cache
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     try:

@@ -47,6 +47,9 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens the conversation's KV cache holds, prompts and replies together (default 8192, or "
+                        "the model's max_position_embeddings if smaller; more than that is refused)")
     p.add_argument("--show-canvas", action="store_true", help="redraw the denoising canvas live")
     p.add_argument("--stats", action="store_true", help="print steps per block, tokens per forward, timings")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
@@ -108,6 +111,8 @@ def _validate_early(args) -> None:
     GenerationSettings.resolve({}, env=os.environ, overrides=list(args.sets))
     if getattr(args, "tool_validate", 0) < 0:
         raise InputError(f"--tool-validate {args.tool_validate}: expected a number of retries >= 0")
+    if getattr(args, "context", None) is not None and args.context < 1:
+        raise InputError(f"--context {args.context}: expected a positive number of tokens")
 
 
 def _load(args):
@@ -170,7 +175,7 @@ def _open_session(args):
     model = _load(args)
     tools = tools or _read_tools(args.tools, model)
     settings = _settings(model, args)
-    tokens = context_tokens(model)
+    tokens = context_tokens(model, args.context, "--context")
     log = None
     if args.log_dir:
         from .oplog import OpLog, header
