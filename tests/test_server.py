@@ -3,7 +3,9 @@ Session, KV reuse across requests, streaming that adds up to the whole message, 
 by name, cancellation, and the op-log that `diffgemma replay` runs again."""
 
 import json
+import sys
 import threading
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -410,6 +412,13 @@ def test_a_failed_warm_up_reaches_the_caller_and_the_worker_still_serves(model, 
         s.close()
 
 
+def no_server(monkeypatch, commands, seen: dict) -> None:
+    """`diffgemma serve` up to the server itself: serve() records its arguments in `seen` instead of starting
+    uvicorn (which the test extras do not install: serve checks that it imports, so a stand-in module is given)."""
+    monkeypatch.setitem(sys.modules, "uvicorn", types.ModuleType("uvicorn"))
+    monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
+
+
 @pytest.mark.parametrize("flag,device,warms", [("auto", "cpu", False), ("auto", "cuda", True), ("on", "cpu", True),
                                                ("off", "cuda", False)])
 def test_serve_warms_up_on_cuda_unless_told(monkeypatch, flag, device, warms):
@@ -419,7 +428,7 @@ def test_serve_warms_up_on_cuda_unless_told(monkeypatch, flag, device, warms):
                            embedding=SimpleNamespace(device=torch.device(device)))
     monkeypatch.setattr(cli, "_load", lambda args: fake)
     seen = {}
-    monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
+    no_server(monkeypatch, commands, seen)
     assert cli.main(["serve", "--warmup", flag, "--served-name", "m"]) == 0
     assert seen["warmup"] is warms
 
@@ -436,7 +445,7 @@ def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, caps
     from diffgemma.server import commands
 
     seen = {}
-    monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
+    no_server(monkeypatch, commands, seen)
     assert cli.main(["serve"]) == 0 and seen["max_tokens"] == 4096
     assert cli.main(["serve", "--max-tokens", "3000"]) == 0 and seen["max_tokens"] == 3000
     assert cli.main(["serve", "--max-tokens", "5000"]) == 2
