@@ -519,3 +519,35 @@ def test_completion_refusals_name_the_field(server, body, needle):
     r = server.client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_an_api_key_guards_the_v1_routes(model, base):
+    """--api-key: every /v1 request needs `Authorization: Bearer <key>` (401 naming the header otherwise); /health
+    stays open for load balancers."""
+    worker = Worker(model, slots=1, max_tokens=1024)
+    try:
+        client = TestClient(create_app(worker, model.tokenizer, "m", base, api_key="s3cret"))
+        body = {"messages": [{"role": "user", "content": "What is 17 + 25?"}]}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path, kw in (("post", "/v1/chat/completions", {"json": body}), ("get", "/v1/models", {}),
+                                     ("post", "/v1/completions", {"json": {"prompt": "x"}})):
+                r = getattr(client, method)(path, headers=headers, **kw)
+                assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"], (path, r.text)
+        assert client.get("/health").status_code == 200
+        ok = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "42"
+    finally:
+        worker.close()
+
+
+def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, capsys):
+    from diffgemma.server import commands
+
+    seen = {}
+    no_server(monkeypatch, commands, seen)
+    monkeypatch.delenv("DIFFGEMMA_API_KEY", raising=False)
+    assert cli.main(["serve"]) == 0 and seen["api_key"] is None
+    monkeypatch.setenv("DIFFGEMMA_API_KEY", "from-env")
+    assert cli.main(["serve"]) == 0 and seen["api_key"] == "from-env"
+    assert cli.main(["serve", "--api-key", "from-flag"]) == 0 and seen["api_key"] == "from-flag"
+    assert cli.main(["serve", "--api-key", " "]) == 2 and "--api-key: empty" in capsys.readouterr().err

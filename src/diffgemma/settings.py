@@ -36,6 +36,7 @@ _FOREIGN_ENV_VARS: set[str] = {
     "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_stream.py: bf16 expert GEMM at denoise, "triton" or "cutlass"
     "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_packed.py: packed experts at prefill, "dequant" or "kernel"
     "DIFFGEMMA_Q4_LAYOUT",  # ops/moe_q4.py: q4 expert stacks on CUDA, "q4-tiles" or "natural"
+    "DIFFGEMMA_API_KEY",  # server/commands.py: the key `serve` asks clients for (--api-key)
 }
 
 

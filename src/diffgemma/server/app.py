@@ -13,6 +13,7 @@ still kept for the conversation.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
 import time
@@ -28,12 +29,25 @@ from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_me
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
 
-def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0):
+def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
-    regenerated up to this many times (session.run_turn; the held-back call text is never streamed)."""
+    regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
+    set, every /v1 request must carry `Authorization: Bearer <api_key>` (a 401 otherwise); /health stays open."""
     app = FastAPI(title="diffgemma", version="1")
     created = int(time.time())
+
+    if api_key:
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, want):
+                return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
+                                               "'Authorization: Bearer <key>'", "type": "authentication_error",
+                                               "param": None, "code": "invalid_api_key"}}, status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(RequestError)
     async def refused(_, e: RequestError):

@@ -23,6 +23,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $DIFFGEMMA_API_KEY, "
+                        "else none)")
     s.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="before serving, compile the kernels and capture every slot's denoise graphs at each context "
                         "bucket, so the first requests do not wait for it (auto: on CUDA only; default auto)")
@@ -52,6 +55,8 @@ def _run_serve(args) -> int:
         raise InputError(f"--slots {args.slots}: expected a positive number")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key: empty; give the key clients must send (or leave the flag out for none)")
     cli._validate_early(args)
     try:
         import fastapi  # noqa: F401
@@ -63,14 +68,15 @@ def _run_serve(args) -> int:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
     settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
     max_tokens = cli.context_tokens(model, args.max_tokens)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFGEMMA_API_KEY") or None
     warmup = args.warmup == "on" or (args.warmup == "auto" and model.embedding.device.type == "cuda")
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
                  slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
-                 warmup=warmup)
+                 warmup=warmup, api_key=api_key)
 
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
-          tool_validate: int = 0, warmup: bool = False) -> int:
+          tool_validate: int = 0, warmup: bool = False, api_key: str | None = None) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -85,8 +91,8 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
                   file=sys.stderr)
             seconds = worker.warm_up(settings, progress=lambda m: print(f"  warm-up {m}", file=sys.stderr))
             print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
-        app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate)
-        print(f"diffgemma serve: {name} on http://{host}:{port}/v1"
+        app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key)
+        print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
