@@ -530,7 +530,8 @@ def test_an_api_key_guards_the_v1_routes(model, base):
         body = {"messages": [{"role": "user", "content": "What is 17 + 25?"}]}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             for method, path, kw in (("post", "/v1/chat/completions", {"json": body}), ("get", "/v1/models", {}),
-                                     ("post", "/v1/completions", {"json": {"prompt": "x"}})):
+                                     ("post", "/v1/completions", {"json": {"prompt": "x"}}),
+                                     ("get", "/openapi.json", {})):
                 r = getattr(client, method)(path, headers=headers, **kw)
                 assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"], (path, r.text)
         assert client.get("/health").status_code == 200

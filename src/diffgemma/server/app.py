@@ -33,7 +33,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
-    set, every /v1 request must carry `Authorization: Bearer <api_key>` (a 401 otherwise); /health stays open."""
+    set, every request but /health must carry `Authorization: Bearer <api_key>` (a 401 otherwise)."""
     app = FastAPI(title="diffgemma", version="1")
     created = int(time.time())
 
@@ -43,7 +43,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         @app.middleware("http")
         async def authorize(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, want):
+            if request.url.path != "/health" and not hmac.compare_digest(given, want):  # everything but /health
                 return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
                                                "'Authorization: Bearer <key>'", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)
