@@ -24,7 +24,7 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
     s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $DIFFGEMMA_API_KEY, "
+                   help="require 'Authorization: Bearer KEY' on every request but /health (default: $DIFFGEMMA_API_KEY, "
                         "else none)")
     s.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="before serving, compile the kernels and capture every slot's denoise graphs at each context "
