@@ -121,3 +121,26 @@ def test_bad_tools_file_is_one_line_exit_2(tmp_path, capsys):
     bad.write_text("{not json")
     code, out, err = run(["ask", "hi", "--tools", str(bad)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not valid JSON" in err
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_interactive_chat_reports_a_failed_turn_and_goes_on(capsys, monkeypatch):
+    """At a terminal a turn that fails (here /tool with no call to answer, then a turn too long for --context) is
+    reported and dropped, and the chat goes on; /reset starts a new conversation. Piped, the first error ends it."""
+    too_long = "Sort these numbers: " + " ".join(str(i) for i in range(200))
+    lines = f"/tool 17\nWhat is 17 + 25?\n{too_long}\n/reset\nWhat is 17 + 25?\n"
+    monkeypatch.setattr(sys, "stdin", Terminal(lines))
+    code, out, err = run(["chat", "--context", "300", "--stats"], capsys)
+    assert code == 0, err
+    stats = [line for line in err.splitlines() if line.startswith("[blocks=")]
+    reuse = [(int(x.split("reused=")[1].split()[0]), int(x.split("prefilled=")[1].split()[0])) for x in stats]
+    assert len(reuse) == 2 and reuse[1] == reuse[0] and reuse[0][0] == 0  # after /reset: a fresh conversation
+    assert "/tool: the model made no tool call to answer (the turn was dropped" in err
+    assert "KV cache overflow" in err and "(the turn was dropped; /reset starts over)" in err
+    assert out.count("42") == 2  # the question is answered on the first conversation, then after /reset
+    code, out, err = run(["chat", "--context", "300"], capsys, stdin=lines, monkeypatch=monkeypatch)
+    assert code == 2 and "/tool: the model made no tool call" in err and out == ""

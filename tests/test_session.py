@@ -92,3 +92,13 @@ def test_a_stop_string_cuts_the_reply_and_its_turn_replays(demo, tmp_path):
     assert [r["settings"]["stop_strings"] for r in records if r.get("op") == "generate"] == [["45"], []]
     report = replay(log.path, demo)
     assert report.ok and report.generations == 2, report.problems
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was(demo):
+    session = Session(demo, max_tokens=300)
+    first = session.ask("What is 17 + 25?")
+    before = [dict(m) for m in session.messages]
+    with pytest.raises(diffgemma.errors.InputError, match="KV cache overflow"):
+        session.ask("Sort these numbers: " + " ".join(str(i) for i in range(200)))
+    assert session.messages == before and session.cache.length == len(session.cached_ids)
+    assert session.ask("What is 17 + 25?").answer == first.answer == "42"

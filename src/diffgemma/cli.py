@@ -200,8 +200,8 @@ def cmd_chat(args) -> int:
     model, settings, session = _open_session(args)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("diffgemma chat: /exit to quit; after a tool call, answer it with /tool RESULT (JSON or text)",
-              file=sys.stderr)
+        print("diffgemma chat: /exit to quit, /reset to start over; after a tool call, answer it with /tool RESULT "
+              "(JSON or text)", file=sys.stderr)
     while True:
         if interactive:
             print("you> ", end="", flush=True)
@@ -213,14 +213,27 @@ def cmd_chat(args) -> int:
             continue
         if line in ("/exit", "/quit"):
             break
+        if line == "/reset":  # a new conversation: the system prompt stays, the cache is emptied
+            session.messages = session.messages[:1] if session.messages[:1] and session.messages[0]["role"] == \
+                "system" else []
+            session.slot.ids = []
+            session.cache.truncate(0)
+            continue
         view = CanvasView(model.tokenizer) if args.show_canvas else None
-        if line.startswith("/tool "):
-            reply = session.tool_result(_last_call_name(session), _tool_content(line[6:]), settings=settings,
-                                        on_step=view)
-        else:
-            reply = session.ask(line, settings=settings, on_step=view)
-        if view is not None:
-            view.finish()
+        try:
+            if line.startswith("/tool "):
+                reply = session.tool_result(_last_call_name(session), _tool_content(line[6:]), settings=settings,
+                                            on_step=view)
+            else:
+                reply = session.ask(line, settings=settings, on_step=view)
+        except DiffgemmaError as e:
+            if not interactive:  # a script's chat stops at its first error (exit 2)
+                raise
+            print(f"diffgemma: error: {e} (the turn was dropped; /reset starts over)", file=sys.stderr)
+            continue
+        finally:
+            if view is not None:
+                view.finish()
         if interactive:
             print("model> ", end="")
         _print_reply(reply, args)

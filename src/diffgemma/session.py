@@ -284,9 +284,17 @@ class Session:
                                                   enable_thinking=self.think)
 
     def ask(self, content: str, **kw) -> Reply:
-        """A user turn: render, reuse the cached prefix, generate the model's reply."""
-        self.messages.append({"role": "user", "content": content})
-        return self._generate_turn(**kw)
+        """A user turn: render, reuse the cached prefix, generate the model's reply. A turn that fails (e.g. the
+        conversation no longer fits the cache) leaves the conversation as it was before it."""
+        return self._turn({"role": "user", "content": content}, kw)
+
+    def _turn(self, message: dict, kw) -> Reply:
+        self.messages.append(message)
+        try:
+            return self._generate_turn(**kw)
+        except BaseException:
+            self.messages.pop()
+            raise
 
     def _generate_turn(self, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
         ids = self.render()
@@ -323,8 +331,7 @@ class Session:
         """Answer the model's tool call with its result (a dict or text) and let the model continue its turn."""
         if not self.messages or not self.messages[-1].get("tool_calls"):
             raise InputError("tool_result: the last assistant message made no tool call")
-        self.messages.append({"role": "tool", "name": name, "content": content})
-        return self._generate_turn(**kw)
+        return self._turn({"role": "tool", "name": name, "content": content}, kw)
 
 
 def chat(model, messages: list[dict], *, think: bool = False, tools=None, **overrides) -> str:
