@@ -140,7 +140,7 @@ def test_interactive_chat_reports_a_failed_turn_and_goes_on(capsys, monkeypatch)
     reuse = [(int(x.split("reused=")[1].split()[0]), int(x.split("prefilled=")[1].split()[0])) for x in stats]
     assert len(reuse) == 2 and reuse[1] == reuse[0] and reuse[0][0] == 0  # after /reset: a fresh conversation
     assert "/tool: the model made no tool call to answer (the turn was dropped" in err
-    assert "KV cache overflow" in err and "(the turn was dropped; /reset starts over)" in err
+    assert "KV cache overflow" in err and "(ask / chat: --context)" in err and "(the turn was dropped" in err
     assert out.count("42") == 2  # the question is answered on the first conversation, then after /reset
     code, out, err = run(["chat", "--context", "300"], capsys, stdin=lines, monkeypatch=monkeypatch)
     assert code == 2 and "/tool: the model made no tool call" in err and out == ""

@@ -552,3 +552,11 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, c
     assert cli.main(["serve"]) == 0 and seen["api_key"] == "from-env"
     assert cli.main(["serve", "--api-key", "from-flag"]) == 0 and seen["api_key"] == "from-flag"
     assert cli.main(["serve", "--api-key", " "]) == 2 and "--api-key: empty" in capsys.readouterr().err
+
+
+def test_models_names_the_served_model_and_its_context(server):
+    r = server.client.get("/v1/models").json()
+    assert r["object"] == "list" and len(r["data"]) == 1
+    m = r["data"][0]
+    assert m["id"] == "diffgemma-demo" and m["object"] == "model" and m["max_model_len"] == 2048  # Server's slots
+    assert server.client.get("/health").json() == {"status": "ok"}

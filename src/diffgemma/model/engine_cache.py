@@ -54,7 +54,7 @@ class EngineKVCache:
         if self.length + extra > self.max_tokens:
             raise InputError(
                 f"KV cache overflow: {self.length} tokens cached + {extra} new > max_tokens={self.max_tokens}; "
-                f"create the cache with a larger max_tokens"
+                f"create the cache with a larger max_tokens (ask / chat: --context)"
             )
 
     def ring_slots(self, positions: torch.Tensor, end: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ class ReferenceKVCache:
         if self.length + extra > self.max_tokens:
             raise InputError(
                 f"KV cache overflow: {self.length} tokens cached + {extra} new > max_tokens={self.max_tokens}; "
-                f"create the cache with a larger max_tokens"
+                f"create the cache with a larger max_tokens (ask / chat: --context)"
             )
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "diffgemma"}]}
+                                            "owned_by": "diffgemma", "max_model_len": worker.max_tokens}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
