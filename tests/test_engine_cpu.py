@@ -254,34 +254,3 @@ def test_guarded_graphs_say_why_not_off_cuda():
     from diffgemma.model.graph_guard import guard_support
 
     assert guard_support(torch.device("cpu")) == "not a CUDA device"
-
-
-@pytest.mark.parametrize("engine", ["fast", "reference"])
-def test_a_copied_prefix_is_the_source_truncated_there(ref, engine):
-    """copy_prefix (the server's prefix shared between slots): the copy holds what the source truncated to n holds,
-    byte for byte, and the forwards after it compute the same bits; where the source's sliding ring no longer holds
-    the window n ends with, it refuses and changes nothing."""
-    model = Engine.from_reference(ref, dtype=torch.float32) if engine == "fast" else ref
-    cfg = model.config
-    V, C = cfg.vocab_size, cfg.canvas_length
-    prompt = torch.randint(0, V, (3 * cfg.sliding_window + 11,))
-    a, twin = model.new_cache(128), model.new_cache(128)
-    for c in (a, twin):
-        model.prefill(c, prompt)
-    n = len(prompt) - int(torch.randint(0, C + 1, ()))  # within the rewind slack (a canvas)
-    copy = model.new_cache(128)
-    model.prefill(copy, torch.randint(0, V, (7,)))  # something to be replaced
-    assert copy.copy_prefix(a, n) and copy.length == n
-    twin.truncate(n)
-    assert copy.fingerprint() == twin.fingerprint()
-    more, canvas = torch.randint(0, V, (5,)), torch.randint(0, V, (C,))
-    for c in (copy, twin):
-        model.prefill(c, more)
-    assert torch.equal(model.denoise(copy, canvas), model.denoise(twin, canvas))
-    assert a.length == len(prompt)  # the source is untouched
-
-    if engine == "fast":  # the reference keeps every position: it can always copy
-        before = copy.fingerprint()
-        assert copy.copy_prefix(a, 2) is False and copy.fingerprint() == before
-    with pytest.raises(InputError, match="copy_prefix"):
-        copy.copy_prefix(a, len(prompt) + 1)

@@ -560,32 +560,3 @@ def test_models_names_the_served_model_and_its_context(server):
     m = r["data"][0]
     assert m["id"] == "diffgemma-demo" and m["object"] == "model" and m["max_model_len"] == 2048  # Server's slots
     assert server.client.get("/health").json() == {"status": "ok"}
-
-
-def test_a_new_conversation_copies_the_prefix_another_slot_holds(model, base, tmp_path):
-    """Two conversations with one long system prompt: the second goes to a free slot (it shares too little of the
-    first slot's conversation to take it over) and gets the system prompt's KV copied from the first slot instead
-    of prefilling it; the op-log journals the copy and replay repeats it."""
-    from diffgemma.server.worker import COPY_MIN_TOKENS
-
-    system = {"role": "system", "content": "You are a careful assistant. " * 12}
-    first = [system, {"role": "user", "content": "What is 17 + 25? " + "Think about it. " * 30}]
-    second = [system, {"role": "user", "content": "What is 17 + 25?"}]
-    s = Server(model, base, log_dir=tmp_path)
-    try:
-        s.chat(first)
-        got = s.chat(second)
-        fresh = Session(model, system=system["content"]).ask("What is 17 + 25?", settings=base)
-        assert got["choices"][0]["message"]["content"] == fresh.answer  # as if prefilled here
-        assert got["usage"]["completion_tokens"] == len(fresh.result.tokens)
-        ids = [model.tokenizer.apply_chat_template(m) for m in (first, second)]
-        shared = next(k for k, (x, y) in enumerate(zip(*ids)) if x != y)
-        assert shared >= COPY_MIN_TOKENS
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
-        assert [slot.ids[:shared] == ids[1][:shared] for slot in s.worker.slots] == [True, True]
-    finally:
-        s.close()
-    records = oplog.read(s.log.path)
-    assert [r for r in records if r.get("op") == "copy"] == [{"op": "copy", "slot": 1, "from": 0, "tokens": shared}]
-    report = replay(s.log.path, model)
-    assert report.ok and report.generations == 2, report.problems

@@ -33,14 +33,13 @@ class ReplayReport:
 
 
 def _group(records: list[dict]):
-    """-> [(op, [its events])] in log order: generate ops with their events (which must follow them), and copy ops
-    (a prefix copied from one slot's cache into another's, server/worker.py) with none."""
+    """-> [(generate op, [its events])] in log order; events must follow their op."""
     out = []
     for n, rec in enumerate(records[1:], 2):
-        if rec.get("op") in ("generate", "copy"):
+        if rec.get("op") == "generate":
             out.append((rec, []))
         elif "event" in rec:
-            if not out or out[-1][0]["op"] != "generate" or rec.get("gen") != out[-1][0].get("gen"):
+            if not out or rec.get("gen") != out[-1][0].get("gen"):
                 raise InputError(f"record {n}: event of generation {rec.get('gen')!r} outside its generate op")
             out[-1][1].append(rec)
         else:
@@ -54,9 +53,6 @@ def replay(path, model) -> ReplayReport:
     slots: dict[int, Slot] = {}
     report = ReplayReport()
     for op, logged in _group(records):
-        if op["op"] == "copy":
-            _copy(op, slots, model, int(start["max_tokens"]), report)
-            continue
         gen = op.get("gen")
         try:
             slot_i, keep, prompt = int(op["slot"]), int(op["keep"]), list(op["prompt"])
@@ -81,21 +77,6 @@ def replay(path, model) -> ReplayReport:
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)
     return report
-
-
-def _copy(op: dict, slots: dict, model, max_tokens: int, report: ReplayReport) -> None:
-    try:
-        i, j, n = int(op["slot"]), int(op["from"]), int(op["tokens"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputError(f"malformed copy op {op!r} ({type(e).__name__}: {e})") from None
-    if j not in slots:
-        raise InputError(f"copy op {op!r}: slot {j} has served nothing yet")
-    if i not in slots:
-        slots[i] = Slot(model.new_cache(max_tokens))
-    if slots[i].cache.copy_prefix(slots[j].cache, n):
-        slots[i].ids = slots[j].ids[:n]
-    else:
-        report.problems.append(f"copy of {n} tokens from slot {j} into slot {i}: slot {j}'s cache no longer holds them")
 
 
 def _diff(gen, logged: list[dict], got: list[dict]) -> list[str]:

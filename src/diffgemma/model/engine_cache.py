@@ -86,29 +86,6 @@ class EngineKVCache:
         self.length = length
         self.length_t.fill_(length)
 
-    def copy_prefix(self, src: "EngineKVCache", n: int) -> bool:
-        """Hold `src`'s first n positions, as `src` truncated to n would (a new conversation that shares a prefix
-        with another slot's: server/worker.py) -> True; or False, changing nothing, where src's ring no longer holds
-        the window those n positions end with (the same bound as truncate's)."""
-        if not isinstance(src, EngineKVCache) or src.cfg is not self.cfg or (src.ring, src.canvas, src.dtype,
-                                                                              src.device) != (
-                self.ring, self.canvas, self.dtype, self.device):
-            raise InputError("copy_prefix: the source cache must be another cache of this model, of the same layout")
-        if not isinstance(n, int) or not 0 <= n <= min(src.length, self.max_tokens):
-            raise InputError(f"copy_prefix({n!r}): the source holds {src.length} tokens, this cache takes "
-                             f"{self.max_tokens}")
-        if n > 0 and max(0, n - (self.window - 1)) < src.length - src.ring:
-            return False
-        for li, layer in enumerate(self.cfg.layers):
-            rows = self.ring if layer.is_sliding else n  # the whole ring: slot_pos says which of it is live
-            self.keys[li][:, :rows].copy_(src.keys[li][:, :rows])
-            self.values[li][:, :rows].copy_(src.values[li][:, :rows])
-        self.slot_pos.copy_(src.slot_pos)
-        self.slot_pos.masked_fill_(self.slot_pos >= n, -1)
-        self.length = n
-        self.length_t.fill_(n)
-        return True
-
     # ------------------------------------------------------------------ reads
 
     def live_ring_slots(self) -> torch.Tensor:

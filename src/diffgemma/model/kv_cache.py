@@ -47,18 +47,6 @@ class ReferenceKVCache:
         self.keys = [k[:, :length] for k in self.keys]
         self.values = [v[:, :length] for v in self.values]
 
-    def copy_prefix(self, src: "ReferenceKVCache", n: int) -> bool:
-        """Hold `src`'s first n positions, as `src` truncated to n would -> True (this layout keeps every
-        position, so it always can)."""
-        if not isinstance(src, ReferenceKVCache) or src.cfg is not self.cfg:
-            raise InputError("copy_prefix: the source cache must be another cache of this model")
-        if not isinstance(n, int) or not 0 <= n <= min(src.length, self.max_tokens):
-            raise InputError(f"copy_prefix({n!r}): the source holds {src.length} tokens, this cache takes "
-                             f"{self.max_tokens}")
-        self.keys = [k[:, :n].clone() for k in src.keys]
-        self.values = [v[:, :n].clone() for v in src.values]
-        return True
-
     def visible(self, layer: int, for_denoise: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """What a denoise canvas may read: sliding layers see only the last window-1 positions."""
         k, v = self.keys[layer], self.values[layer]

@@ -3,13 +3,12 @@
 KV reuse across requests: the worker keeps a few conversation slots, each a KV cache and the token ids it
 holds. An OpenAI client sends the whole conversation every turn; its rendering shares a long prefix with
 what some slot already holds, so the worker picks that slot (`pick`), rewinds its cache to the common prefix
-and prefills only the rest. A new conversation whose prompt shares a long prefix with another slot's (a system
-prompt, tool definitions) gets that slot's KV of it copied in. A client that leaves mid-reply cancels its job between denoise steps; the cache is rewound to the
+and prefills only the rest. A client that leaves mid-reply cancels its job between denoise steps; the cache is rewound to the
 prompt, so the slot still serves the conversation.
 
 Every generation goes through session.run_generation (via run_turn, which may regenerate a malformed tool
 call), which `replay` calls too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
-settings), and each prefix copied between slots.
+settings).
 """
 
 from __future__ import annotations
@@ -61,9 +60,6 @@ class _Call:
         if not ok:
             raise value
         return value
-
-
-COPY_MIN_TOKENS = 64  # a prefix another slot holds is copied when it serves at least this many more prompt tokens
 
 
 class Worker:
@@ -140,23 +136,6 @@ class Worker:
         i = min(shared, key=lambda j: self.slots[j].last_used)
         return i, shared[i]
 
-    def _copy_shared_prefix(self, i: int, ids: list[int], keep: int) -> int:
-        """A new conversation often shares a long prefix (system prompt, tool definitions) with one another slot
-        holds: copy that slot's KV of it into slot i rather than prefill it again (journaled as a "copy" op, which
-        replay repeats). -> the prompt tokens slot i now serves."""
-        best, n = None, keep + COPY_MIN_TOKENS - 1
-        for j, other in enumerate(self.slots):
-            if j != i and other is not None and other.ids:
-                shared = min(_common_prefix(other.ids, ids), len(ids) - 1)  # one token is left to prefill
-                if shared > n:
-                    best, n = j, shared
-        if best is None or not self.slots[i].cache.copy_prefix(self.slots[best].cache, n):
-            return keep
-        self.slots[i].ids = ids[:n]
-        if self.log is not None:
-            self.log.write({"op": "copy", "slot": i, "from": best, "tokens": n})
-        return n
-
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
             if isinstance(job, _Call):
@@ -177,7 +156,6 @@ class Worker:
         slot = self.slots[i]
         slot.last_used = next(self._clock)
         keep = reuse_prefix(slot.cache, slot.ids, job.ids)
-        keep = self._copy_shared_prefix(i, job.ids, keep)
         job.events.put(("start", {"cached_tokens": keep}))
 
         def emit(kind, payload):
