@@ -560,3 +560,27 @@ def test_models_names_the_served_model_and_its_context(server):
     m = r["data"][0]
     assert m["id"] == "diffgemma-demo" and m["object"] == "model" and m["max_model_len"] == 2048  # Server's slots
     assert server.client.get("/health").json() == {"status": "ok"}
+
+
+def test_a_slot_is_taken_over_only_where_its_cache_can_rewind(model):
+    """On the fast engine a cache cannot rewind more than a canvas past the sliding window (its ring reused those
+    slots), so a request sharing half of a slot's conversation but needing a deeper rewind goes to a free slot: taking
+    the slot over would prefill everything again and lose that conversation for nothing. The reference cache keeps
+    every position and can always rewind."""
+    from diffgemma.model.engine import Engine
+
+    engine = Engine.from_reference(model, dtype=torch.float32)
+    C = engine.config.canvas_length
+    for m, deep_ok in ((engine, False), (model, True)):
+        worker = Worker(m, slots=2, max_tokens=1024)
+        try:
+            held = torch.randint(4, m.config.vocab_size, (600,)).tolist()
+            slot = worker.slots[0] = Slot(m.new_cache(1024))
+            m.prefill(slot.cache, torch.tensor(held))
+            slot.ids = held
+            assert worker.pick(held[:600 - C // 2] + [1, 2]) == (0, 600 - C // 2)  # a shallow rewind: slot 0
+            deep = held[:400] + [1, 2]  # shares 2/3 of slot 0, 200 tokens back: past the engine's ring
+            assert worker.pick(deep) == ((0, 400) if deep_ok else (1, 0))
+            assert slot.cache.can_truncate(400) is deep_ok and slot.cache.can_truncate(600 - C // 2)
+        finally:
+            worker.close()

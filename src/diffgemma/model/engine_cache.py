@@ -69,14 +69,19 @@ class EngineKVCache:
         self.length = end
         self.length_t.fill_(end)
 
+    def can_truncate(self, length: int) -> bool:
+        """Whether truncate(length) can rewind here: the positions a read after the rewind needs are intact iff no
+        later write reused their ring slots (a rewind deeper than the slack past the window is not)."""
+        return 0 <= length <= self.length and (length == 0 or max(0, length - (self.window - 1))
+                                                  >= self.length - self.ring)
+
     def truncate(self, length: int) -> None:
         """Forget every position >= length (rewind to a shorter prefix)."""
         if not isinstance(length, int) or not 0 <= length <= self.length:
             raise InputError(f"truncate({length!r}): cache holds {self.length} tokens")
         if length == self.length:
             return
-        # the positions a read after the rewind needs are intact iff no later write reused their slots
-        if length > 0 and max(0, length - (self.window - 1)) < self.length - self.ring:
+        if not self.can_truncate(length):
             raise InputError(
                 f"truncate({length}): rewinding {self.length - length} tokens is deeper than the sliding-window "
                 f"ring allows ({self.slack}; the older window positions were overwritten). Re-prefill instead, "

@@ -40,6 +40,10 @@ class ReferenceKVCache:
         self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
         self.values[layer] = torch.cat([self.values[layer], v], dim=1)
 
+    def can_truncate(self, length: int) -> bool:
+        """Whether truncate(length) can rewind here: always, within what the cache holds (it keeps every position)."""
+        return 0 <= length <= self.length
+
     def truncate(self, length: int) -> None:
         """Forget every position >= length (rewind to a shorter prefix)."""
         if not 0 <= length <= self.length:

@@ -124,8 +124,10 @@ class Worker:
         """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
         what it holds (the request continues its conversation, or rewinds a little of it); otherwise an unused
         slot, so a new conversation does not evict one that merely shares a system prompt; otherwise the least
-        recently used slot."""
-        shared = {i: _common_prefix(s.ids, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
+        recently used slot. A prefix counts only where the slot's cache can rewind to it: the fast engine's
+        sliding-window ring cannot go back more than a canvas past the window, and a slot taken over that far back
+        would prefill everything again and lose its conversation for nothing."""
+        shared = {i: self._usable_prefix(s, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
         if shared:
             i = max(shared, key=lambda j: (shared[j], self.slots[j].last_used))
             if 2 * shared[i] >= len(self.slots[i].ids):
@@ -135,6 +137,14 @@ class Worker:
             return unused[0], 0
         i = min(shared, key=lambda j: self.slots[j].last_used)
         return i, shared[i]
+
+    @staticmethod
+    def _usable_prefix(slot: Slot, ids: list[int]) -> int:
+        n = _common_prefix(slot.ids, ids)
+        rewind_to = min(n, len(ids) - 1)  # reuse_prefix leaves one prompt token to prefill
+        if slot.cache is not None and rewind_to < slot.cache.length and not slot.cache.can_truncate(rewind_to):
+            return 0
+        return n
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
