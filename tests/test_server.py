@@ -552,6 +552,10 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, c
     assert cli.main(["serve"]) == 0 and seen["api_key"] == "from-env"
     assert cli.main(["serve", "--api-key", "from-flag"]) == 0 and seen["api_key"] == "from-flag"
     assert cli.main(["serve", "--api-key", " "]) == 2 and "--api-key: empty" in capsys.readouterr().err
+    monkeypatch.delenv("DIFFGEMMA_API_KEY")
+    assert cli.main(["serve", "--host", "0.0.0.0"]) == 0 and "0.0.0.0 with no --api-key" in capsys.readouterr().err
+    for quiet in (["--host", "0.0.0.0", "--api-key", "k"], []):
+        assert cli.main(["serve", *quiet]) == 0 and "warning" not in capsys.readouterr().err
 
 
 def test_models_names_the_served_model_and_its_context(server):

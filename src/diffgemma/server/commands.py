@@ -69,6 +69,9 @@ def _run_serve(args) -> int:
     settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
     max_tokens = cli.context_tokens(model, args.max_tokens)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFGEMMA_API_KEY") or None
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"diffgemma serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "
+              f"port can use the model", file=sys.stderr)
     warmup = args.warmup == "on" or (args.warmup == "auto" and model.embedding.device.type == "cuda")
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
                  slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
