@@ -102,3 +102,14 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(demo):
         session.ask("Sort these numbers: " + " ".join(str(i) for i in range(200)))
     assert session.messages == before and session.cache.length == len(session.cached_ids)
     assert session.ask("What is 17 + 25?").answer == first.answer == "42"
+
+
+def test_reset_starts_a_new_conversation_and_keeps_the_system_prompt(demo):
+    session = Session(demo, system="Answer briefly.")
+    first = session.ask("What is 17 + 25?")
+    session.ask("And 6 * 7?")
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "Answer briefly."}]
+    assert session.cache.length == 0 and session.cached_ids == []
+    again = session.ask("What is 17 + 25?")
+    assert again.answer == first.answer and again.reused_tokens == 0

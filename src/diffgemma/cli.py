@@ -213,11 +213,8 @@ def cmd_chat(args) -> int:
             continue
         if line in ("/exit", "/quit"):
             break
-        if line == "/reset":  # a new conversation: the system prompt stays, the cache is emptied
-            session.messages = session.messages[:1] if session.messages[:1] and session.messages[0]["role"] == \
-                "system" else []
-            session.slot.ids = []
-            session.cache.truncate(0)
+        if line == "/reset":
+            session.reset()
             continue
         view = CanvasView(model.tokenizer) if args.show_canvas else None
         try:

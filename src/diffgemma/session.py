@@ -279,6 +279,12 @@ class Session:
         """The token ids the KV cache holds."""
         return self.slot.ids
 
+    def reset(self) -> None:
+        """Start a new conversation: the system prompt stays; the turns after it and the cache go."""
+        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+        self.slot.ids = []
+        self.cache.truncate(0)
+
     def render(self) -> list[int]:
         return self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
                                                   enable_thinking=self.think)
