@@ -61,7 +61,7 @@ from .sampling.stats import StepStats
 from .sampling.stops import REASONS, DeviceStopRules, filler_id
 from .sampling.trim import trim_cut
 from .settings import GenerationSettings
-from .stop_strings import first_stop, text_end, tokens_through_stop
+from .stop_strings import text_end, tokens_through_stop
 
 STOP_TOKEN = "stop_token"  # BlockEvent.end: the block held a stop id; the turn is over
 BUDGET = "max_new_tokens"  # the token budget is spent
@@ -315,10 +315,10 @@ def generate_stream(
             keep = committed[:limit]
             end = BUDGET if len(tokens) + limit >= s.max_new_tokens else CONTINUE
         if s.stop_strings and keep:
-            k = tokens_through_stop(tokenizer.decode, tokens + keep, len(tokens), s.stop_strings)
-            if k is not None:
+            hit = tokens_through_stop(tokenizer.decode, tokens + keep, len(tokens), s.stop_strings)
+            if hit is not None:
+                k, final_string = hit
                 keep, end, stop_token, cut = keep[:k - len(tokens)], STOP_STRING, None, None
-                final_string = first_stop(tokenizer.decode(tokens + keep), s.stop_strings)[1]
 
         if keep:
             t = time.perf_counter()

@@ -28,8 +28,8 @@ def text_end(text: str, stops) -> int:
 
 
 def held_back(text: str, stops) -> int:
-    """How much of `text`'s end a stream must hold back: the longest tail that is the start of some stop text, which
-    the next block may complete."""
+    """How much of `text`'s end a stream must hold back: the longest tail that is the start of some stop text (or
+    of any marker), which the next block may complete."""
     n = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), n, -1):
@@ -39,9 +39,17 @@ def held_back(text: str, stops) -> int:
     return n
 
 
-def tokens_through_stop(decode, tokens: list[int], start: int, stops) -> int | None:
-    """The reply `tokens` (its first `start` already checked, with no stop text in them) -> how many to keep: through
-    the token that completes the earliest stop text, or None when the reply holds none. `decode(ids) -> str`."""
+def settled(text: str, stops) -> str:
+    """What of a reply's text so far a stream may show: up to its first stop text, or, while it holds none, all but a
+    tail that the next block could complete into one."""
+    end = text_end(text, stops)
+    return text[:end] if end < len(text) else text[:len(text) - held_back(text, stops)]
+
+
+def tokens_through_stop(decode, tokens: list[int], start: int, stops) -> tuple[int, str] | None:
+    """The reply `tokens` (its first `start` already checked, with no stop text in them) -> (how many to keep: through
+    the token that completes the first stop text to be completed, that stop text), or None when the reply holds
+    none. `decode(ids) -> str`."""
     if not stops or first_stop(decode(tokens), stops) is None:
         return None
     lo, hi = start, len(tokens)  # decode(tokens[:hi]) holds a stop text; decode(tokens[:lo]) does not
@@ -51,4 +59,4 @@ def tokens_through_stop(decode, tokens: list[int], start: int, stops) -> int | N
             lo = mid
         else:
             hi = mid
-    return hi
+    return hi, first_stop(decode(tokens[:hi]), stops)[1]

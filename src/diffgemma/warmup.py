@@ -35,8 +35,7 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
     buckets = model.context_buckets(cache) if hasattr(model, "context_buckets") else [cache.max_tokens]
     filler = torch.Generator().manual_seed(FILLER_SEED)
     try:
-        low = 0  # the bucket below: this bucket serves lengths in (low, top]
-        for top in buckets:
+        for low, top in zip([0] + buckets[:-1], buckets):  # bucket `top` serves cache lengths in (low, top]
             if should_stop():
                 break
             # a short prompt in the first bucket; in the others, just past the one below
@@ -44,13 +43,11 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
             n = target - cache.length
             room = top - target  # the reply must not carry the cache into the next bucket
             if n < 1 or room < 1:  # nothing fits (a last bucket only a few tokens wide): nothing to capture there
-                low = top
                 continue
             if progress is not None:
                 progress(f"context {target}")
             ids = torch.randint(0, model.config.vocab_size, (n,), generator=filler)
             generate(model, ids, settings=settings, cache=cache, seed=0, max_new_tokens=min(canvas, room))
-            low = top
     finally:
         cache.truncate(0)
     return time.perf_counter() - t0

@@ -253,31 +253,34 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _response(cid: str, kind: str, created: int, model_id: str, choice: dict | None, finish_reason,
+              usage_: dict | None) -> dict:
+    """A response or stream chunk of either endpoint: one choice (its body, and finish_reason), or none (a usage
+    chunk)."""
+    out = {"id": cid, "object": kind, "created": created, "model": model_id,
+           "choices": [] if choice is None else [{"index": 0, **choice, "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
 def completion(model_id: str, message: dict, finish_reason: str, usage_: dict) -> dict:
-    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model_id,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}], "usage": usage_}
+    return _response(new_id("chatcmpl-"), "chat.completion", int(time.time()), model_id, {"message": message},
+                     finish_reason, usage_)
 
 
 def chunk(cid: str, model_id: str, created: int, delta: dict, finish_reason: str | None = None,
           usage_: dict | None = None, choices: bool = True) -> dict:
-    out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if choices else []}
-    if usage_ is not None:
-        out["usage"] = usage_
-    return out
+    return _response(cid, "chat.completion.chunk", created, model_id, {"delta": delta} if choices else None,
+                     finish_reason, usage_)
 
 
 def text_completion(model_id: str, text: str, finish_reason: str, usage_: dict) -> dict:
-    return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model_id,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_}
+    return _response(new_id("cmpl-"), "text_completion", int(time.time()), model_id,
+                     {"text": text, "logprobs": None}, finish_reason, usage_)
 
 
 def text_chunk(cid: str, model_id: str, created: int, text: str, finish_reason: str | None = None,
                usage_: dict | None = None, choices: bool = True) -> dict:
-    out = {"id": cid, "object": "text_completion", "created": created, "model": model_id,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if choices
-           else []}
-    if usage_ is not None:
-        out["usage"] = usage_
-    return out
+    return _response(cid, "text_completion", created, model_id, {"text": text, "logprobs": None} if choices else None,
+                     finish_reason, usage_)

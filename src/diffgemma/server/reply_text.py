@@ -10,7 +10,7 @@ begins, and a stream holds back a tail that the next block could complete into o
 
 from __future__ import annotations
 
-from ..stop_strings import held_back, text_end
+from ..stop_strings import held_back, settled, text_end
 from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, answer_prose, reply_parts, split_thought
 from ..tool_calls import CALL_OPEN
 from .protocol import tool_calls_json
@@ -29,14 +29,6 @@ def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=()) -> tup
     return message, []
 
 
-def _held_back(text: str, marker: str) -> str:
-    """`text` without its tail that may still turn into `marker` (a prefix of it at the very end)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return text[:-n]
-    return text
-
-
 class ReplyDeltas:
     """Feed it the tokens so far after each block; it returns what the client has not seen yet."""
 
@@ -48,9 +40,7 @@ class ReplyDeltas:
     def _visible(self) -> dict:
         """The parts that are sure not to change as more tokens come: trailing whitespace (a final strip may drop
         it), anything from a tool call's opener on, and a tail that may still become a stop text are held back."""
-        raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
-        end = text_end(raw, self.stops)
-        raw = raw[:end] if end < len(raw) else raw[:len(raw) - held_back(raw, self.stops)]
+        raw = settled(self.tokenizer.decode(self.tokens, skip_special_tokens=False), self.stops)
         thought, answer = split_thought(raw)
         opened = raw.find(CHANNEL_OPEN)
         if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
@@ -58,7 +48,8 @@ class ReplyDeltas:
         answer = _strip_padding(answer, self.tokenizer).lstrip()
         if self.tools_on:
             cut = answer.find(CALL_OPEN)
-            answer = _held_back(answer if cut < 0 else answer[:cut], CALL_OPEN)
+            answer = answer if cut < 0 else answer[:cut]
+            answer = answer[:len(answer) - held_back(answer, (CALL_OPEN,))]
         return {"reasoning_content": (thought or "").lstrip("\n").rstrip("\n"), "content": answer.rstrip()}
 
     def _delta(self, now: dict) -> dict:
@@ -123,9 +114,7 @@ class CompletionDeltas:
 
     def feed(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        raw = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
-        end = text_end(raw, self.stops)
-        raw = raw[:end] if end < len(raw) else raw[:len(raw) - held_back(raw, self.stops)]
+        raw = settled(self.tokenizer.decode(self.tokens, skip_special_tokens=False), self.stops)
         return self._delta(_strip_padding(raw, self.tokenizer))
 
     def finish(self) -> tuple[str, str, list]:
