@@ -4,7 +4,8 @@ Covers: preprocessing identical to transformers' Gemma-4 image processor (bit fo
 modes, path / bytes / PIL input); vision features (tower + projector) within 1e-4 in float32; the
 denoise logits after a prefill with one and two images within the text parity bound (1e-3) in
 float32, which checks the merge and the bidirectional image rule; bad images, bad configs and a
-checkpoint missing a tower tensor failing with one clear error and nothing loaded.
+checkpoint missing a tower tensor failing with one clear error and nothing loaded; the tower read from
+a quantized pack.
 """
 
 import io
@@ -103,6 +104,18 @@ def test_tower_reads_weights_only_when_an_image_arrives(ckpt):
     assert not tower.loaded
     tower.encode([prepare_image(random_image(9, 9, seed=1), tower.config.processing)])
     assert tower.loaded
+
+
+def test_tower_reads_a_quantized_pack(tmp_path):
+    from diffgemma.quant.quantize import quantize
+    from tiny_checkpoints import PACKABLE
+
+    name = "p4_pool2"
+    path = save(build_model(name, text_config=PACKABLE), name, tmp_path / "model")
+    pack = quantize(path, tmp_path / "pack", profile="q4", progress=False)  # the vision class stays raw
+    ours, packed = VisionTower.from_checkpoint(path), VisionTower.from_checkpoint(pack)
+    image = [prepare_image(random_image(30, 41, seed=2), ours.config.processing)]
+    assert torch.equal(ours.encode(image)[0], packed.encode(image)[0])
 
 
 class _Without:

@@ -33,11 +33,13 @@ def token_ids(vocab_size: int) -> dict:
     return dict(boi_token_id=vocab_size - 3, eoi_token_id=vocab_size - 2, image_token_id=vocab_size - 1)
 
 
-def build_model(name: str, canvas_length: int = 8, seed: int = 0, bidirectional: bool = True):
+def build_model(name: str, canvas_length: int = 8, seed: int = 0, bidirectional: bool = True,
+                text_config: dict | None = None):
+    """A random model with vision tower `name` and its text config (or `text_config` instead)."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     spec = VISION_CONFIGS[name]
-    text = dict(CONFIGS[spec["text"]], max_position_embeddings=4096)
+    text = dict(text_config or CONFIGS[spec["text"]], max_position_embeddings=4096)
     if bidirectional:
         text["use_bidirectional_attention"] = "vision"
     gen = torch.Generator().manual_seed(seed)

@@ -20,6 +20,7 @@ default); images are encoded one at a time, on their real patches only.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +110,14 @@ class VisionTower:
 
     @staticmethod
     def from_checkpoint(directory, *, device="cpu", dtype: torch.dtype = torch.float32) -> "VisionTower":
-        """Parse the checkpoint's vision config now; read no tensor until the first image."""
-        from ..checkpoint import SafetensorsSource
+        """Parse the checkpoint's vision config now; read no tensor until the first image.
 
-        return VisionTower(VisionConfig.from_checkpoint(directory), SafetensorsSource(directory),
-                           device=device, dtype=dtype)
+        `directory` is an HF checkpoint or a quantized pack (whose vision tensors are dequantized on read).
+        """
+        from ..loader import open_source
+
+        cfg = VisionConfig.from_checkpoint(directory)
+        return VisionTower(cfg, open_source(Path(directory)), device=device, dtype=dtype)
 
     @property
     def loaded(self) -> bool:
