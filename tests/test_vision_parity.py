@@ -165,7 +165,7 @@ def hf_logits(hf, ids, pixels, positions, canvas):
     with torch.no_grad():
         hf.model.encoder(input_ids=ids[None], attention_mask=masks, cache=cache, position_ids=pos,
                          pixel_values=pixels.to(hf.dtype), image_position_ids=positions)
-        return hf(cache=cache, decoder_input_ids=canvas[None]).logits[0]
+        return hf(cache=cache, decoder_input_ids=canvas[None]).logits[0], cache
 
 
 def our_logits(model, tower, ids, prepared, canvas, bidirectional=True):
@@ -173,7 +173,7 @@ def our_logits(model, tower, ids, prepared, canvas, bidirectional=True):
     embeds = merge_image_embeddings(model.embed(ids), ids, tower.encode(prepared), cfg)
     cache = model.new_cache(1024)
     model.prefill(cache, ids, embeds=embeds, image_groups=image_groups(ids, cfg) if bidirectional else None)
-    return model.denoise(cache, canvas)
+    return model.denoise(cache, canvas), cache
 
 
 @pytest.mark.parametrize("n_images", [1, 2])
@@ -188,13 +188,20 @@ def test_logits_after_image_prefill_match_transformers(ckpt, n_images):
     assert min(e - s for s, e in image_runs(ids, tower.config.image_token_id)) > model.config.sliding_window
     canvas = torch.randint(0, V, (C,), generator=torch.Generator().manual_seed(3))
     pixels, positions, _ = hf_pixels(name, images)
-    expected = hf_logits(hf, ids, pixels, positions, canvas)
-    got = our_logits(model, tower, ids, prepared, canvas)
+    expected, hf_cache = hf_logits(hf, ids, pixels, positions, canvas)
+    got, cache = our_logits(model, tower, ids, prepared, canvas)
     err = (got - expected).abs().max().item()
     assert err <= TOL_LOGITS, f"max |Δlogits| = {err:.3g}"
     # The comparison can tell the rule apart: image tokens kept causal give other logits.
-    causal = our_logits(model, tower, ids, prepared, canvas, bidirectional=False)
+    causal, _ = our_logits(model, tower, ids, prepared, canvas, bidirectional=False)
     assert (causal - expected).abs().max().item() > 100 * TOL_LOGITS
+    # The next block: the committed canvas is prefilled as text after the images, then denoised.
+    canvas2 = torch.randint(0, V, (C,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected2 = hf(input_ids=canvas[None], cache=hf_cache, decoder_input_ids=canvas2[None]).logits[0]
+    model.prefill(cache, canvas)
+    err2 = (model.denoise(cache, canvas2) - expected2).abs().max().item()
+    assert err2 <= TOL_LOGITS, f"block 2: max |Δlogits| = {err2:.3g}"
 
 
 def test_prefill_without_image_arguments_is_unchanged(ckpt):

@@ -78,8 +78,10 @@ def open_image(image, what: str = "image", max_pixels: int = MAX_IMAGE_PIXELS):
         if not data:
             raise InputError(f"{name}: empty (0 bytes), expected an image file (PNG, JPEG, WebP, ...)")
         try:
-            pil = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                pil = Image.open(io.BytesIO(data))
+        except (Image.DecompressionBombWarning, Image.DecompressionBombError):
             raise InputError(f"{name}: declares too many pixels (at most {max_pixels} allowed)") from None
         except Exception:  # PIL raises UnidentifiedImageError, and sometimes others, for non-images
             raise InputError(f"{name}: not an image PIL can decode (expected PNG, JPEG, WebP, GIF, ...)") from None
