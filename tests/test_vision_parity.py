@@ -293,6 +293,10 @@ def test_config_errors_are_clear(ckpt):
         VisionConfig.from_dict(raw, processor={"max_soft_tokens": 100})
     with pytest.raises(ConfigError, match="patch_size=99 disagrees"):
         VisionConfig.from_dict(raw, processor={"image_processor": {"patch_size": 99}})
+    nested = {"processor_class": "Gemma4Processor", "image_processor": {"max_soft_tokens": 140, "resample": 3}}
+    assert VisionConfig.from_dict(raw, processor=nested).processing.max_soft_tokens == 140
+    with pytest.raises(ConfigError, match="do_normalize"):
+        VisionConfig.from_dict(raw, processor={"do_normalize": True})
     causal = dict(raw, text_config={k: v for k, v in raw["text_config"].items() if k != "use_bidirectional_attention"})
     assert VisionConfig.from_dict(causal).bidirectional_images is False
     assert image_groups(torch.tensor([1, 2]), VisionConfig.from_dict(causal)) is None
