@@ -135,18 +135,28 @@ class ReferenceModel:
         return (probs.to(self.dtype) @ self.embedding) * self.config.embed_scale
 
     @torch.no_grad()
-    def prefill(self, cache: ReferenceKVCache, ids: torch.Tensor) -> None:
+    def prefill(self, cache: ReferenceKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                image_groups: torch.Tensor | None = None) -> None:
+        """Append `ids` to the cache.
+
+        Images (both optional, see diffgemma.vision.merge): `embeds` [T, hidden] replaces embed(ids)
+        as the layer-0 input (image soft tokens merged in); `image_groups` [T] gives each row its
+        image's index or -1, and rows of the same image also attend to each other bidirectionally.
+        """
         ids = self._check_ids(ids, "prefill ids")
         cache.check_room(len(ids))
         start = cache.length
         pos = torch.arange(start, start + len(ids), device=self.device)
-        x = self.embed(ids)
+        x = self.embed(ids) if embeds is None else self._check_prefill_embeds(embeds, len(ids))
         keys = torch.arange(0, start + len(ids), device=self.device)
         causal = keys[None, :] <= pos[:, None]
         in_window = keys[None, :] > pos[:, None] - self.config.sliding_window  # q sees [q-(W-1), q]
+        same_image = None if image_groups is None else self._same_image(image_groups, start, len(ids))
         last = self.config.num_layers - 1
         for layer in self.config.layers:
             mask = causal & in_window if layer.is_sliding else causal
+            if same_image is not None:
+                mask = mask | same_image
             # The last layer's output is never read on prefill (only its K/V are), so skip its FFN.
             x, k, v = self._layer(layer, x, pos, cache, mask, denoise=False, with_ffn=layer.index != last)
             cache.append(layer.index, k, v)
@@ -187,6 +197,21 @@ class ReferenceModel:
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise InputError(f"{what}: ids must be in [0, {self.config.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
         return ids.to(self.device, torch.long)
+
+    def _check_prefill_embeds(self, embeds, T: int) -> torch.Tensor:
+        if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (T, self.config.hidden_size):
+            got = list(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise InputError(f"prefill: embeds has shape {got}, expected [{T}, {self.config.hidden_size}]")
+        return embeds.to(self.device, self.dtype)
+
+    def _same_image(self, image_groups, start: int, T: int) -> torch.Tensor:
+        """[T, start+T] bool: query and key rows belong to the same image (cached rows never do)."""
+        if not isinstance(image_groups, torch.Tensor) or tuple(image_groups.shape) != (T,):
+            got = list(image_groups.shape) if isinstance(image_groups, torch.Tensor) else type(image_groups).__name__
+            raise InputError(f"prefill: image_groups has shape {got}, expected [{T}]")
+        g = image_groups.to(self.device, torch.long)
+        g_keys = torch.cat([torch.full((start,), -1, dtype=torch.long, device=self.device), g])
+        return (g[:, None] == g_keys[None, :]) & (g[:, None] >= 0)
 
     def _denoise_input(self, canvas_ids, sc_embeds):
         """rms_no_scale(embed(canvas) + SC-MLP(RMSNorm_w(soft signal))); a zero signal contributes zero."""
