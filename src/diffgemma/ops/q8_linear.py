@@ -9,6 +9,8 @@ scales the accumulator once, rounding once at the end.
   q8_linear_ref      the twin: x @ codes.to(x.dtype)ᵀ, then the row scale in f32 (the torch form)
   q8_linear_triton   the kernel
   q8_linear          the dispatcher: the kernel on CUDA, the twin elsewhere
+  linear             x @ Wᵀ for a plain weight or a packed one (ops/packed_weight.py): q8 through q8_linear, other
+                     formats dequantized first (linear_ref: the twin, dequantize then multiply)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
+from .packed_weight import PackedWeight, dequantize
 
 if HAVE_TRITON:
     import triton
@@ -81,3 +84,16 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torc
     if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
         return q8_linear_triton(x, codes, scale)
     return q8_linear_ref(x, codes, scale)
+
+
+def linear_ref(x, w):
+    return x @ (dequantize(w, x.dtype) if isinstance(w, PackedWeight) else w).T
+
+
+def linear(x, w):
+    """x [M, K] @ W^T for a plain [N, K] tensor or a packed q8 per-row weight (other formats: dequantized)."""
+    if not isinstance(w, PackedWeight):
+        return x @ w.T
+    if w.fmt != "q8":
+        return linear_ref(x, w)
+    return q8_linear(x, w.planes["codes"].view(torch.int8), w.planes["scale"].view(torch.float32).reshape(-1))

@@ -15,7 +15,8 @@ The routing kernel replaces round 1's softmax + radix sort + slice + sum + div +
 registers, p = softmax(logits); k times: take the largest p, the LOWEST column holding it (the tie-break of
 ARCHITECTURE §2.1), mask it; w = picked / Σpicked · per_expert_scale[e].
 
-  route_ref           the torch twin: f32 matmul + `moe.route` (stable sort)
+  route               routing from f32 logits in torch (a stable sort gives the tie-break)
+  route_ref           the torch twin: f32 matmul + `route`
   router_pieces       the router weight as bf16 parts [P, E, H] (P = 1 for a bf16 weight, else 3)
   router_gemm_triton  the bf16x3 GEMM's partial logits [S, T, E]
   route_triton        the logits (cuBLAS, or the bf16x3 GEMM given pieces) + the routing kernel
@@ -28,7 +29,6 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
-from .moe import route
 
 if HAVE_TRITON:
     import triton
@@ -38,6 +38,18 @@ if HAVE_TRITON:
 # shape (256 x 2816 -> 128): 4 x 11 = 44 programs; round 19's probe had it at 5.5 µs alone and 28.7 µs beside
 # the dense MLP (which alone takes 21.4; cuBLAS's f32 GEMM beside it: 35.7).
 ROUTER_GEMM_CONFIG = (64, 256, 64, 4, 3)
+
+
+def route(router_logits: torch.Tensor, k: int, per_expert_scale: torch.Tensor):
+    """router_logits f32 [T, E] -> (weights f32 [T, k], experts int64 [T, k]): softmax, top-k with ties broken
+    towards the LOWER expert index, the k weights renormalised to sum 1, times per_expert_scale[expert]. A stable
+    descending sort gives exactly that order (equal probabilities keep index order) on any device, which
+    torch.topk does not promise."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
+    w = vals / vals.sum(-1, keepdim=True)
+    return w * per_expert_scale.float()[idx], idx
 
 
 def router_pieces(router_w: torch.Tensor) -> torch.Tensor:
