@@ -5,7 +5,7 @@
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
 45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.8 TB/s
 on the H200 with balanced routing; this kernel at 3.65 TB/s (gate_up) and 3.15 TB/s (down), and the 1k denoise
-step drops from 22.4 to 17.6 ms (bench/RESULTS.md, round 5). It is the packed grouped GEMM of ops/moe_packed.py
+step drops from 22.4 to 17.6 ms. It is the packed grouped GEMM of ops/moe_packed.py
 run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by

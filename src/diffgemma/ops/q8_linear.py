@@ -1,8 +1,8 @@
 """x @ Wᵀ for a q8 weight (per-row symmetric: W[n, k] = codes[n, k] · scale[n]), reading the int8 codes in the GEMM.
 
-The SC MLP of a packed model is q8 (ARCHITECTURE.md §8). Its torch form converts the whole [N, K] code matrix to the
-activations' dtype every call (the codes are exact there, |code| <= 127) and scales the product's rows after: at the
-full-size SC shapes that took 84 µs a denoise step, 65 of it the conversions (bench/RESULTS.md round 22). Here the
+The SC MLP of a packed model is q8 (every quantization profile keeps it so). Its torch form converts the whole [N, K]
+code matrix to the activations' dtype every call (the codes are exact there, |code| <= 127) and scales the product's
+rows after: at the full-size SC shapes most of its time is those conversions. Here the
 kernel loads the codes as they lie (half the bytes of bf16), converts each tile in registers, accumulates in f32 and
 scales the accumulator once, rounding once at the end.
 
@@ -25,7 +25,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes, the fastest of 12 on the H200 (round 22's probe, graphed):
+# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes, the fastest of 12 on the H200 (CUDA-graphed):
 # 23.0 µs (256 x 2816 -> 4224) and 18.1 µs (256 x 2112 -> 2816) against the torch form's 53.4 and 30.5; the next
 # configs 26.5 and 20.5. (cuBLAS on bf16 weights made beforehand: 11.4 and 7.6, at twice the weight bytes held.)
 CONFIG = (128, 64, 128, 8, 3)
