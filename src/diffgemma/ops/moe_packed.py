@@ -24,12 +24,15 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .gelu_mul import gelu_mul_ref
-from .grouped import gelu_after, grouped_mm_torch, route_count, routed  # noqa: F401
+from .grouped import gelu_after, grouped_mm_torch, route_count
 from .layouts import GROUP, rows_k
-from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS, dequantizes_for, takes_f16_operand  # noqa: F401
+from .moe_paths import STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .packed_weight import EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401
-from .q8_linear import linear, linear_ref  # noqa: F401  (the engine's names for them, kept here)
+from .packed_weight import EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401  (also model/'s names for them)
+
+# model/ imports these from here; their homes are ops/moe_paths.py and ops/q8_linear.py
+from .moe_paths import PREFILL_ROWS, dequantizes_for, takes_f16_operand  # noqa: F401
+from .q8_linear import linear, linear_ref  # noqa: F401
 
 if HAVE_TRITON:
     import triton

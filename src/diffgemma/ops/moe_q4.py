@@ -7,12 +7,12 @@ range; outside it, clamped to ±65504 instead of overflowing), unless its produc
 loop-carried accumulator. On Hopper the planes come through the tensor-memory accelerator (one bulk copy per
 plane and K step), elsewhere through cp.async: the same words, the same bits. The weights keep 11 bits where the
 twin (dequantize, then the bf16 GEMM) keeps 8 (plus the one rounding of each group's c), so the kernel's products
-sit closer to the exact ones than the twin's do (tests hold both to them); `decode_f16` is the kernel's decode in
-torch.
+sit closer to the exact ones than the twin's do (tests hold both to them); ops/q4_tiles.decode_f16 is the kernel's
+decode in torch.
 
   grouped_mm_q4_tiles    the grouped GEMM (swap-AB, one program per (tile, expert) looping over row tiles; glu: with
                          gelu·up in the epilogue)
-  dequantize_q4_tiles    the decode as a kernel, bit-identical to ops.moe_packed.dequantize (prefill path)
+  dequantize_q4_tiles    the decode as a kernel, bit-identical to ops/packed_weight.dequantize (prefill path)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
 from .grouped import route_count
 from .moe_plan import order_operand
-from .q4_tiles import (  # noqa: F401  (to_tile_layout, wanted: the loader's names for the layout, kept here)
+from .q4_tiles import (  # noqa: F401  (to_tile_layout, wanted: model/engine_weights.py's names, kept here)
     GROUP, LAYOUT, TILE_N, check_tiles, glu_row_order, side_words, to_natural_layout, to_tile_layout, wanted)
 
 if HAVE_TRITON:
