@@ -286,7 +286,7 @@ def test_expert_gemm_path_names_one_implementation_per_case(monkeypatch):
     assert moe_paths.expert_gemm_path(pw, many - 1, x) == "packed"
     assert moe_paths.expert_gemm_path(tiled, many - 1, x) == "q4-tiles"
     assert moe_paths.takes_f16_operand(tiled, many - 1, x) and not moe_paths.takes_f16_operand(pw, many - 1, x)
-    assert moe_paths.expert_gemm_path(pw, many, x) == "dequant" and moe_paths.expert_gemm_path(tiled, many, x) == "dequant"
+    assert moe_paths.expert_gemm_path(pw, many, x) == moe_paths.expert_gemm_path(tiled, many, x) == "dequant"
     monkeypatch.setenv(moe_paths.PACKED_PREFILL_ENV, "kernel")
     assert moe_paths.expert_gemm_path(tiled, many, x) == "q4-tiles"
     monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlass")

@@ -1,7 +1,8 @@
 """Canvas (bidirectional) attention as two cuBLAS GEMMs around a chunked softmax.
 
 The engine ran the full layers' denoise canvas this way (head dim 512, every cache row below `nlive` a key)
-until ops/attention_tiles.py, which keeps the scores out of memory, replaced it; it stays as the engine's A/B alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
+until ops/attention_tiles.py, which keeps the scores out of memory, replaced it; it stays as the engine's A/B
+alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
 (ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head leaves it 32-key blocks,
 and it recomputes QK^T for each output half. Here the products are plain GEMMs, which cuBLAS runs near the
 compute roofline, and the scores make one round trip through memory:

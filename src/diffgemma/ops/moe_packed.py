@@ -232,9 +232,9 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
                              order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
-    loads the scales in the K-step that uses them (for tests and A/B). order: int32 [E], the experts in the order their programs launch (the most rows
-    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: the result's
-    (default x's; x is converted to it). glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2]
+    loads the scales in the K-step that uses them (for tests and A/B). order: int32 [E], the experts in the order
+    their programs launch (the most rows first, from ops/moe_plan.moe_plan_with_order); the result does not depend
+    on it. out_dtype: the result's (default x's; x is converted to it). glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2]
     (gelu_mul of the plain result), made in the kernel's epilogue; glu_f16: as the f16 operand of its bf16 value
     (gelu_mul(as_f16=True) after the kernel), for a down GEMM that takes one."""
     _check_natural(w, "grouped_mm_packed_triton", "grouped_mm_q4_tiles")

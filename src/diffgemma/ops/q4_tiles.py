@@ -20,6 +20,8 @@ change) so that both problems go away (ops/moe_q4.py holds the kernels that read
                          GEMM makes gelu·up in its epilogue (glu_row_order)
   to_natural_layout      the inverse (a new record); natural_planes: the inverse as torch tensors (the twins read them)
   decode_f16             the kernel's decode as torch ops: the f16 weights it multiplies (tests)
+  side_words             the scale|min word plane of a q4-tiles weight, as int32
+  wanted                 whether the loader re-lays a stack (CUDA with Triton; DIFFGEMMA_Q4_LAYOUT=natural: never)
 """
 
 from __future__ import annotations
