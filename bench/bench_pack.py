@@ -53,7 +53,8 @@ from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
 from diffgemma.ops import moe_packed as mp  # noqa: E402
 from diffgemma.ops import moe_q4  # noqa: E402
 from diffgemma.ops import moe_stream  # noqa: E402
-from diffgemma.ops.moe import _grouped_mm  # noqa: E402
+from diffgemma.ops import moe  # noqa: E402
+from diffgemma.ops.grouped import grouped_mm_torch as _grouped_mm  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
 from diffgemma.ops._backend import HAVE_TRITON  # noqa: E402
 
@@ -464,8 +465,8 @@ def bench_bf16(res, eng, cfg, reps):
     r = res.setdefault("engine_bf16_same_weights", {})
     V = cfg.vocab_size
     for lw in eng.w.layers:  # same weights, experts as bf16 stacks
-        lw.experts_gu = mp.dequantize_triton(lw.experts_gu, torch.bfloat16)
-        lw.experts_down = mp.dequantize_triton(lw.experts_down, torch.bfloat16)
+        lw.experts_gu = moe.dequantize_stack(lw.experts_gu, torch.bfloat16)
+        lw.experts_down = moe.dequantize_stack(lw.experts_down, torch.bfloat16)
     torch.cuda.synchronize()
     eng._graphs.clear()
     gc.collect()

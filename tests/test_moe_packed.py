@@ -13,7 +13,7 @@ import torch
 import diffgemma
 from diffgemma.errors import TensorError
 from diffgemma.model.engine import build_engine
-from diffgemma.ops import moe, moe_packed as mp
+from diffgemma.ops import moe, moe_paths, moe_packed as mp
 from diffgemma.quant import PackSource, codecs, quantize
 from tiny_checkpoints import PACKABLE, build_model, save
 
@@ -150,8 +150,7 @@ def test_expert_ffn_with_src_equals_expert_ffn_on_gathered_rows(monkeypatch, pac
     src, offs = routes_of(T, k, E)
     want = moe.expert_ffn(x.index_select(0, src), gu, dn, offs)
     assert torch.equal(moe.expert_ffn(x, gu, dn, offs, src=src), want)  # CPU: the twin gathers first
-    for mod in (mp, moe_stream):
-        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
     monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG", (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K", (16, 16, 32, 4, 1))
@@ -178,8 +177,8 @@ def test_expert_ffn_dispatch_on_packed_weights(monkeypatch, rows_per_expert_thre
     offs = ragged_offs(E, M)
     want = moe.expert_ffn(xs, gu_w, dn_w, offs)  # the bf16 path on the decoded stacks
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5  # CPU: the torch twin
-    monkeypatch.setattr(mp, "use_triton", lambda t: True)
-    monkeypatch.setattr(mp, "PREFILL_ROWS", rows_per_expert_threshold)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_paths, "PREFILL_ROWS", rows_per_expert_threshold)
     monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
     assert rel(moe.expert_ffn(xs, gu, dn, offs), want) < 1e-5
 
@@ -255,15 +254,40 @@ def test_random_pack_source_engine_matches_reference(experts):
 def test_expert_ffn_hands_the_down_gemm_f16_only_when_asked(monkeypatch):
     """gelu·up writes the down GEMM's input as an f16 operand where that GEMM takes one, unless the engine's
     f16_operands knob is off (then the GEMM converts bf16 itself)."""
-    from diffgemma.ops import gelu_mul as gm
+    from diffgemma.ops import grouped
 
     asked = []
-    plain = gm.gelu_mul
-    monkeypatch.setattr(mp, "takes_f16_operand", lambda w, routes, x: True)
-    monkeypatch.setattr(gm, "gelu_mul", lambda gu, as_f16=False: (asked.append(as_f16), plain(gu))[1])
+    plain = grouped.gelu_mul
+    monkeypatch.setattr(moe, "takes_f16_operand", lambda w, routes, x: True)
+    monkeypatch.setattr(grouped, "gelu_mul", lambda gu, as_f16=False: (asked.append(as_f16), plain(gu))[1])
     E, H, Fe, M = 3, 32, 16, 7
     gu, dn = torch.randn(E, 2 * Fe, H), torch.randn(E, H, Fe)
     x, offs = torch.randn(M, H), torch.tensor([2, 5, 7], dtype=torch.int32)
     on = moe.expert_ffn(x, gu, dn, offs)
     off = moe.expert_ffn(x, gu, dn, offs, f16_operands=False)
     assert asked == [True, False] and torch.equal(on, off)
+
+
+def test_expert_gemm_path_names_one_implementation_per_case(monkeypatch):
+    """The dispatcher's rule (ops/moe_paths.py): plain stacks stream at few rows per expert and go to
+    torch._grouped_mm otherwise; packed ones run their kernel at denoise and dequantize at prefill; no Triton: twins."""
+    from diffgemma.ops import moe_q4
+
+    E, N, K = 4, 64, 64
+    pw, _ = packed("q4", (E, N, K))
+    tiled = moe_q4.to_tile_layout(pw)
+    plain = torch.randn(E, N, K)
+    x = torch.randn(1, K)
+    few, many = moe_paths.STREAM_MAX_ROWS * E, moe_paths.PREFILL_ROWS * E
+    assert moe_paths.expert_gemm_path(plain, few, x) == "torch" and moe_paths.expert_gemm_path(pw, few, x) == "twin"
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
+    assert moe_paths.expert_gemm_path(plain, few, x) == "stream"
+    assert moe_paths.expert_gemm_path(plain, few + 1, x) == "torch"
+    assert moe_paths.expert_gemm_path(pw, many - 1, x) == "packed"
+    assert moe_paths.expert_gemm_path(tiled, many - 1, x) == "q4-tiles"
+    assert moe_paths.takes_f16_operand(tiled, many - 1, x) and not moe_paths.takes_f16_operand(pw, many - 1, x)
+    assert moe_paths.expert_gemm_path(pw, many, x) == moe_paths.expert_gemm_path(tiled, many, x) == "dequant"
+    monkeypatch.setenv(moe_paths.PACKED_PREFILL_ENV, "kernel")
+    assert moe_paths.expert_gemm_path(tiled, many, x) == "q4-tiles"
+    monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlass")
+    assert moe_paths.expert_gemm_path(plain, few, x) == "torch"

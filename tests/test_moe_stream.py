@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import moe, moe_stream
+from diffgemma.ops import moe, moe_paths, moe_stream
 from test_moe_packed import interpreted, ragged_offs, rel
 
 
@@ -51,7 +51,7 @@ def test_stream_kernel_gathers_rows_through_src():
     cfg = (16, 16, 32, 4, 1)
     got = moe_stream.grouped_mm_triton(x, w, offs, config=cfg, src=src)
     assert torch.equal(got, moe_stream.grouped_mm_triton(x.index_select(0, src), w, offs, config=cfg))
-    assert rel(moe_stream.grouped_mm(x, w, offs, src=src), moe_stream.grouped_mm_ref(x[src.long()], w, offs)) < 1e-6
+    assert rel(moe.grouped_mm(x, w, offs, src=src), moe_stream.grouped_mm_ref(x[src.long()], w, offs)) < 1e-6
 
 
 def test_stream_and_packed_kernels_launch_order_does_not_change_the_result():
@@ -101,23 +101,23 @@ def test_expert_ffn_takes_the_kernel_by_default_at_the_denoise_shape_only(monkey
     calls = []
     kernel = moe_stream.grouped_mm_triton
     monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k, config=(16, 16, 32, 4, 1)))
-    monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
     if switch is None:
-        monkeypatch.delenv(moe_stream.ENV_VAR, raising=False)
+        monkeypatch.delenv(moe_paths.EXPERT_GEMM_ENV, raising=False)
     else:
-        monkeypatch.setenv(moe_stream.ENV_VAR, switch)
+        monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, switch)
     got = moe.expert_ffn(xs, gate_up, down, offs)
-    assert len(calls) == (2 if switch != "cutlass" and rows_per_expert <= moe_stream.STREAM_MAX_ROWS else 0)
+    assert len(calls) == (2 if switch != "cutlass" and rows_per_expert <= moe_paths.STREAM_MAX_ROWS else 0)
     assert rel(got, want) < 1e-5
 
 
 def test_expert_gemm_switch_refuses_unknown_values_and_is_a_known_setting(monkeypatch):
     from diffgemma.settings import GenerationSettings
 
-    monkeypatch.setenv(moe_stream.ENV_VAR, "cutlas")
+    monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlas")
     with pytest.raises(ValueError, match="DIFFGEMMA_EXPERT_GEMM='cutlas'"):
-        moe_stream.expert_gemm_choice()
-    monkeypatch.setenv(moe_stream.ENV_VAR, "cutlass")
+        moe_paths.expert_gemm_choice()
+    monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlass")
     GenerationSettings.resolve({})  # generation settings do not reject the kernel switch
 
 
@@ -177,14 +177,14 @@ def test_expert_ffn_fused_gelu_matches_gelu_after(monkeypatch):
     offs = ragged_offs(E, M)
     kernel = moe_stream.grouped_mm_triton
     monkeypatch.setattr(moe_stream, "grouped_mm_triton", lambda *a, **k: kernel(*a, **k, config=(16, 16, 32, 4, 1)))
-    monkeypatch.setattr(moe_stream, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
     from diffgemma.ops import gelu_mul as gm
 
     monkeypatch.setattr(gm, "use_triton", lambda t: True)  # gelu·up after: the kernel, as on CUDA
     fused = moe.expert_ffn(xs, gate_up, down, offs)
     after = moe.expert_ffn(xs, gate_up, down, offs, fuse_glu=False)
     assert torch.equal(fused, after)
-    assert rel(fused, moe._grouped_mm(gm.gelu_mul_ref(moe_stream.grouped_mm_ref(xs, gate_up, offs)), down, offs)) < 1e-5
+    assert rel(fused, moe.grouped_mm_torch(gm.gelu_mul_ref(moe_stream.grouped_mm_ref(xs, gate_up, offs)), down, offs)) < 1e-5
 
 
 def test_gate_up_with_gelu_refuses_an_odd_stack():

@@ -16,7 +16,7 @@ from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import RandomPackSource, random_record  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
-from diffgemma.ops import moe, moe_packed as mp, moe_q4  # noqa: E402
+from diffgemma.ops import grouped, moe, moe_packed as mp, moe_q4  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
 
 DEV = "cuda"
@@ -85,7 +85,7 @@ def test_packed_gemm_prefill_shape_both_paths(monkeypatch):
     dq = mp.dequantize_triton(gu, torch.bfloat16)
     assert torch.equal(dq, mp.dequantize(gu, torch.bfloat16))
     monkeypatch.setenv("DIFFGEMMA_PACKED_PREFILL", "dequant")
-    assert torch.equal(mp.grouped_mm_packed(xs, gu, offs), moe._grouped_mm(xs, dq, offs))
+    assert torch.equal(moe.grouped_mm(xs, gu, offs), grouped.grouped_mm_torch(xs, dq, offs))
 
 
 def exact_product(xs, w: mp.PackedWeight, offs):
@@ -116,7 +116,7 @@ def test_q4_tiles_kernel_denoise_shape():
         print(f"\n[q4-tiles {list(w.shape)}] rel to exact {r_kernel:.2e}, the twin's {r_twin:.2e}")
         assert torch.isfinite(got).all() and r_kernel < 3e-3 and r_kernel <= r_twin
         assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(a, t, offs, src=s, asm=False))
-        assert torch.equal(got, mp.grouped_mm_packed(a, t, offs, src=s))  # the dispatcher picks it
+        assert torch.equal(got, moe.grouped_mm(a, t, offs, src=s))  # the dispatcher picks it
         if s is not None:
             assert torch.equal(got, moe_q4.grouped_mm_q4_tiles(xs, t, offs))
         for bm, few in ((16, 0), (64, 16), (32, 0)):  # one width, two widths, and the default's wide one alone

@@ -21,8 +21,8 @@ padded bucket rows), so a padded bucket costs almost nothing.
 The kernel and its tile configs live in ops/attention_flash.py.
 
   attention_ref     f32 twin, scores materialised per query block (tests, and the CPU path)
-  attention_sdpa    torch SDPA with a boolean mask (round 1's path; for A/B on the GPU)
-  attention_flash   the round-3 kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
+  attention_sdpa    torch SDPA with a boolean mask (for A/B on the GPU)
+  attention_flash   the flash kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
   attention_gemm    two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py; impl 'gemm')
   attention_tiles   two Triton GEMMs, the softmax in the first's epilogue (ops/attention_tiles.py; impl 'tiles')
                     ('gemm' and 'tiles' serve the canvas on CUDA only: other calls with them take the default)

@@ -1,11 +1,11 @@
-"""Round-3 attention kernel: Q resident per program, and the canvas's key range split across programs.
+"""The flash attention kernel: Q resident per program, and the canvas's key range split across programs.
 
 Same contract and layouts as `attention.py` (q [H, n, d] head-major, k/v [KV, rows, d], kpos per key,
 -1 = not a key; scale 1; GQA folded into the query rows, row r of KV head g = query head g·G + r // n,
-token r % n). What changed against the round-2 kernel, and why:
+token r % n). Its design, and why:
 
 * Q is loaded once per program ([BM, d], loop-invariant) instead of once per key block and head-dim
-  chunk: the round-2 kernel re-read its whole Q tile from L2 for every key block, as many bytes as K.
+  chunk: re-reading the whole Q tile from L2 for every key block costs as many bytes as K.
 * One QK^T dot over the whole head dim per key block (hd 512: a [BN, 512] K tile).
 * Split-KV for the bidirectional canvas (flash-decoding). At batch 1 a canvas call is 16 heads ×
   256 queries: 8–32 programs of 64 rows, on 132 SMs. Here each program also takes one of S slices of
@@ -17,7 +17,7 @@ token r % n). What changed against the round-2 kernel, and why:
   accumulator at [BM, BD] in registers. hd 512 causal keeps the whole [64, 512] accumulator at 8 warps
   (128 registers a thread; no recompute), the canvas measured faster with BM 128 and two halves.
 
-Causal key ranges are as in round 2: keys [0, n_ring) are an unordered ring (masked per key), keys
+Causal key ranges: keys [0, n_ring) are an unordered ring (masked per key), keys
 [n_ring, n_keys) are position-ordered (key i holds position base_pos + i - n_ring); only the blocks
 some row of the program can see are visited.
 """
@@ -179,17 +179,17 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
 
     The fastest of a sweep on the H200 (bench/bench_attention.py at commit 8f24671), each also
     compiled offline with Triton 3.6 for sm_90 and read back with no spills, under 227 KB of shared memory:
-      canvas hd 256 over the ring's live window (live: 1279 keys; round 21's sweep of 64 configs, with the merge):
+      canvas hd 256 over the ring's live window (live: 1279 keys; a sweep of 64 configs, with the merge):
           BM 64, BN 64, 4 warps, 3 stages, 2 splits 25.2 µs against 27.1 for the per-key-mask call's config;
       canvas hd 256 with the per-key mask (1535 ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs
           (SDPA 103.5; the live window's config takes 43.5 µs here);
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps: 67.2 / 362 / 1320 µs at
           1k / 8k / 32k keys (SDPA 165 / 936 / 3554); one wave of splits up to 4k keys, two above
           (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs); without per-key positions (kpos=None, the engine's
-          full layers since round 7) 57.8 / 304 / 1102 µs (bench/RESULTS.md round 7);
+          full layers) 57.8 / 304 / 1102 µs;
       causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute):
           45.6 ms per 8k chunk at 24k (SDPA 75.5), 6.5 ms at 0 (SDPA 17.7);
-      causal hd 256 (window 1024): BM 64, BN 32, 4 warps: 0.82 / 0.69 ms (round-2 kernel 1.12 / 0.93).
+      causal hd 256 (window 1024): BM 64, BN 32, 4 warps: 0.82 / 0.69 ms (re-reading Q per key block: 1.12 / 0.93).
     """
     if d >= 512:
         if causal:

@@ -1,8 +1,8 @@
 """Canvas (bidirectional) attention as two cuBLAS GEMMs around a chunked softmax.
 
 The engine ran the full layers' denoise canvas this way (head dim 512, every cache row below `nlive` a key)
-until ops/attention_tiles.py, which keeps the scores out of memory, replaced it (bench/RESULTS.md round 15);
-it stays as the engine's A/B alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
+until ops/attention_tiles.py, which keeps the scores out of memory, replaced it; it stays as the engine's A/B
+alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
 (ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head leaves it 32-key blocks,
 and it recomputes QK^T for each output half. Here the products are plain GEMMs, which cuBLAS runs near the
 compute roofline, and the scores make one round trip through memory:
@@ -15,8 +15,8 @@ compute roofline, and the scores make one round trip through memory:
   3. per chunk: acc = P·V (f32), one GEMM batched over the KV heads;
   4. the flash kernel's merge of (acc, m, l) over the chunks (its partials' layout).
 
-Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster (bench/RESULTS.md
-round 14: 34.5 against 127 µs), so the engine keeps it.
+Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster (about 4x on
+the H200), so the engine keeps it.
 
 The price is that the GEMMs always run over all `n_keys` rows (a graph's padded bucket), where the flash
 kernel stops at `nlive`; masked rows hold zeros or earlier finite K/V (normed, so never inf), and
@@ -92,7 +92,7 @@ def visible_keys(n_keys: int, nlive, kpos, device) -> torch.Tensor:
 def chunk_size(n_keys: int) -> int:
     """Keys a chunk: n_keys / 8 rounded to a power of two, within [2048, 8192] (8192 keys: a row of the softmax
     in one program's registers). A function of the static key count only. Measured on the H200 against
-    chunks of 512-4096 (bench/RESULTS.md round 14): the fewer partials, the faster."""
+    chunks of 512-4096: the fewer partials, the faster."""
     return max(2048, min(8192, next_pow2(n_keys // 8)))
 
 

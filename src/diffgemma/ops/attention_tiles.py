@@ -38,7 +38,7 @@ if HAVE_TRITON:
 
 LOG2E = 1.4426950408889634
 
-# Tile configs measured on the H200 (bench/RESULTS.md); the CPU tests pass their own small ones.
+# Tile configs measured on the H200 (bench/bench_engine.py); the CPU tests pass their own small ones.
 QK_CONFIG = dict(BM=128, BK=64, num_warps=8, num_stages=3)
 PV_CONFIG = dict(BM=64, BN=256, num_warps=4, num_stages=3)
 WEIGHTS_CONFIG = dict(BR=16, BT=128, num_warps=4)

@@ -1,7 +1,7 @@
 """The gated activation of every MLP in the model: gelu_tanh(gate) · up, from one [M, 2F] GEMM output.
 
-In f32, one rounding to the input dtype at the end (the torch chain of round 1 took five kernels:
-two slices cast to f32, gelu, multiply, cast back).
+In f32, one rounding to the input dtype at the end, in one kernel (the torch chain takes five: two slices
+cast to f32, gelu, multiply, cast back).
 """
 
 from __future__ import annotations

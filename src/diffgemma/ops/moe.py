@@ -1,16 +1,19 @@
-"""MoE routing (deterministic tie-break) and the expert FFN, as a sort-by-expert grouped GEMM.
+"""The expert FFN and the one dispatcher of its grouped GEMMs.
 
-Routing (ARCHITECTURE §2.1): softmax over the f32 router logits, top-k with ties broken towards the
-LOWER expert index, renormalise the k weights to sum 1, multiply by per_expert_scale[expert].
-A stable descending sort gives exactly that order (equal probabilities keep index order), on any
-device, which torch.topk does not promise.
+Experts: gate_up [E, 2F, H] (gate ‖ up), down [E, H, F], act gelu_tanh(gate)·up. Routing (softmax, top-k with
+ties towards the lower expert, renormalise, per-expert scale) is ops/route.py's.
 
-Experts: gate_up [E, 2F, H] (gate ‖ up), down [E, H, F], act gelu_tanh(gate)·up.
   experts_ref      loop over experts, obviously correct (the twin)
   experts_grouped  flatten the T·k routes, stable-sort them by expert, gather the rows, two grouped
                    GEMMs (torch._grouped_mm: one launch streams every expert's weights once), then
                    un-permute and sum the k contributions per token in f32. No atomics, no host sync:
                    safe inside a CUDA graph and bit-deterministic.
+  expert_ffn       the engine's expert FFN over routes already grouped by expert (ops/moe_plan.py makes them)
+  grouped_mm       one grouped GEMM against a plain or packed expert stack: runs the path ops/moe_paths.py names
+                   (torch._grouped_mm, the bf16 streaming kernel, the packed kernels, or dequantize then GEMM)
+  dequantize_stack a packed stack decoded by the kernel of its layout (ops/moe_packed.py or ops/moe_q4.py)
+
+The implementation modules import none of each other's dispatch: this module chooses, they compute.
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def route(router_logits: torch.Tensor, k: int, per_expert_scale: torch.Tensor):
-    """router_logits f32 [T, E] -> (weights f32 [T, k], experts int64 [T, k])."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    vals, idx = vals[:, :k], idx[:, :k]
-    w = vals / vals.sum(-1, keepdim=True)
-    return w * per_expert_scale.float()[idx], idx
+from .gelu_mul import gelu_mul
+from .grouped import gelu_after, grouped_mm_torch, route_count, routed
+from . import moe_packed, moe_q4, moe_stream
+from .moe_paths import STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
+from .q4_tiles import LAYOUT
+from .route import route  # noqa: F401  (routing's torch twin, long imported from here)
 
 
 def experts_ref(x, weights, experts, gate_up, down):
@@ -42,43 +43,6 @@ def experts_ref(x, weights, experts, gate_up, down):
     return out
 
 
-def _grouped_mm(a, w, offs):
-    """a [M, K] rows sorted by group, w [G, N, K] -> [M, N] with rows of group g multiplied by w[g]^T."""
-    try:
-        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        # Older CPU builds have no grouped kernel: same result via a loop (host sync, CPU only).
-        out = a.new_empty(a.shape[0], w.shape[1])
-        start = 0
-        for g, end in enumerate(offs.tolist()):
-            out[start:end] = a[start:end] @ w[g].T
-            start = end
-        return out
-
-
-def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True, fuse_glu=True):
-    """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
-    or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
-    -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
-    (ops.moe_packed.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
-    launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
-    x may be the f16 operand of bf16 activations (moe_packed.takes_f16_operand); gelu·up hands the down GEMM
-    its input the same way when that GEMM takes it, unless f16_operands is False (the engine's A/B knob). The
-    results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
-    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B)."""
-    from .gelu_mul import gelu_mul
-    from .moe_packed import grouped_mm_packed as gmm  # packed or plain stacks; streams at denoise
-    from .moe_packed import route_count, takes_f16_operand
-
-    out_dtype = out_dtype or x.dtype
-    as_f16 = f16_operands and takes_f16_operand(down, route_count(x, src), x)
-    if fuse_glu:
-        h = gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True, glu_f16=as_f16)
-    else:
-        h = gelu_mul(gmm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=as_f16)
-    return gmm(h, down, offs, order=order, out_dtype=out_dtype)
-
-
 def experts_grouped(x, weights, experts, gate_up, down):
     T, H = x.shape
     k = experts.shape[1]
@@ -89,10 +53,67 @@ def experts_grouped(x, weights, experts, gate_up, down):
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x.index_select(0, order // k)                    # [T*k, H]
-    gu = _grouped_mm(xs, gate_up, offs)                   # [T*k, 2F]
+    gu = grouped_mm_torch(xs, gate_up, offs)              # [T*k, 2F]
     h = (F.gelu(gu[:, :Fe].float(), approximate="tanh") * gu[:, Fe:].float()).to(x.dtype)
-    y = _grouped_mm(h, down, offs)                        # [T*k, H]
+    y = grouped_mm_torch(h, down, offs)                   # [T*k, H]
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=x.device)
     y = y.index_select(0, inv).view(T, k, H)
     return torch.einsum("tkh,tk->th", y.float(), weights.float())
+
+
+def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True, fuse_glu=True):
+    """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
+    or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
+    -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
+    (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
+    launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
+    x may be the f16 operand of bf16 activations (ops/moe_paths.takes_f16_operand); gelu·up hands the down GEMM
+    its input the same way when that GEMM takes it, unless f16_operands is False (the engine's A/B knob). The
+    results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
+    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B)."""
+    out_dtype = out_dtype or x.dtype
+    as_f16 = f16_operands and takes_f16_operand(down, route_count(x, src), x)
+    if fuse_glu:
+        h = grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True, glu_f16=as_f16)
+    else:
+        h = gelu_mul(grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=as_f16)
+    return grouped_mm(h, down, offs, order=order, out_dtype=out_dtype)
+
+
+def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
+    """x @ W[g]^T per expert group: x grouped [M, K], or per token [T, K] with src [M] naming each route's row;
+    W a plain [E, N, K] stack or a packed one; offs int32 [E] cumulative ends -> [M, N].
+    order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
+    out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
+    and a path other than the q4-tiles kernel first turns x back into it (exact: it is a copy of bf16 values).
+    glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
+    epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them)."""
+    routes = route_count(x, src)
+    path = expert_gemm_path(w, routes, x)
+    if out_dtype is not None and x.dtype != out_dtype and path != "q4-tiles":
+        x = x.to(out_dtype)
+    if path == "stream":  # its epilogue writes x's dtype; the f16-operand form is gelu_mul's
+        if glu_f16:
+            return gelu_after(moe_stream.grouped_mm_triton(x, w, offs, src=src, order=order), glu, True)
+        return moe_stream.grouped_mm_triton(x, w, offs, src=src, order=order, glu=glu)
+    if path == "torch":
+        return gelu_after(grouped_mm_torch(routed(x, src), w, offs), glu, glu_f16)
+    if path == "twin":
+        return gelu_after(moe_packed.grouped_mm_packed_ref(routed(x, src), w, offs), glu, glu_f16)
+    if path == "dequant":
+        return gelu_after(grouped_mm_torch(routed(x, src), dequantize_stack(w, x.dtype), offs), glu, glu_f16)
+    if path == "q4-tiles":  # the epilogue makes gelu·up where the stack was laid for it
+        fused = glu and w.glu
+        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=32 if routes <= STREAM_MAX_ROWS * w.shape[0] else 64,
+                                         order=order, out_dtype=out_dtype, glu=fused, glu_f16=fused and glu_f16)
+        return out if fused else gelu_after(out, glu, glu_f16)
+    return moe_packed.grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu,
+                                               glu_f16=glu_f16)
+
+
+def dequantize_stack(w, dtype=torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed tensor decoded on its device by the kernel that reads its layout, into `out` (or a new tensor)."""
+    if w.layout == LAYOUT:
+        return moe_q4.dequantize_q4_tiles(w, dtype, out)
+    return moe_packed.dequantize_triton(w, dtype, out)

@@ -1,44 +1,38 @@
-"""Packed (quantized) weights on the device, and the GEMMs that read them without a bf16 copy.
+"""The grouped GEMM that reads packed expert stacks (q4 / q5 / q6 / nvfp4, in the pack's byte order) without a
+bf16 copy, and the dequantize kernel.
 
-A `PackedWeight` is one pack record (quant/codecs.py byte layouts) uploaded to the device as it is:
-one uint8 buffer, with zero-copy [R, row_bytes] views of its planes. Every plane is 64-byte aligned
-in the record, so the kernels may use wide typed loads on it.
+  grouped_mm_packed_triton  out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as
+                            torch._grouped_mm), W a packed [E, N, K] stack. The weight tile is dequantized in
+                            registers and fed straight to tl.dot (f32 accumulation). The product is computed
+                            transposed (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB"): N is large and rows per expert
+                            are few at denoise (2048 routes / 128 experts ≈ 16), so N fills the MMA's wide side.
+                            One program per (N tile, expert) loops over that expert's row tiles, so the grid is
+                            fixed by shapes (graph-safe, no host sync) and every SM streams weights.
+  launch_grouped            that kernel for any format, RAW (plain weights in x's dtype) included: ops/moe_stream.py
+  dequantize_triton         the decode as a kernel: the prefill path dequantizes one layer's stack into a bf16
+                            scratch and runs the CUTLASS grouped GEMM (ops/moe_paths.py, "dequant")
+  grouped_mm_packed_ref     the twin: dequantize (ops/packed_weight.py), then the bf16 grouped GEMM
+  expert_ffn_packed_ref     the twin of the packed expert FFN
 
-  grouped_mm_packed     out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as
-                        torch._grouped_mm), W a packed [E, N, K] stack in q4 / q5 / q6 / nvfp4.
-                        Triton: the weight tile is dequantized in registers and fed straight to
-                        tl.dot (f32 accumulation). The product is computed transposed (acc[BN, BM] =
-                        W_tile · x_tileᵀ, "swap AB"): N is large and rows per expert are few at
-                        denoise (2048 routes / 128 experts ≈ 16), so N fills the MMA's wide side.
-                        One program per (N tile, expert) loops over that expert's row tiles, so the
-                        grid is fixed by shapes (graph-safe, no host sync) and every SM streams weights.
-  dequantize            torch twin of the decode, device-agnostic (any tensor ops, no kernel).
-  dequantize_triton     the same decode as a kernel: the prefill path (many rows per expert) dequantizes
-                        one layer's stack into a bf16 scratch and runs the CUTLASS grouped GEMM, which is
-                        compute bound there and faster than a dequant-in-the-loop GEMM (see PREFILL_ROWS).
-  linear                x @ W^T for a plain tensor or a packed q8 per-row weight (the SC MLP): ops/q8_linear.py
-                        (the kernel reads the int8 codes; its twin multiplies them in x.dtype, then scales rows).
-  expert_ffn_packed_ref the twin of the packed expert FFN: dequantize, then the bf16 grouped GEMMs.
-
-On CUDA a q4 expert stack is re-laid at load into ops/moe_q4.py's "q4-tiles" byte order (PackedWeight.layout);
-grouped_mm_packed_triton and dequantize_triton hand such a weight to that file's kernels, and the twins read
-it back in the pack's order (moe_q4.natural_planes).
+A q4 stack re-laid in the q4-tiles order has its own kernels (ops/moe_q4.py); ops/moe.py chooses between them.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import TensorError
-from ..quant import codecs
-from . import moe_q4
-from ._backend import HAVE_TRITON, use_triton
-from .moe import _grouped_mm
+from ._backend import HAVE_TRITON
+from .gelu_mul import gelu_mul_ref
+from .grouped import gelu_after, grouped_mm_torch, route_count
+from .layouts import GROUP, rows_k
+from .moe_paths import STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .q8_linear import q8_linear
+from .packed_weight import EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401  (also model/'s names for them)
+
+# model/ imports these from here; their homes are ops/moe_paths.py and ops/q8_linear.py
+from .moe_paths import PREFILL_ROWS, dequantizes_for, takes_f16_operand  # noqa: F401
+from .q8_linear import linear, linear_ref  # noqa: F401
 
 if HAVE_TRITON:
     import triton
@@ -47,116 +41,14 @@ if HAVE_TRITON:
     from .gelu_mul import glu_tile
     from .moe_plan import expert_rows
 
-EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
 _FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
 RAW = 4  # the grouped GEMM's FMT for unquantized weights (the bf16 streaming path of ops/moe_stream.py)
-_AFFINE_HI_BITS = {"q5": 1, "q6": 2}
-
-# Rows per expert at and above which the expert FFN dequantizes the layer's stack to a bf16 scratch and
-# uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
-# in-kernel dequant streams the packed bytes once. DIFFGEMMA_PACKED_PREFILL=kernel forces the kernel.
-PREFILL_ROWS = 128
-
-
-def dequantizes_for(rows_per_expert: float) -> bool:
-    """Whether a packed expert GEMM with this many rows per expert dequantizes to a bf16 scratch (on CUDA)."""
-    return rows_per_expert >= PREFILL_ROWS and os.environ.get("DIFFGEMMA_PACKED_PREFILL", "dequant") != "kernel"
-
-
-@dataclass
-class PackedWeight:
-    """One quantized tensor on a device: its whole record (uint8) and zero-copy views of its planes."""
-
-    fmt: str
-    shape: tuple  # the logical tensor shape, K last ([E, N, K] for an expert stack, [N, K] for a linear)
-    record: torch.Tensor  # uint8 [record_nbytes]
-    planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
-    tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
-    layout: str = "natural"  # the pack's byte order, or ops/moe_q4.py's "q4-tiles" (made on the device at load)
-    # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
-    # the GEMM can make gelu·up in its epilogue (ops/moe_q4.to_tile_layout(glu=True)); the logical shape is unchanged
-    glu: bool = False
-
-    @classmethod
-    def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
-        shape = tuple(int(s) for s in shape)
-        need = codecs.record_nbytes(fmt, shape)
-        if record.dtype != torch.uint8 or record.dim() != 1 or record.numel() != need:
-            raise TensorError(f"{fmt} record for shape {list(shape)} must be {need} uint8 bytes, "
-                              f"got {record.dtype} {list(record.shape)}")
-        if record.data_ptr() % codecs.ALIGN:
-            raise TensorError(f"{fmt} record for shape {list(shape)} is not {codecs.ALIGN}-byte aligned on {record.device}")
-        planes = {p.name: record[p.offset:p.offset + p.nbytes].view(p.rows, p.row_bytes) for p in codecs.planes(fmt, shape)}
-        tscale = 1.0
-        if fmt == "nvfp4":  # the one f32 tensor scale: a kernel argument, read to the host once
-            tscale = float(planes["tscale"].cpu().view(torch.float32)[0, 0])
-        return cls(fmt, shape, record, planes, tscale)
-
-    @property
-    def nbytes(self) -> int:
-        return self.record.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.record.device
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize(self, dtype)
-
-
-# ----------------------------------------------------------------------------------------- torch twins
-
-_E2M1 = torch.tensor(codecs.E2M1_VALUES + tuple(-v for v in codecs.E2M1_VALUES), dtype=torch.float32)
-
-
-def _bits(b: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32, device=b.device) * bits
-    return ((b.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], -1)
-
-
-def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
-    """The whole tensor, decoded in f32 on its own device, returned as `dtype` in its logical shape."""
-    r, k = codecs.rows_k(pw.shape)
-    p = pw.planes if pw.layout == "natural" else moe_q4.natural_planes(pw)
-    if pw.fmt in ("q4", "q5", "q6"):
-        q = codecs.unpack_nibbles(p["codes" if pw.fmt == "q4" else "lo"])
-        if pw.fmt in _AFFINE_HI_BITS:
-            q = q | (_bits(p["hi"], _AFFINE_HI_BITS[pw.fmt]) << 4)
-        s = p["scale"].view(torch.float16).float().unsqueeze(-1)
-        m = p["min"].view(torch.float16).float().unsqueeze(-1)
-        w = q.reshape(r, k // 32, 32).float() * s + m
-    elif pw.fmt == "q8":
-        w = p["codes"].view(torch.int8).float() * p["scale"].view(torch.float32)
-    elif pw.fmt == "nvfp4":
-        val = _E2M1.to(pw.device)[codecs.unpack_nibbles(p["codes"]).long()].reshape(r, k // 16, 16)
-        w = val * (p["scale"].view(torch.float8_e4m3fn).float() * pw.tscale).unsqueeze(-1)
-    else:
-        raise TensorError(f"cannot dequantize format {pw.fmt!r}")
-    return w.reshape(pw.shape).to(dtype)
-
-
 def grouped_mm_packed_ref(xs, w: PackedWeight, offs):
-    return _grouped_mm(xs, dequantize(w, xs.dtype), offs)
+    return grouped_mm_torch(xs, dequantize(w, xs.dtype), offs)
 
 
 def expert_ffn_packed_ref(xs, gate_up: PackedWeight, down: PackedWeight, offs):
-    from .gelu_mul import gelu_mul_ref
-
     return grouped_mm_packed_ref(gelu_mul_ref(grouped_mm_packed_ref(xs, gate_up, offs)), down, offs)
-
-
-def linear_ref(x, w):
-    return x @ (dequantize(w, x.dtype) if isinstance(w, PackedWeight) else w).T
-
-
-def linear(x, w):
-    """x [M, K] @ W^T for a plain [N, K] tensor or a packed q8 per-row weight (other formats: dequantized)."""
-    if not isinstance(w, PackedWeight):
-        return x @ w.T
-    if w.fmt != "q8":
-        return linear_ref(x, w)
-    return q8_linear(x, w.planes["codes"].view(torch.int8), w.planes["scale"].view(torch.float32).reshape(-1))
 
 
 # ----------------------------------------------------------------------------------------- Triton
@@ -320,14 +212,15 @@ def _plane_args(w: PackedWeight):
     raise TensorError(f"no packed GEMM kernel for format {w.fmt!r} (expert formats: {', '.join(EXPERT_FORMATS)})")
 
 
-# Up to this many rows per expert a grouped GEMM streams its weights (denoise: 2048 routes / 128 experts = 16);
-# above it (prefill: 8192 x 8 / 128 = 512) it is compute bound. The bf16 stream kernel (ops/moe_stream.py) hands
-# those shapes to CUTLASS; the packed kernel switches to its "compute" tiles.
-STREAM_MAX_ROWS = 48
+def _check_natural(w: PackedWeight, name: str, q4_name: str):
+    if w.layout != "natural":
+        raise TensorError(f"{name} reads the pack's byte order; a {w.layout} weight goes to ops/moe_q4.{q4_name} "
+                          "(ops/moe.py chooses)")
+
+
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
-# stream: with the side planes prefetched (round 7), BN 128 / BK 64 / 4 warps on the H200, two runs: q4 gate_up
-# 0.320 / 0.304 ms against 0.376 / 0.350 for round 6's (64, 32, 64, 4, 4); down 0.206 / 0.226 against 0.219 / 0.236
-# (bench/bench_pack.py, bench/RESULTS.md round 7).
+# stream: with the side planes prefetched, BN 128 / BK 64 / 4 warps is the fastest on the H200 (bench/bench_pack.py):
+# q4 gate_up 0.30-0.32 ms against 0.35-0.38 for (64, 32, 64, 4, 4), down 0.21-0.23 against 0.22-0.24.
 CONFIGS = {"stream": (128, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 
@@ -335,58 +228,26 @@ def pick_config(m: int, experts: int) -> tuple:
     return CONFIGS["stream" if m <= STREAM_MAX_ROWS * experts else "compute"]
 
 
-def routed(x: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
-    """The routes' input rows grouped by expert: x itself, or x[src] when x holds one row per token."""
-    return x if src is None else x.index_select(0, src)
-
-
-def route_count(x: torch.Tensor, src: torch.Tensor | None) -> int:
-    """Rows of the grouped GEMM: x's, or src's when src names one row of x per route. src must be a 1-D
-    integer tensor on x's device (its values are not read here: that would cost a host sync; moe_plan makes them)."""
-    if src is None:
-        return x.shape[0]
-    if src.dim() != 1 or src.dtype not in (torch.int32, torch.int64) or src.device != x.device:
-        raise TensorError(f"grouped GEMM: src must be a 1-D int32/int64 tensor on {x.device}, got "
-                          f"{src.dtype} {list(src.shape)} on {src.device}")
-    return src.shape[0]
-
-
 def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = None, src=None, prefetch: bool = True,
                              order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row (the gather is
     done by the kernel's x loads); w packed [E, N, K], offs int32 [E] -> [M, N] in x.dtype. prefetch=False
-    loads the scales in the K-step that uses them (the old loop: for tests and A/B). A q4-tiles weight goes
-    to ops/moe_q4.py's kernel. order: int32 [E], the experts in the order their programs launch (the most rows
-    first, from ops/moe_plan.moe_plan_with_order); the result does not depend on it. out_dtype: see grouped_mm_packed.
-    glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2] (gelu_mul of the plain result), made in
-    the kernel's epilogue (a q4-tiles stack: when it was laid for it, else by gelu_mul after); glu_f16: as the f16
-    operand of its bf16 value (gelu_mul(as_f16=True)), for a down GEMM that takes one."""
+    loads the scales in the K-step that uses them (for tests and A/B). order: int32 [E], the experts in the order
+    their programs launch (the most rows first, from ops/moe_plan.moe_plan_with_order); the result does not depend
+    on it. out_dtype: the result's (default x's; x is converted to it). glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2]
+    (gelu_mul of the plain result), made in the kernel's epilogue; glu_f16: as the f16 operand of its bf16 value
+    (gelu_mul(as_f16=True) after the kernel), for a down GEMM that takes one."""
+    _check_natural(w, "grouped_mm_packed_triton", "grouped_mm_q4_tiles")
     E, N, K = w.shape
     M = route_count(x, src)
-    if w.layout == moe_q4.LAYOUT:  # q4 re-laid at load: its own kernel (config: only its BM is used)
-        BM = config[1] if config else (32 if M <= STREAM_MAX_ROWS * E else 64)
-        fused = glu and w.glu
-        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=BM, order=order, out_dtype=out_dtype, glu=fused,
-                                         glu_f16=fused and glu_f16)
-        return out if fused else gelu_after(out, glu, glu_f16)
     x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
     BN, BM, BK, warps, stages = config or pick_config(M, E)
     fused = glu and not glu_f16  # this kernel's epilogue writes x's dtype; the f16-operand form is gelu_mul's
     out = launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, fused, *_plane_args(w),
-                         tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], PREFETCH=prefetch)
+                         tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], PREFETCH=prefetch)
     return out if fused else gelu_after(out, glu, glu_f16)
-
-
-def gelu_after(out: torch.Tensor, glu: bool, as_f16: bool = False) -> torch.Tensor:
-    """A grouped GEMM's result, or gelu·up of it (as f16 operands with as_f16) when the caller asked for glu and the
-    path had no fused epilogue."""
-    if not glu:
-        return out
-    from .gelu_mul import gelu_mul
-
-    return gelu_mul(out, as_f16=as_f16)
 
 
 def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, p0, p1, p2, p3, *, tscale, FMT, GS,
@@ -409,40 +270,9 @@ def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu,
 
 def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor | None = None, BR: int = 32, BK: int = 256):
     """The packed tensor decoded by a kernel into `out` (or a new tensor) of its logical shape."""
-    if w.layout == moe_q4.LAYOUT:
-        return moe_q4.dequantize_q4_tiles(w, dtype, out)
-    R, K = codecs.rows_k(w.shape)
+    _check_natural(w, "dequantize_triton", "dequantize_q4_tiles")
+    R, K = rows_k(w.shape)
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
     _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](out, *_plane_args(w), float(w.tscale), R, K,
-                                                              FMT=_FMT_ID[w.fmt], GS=codecs.GROUP[w.fmt], BR=BR, BK=BK, num_warps=4)
+                                                              FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], BR=BR, BK=BK, num_warps=4)
     return out
-
-
-def takes_f16_operand(w, routes: int, x) -> bool:
-    """Whether grouped_mm_packed(x, w) over `routes` rows runs ops/moe_q4.py's kernel, whose MMA takes f16: then
-    the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same bits, less work."""
-    return (isinstance(w, PackedWeight) and w.layout == moe_q4.LAYOUT and use_triton(x)
-            and not dequantizes_for(routes / w.shape[0]))
-
-
-def grouped_mm_packed(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
-    """x @ W[g]^T per expert group; x grouped [M, K], or per token [T, K] with src (see grouped_mm_packed_triton).
-    W packed, or a plain stack (ops/moe_stream.grouped_mm): the expert FFN's one dispatcher (ops/moe.expert_ffn).
-    order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
-    out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
-    and a path other than the q4 kernel first turns x back into it (exact: it is a copy of bf16 values).
-    glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up (fused into the streaming kernels' epilogue), as
-    f16 operands with glu_f16 (for a down GEMM that takes them)."""
-    if out_dtype is not None and x.dtype != out_dtype and not takes_f16_operand(w, route_count(x, src), x):
-        x = x.to(out_dtype)
-    if not isinstance(w, PackedWeight):  # a stack left in bf16 beside a packed one
-        from .moe_stream import grouped_mm
-
-        if glu_f16:
-            return gelu_after(grouped_mm(x, w, offs, src=src, order=order), glu, True)
-        return grouped_mm(x, w, offs, src=src, order=order, glu=glu)
-    if not use_triton(x):
-        return gelu_after(grouped_mm_packed_ref(routed(x, src), w, offs), glu, glu_f16)
-    if dequantizes_for(route_count(x, src) / w.shape[0]):
-        return gelu_after(_grouped_mm(routed(x, src), dequantize_triton(w, x.dtype), offs), glu, glu_f16)
-    return grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu, glu_f16=glu_f16)

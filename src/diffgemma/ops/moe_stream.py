@@ -5,18 +5,17 @@
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
 45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.8 TB/s
 on the H200 with balanced routing; this kernel at 3.65 TB/s (gate_up) and 3.15 TB/s (down), and the 1k denoise
-step drops from 22.4 to 17.6 ms (bench/RESULTS.md, round 5). It is the packed grouped GEMM of ops/moe_packed.py
+step drops from 22.4 to 17.6 ms. It is the packed grouped GEMM of ops/moe_packed.py
 run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
 shapes (graph-safe, no host sync) and every SM streams weights.
 
-The engine uses it for bf16 expert stacks on CUDA when the rows per expert are few (denoise), and
-torch._grouped_mm otherwise; `DIFFGEMMA_EXPERT_GEMM=cutlass` forces torch._grouped_mm everywhere.
+ops/moe.py runs it for bf16 expert stacks on CUDA when the rows per expert are few (denoise), and
+torch._grouped_mm otherwise (ops/moe_paths.py, "stream"; `DIFFGEMMA_EXPERT_GEMM=cutlass` turns it off).
 
   grouped_mm_ref      the twin: torch._grouped_mm (or its per-expert loop on builds without it)
   grouped_mm_triton   the kernel
-  grouped_mm          the dispatcher the expert FFN calls
 """
 
 from __future__ import annotations
@@ -24,22 +23,18 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from . import moe_packed as mp
-from ._backend import env_choice, use_triton
-from .moe import _grouped_mm
+from .grouped import grouped_mm_torch
+from .moe_packed import RAW, launch_grouped
 
-# Above this many rows per expert the GEMM is compute bound and CUTLASS's tiles win (moe_packed's threshold).
-STREAM_MAX_ROWS = mp.STREAM_MAX_ROWS
 # (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
 # projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
 SHORT_K = 1024
-ENV_VAR = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
 
 
 def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return _grouped_mm(xs, w, offs)
+    return grouped_mm_torch(xs, w, offs)
 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: tuple | None = None,
@@ -57,18 +52,5 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     x, w = x.contiguous(), w.contiguous()
     BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
-    return mp.launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, w, w, w, w, tscale=1.0,
-                             FMT=mp.RAW, GS=32, PREFETCH=False)
-
-
-def expert_gemm_choice() -> str:
-    return env_choice(ENV_VAR, ("triton", "cutlass"))
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
-               order: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
-    """The streaming kernel at denoise (the gather of x[src] inside its loads; experts launched in `order` when
-    given; gelu·up in its epilogue with glu), torch._grouped_mm otherwise (then gelu_mul with glu)."""
-    if use_triton(x) and mp.route_count(x, src) <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
-        return grouped_mm_triton(x, w, offs, src=src, order=order, glu=glu)
-    return mp.gelu_after(grouped_mm_ref(mp.routed(x, src), w, offs), glu)
+    return launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, w, w, w, w, tscale=1.0,
+                          FMT=RAW, GS=32, PREFETCH=False)

@@ -1,14 +1,16 @@
 """x @ Wᵀ for a q8 weight (per-row symmetric: W[n, k] = codes[n, k] · scale[n]), reading the int8 codes in the GEMM.
 
-The SC MLP of a packed model is q8 (ARCHITECTURE.md §8). Its torch form converts the whole [N, K] code matrix to the
-activations' dtype every call (the codes are exact there, |code| <= 127) and scales the product's rows after: at the
-full-size SC shapes that took 84 µs a denoise step, 65 of it the conversions (bench/RESULTS.md round 22). Here the
+The SC MLP of a packed model is q8 (every quantization profile keeps it so). Its torch form converts the whole [N, K]
+code matrix to the activations' dtype every call (the codes are exact there, |code| <= 127) and scales the product's
+rows after: at the full-size SC shapes most of its time is those conversions. Here the
 kernel loads the codes as they lie (half the bytes of bf16), converts each tile in registers, accumulates in f32 and
 scales the accumulator once, rounding once at the end.
 
   q8_linear_ref      the twin: x @ codes.to(x.dtype)ᵀ, then the row scale in f32 (the torch form)
   q8_linear_triton   the kernel
   q8_linear          the dispatcher: the kernel on CUDA, the twin elsewhere
+  linear             x @ Wᵀ for a plain weight or a packed one (ops/packed_weight.py): q8 through q8_linear, other
+                     formats dequantized first (linear_ref: the twin, dequantize then multiply)
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
+from .packed_weight import PackedWeight, dequantize
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes, the fastest of 12 on the H200 (round 22's probe, graphed):
+# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes, the fastest of 12 on the H200 (CUDA-graphed):
 # 23.0 µs (256 x 2816 -> 4224) and 18.1 µs (256 x 2112 -> 2816) against the torch form's 53.4 and 30.5; the next
 # configs 26.5 and 20.5. (cuBLAS on bf16 weights made beforehand: 11.4 and 7.6, at twice the weight bytes held.)
 CONFIG = (128, 64, 128, 8, 3)
@@ -81,3 +84,16 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torc
     if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
         return q8_linear_triton(x, codes, scale)
     return q8_linear_ref(x, codes, scale)
+
+
+def linear_ref(x, w):
+    return x @ (dequantize(w, x.dtype) if isinstance(w, PackedWeight) else w).T
+
+
+def linear(x, w):
+    """x [M, K] @ W^T for a plain [N, K] tensor or a packed q8 per-row weight (other formats: dequantized)."""
+    if not isinstance(w, PackedWeight):
+        return x @ w.T
+    if w.fmt != "q8":
+        return linear_ref(x, w)
+    return q8_linear(x, w.planes["codes"].view(torch.int8), w.planes["scale"].view(torch.float32).reshape(-1))

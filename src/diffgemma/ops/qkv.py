@@ -88,7 +88,7 @@ if HAVE_TRITON:
 
 # A program takes several heads of one token (2048 values: 8 heads of 256, 4 of 512) and computes the token's
 # cos / sin once for all of them. One program per (token, head) took 9.9 / 8.6 µs a layer at the denoise shape on
-# the H200, 2-3x the bytes' time; this 3.7 / 4.7 µs (bench/RESULTS.md round 13).
+# the H200, 2-3x the bytes' time; this 3.7 / 4.7 µs.
 VALUES_PER_PROGRAM = 2048
 
 

@@ -3,7 +3,7 @@
 Routing is control flow, so its logits stay f32. Two ways to make them on the GPU:
 - cuBLAS's f32 GEMM (`pieces=None`): bit-identical to the torch twin's logits. At the denoise shape it is a
   split-K SIMT GEMM on ~128 thread blocks plus a reduce (15 µs), and its blocks fill every SM, so the dense MLP
-  beside it on the other stream waits for them (bench/RESULTS.md, round 19).
+  beside it on the other stream waits for them.
 - the bf16x3 GEMM (`pieces`, the engine's default on CUDA): the f32 input is split in registers into three bf16
   parts, x = x1 + x2 + x3 exactly (8 + 8 + 8 mantissa bits), and the weight is bf16 already (a checkpoint's router
   is bf16; otherwise it is split too, `router_pieces`). A bf16 x bf16 product is exact in f32, so the tensor
@@ -11,11 +11,12 @@ Routing is control flow, so its logits stay f32. Two ways to make them on the GP
   tensor core and the chunks added in f32. A program takes a row block and a K slice; its partial logits
   go to [S, T, E] and the routing kernel adds the S slices in order (deterministic, no atomics). Few small
   blocks, so the dense MLP's GEMMs run beside it.
-The routing kernel replaces round 1's softmax + radix sort + slice + sum + div + gather + mul: per row, in
-registers, p = softmax(logits); k times: take the largest p, the LOWEST column holding it (the tie-break of
-ARCHITECTURE §2.1), mask it; w = picked / Σpicked · per_expert_scale[e].
+The routing kernel does in one launch what the torch twin does in seven (softmax, sort, slice, sum, div, gather,
+mul): per row, in registers, p = softmax(logits); k times: take the largest p, the LOWEST column holding it (the
+twin's stable sort gives the same tie-break), mask it; w = picked / Σpicked · per_expert_scale[e].
 
-  route_ref           the torch twin: f32 matmul + `moe.route` (stable sort)
+  route               routing from f32 logits in torch (a stable sort gives the tie-break)
+  route_ref           the torch twin: f32 matmul + `route`
   router_pieces       the router weight as bf16 parts [P, E, H] (P = 1 for a bf16 weight, else 3)
   router_gemm_triton  the bf16x3 GEMM's partial logits [S, T, E]
   route_triton        the logits (cuBLAS, or the bf16x3 GEMM given pieces) + the routing kernel
@@ -28,16 +29,27 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
-from .moe import route
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
 # the bf16x3 router GEMM: (BM rows, KS of K a program, BK a tensor-core chunk, warps, stages). At the denoise
-# shape (256 x 2816 -> 128): 4 x 11 = 44 programs; round 19's probe had it at 5.5 µs alone and 28.7 µs beside
+# shape (256 x 2816 -> 128): 4 x 11 = 44 programs; on the H200 5.5 µs alone and 28.7 µs beside
 # the dense MLP (which alone takes 21.4; cuBLAS's f32 GEMM beside it: 35.7).
 ROUTER_GEMM_CONFIG = (64, 256, 64, 4, 3)
+
+
+def route(router_logits: torch.Tensor, k: int, per_expert_scale: torch.Tensor):
+    """router_logits f32 [T, E] -> (weights f32 [T, k], experts int64 [T, k]): softmax, top-k with ties broken
+    towards the LOWER expert index, the k weights renormalised to sum 1, times per_expert_scale[expert]. A stable
+    descending sort gives exactly that order (equal probabilities keep index order) on any device, which
+    torch.topk does not promise."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
+    w = vals / vals.sum(-1, keepdim=True)
+    return w * per_expert_scale.float()[idx], idx
 
 
 def router_pieces(router_w: torch.Tensor) -> torch.Tensor:

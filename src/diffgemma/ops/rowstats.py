@@ -22,7 +22,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
 # The sampler's rows are few and long (256 x 262144 at full size). One program per row leaves most of the
-# H200's memory parallelism idle: those kernels read 1.2-1.7 TB/s (bench/RESULTS.md, round 5). So the
+# H200's memory parallelism idle: such kernels read 1.2-1.7 TB/s. So the
 # column range of a row is cut into segments of SEGMENT columns, one program each; reductions write one
 # partial per segment and a small kernel combines them. A row of at most SEGMENT columns (the demo
 # model's 2048) is one segment, with the same arithmetic as one program per row.
@@ -411,7 +411,7 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     # 4 warps, lanes of 8: 71.6 µs at [256, 262144] on the H200 (8 warps as fast, 2 slower, lanes of 4 or 16 and
-    # blocks of 1024 or 4096 within 4 %; scratch probe of round 22)
+    # blocks of 1024 or 4096 within 4 %)
     _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), za["table"], BLOCK=block,
                                              LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"],
                                              EVEN=n % span == 0, num_warps=num_warps)

@@ -4,7 +4,7 @@ At the denoise shape (256 rows) cuBLAS tiles the dense MLP's GEMMs into about on
 A kernel launched beside them on another stream (the router chain: a few dozen small blocks) takes a few SMs first
 and pushes the GEMM's last blocks into a second wave, so the two run one after the other. With the
 GEMM told to target all SMs but a few (cuBLASLt's SM count target, which torch sets from its experimental SM
-carveout), both fit at once: bench/RESULTS.md round 16 has the numbers.
+carveout), both fit at once.
 
   cublas_sm_carveout(sms)   a context: GEMMs called in it go through cuBLASLt and target all SMs but `sms`
                             (None: no change). The choice is made on the host when the GEMM is called, so a

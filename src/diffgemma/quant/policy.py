@@ -1,4 +1,4 @@
-"""Which format each tensor gets: the five profiles, tensor classes and `--set class=format` (ARCHITECTURE §8, §8.2).
+"""Which format each tensor gets: the five profiles, tensor classes and `--set class=format`.
 
 Profiles (the base policy; everything not named stays raw = the source bytes verbatim):
     q4      experts q4 (group-32 affine), SC MLP q8 per-row

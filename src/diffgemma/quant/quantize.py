@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..errors import TensorError
 from . import codecs
-from .overlay import external_file_entry
+from .externals import external_file_entry
 from .pack import Manifest, PackWriter, TensorEntry, assign_offsets, version_for
 from .policy import Policy, make_policy, tensor_class
 from .shards import FLOAT_DTYPES, HFCheckpoint

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CheckpointError, TensorError
 from . import codecs
-from .overlay import resolve_external
+from .externals import resolve_external
 from .pack import BLOB, MANIFEST, Manifest, TensorEntry, read_manifest
 from .shards import torch_dtype
 

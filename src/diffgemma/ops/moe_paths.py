@@ -1,0 +1,66 @@
+"""Which implementation an expert GEMM runs: the one rule ops/moe.py's dispatcher follows.
+
+`expert_gemm_path(w, routes, x)` names the path for a GEMM of `routes` rows against the expert stack w:
+
+  "torch"     a plain (bf16) stack where the streaming kernel does not apply: torch._grouped_mm (CUTLASS on CUDA)
+  "stream"    a plain stack on CUDA with few rows per expert (denoise): ops/moe_stream.py's weight-streaming kernel
+  "twin"      a packed stack without Triton (CPU, DIFFGEMMA_NO_TRITON): dequantize in torch, then torch._grouped_mm
+  "dequant"   a packed stack with many rows per expert (prefill): the layer's stack dequantized by a kernel into a
+              bf16 scratch, then torch._grouped_mm, which is compute bound there and faster than dequantizing in
+              the GEMM's loop
+  "q4-tiles"  a q4 stack in the q4-tiles layout (ops/q4_tiles.py): ops/moe_q4.py's kernel
+  "packed"    any other packed stack (q4 / q5 / q6 / nvfp4 in the pack's order): ops/moe_packed.py's kernel
+
+Two environment variables move the thresholds' choices for A/B: DIFFGEMMA_EXPERT_GEMM=cutlass sends plain stacks
+to "torch" at every size, DIFFGEMMA_PACKED_PREFILL=kernel keeps packed stacks in their kernel at prefill.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._backend import env_choice, use_triton
+from .packed_weight import PackedWeight
+from .q4_tiles import LAYOUT
+
+# Up to this many rows per expert a grouped GEMM streams its weights (denoise: 2048 routes / 128 experts = 16);
+# above it (prefill: 8192 x 8 / 128 = 512) it is compute bound. The bf16 stream kernel hands those shapes to
+# CUTLASS; the packed kernel switches to its "compute" tiles.
+STREAM_MAX_ROWS = 48
+
+# Rows per expert at and above which a packed expert GEMM dequantizes the layer's stack to a bf16 scratch and
+# uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
+# in-kernel dequant streams the packed bytes once.
+PREFILL_ROWS = 128
+
+EXPERT_GEMM_ENV = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
+PACKED_PREFILL_ENV = "DIFFGEMMA_PACKED_PREFILL"  # "dequant" (default) or "kernel"; settings.py knows it by name
+
+
+def expert_gemm_choice() -> str:
+    """The bf16 expert GEMM at denoise: "triton" (the streaming kernel) or "cutlass" (torch._grouped_mm)."""
+    return env_choice(EXPERT_GEMM_ENV, ("triton", "cutlass"))
+
+
+def dequantizes_for(rows_per_expert: float) -> bool:
+    """Whether a packed expert GEMM with this many rows per expert dequantizes to a bf16 scratch (on CUDA)."""
+    return rows_per_expert >= PREFILL_ROWS and os.environ.get(PACKED_PREFILL_ENV, "dequant") != "kernel"
+
+
+def expert_gemm_path(w, routes: int, x) -> str:
+    """The path of a grouped GEMM of `routes` rows of x against the expert stack w (see the module docstring)."""
+    if not isinstance(w, PackedWeight):
+        if use_triton(x) and routes <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
+            return "stream"
+        return "torch"
+    if not use_triton(x):
+        return "twin"
+    if dequantizes_for(routes / w.shape[0]):
+        return "dequant"
+    return "q4-tiles" if w.layout == LAYOUT else "packed"
+
+
+def takes_f16_operand(w, routes: int, x) -> bool:
+    """Whether the GEMM of x against w over `routes` rows runs ops/moe_q4.py's kernel, whose MMA takes f16: then
+    the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same bits, less work."""
+    return isinstance(w, PackedWeight) and expert_gemm_path(w, routes, x) == "q4-tiles"
