@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import diffgemma
-from diffgemma.session import Session, split_thought
+from diffgemma.reply import split_thought
+from diffgemma.session import Session
 from diffgemma.tool_calls import parse_tool_calls
 
 from diffgemma.loader import embedded_model_path

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import SettingsError
-from ..session import tool_result_value
+from ..reply import tool_result_value
 from ..settings import GenerationSettings
 
 # accepted and ignored: autoregressive sampling knobs (see the module docstring) and bookkeeping fields
