@@ -193,7 +193,7 @@ def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[
     if stop is not None:
         overrides["stop_strings"] = tuple(stop)
     try:
-        settings = base.replace(**overrides)
+        settings = base.replace(**overrides) if overrides else base
     except SettingsError as e:
         raise _bad(f"settings: {e}", "diffgemma") from None
     return stream, bool(opts.get("include_usage", False)), settings

@@ -132,9 +132,7 @@ class Worker:
         """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
         what it holds (the request continues its conversation, or rewinds a little of it); otherwise an unused
         slot, so a new conversation does not evict one that merely shares a system prompt; otherwise the least
-        recently used slot. A prefix counts only where the slot's cache can rewind to it: the fast engine's
-        sliding-window ring cannot go back more than a canvas past the window, and a slot taken over that far back
-        would prefill everything again and lose its conversation for nothing."""
+        recently used slot. A prefix counts only where the slot's cache can rewind to it (slots.usable_prefix)."""
         shared = {i: usable_prefix(s, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
         if shared:
             i = max(shared, key=lambda j: (shared[j], self.slots[j].last_used))
