@@ -452,8 +452,8 @@ def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, caps
     assert cli.main(["serve", "--max-tokens", "5000"]) == 2
     assert "--max-tokens 5000: over this model's context of 4096 tokens" in capsys.readouterr().err
     big = SimpleNamespace(config=SimpleNamespace(max_positions=262144))
-    assert cli.context_tokens(big) == cli.SESSION_TOKENS and cli.context_tokens(big, 100000) == 100000
-    assert cli.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6
+    assert options.context_tokens(big) == options.SESSION_TOKENS and options.context_tokens(big, 100000) == 100000
+    assert options.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6
 
 
 # ------------------------------------------------------------------------------------- /v1/completions

@@ -108,7 +108,6 @@ class ErrorEvent:
 
 
 Event = Union[StartEvent, StepEvent, BlockEvent, RetryEvent, DoneEvent, CancelledEvent, ErrorEvent]
-FINAL = (DoneEvent, CancelledEvent, ErrorEvent)  # the event types that end a generation (and a turn)
 
 __all__ = ["StepEvent", "BlockEvent", "GenerationResult", "DoneEvent", "StartEvent", "RetryEvent", "CancelledEvent",
-           "ErrorEvent", "Event", "FINAL"]
+           "ErrorEvent", "Event"]

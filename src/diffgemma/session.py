@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from . import oplog
 from .errors import InputError
-from .events import (BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent)
+from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
 from .generation import generate_stream
 from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
 from .settings import settings_for_call
