@@ -17,8 +17,9 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import diffgemma  # noqa: E402
-from diffgemma import cli  # noqa: E402
+from diffgemma import cli, options  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
+from diffgemma.events import CancelledEvent, DoneEvent, ErrorEvent, StartEvent  # noqa: E402
 from diffgemma.loader import embedded_model_path  # noqa: E402
 from diffgemma import oplog  # noqa: E402
 from diffgemma.replay import replay  # noqa: E402
@@ -27,7 +28,8 @@ from diffgemma.server.commands import served_name  # noqa: E402
 from diffgemma.server.protocol import RequestError, convert_messages, parse_chat_request  # noqa: E402
 from diffgemma.server.reply_text import ReplyDeltas  # noqa: E402
 from diffgemma.server.worker import Worker  # noqa: E402
-from diffgemma.session import Session, Slot  # noqa: E402
+from diffgemma.session import Session  # noqa: E402
+from diffgemma.slots import Slot  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 
 TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
@@ -310,13 +312,12 @@ def test_cancel_rewinds_the_slot_to_the_prompt(model, base, tmp_path):
     try:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 200."}])
         job = s.worker.submit(ids, base.replace(max_new_tokens=1024))
-        kind, _ = job.get(timeout=60)
-        assert kind == "start"
+        assert isinstance(job.get(timeout=60), StartEvent)
         job.cancel()
-        kinds = []
-        while not kinds or kinds[-1] not in ("done", "cancelled", "error"):
-            kinds.append(job.get(timeout=60)[0])
-        assert kinds[-1] == "cancelled", kinds
+        events = []
+        while not events or not isinstance(events[-1], (DoneEvent, CancelledEvent, ErrorEvent)):
+            events.append(job.get(timeout=60))
+        assert isinstance(events[-1], CancelledEvent) and events[-1].kept == len(ids), events
         slot = s.worker.slots[0]
         assert slot.ids == ids and slot.cache.length == len(ids)
         # the next turn of that conversation is served from the slot
@@ -426,7 +427,7 @@ def test_serve_warms_up_on_cuda_unless_told(monkeypatch, flag, device, warms):
 
     fake = SimpleNamespace(tokenizer=object(), generation_config={}, path=None, config=SimpleNamespace(max_positions=None),
                            embedding=SimpleNamespace(device=torch.device(device)))
-    monkeypatch.setattr(cli, "_load", lambda args: fake)
+    monkeypatch.setattr(options, "load_model", lambda args: fake)
     seen = {}
     no_server(monkeypatch, commands, seen)
     assert cli.main(["serve", "--warmup", flag, "--served-name", "m"]) == 0
@@ -451,8 +452,8 @@ def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, caps
     assert cli.main(["serve", "--max-tokens", "5000"]) == 2
     assert "--max-tokens 5000: over this model's context of 4096 tokens" in capsys.readouterr().err
     big = SimpleNamespace(config=SimpleNamespace(max_positions=262144))
-    assert cli.context_tokens(big) == cli.SESSION_TOKENS and cli.context_tokens(big, 100000) == 100000
-    assert cli.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6
+    assert options.context_tokens(big) == options.SESSION_TOKENS and options.context_tokens(big, 100000) == 100000
+    assert options.context_tokens(SimpleNamespace(config=SimpleNamespace(max_positions=None)), 10**6) == 10**6
 
 
 # ------------------------------------------------------------------------------------- /v1/completions

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import diffgemma
-from diffgemma.session import Session, split_thought
+from diffgemma.events import BlockEvent, DoneEvent, StartEvent, StepEvent
+from diffgemma.reply import split_thought
+from diffgemma.session import Session
 from diffgemma.tool_calls import parse_tool_calls
 
 from diffgemma.loader import embedded_model_path
@@ -65,6 +67,24 @@ def test_second_turn_reuses_cache_and_equals_a_fresh_prefill(demo):
     # Same K/V up to f32 rounding (chunked and one-shot prefill accumulate in different orders).
     for mine, ref in zip(session.cache.keys + session.cache.values, fresh.keys + fresh.values):
         assert (mine - ref).abs().max() < 1e-3
+
+
+def test_a_turn_passes_on_the_loops_events(demo):
+    """Session.ask's callbacks get generate_stream's own event objects, framed by the turn's StartEvent and DoneEvent:
+    the blocks add up to the reply, the steps and blocks are the ones on_step and on_block see."""
+    session = Session(demo)
+    session.ask("What is 21 + 14?")
+    events, steps, blocks = [], [], []
+    reply = session.ask("What is 3 + 4?", on_event=events.append, on_step=steps.append, on_block=blocks.append)
+    start, *middle, done = events
+    assert isinstance(start, StartEvent) and isinstance(done, DoneEvent) and done.result is reply.result
+    assert (start.cached_tokens, start.prefill_tokens) == (reply.reused_tokens, reply.prefilled_tokens)
+    assert start.cached_tokens > 10
+    assert list(map(id, (e for e in middle if isinstance(e, StepEvent)))) == list(map(id, steps))  # the same objects
+    assert list(map(id, (e for e in middle if isinstance(e, BlockEvent)))) == list(map(id, blocks))
+    assert len(steps) >= len(blocks) >= 1 and len(middle) == len(steps) + len(blocks)
+    assert [t for b in blocks for t in b.tokens] == reply.result.tokens
+    assert steps[-1].stop_reason is not None  # a block's last step says why it stopped
 
 
 def test_thinking_drops_the_thought_from_history(demo):

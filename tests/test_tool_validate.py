@@ -12,7 +12,8 @@ from diffgemma import cli, oplog, session as session_mod
 from diffgemma.errors import InputError
 from diffgemma.loader import embedded_model_path
 from diffgemma.replay import replay
-from diffgemma.session import Session, malformed_call_cut
+from diffgemma.reply import malformed_call_cut
+from diffgemma.session import Session
 from diffgemma.tool_calls import CALL_OPEN
 
 TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())

@@ -8,26 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 
+from . import options
 from .errors import DiffgemmaError, InputError
+from .options import SESSION_TOKENS, add_tool_validate_flag, context_tokens  # noqa: F401 (part of the CLI's API)
 
 EXIT_USAGE = 2
-SESSION_TOKENS = 8192  # the KV cache of `ask` and `chat`: prompt and replies of the whole conversation
-
-
-def context_tokens(model, requested: int | None = None, flag: str = "--max-tokens") -> int:
-    """The tokens a conversation's KV cache holds: `requested`, or SESSION_TOKENS, but never past the context the
-    model was made for (its max_position_embeddings): asked for more, an error naming both."""
-    limit = model.config.max_positions
-    if requested is None:
-        return SESSION_TOKENS if limit is None else min(SESSION_TOKENS, limit)
-    if limit is not None and requested > limit:
-        raise InputError(f"{flag} {requested}: over this model's context of {limit} tokens "
-                         f"(text_config.max_position_embeddings); use at most {limit}")
-    return requested
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,12 +47,6 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     add_tool_validate_flag(p)
 
 
-def add_tool_validate_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tool-validate", type=int, default=0, metavar="N",
-                   help="with tools: regenerate a tool call that does not parse, from its opener, with the seed "
-                        "bumped, up to N times (default 0: off)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diffgemma", description="DiffusionGemma inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -91,39 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_subcommands(sub)
     return parser
-
-
-def _settings(model, args):
-    from .settings import GenerationSettings
-
-    overrides = list(args.sets)
-    if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
-    if args.max_new_tokens is not None:
-        overrides.append(f"max_new_tokens={args.max_new_tokens}")
-    return GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=overrides)
-
-
-def _validate_early(args) -> None:
-    """Check settings and environment before the (slow) model load, against an empty generation config."""
-    from .settings import GenerationSettings
-
-    GenerationSettings.resolve({}, env=os.environ, overrides=list(args.sets))
-    if getattr(args, "tool_validate", 0) < 0:
-        raise InputError(f"--tool-validate {args.tool_validate}: expected a number of retries >= 0")
-    if getattr(args, "context", None) is not None and args.context < 1:
-        raise InputError(f"--context {args.context}: expected a positive number of tokens")
-
-
-def _load(args):
-    import torch
-
-    from .loader import load
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load(args.model, device=device)
 
 
 def _read_tools(path, model=None):
@@ -170,11 +119,11 @@ def _open_session(args):
     """Validate flags and environment, then load the model: (model, settings, session)."""
     from .session import Session
 
-    _validate_early(args)
+    options.validate_early(args)
     tools = None if args.tools == "model" else _read_tools(args.tools)  # a bad file fails before the load
-    model = _load(args)
+    model = options.load_model(args)
     tools = tools or _read_tools(args.tools, model)
-    settings = _settings(model, args)
+    settings = options.generation_settings(model, args)
     tokens = context_tokens(model, args.context, "--context")
     log = None
     if args.log_dir:
@@ -246,7 +195,7 @@ def _last_call_name(session) -> str:
 
 
 def _tool_content(text: str):
-    from .session import tool_result_value
+    from .reply import tool_result_value
 
     return tool_result_value(text.strip())
 
@@ -289,7 +238,7 @@ class CanvasView:
 def cmd_golden(args) -> int:
     from . import golden
 
-    model = _load(args)
+    model = options.load_model(args)
     path = args.fixture or golden.fixture_path(model)
     expected = None if args.bless else golden.load_fixture(path)
     results = golden.run_all(model)

@@ -70,56 +70,8 @@ STOP_STRING = "stop_string"  # the reply holds a stop text; the block was cut af
 CONTINUE = "continue"  # a full block was committed; the next block follows
 
 
-@dataclass
-class StepEvent:
-    """One denoising step. Tensors live on the model's device; call .tolist() to look at them."""
-
-    block: int
-    attempt: int  # 0, or the re-roll number of a degenerate first block
-    step: int  # 1-based
-    temperature: float
-    draft: torch.Tensor  # [C] argmax canvas of this step
-    accepted: torch.Tensor  # [C] bool accept mask of this step
-    mean_entropy: float
-    stop_reason: str | None  # set on the block's last step
-
-
-@dataclass
-class BlockEvent:
-    """One committed block."""
-
-    block: int
-    tokens: list[int]  # what this block added to the answer (and to the cache)
-    steps: int  # denoising steps of the committed attempt
-    stop_reason: str  # confident / plateau / entropy / max_steps
-    end: str  # STOP_TOKEN / STOP_STRING / BUDGET / TRIMMED / CONTINUE
-    attempts: int  # 1 + re-rolls
-    stop_token: int | None = None
-    trimmed_at: int | None = None
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]
-    text: str | None
-    steps_per_block: list[int]
-    tokens_per_forward: float
-    stop_reasons: list[str]  # per committed block
-    timings: dict[str, float]
-    retries: int
-    stop_token: int | None = None  # the stop id that ended the turn (not part of tokens)
-    forwards: int = 0  # denoise forwards, re-rolled attempts included
-    block_ends: list[str] = field(default_factory=list)
-    settings: GenerationSettings | None = None
-    tool_retries: int = 0  # regenerations of a malformed tool call (session.run_turn, opt-in)
-    stop_string: str | None = None  # the stop text that ended the turn (its tokens are in tokens, not in text)
-
-
-@dataclass
-class DoneEvent:
-    """Last event of generate_stream: the whole result."""
-
-    result: GenerationResult
+# The events this loop yields live in events.py (one vocabulary for every layer); importable from here too.
+from .events import BlockEvent, DoneEvent, GenerationResult, StepEvent  # noqa: E402
 
 
 @dataclass

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .errors import InputError
+from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent
 
 VERSION = 1
 
@@ -37,6 +38,27 @@ def header(model, slots: int, max_tokens: int) -> dict:
     return {"model": None if is_embedded(model) else str(Path(model.path).resolve()),
             "device": str(model.embedding.device), "dtype": str(model.embedding.dtype), "slots": slots,
             "max_tokens": max_tokens}
+
+
+def generate_record(gen: int, slot: int, keep: int, prompt: list[int], settings) -> dict:
+    """The 'generate' op: slot `slot` rewound to `keep` tokens, then `prompt` generated from with `settings`."""
+    return {"op": "generate", "gen": gen, "slot": slot, "keep": keep, "prompt": list(prompt),
+            "settings": settings.as_dict()}
+
+
+def event_record(gen: int, event) -> dict | None:
+    """The record of one of generation `gen`'s events (events.py), or None for those the log does not keep (steps,
+    which follow from the blocks; a turn's start and retries, which follow from the ops)."""
+    if isinstance(event, BlockEvent):
+        return {"event": "block", "gen": gen, "block": event.block, "tokens": event.tokens, "steps": event.steps,
+                "stop_reason": event.stop_reason, "end": event.end}
+    if isinstance(event, DoneEvent):
+        return {"event": "done", "gen": gen, "tokens": event.result.tokens, "stop_token": event.result.stop_token}
+    if isinstance(event, CancelledEvent):
+        return {"event": "cancelled", "gen": gen, "blocks": event.blocks, "kept": event.kept}
+    if isinstance(event, ErrorEvent):
+        return {"event": "error", "gen": gen, "error": event.message}
+    return None
 
 
 class OpLog:

@@ -10,12 +10,12 @@ record names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from . import oplog
 from .errors import InputError
-from .session import Slot, rewind, run_generation
+from .session import run_generation
 from .settings import GenerationSettings
+from .slots import Slot, rewind
 
 COMPARED = {"block": ("block", "tokens", "steps", "stop_reason", "end"), "done": ("tokens", "stop_token"),
             "cancelled": ("blocks", "kept"), "error": ("error",)}
@@ -68,11 +68,11 @@ def replay(path, model) -> ReplayReport:
             continue
         ends = [r for r in logged if r["event"] == "cancelled"]
         stop_after = ends[0].get("blocks") if ends else None
-        got: list[dict] = []  # what run_generation journals
-        run_generation(model, slot, keep, prompt, settings, log=SimpleNamespace(write=got.append), gen=gen,
-                       slot_index=slot_i,
-                       should_stop=lambda blocks: stop_after is not None and blocks >= stop_after)
-        got = [r for r in got if "event" in r]
+        events: list = []
+        run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i,
+                       should_stop=lambda blocks: stop_after is not None and blocks >= stop_after,
+                       on_event=events.append)
+        got = [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]  # as a log records them
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)

@@ -1,26 +1,25 @@
-"""One conversation: renders the chat, reuses the KV cache across turns, and splits replies.
+"""One conversation (`Session`), and the one way any conversation's reply is generated (`run_turn`).
 
-KV reuse: the session remembers exactly which token ids its cache holds. Each turn renders the whole
-conversation with the chat template, keeps the longest common token prefix of that rendering and
-the cache (truncating the cache where they diverge, e.g. when the template drops a thought channel
-from history), and prefills only the rest. A long conversation therefore costs one prefill of each
-new turn, not of the whole history.
+A Session renders the chat with the template, keeps its KV cache across turns (slots.py: only what the cache does
+not hold yet is prefilled) and splits each reply into thought, answer and tool calls (reply.py).
+`run_generation` / `run_turn` are shared by the Session, the server's worker and `diffgemma replay`: they pass on
+the events of `generate_stream` (events.py) and add their own, and journal each generation in the op-log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from dataclasses import dataclass, field
 
+from . import oplog
 from .errors import InputError
-from .generation import BlockEvent, DoneEvent, StepEvent, generate_stream, resolve_settings
+from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
+from .generation import generate_stream
+from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
+from .settings import settings_for_call
+from .slots import Slot, reuse_prefix, rewind
 from .stop_strings import text_end
-from .tool_calls import CALL_OPEN, parse_tool_calls
-
-CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
-THOUGHT_LABEL = "thought"
 
 
 @dataclass
@@ -34,157 +33,45 @@ class Reply:
     tool_calls: list = field(default_factory=list)  # parsed <|tool_call> blocks (diffgemma.tool_calls.ToolCall)
 
 
-def split_thought(raw: str) -> tuple[str | None, str]:
-    """'<|channel>thought\\n…<channel|>answer' → ('…', 'answer'). Unclosed channel: all thought, no answer."""
-    start = raw.find(CHANNEL_OPEN)
-    if start < 0:
-        return None, raw
-    body_start = start + len(CHANNEL_OPEN)
-    end = raw.find(CHANNEL_CLOSE, body_start)
-    body = raw[body_start:] if end < 0 else raw[body_start:end]
-    if body.startswith(THOUGHT_LABEL):
-        body = body[len(THOUGHT_LABEL):]
-    answer = raw[:start] + ("" if end < 0 else raw[end + len(CHANNEL_CLOSE):])
-    return body.strip("\n"), answer
-
-
-def _strip_padding(text: str, tokenizer) -> str:
-    for tid in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "filler_id", None)):
-        if tid is not None:
-            text = text.replace(tokenizer.id_to_token(tid) or "\0", "")
-    return text
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def rewind(cache, length: int) -> int:
-    """Truncate `cache` to `length` tokens -> the length it now holds: `length`, or 0 where the rewind is deeper
-    than the sliding-window ring can undo (the whole prompt is then prefilled again)."""
-    if length >= cache.length:
-        return cache.length
-    try:
-        cache.truncate(length)
-    except InputError:
-        cache.truncate(0)
-        return 0
-    return length
-
-
-def reuse_prefix(cache, cached_ids: list[int], ids: list[int]) -> int:
-    """Keep the longest common prefix of what `cache` holds (`cached_ids`) and the next prompt `ids` -> how many
-    prompt tokens the cache now serves. At least one prompt token is left to prefill: the model needs one new
-    token to condition the canvas on."""
-    keep = _common_prefix(cached_ids, ids)
-    if keep == len(ids):
-        keep -= 1
-    return rewind(cache, keep)
-
-
-def tool_result_value(text: str):
-    """A tool's result as the chat template takes it: a JSON object becomes a mapping (rendered field by field),
-    anything else stays text."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
-
-
-def answer_prose(answer: str) -> str:
-    """The part of an answer before its first tool call."""
-    return answer[:answer.find(CALL_OPEN)].strip()
-
-
-def reply_parts(tokenizer, tokens: list[int], stops=()) -> tuple[str, str | None, str, list]:
-    """A reply's token ids -> (raw text with special tokens, thought or None, answer, tool calls). `stops`: the
-    reply's stop strings; its text ends where the first begins (stop_strings.py)."""
-    raw = tokenizer.decode(tokens, skip_special_tokens=False)
-    raw = raw[:text_end(raw, stops)]
-    thought, answer = split_thought(raw)
-    answer = _strip_padding(answer, tokenizer).strip()
-    return raw, thought, answer, parse_tool_calls(answer)
-
-
-def tool_call_message(prose: str, calls: list) -> dict:
-    """The assistant message of a turn that called tools, as the chat template renders it."""
-    return {"role": "assistant", "content": prose, "tool_calls": [
-        {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
-
-
-@dataclass
-class Slot:
-    cache: object
-    ids: list[int] = field(default_factory=list)  # the token ids the cache holds, in order
-    last_used: int = 0
-
-
 def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *, log=None, gen: int = 0,
-                   slot_index: int = 0, should_stop=lambda blocks: False, emit=lambda kind, payload: None) -> None:
+                   slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None):
     """The one way a conversation's reply is generated (Session, the server's worker, replay): `slot` already
-    rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Each event goes to
-    `emit(kind, payload)`: "step" / "block" as they come, then one of "done" (the GenerationResult),
-    "cancelled" or "error" (the exception; the cache is emptied). `should_stop(blocks)` is asked after every
-    step and block; True cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and
-    its events are journaled for `diffgemma replay`."""
-    record = log.write if log is not None else (lambda r: None)
-    record({"op": "generate", "gen": gen, "slot": slot_index, "keep": keep, "prompt": list(prompt),
-            "settings": settings.as_dict()})
+    rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Every event (events.py) goes
+    to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent, CancelledEvent or ErrorEvent (the
+    cache is then emptied), which is also returned. `should_stop(blocks)` is asked after every step and block; True
+    cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and its events are journaled for
+    `diffgemma replay`."""
+
+    def emit(event):
+        if log is not None and (record := oplog.event_record(gen, event)) is not None:
+            log.write(record)
+        on_event(event)
+        return event
+
+    if log is not None:
+        log.write(oplog.generate_record(gen, slot_index, keep, prompt, settings))
     full = slot.ids[:keep] + list(prompt)
     slot.ids = []  # unknown until the generation ends
     blocks = 0
     stream = generate_stream(model, prompt, settings=settings, cache=slot.cache)
     try:
         for event in stream:
-            if isinstance(event, StepEvent):
-                emit("step", event)
-            elif isinstance(event, BlockEvent):
-                blocks += 1
-                record({"event": "block", "gen": gen, "block": event.block, "tokens": event.tokens,
-                        "steps": event.steps, "stop_reason": event.stop_reason, "end": event.end})
-                emit("block", event)
-            elif isinstance(event, DoneEvent):
-                result = event.result
-                slot.ids = full + list(result.tokens)
-                record({"event": "done", "gen": gen, "tokens": result.tokens, "stop_token": result.stop_token})
-                emit("done", result)
-                return
+            if isinstance(event, DoneEvent):
+                slot.ids = full + list(event.result.tokens)
+                return emit(event)
+            blocks += isinstance(event, BlockEvent)
+            emit(event)
             if should_stop(blocks):
                 stream.close()
                 kept = rewind(slot.cache, len(full))
                 slot.ids = full[:kept]
-                record({"event": "cancelled", "gen": gen, "blocks": blocks, "kept": kept})
-                emit("cancelled", None)
-                return
+                return emit(CancelledEvent(blocks=blocks, kept=kept))
     except Exception as e:  # the cache may hold part of a prefill or a block: start it afresh
         stream.close()
         rewind(slot.cache, 0)
-        record({"event": "error", "gen": gen, "error": f"{type(e).__name__}: {e}"})
-        emit("error", e)
-
-
-def malformed_call_cut(tokenizer, tokens: list[int]) -> int | None:
-    """Where to regenerate a reply whose tool call does not parse: the index just past the opener token of its
-    first malformed call (the text before the call and the opener itself are kept), or None when every call
-    parses, or when that opener is not a `<|tool_call>` token of its own (the text spelled it out)."""
-    calls = reply_parts(tokenizer, tokens)[3]
-    bad = next((k for k, c in enumerate(calls) if not c.ok), None)
-    opener = tokenizer.token_to_id(CALL_OPEN)
-    if bad is None or opener is None:
-        return None
-    for p, t in enumerate(tokens):
-        if t == opener:  # is it the answer's (bad+1)-th opener? (a thought may spell calls out too)
-            seen = split_thought(tokenizer.decode(tokens[:p + 1], skip_special_tokens=False))[1].count(CALL_OPEN)
-            if seen == bad + 1:
-                return p + 1
-            if seen > bad + 1:
-                return None
-    return None
+        slot.ids = []
+        return emit(ErrorEvent(e))
+    raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
 
 
 def _combined(results: list, tokens: list[int], tokenizer) -> object:
@@ -210,45 +97,44 @@ def _combined(results: list, tokens: list[int], tokenizer) -> object:
 
 
 def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_retries: int = 0, log=None,
-             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False,
-             emit=lambda kind, payload: None) -> None:
-    """run_generation, and with tool_retries > 0 a reply whose tool call does not parse is regenerated from that
-    call's opener (the text before it stays, so a stream never takes back what it sent), with the seed bumped by
-    one each time, up to tool_retries times (the last attempt stands, parsed or not). Each regeneration is a
-    generation of its own (its own op in the log, so `diffgemma replay` needs no notion of retries); between them
-    `emit("retry", {"attempt": n, "kept": reply tokens kept})` tells a consumer to drop what came after. "done"
-    carries the whole reply as one GenerationResult (tool_retries says how many regenerations it took)."""
+             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None):
+    """A turn: StartEvent, then run_generation. With tool_retries > 0 a reply whose tool call does not parse is
+    regenerated from that call's opener (the text before it stays, so a stream never takes back what it sent), with
+    the seed bumped by one each time, up to tool_retries times (the last attempt stands, parsed or not). Each
+    regeneration is a generation of its own (its own op in the log, so `diffgemma replay` needs no notion of
+    retries); between them a RetryEvent tells a consumer to drop what came after the tokens it keeps. The turn ends
+    with one DoneEvent carrying the whole reply as one GenerationResult (tool_retries says how many regenerations it
+    took), or the CancelledEvent / ErrorEvent that stopped it; that last event is also returned."""
     tokenizer = getattr(model, "tokenizer", None)
     next_gen = next_gen or (lambda: 0)
     reply_start = keep + len(prompt)
     budget = settings.max_new_tokens
     results, kept_reply = [], []
+    on_event(StartEvent(cached_tokens=keep, prefill_tokens=len(prompt)))
+
+    def relay(event):  # a generation's DoneEvent is not the turn's
+        if not isinstance(event, DoneEvent):
+            on_event(event)
+
     while True:
-        out = {}
-
-        def relay(kind, payload):
-            if kind == "done":
-                out["done"] = payload
-            else:
-                emit(kind, payload)
-
-        run_generation(model, slot, keep, prompt, settings, log=log, gen=next_gen(), slot_index=slot_index,
-                       should_stop=should_stop, emit=relay)
-        if "done" not in out:  # cancelled or failed: already said
-            return
-        results.append(out["done"])
-        reply = kept_reply + list(out["done"].tokens)
+        end = run_generation(model, slot, keep, prompt, settings, log=log, gen=next_gen(), slot_index=slot_index,
+                             should_stop=should_stop, on_event=relay)
+        if not isinstance(end, DoneEvent):  # cancelled or failed: already said
+            return end
+        results.append(end.result)
+        reply = kept_reply + list(end.result.tokens)
         cut = None
         if tokenizer is not None and len(results) <= tool_retries:
             cut = malformed_call_cut(tokenizer, reply)
-        if cut is None or cut >= budget or out["done"].stop_string is not None:  # a stop string ends the reply
-            emit("done", results[0] if len(results) == 1 else _combined(results, reply, tokenizer))
-            return
+        if cut is None or cut >= budget or end.result.stop_string is not None:  # a stop string ends the reply
+            done = end if len(results) == 1 else DoneEvent(_combined(results, reply, tokenizer))
+            on_event(done)
+            return done
         kept_reply = reply[:cut]
         keep = rewind(slot.cache, reply_start + cut)  # slot.ids holds the prompt and the whole reply
         prompt = slot.ids[keep:reply_start + cut]
         settings = settings.replace(seed=(settings.seed + 1) % 2**64, max_new_tokens=budget - cut)
-        emit("retry", {"attempt": len(results), "kept": cut})
+        on_event(RetryEvent(attempt=len(results), kept=cut))
 
 
 class Session:
@@ -291,7 +177,9 @@ class Session:
 
     def ask(self, content: str, **kw) -> Reply:
         """A user turn: render, reuse the cached prefix, generate the model's reply. A turn that fails (e.g. the
-        conversation no longer fits the cache) leaves the conversation as it was before it."""
+        conversation no longer fits the cache) leaves the conversation as it was before it. Keywords: `settings` (a
+        GenerationSettings; default the model's), any GenerationSettings field as an override on top of it, and
+        callbacks `on_step(StepEvent)`, `on_block(BlockEvent)`, `on_event(event)` (every event of events.py)."""
         return self._turn({"role": "user", "content": content}, kw)
 
     def _turn(self, message: dict, kw) -> Reply:
@@ -302,28 +190,26 @@ class Session:
             self.messages.pop()
             raise
 
-    def _generate_turn(self, *, on_step=None, on_block=None, settings=None, **overrides) -> Reply:
+    def _generate_turn(self, *, on_step=None, on_block=None, on_event=None, settings=None, **overrides) -> Reply:
         ids = self.render()
         keep = reuse_prefix(self.cache, self.slot.ids, ids)
         new = ids[keep:]
-        out = {}
 
-        def emit(kind, payload):
-            if kind == "step":
-                if on_step is not None:
-                    on_step(payload)
-            elif kind == "block":
-                if on_block is not None:
-                    on_block(payload)
-            else:
-                out[kind] = payload
+        def relay(event):
+            if on_step is not None and isinstance(event, StepEvent):
+                on_step(event)
+            elif on_block is not None and isinstance(event, BlockEvent):
+                on_block(event)
+            if on_event is not None:
+                on_event(event)
 
-        run_turn(self.model, self.slot, keep, new, resolve_settings(self.model, settings, overrides),
-                 tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log,
-                 next_gen=lambda: next(self._gens), emit=emit)
-        if "error" in out:
-            raise out["error"]
-        result = out["done"]
+        settings = settings_for_call(getattr(self.model, "generation_config", None), settings, overrides)
+        end = run_turn(self.model, self.slot, keep, new, settings,
+                       tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log,
+                       next_gen=lambda: next(self._gens), on_event=relay)
+        if isinstance(end, ErrorEvent):
+            raise end.error
+        result = end.result
         raw, thought, answer, calls = reply_parts(self.tokenizer, result.tokens, result.settings.stop_strings)
         # History keeps the answer only: reasoning never crosses a turn boundary.
         if calls and all(c.ok for c in calls):

@@ -1,7 +1,7 @@
 """GenerationSettings: every knob of the generation contract, typed, validated, with its default.
 
-ARCHITECTURE.md Part II §4-§7 and §9 define the loop; each divergence from transformers there is a
-named field here rather than a scattered `if`. Values are layered, later layers winning:
+docs/ARCHITECTURE.md ('The generation contract') defines the loop; each divergence from transformers there is
+a named field here rather than a scattered `if`. Values are layered, later layers winning:
 
     field defaults  <-  the model's generation_config.json  <-  the "hf" preset (when semantics="hf")
                     <-  DIFFGEMMA_<FIELD> environment variables  <-  explicit overrides (kwargs / --set)
@@ -57,14 +57,13 @@ class GenerationSettings:
     stability_threshold: int = 1  # confident stop: argmax equal to the last N steps' (0 = always stable)
     confidence_threshold: float = 0.005  # confident stop: mean canvas entropy below this
     max_new_tokens: int = 256  # honoured exactly
-    # --- contract divergences (ARCHITECTURE.md §9) ---------------------------------------------------
+    # --- contract divergences (docs/ARCHITECTURE.md, 'The generation contract') -----------------------
     commit: str = "argmax"  # token at accepted positions: "argmax" or "sample" (tempered categorical)
     sc_seed: bool = True  # first denoise step self-conditions on the canvas's own embedding
     # "sparse" (survivor gather) or "exact" (dense probs @ embedding). Sparse is the default: at the real
-    # vocabulary it measured 1.8-5x faster in f32 and 1-2x in bf16 on the CPU (sampling/self_condition.py);
-    # on tiny vocabularies exact is faster, but by well under a millisecond. On the H200 at full size the
-    # gather of 8 survivors a row takes ~0.26 ms against 0.65-0.88 ms for the exact product inside the step
-    # (bench/RESULTS.md rounds 9 and 18); flat rows (random weights) fall back to the dense product.
+    # vocabulary the gather of a few survivors a row is faster than the exact product on CPU and GPU
+    # (sampling/self_condition.py; docs/ARCHITECTURE.md, 'Self-conditioning'); flat rows (random weights)
+    # fall back to the dense product.
     sc_mode: str = "sparse"
     sc_sparse_log_ratio: float = 10.0  # sparse SC keeps tokens with prob >= exp(-ratio) * row max
     freeze: bool = False  # legacy: accepted positions stay fixed (A/B only; causes warts)
@@ -81,7 +80,7 @@ class GenerationSettings:
     # Texts that end the reply (OpenAI's `stop`): matched in the decoded reply after each committed block; the reply
     # ends at the first match, which the returned text leaves out (generation.py, stop_strings.py)
     stop_strings: tuple[str, ...] = ()
-    semantics: str = "contract"  # "contract" (ARCHITECTURE.md) or "hf" (transformers' generate())
+    semantics: str = "contract"  # "contract" (docs/ARCHITECTURE.md) or "hf" (transformers' generate())
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -137,6 +136,18 @@ class GenerationSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def settings_for_call(
+    model_generation_config: Mapping[str, Any] | None,
+    settings: GenerationSettings | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> GenerationSettings:
+    """The settings of one call: explicit `settings` with the call's `overrides` on top, or, with none given, the
+    model's generation_config <- DIFFGEMMA_* env <- overrides (`GenerationSettings.resolve`)."""
+    if settings is None:
+        return GenerationSettings.resolve(model_generation_config or {}, env=os.environ, overrides=overrides)
+    return settings.replace(**overrides) if overrides else settings
 
 
 SEMANTICS = ("contract", "hf")

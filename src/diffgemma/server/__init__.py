@@ -5,4 +5,5 @@ op-log of every generation (diffgemma/oplog.py) that `diffgemma replay` runs aga
   reply_text.py  reply tokens -> the assistant message, whole or as streaming deltas
   worker.py      the thread that owns the model; KV slots reused by longest common prefix; cancellation
   app.py         the FastAPI app (needs `pip install 'diffgemma[serve]'`)
+  commands.py    the `serve` and `replay` subcommands (their shared CLI helpers live in diffgemma/options.py)
 """

@@ -2,12 +2,10 @@
 /v1/models, /health.
 
 Handlers only translate: the request is checked and rendered here (protocol.py, the chat template), the
-worker thread runs the generation, and its events become a response or server-sent events. A streaming
-client that disconnects cancels its generation between denoise steps (seen with uvicorn: the next write
-fails). A non-streaming handler also polls `request.is_disconnected()`, but under uvicorn 0.54 a client that
-left was not noticed (a curl timing out after 0.3 s: its 345-token reply ran to the end), presumably because
-the server stops reading the socket once the body is in; such a reply costs its time, and the slot's KV is
-still kept for the conversation.
+worker thread runs the generation, and its events (events.py) become a response or server-sent events. A
+streaming client that disconnects cancels its generation between denoise steps (the next write fails). A
+non-streaming handler polls `request.is_disconnected()`; where the ASGI server does not report a client that left
+once the body is in, the reply runs to its end and the slot's KV is kept for the conversation.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import DiffgemmaError
+from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from .protocol import (RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
 from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message
@@ -148,14 +147,14 @@ async def _result(job, request):
     """Wait for a non-streaming job -> (cached tokens, GenerationResult), or the error response to send."""
     cached = 0
     while True:
-        kind, payload = await _next(job, request)
-        if kind == "start":
-            cached = payload["cached_tokens"]
-        elif kind == "done":
-            return cached, payload
-        elif kind == "error":
-            return JSONResponse(_error_body(payload), status_code=500)
-        elif kind == "cancelled":  # the client left; nobody reads this
+        event = await _next(job, request)
+        if isinstance(event, StartEvent):
+            cached = event.cached_tokens
+        elif isinstance(event, DoneEvent):
+            return cached, event.result
+        elif isinstance(event, ErrorEvent):
+            return JSONResponse(_error_body(event.error), status_code=500)
+        elif isinstance(event, CancelledEvent):  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
 
 
@@ -172,27 +171,27 @@ async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, fi
         if first is not None:
             yield sse(make(first))
         while True:
-            kind, payload = await asyncio.to_thread(job.get)
-            if kind == "start":
-                cached = payload["cached_tokens"]
-            elif kind == "block":
-                delta = deltas.feed(payload.tokens)
+            event = await asyncio.to_thread(job.get)
+            if isinstance(event, StartEvent):
+                cached = event.cached_tokens
+            elif isinstance(event, BlockEvent):
+                delta = deltas.feed(event.tokens)
                 if delta:
                     yield sse(make(delta))
-            elif kind == "retry":  # a malformed tool call is regenerated: its text was held back, not sent
-                deltas.rewind(payload["kept"])
-            elif kind == "done":
+            elif isinstance(event, RetryEvent):  # a malformed tool call is regenerated: its text was held back
+                deltas.rewind(event.kept)
+            elif isinstance(event, DoneEvent):
                 delta, _, calls = deltas.finish()
                 if delta:
                     yield sse(make(delta))
-                yield sse(make(empty, _finish(payload, calls)))
+                yield sse(make(empty, _finish(event.result, calls)))
                 if include_usage:
-                    yield sse(make(empty, None, usage(prompt_tokens, len(payload.tokens), cached), False))
+                    yield sse(make(empty, None, usage(prompt_tokens, len(event.result.tokens), cached), False))
                 break
-            elif kind == "error":
-                yield sse(_error_body(payload))
+            elif isinstance(event, ErrorEvent):
+                yield sse(_error_body(event.error))
                 break
-            else:  # cancelled
+            elif isinstance(event, CancelledEvent):
                 break
         yield "data: [DONE]\n\n"
     finally:  # also reached when the client disconnects and the response is torn down

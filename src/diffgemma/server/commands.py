@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from .. import options
 from ..errors import InputError
 
 
@@ -29,9 +30,7 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="before serving, compile the kernels and capture every slot's denoise graphs at each context "
                         "bucket, so the first requests do not wait for it (auto: on CUDA only; default auto)")
-    from ..cli import add_tool_validate_flag
-
-    add_tool_validate_flag(s)
+    options.add_tool_validate_flag(s)
     s.set_defaults(func=_run_serve)
 
     r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
@@ -48,26 +47,23 @@ def served_name(model) -> str:
 
 
 def _run_serve(args) -> int:
-    from .. import cli
-    from ..settings import GenerationSettings
-
     if args.slots < 1:
         raise InputError(f"--slots {args.slots}: expected a positive number")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key: empty; give the key clients must send (or leave the flag out for none)")
-    cli._validate_early(args)
+    options.validate_early(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise InputError("serve needs fastapi and uvicorn: pip install 'diffgemma[serve]'") from None
-    model = cli._load(args)
+    model = options.load_model(args)
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
-    settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
-    max_tokens = cli.context_tokens(model, args.max_tokens)
+    settings = options.generation_settings(model, args)
+    max_tokens = options.context_tokens(model, args.max_tokens)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFGEMMA_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"diffgemma serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import SettingsError
-from ..session import tool_result_value
+from ..reply import tool_result_value
 from ..settings import GenerationSettings
 
 # accepted and ignored: autoregressive sampling knobs (see the module docstring) and bookkeeping fields
@@ -193,7 +193,7 @@ def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[
     if stop is not None:
         overrides["stop_strings"] = tuple(stop)
     try:
-        settings = base.replace(**overrides)
+        settings = base.replace(**overrides) if overrides else base
     except SettingsError as e:
         raise _bad(f"settings: {e}", "diffgemma") from None
     return stream, bool(opts.get("include_usage", False)), settings

@@ -1,6 +1,6 @@
 """A reply's token ids -> the assistant message, whole (`final_message`) or as streaming deltas (`ReplyDeltas`).
 
-Both go through session.reply_parts, so a streamed reply concatenates to exactly the message a non-streamed
+Both go through reply.reply_parts, so a streamed reply concatenates to exactly the message a non-streamed
 request gets: the thought channel as `reasoning_content`, the answer as `content`, and well-formed tool calls
 as `tool_calls` (their text is held back while streaming and sent whole at the end, since a call is only
 known to be well-formed once it is closed). Deltas come a committed block at a time: a diffusion model
@@ -10,8 +10,8 @@ begins, and a stream holds back a tail that the next block could complete into o
 
 from __future__ import annotations
 
+from ..reply import CHANNEL_OPEN, THOUGHT_LABEL, answer_prose, reply_parts, split_thought, strip_padding
 from ..stop_strings import held_back, settled, text_end
-from ..session import CHANNEL_OPEN, THOUGHT_LABEL, _strip_padding, answer_prose, reply_parts, split_thought
 from ..tool_calls import CALL_OPEN
 from .protocol import tool_calls_json
 
@@ -45,7 +45,7 @@ class ReplyDeltas:
         opened = raw.find(CHANNEL_OPEN)
         if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
             thought = ""  # the channel's label is still being written: it is not part of the thought
-        answer = _strip_padding(answer, self.tokenizer).lstrip()
+        answer = strip_padding(answer, self.tokenizer).lstrip()
         if self.tools_on:
             cut = answer.find(CALL_OPEN)
             answer = answer if cut < 0 else answer[:cut]
@@ -94,7 +94,7 @@ def completion_text(tokenizer, tokens: list[int], stops=()) -> str:
     """A /v1/completions reply's text: the decoded tokens (special tokens as text, padding dropped) up to the first
     stop text. Nothing is stripped: in a raw completion whitespace is part of the text."""
     raw = tokenizer.decode(tokens, skip_special_tokens=False)
-    return _strip_padding(raw[:text_end(raw, stops)], tokenizer)
+    return strip_padding(raw[:text_end(raw, stops)], tokenizer)
 
 
 class CompletionDeltas:
@@ -115,7 +115,7 @@ class CompletionDeltas:
     def feed(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
         raw = settled(self.tokenizer.decode(self.tokens, skip_special_tokens=False), self.stops)
-        return self._delta(_strip_padding(raw, self.tokenizer))
+        return self._delta(strip_padding(raw, self.tokenizer))
 
     def finish(self) -> tuple[str, str, list]:
         """-> (the last delta, the whole text, no tool calls): ReplyDeltas.finish's shape."""

@@ -8,7 +8,7 @@ prompt, so the slot still serves the conversation.
 
 Every generation goes through session.run_generation (via run_turn, which may regenerate a malformed tool
 call), which `replay` calls too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
-settings).
+settings). A job's events are those of run_turn (events.py), put on the job's queue as they come.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import queue
 import threading
 
 from ..errors import InputError
-from ..session import Slot, _common_prefix, reuse_prefix, run_turn
+from ..events import CancelledEvent, ErrorEvent, StepEvent
+from ..session import run_turn
+from ..slots import Slot, reuse_prefix, usable_prefix
 
 
 class Job:
-    """One request's generation. Events, read with `get()`: ("start", {"cached_tokens": K}), ("block",
-    BlockEvent)..., ("retry", {"attempt": n, "kept": reply tokens kept}) when a malformed tool call is regenerated
-    (the blocks after it replace what followed those tokens), then one of ("done", GenerationResult),
-    ("cancelled", None), ("error", exception)."""
+    """One request's generation. Its events (events.py), read with `get()`, are run_turn's less the steps: a
+    StartEvent, BlockEvents, a RetryEvent when a malformed tool call is regenerated (the blocks after it replace what
+    followed the tokens it keeps), then one of DoneEvent, CancelledEvent, ErrorEvent. A job cancelled before it
+    started, or failing outside the generation, gets only the CancelledEvent or ErrorEvent."""
 
     def __init__(self, ids: list[int], settings, tool_retries: int = 0):
         self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
@@ -40,7 +42,13 @@ class Job:
         return self._cancel.is_set()
 
     def get(self, timeout: float | None = None):
+        """The next event; queue.Empty after `timeout` seconds without one."""
         return self.events.get(timeout=timeout)
+
+    def put(self, event) -> None:
+        """Hand an event to the job's reader; denoise steps stay on the worker (nobody downstream shows them)."""
+        if not isinstance(event, StepEvent):
+            self.events.put(event)
 
 
 class _Call:
@@ -124,10 +132,8 @@ class Worker:
         """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
         what it holds (the request continues its conversation, or rewinds a little of it); otherwise an unused
         slot, so a new conversation does not evict one that merely shares a system prompt; otherwise the least
-        recently used slot. A prefix counts only where the slot's cache can rewind to it: the fast engine's
-        sliding-window ring cannot go back more than a canvas past the window, and a slot taken over that far back
-        would prefill everything again and lose its conversation for nothing."""
-        shared = {i: self._usable_prefix(s, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
+        recently used slot. A prefix counts only where the slot's cache can rewind to it (slots.usable_prefix)."""
+        shared = {i: usable_prefix(s, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
         if shared:
             i = max(shared, key=lambda j: (shared[j], self.slots[j].last_used))
             if 2 * shared[i] >= len(self.slots[i].ids):
@@ -138,26 +144,18 @@ class Worker:
         i = min(shared, key=lambda j: self.slots[j].last_used)
         return i, shared[i]
 
-    @staticmethod
-    def _usable_prefix(slot: Slot, ids: list[int]) -> int:
-        n = _common_prefix(slot.ids, ids)
-        rewind_to = min(n, len(ids) - 1)  # reuse_prefix leaves one prompt token to prefill
-        if slot.cache is not None and rewind_to < slot.cache.length and not slot.cache.can_truncate(rewind_to):
-            return 0
-        return n
-
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
             if isinstance(job, _Call):
                 job.run()
                 continue
             if job.cancelled:  # the client left while the job waited
-                job.events.put(("cancelled", None))
+                job.put(CancelledEvent())
                 continue
             try:
                 self._run(job)
             except Exception as e:  # a bug here must not kill the thread every request waits on
-                job.events.put(("error", e))
+                job.put(ErrorEvent(e))
 
     def _run(self, job: Job) -> None:
         i, _ = self.pick(job.ids)
@@ -166,11 +164,6 @@ class Worker:
         slot = self.slots[i]
         slot.last_used = next(self._clock)
         keep = reuse_prefix(slot.cache, slot.ids, job.ids)
-        job.events.put(("start", {"cached_tokens": keep}))
-
-        def emit(kind, payload):
-            if kind != "step":
-                job.events.put((kind, payload))
-
         run_turn(self.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries, log=self.log,
-                 next_gen=lambda: next(self._gens), slot_index=i, should_stop=lambda blocks: job.cancelled, emit=emit)
+                 next_gen=lambda: next(self._gens), slot_index=i, should_stop=lambda blocks: job.cancelled,
+                 on_event=job.put)

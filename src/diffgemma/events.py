@@ -1,0 +1,113 @@
+"""The events of a generation, one vocabulary from the denoising loop to its consumers.
+
+`generate_stream` yields StepEvent, BlockEvent and a final DoneEvent. The layers above pass the same objects on
+and add their own: `session.run_generation` ends a generation with DoneEvent, CancelledEvent or ErrorEvent;
+`session.run_turn` opens a turn with StartEvent and announces a regenerated tool call with RetryEvent. The CLI's
+canvas view, `Session`, the server's worker queue and HTTP handlers, and the op-log (`oplog.record`) all read
+these classes; nothing downstream translates them into strings or tuples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:  # only for the annotations: events carry tensors but need not import torch
+    import torch
+
+    from .settings import GenerationSettings
+
+
+@dataclass
+class StepEvent:
+    """One denoising step. Tensors live on the model's device; call .tolist() to look at them."""
+
+    block: int
+    attempt: int  # 0, or the re-roll number of a degenerate first block
+    step: int  # 1-based
+    temperature: float
+    draft: torch.Tensor  # [C] argmax canvas of this step
+    accepted: torch.Tensor  # [C] bool accept mask of this step
+    mean_entropy: float
+    stop_reason: str | None  # set on the block's last step
+
+
+@dataclass
+class BlockEvent:
+    """One committed block."""
+
+    block: int
+    tokens: list[int]  # what this block added to the answer (and to the cache)
+    steps: int  # denoising steps of the committed attempt
+    stop_reason: str  # confident / plateau / entropy / max_steps
+    end: str  # generation.STOP_TOKEN / STOP_STRING / BUDGET / TRIMMED / CONTINUE
+    attempts: int  # 1 + re-rolls
+    stop_token: int | None = None
+    trimmed_at: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str | None
+    steps_per_block: list[int]
+    tokens_per_forward: float
+    stop_reasons: list[str]  # per committed block
+    timings: dict[str, float]
+    retries: int
+    stop_token: int | None = None  # the stop id that ended the turn (not part of tokens)
+    forwards: int = 0  # denoise forwards, re-rolled attempts included
+    block_ends: list[str] = field(default_factory=list)
+    settings: GenerationSettings | None = None
+    tool_retries: int = 0  # regenerations of a malformed tool call (session.run_turn, opt-in)
+    stop_string: str | None = None  # the stop text that ended the turn (its tokens are in tokens, not in text)
+
+
+@dataclass
+class DoneEvent:
+    """Last event of a generation that ran to its end: the whole result."""
+
+    result: GenerationResult
+
+
+@dataclass
+class StartEvent:
+    """First event of a turn (session.run_turn): how much of the prompt the KV cache already held."""
+
+    cached_tokens: int  # prompt tokens served from the cache
+    prefill_tokens: int  # prompt tokens prefilled for this turn
+
+
+@dataclass
+class RetryEvent:
+    """A malformed tool call is regenerated from its opener (session.run_turn): the reply keeps its first `kept`
+    tokens and the blocks that follow replace the rest."""
+
+    attempt: int  # 1 for the first regeneration
+    kept: int  # reply tokens kept
+
+
+@dataclass
+class CancelledEvent:
+    """Last event of a generation stopped on request, between denoise steps."""
+
+    blocks: int = 0  # blocks committed before it stopped (0: it never started)
+    kept: int | None = None  # tokens the slot's cache was rewound to (None: it never started)
+
+
+@dataclass
+class ErrorEvent:
+    """Last event of a generation that failed; the slot's cache was emptied."""
+
+    error: BaseException
+
+    @property
+    def message(self) -> str:
+        """'Type: message', as the op-log records it."""
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+Event = Union[StartEvent, StepEvent, BlockEvent, RetryEvent, DoneEvent, CancelledEvent, ErrorEvent]
+
+__all__ = ["StepEvent", "BlockEvent", "GenerationResult", "DoneEvent", "StartEvent", "RetryEvent", "CancelledEvent",
+           "ErrorEvent", "Event"]
