@@ -55,14 +55,14 @@ def refused(body: dict) -> tuple[str, str] | None:
     if body.get("functions") is not None or body.get("function_call") is not None:
         return "functions", "functions/function_call: the legacy function fields are not supported; send `tools`"
     modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
         return "modalities", "modalities: only ['text'] is supported (the model writes text only)"
     if body.get("audio") is not None:
         return "audio", "audio: not supported (the model writes text only)"
     if body.get("web_search_options") is not None:
         return "web_search_options", "web_search_options: not supported (this server has no web search)"
     effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORT:
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORT):
         return "reasoning_effort", f"reasoning_effort: expected one of {sorted(REASONING_EFFORT)}, got {effort!r}"
     return None
 

@@ -132,7 +132,8 @@ def convert_messages(messages) -> list[dict]:
         elif role == "tool":
             name = m.get("name")
             if not isinstance(name, str):
-                name = call_names.get(m.get("tool_call_id"))
+                call_id = m.get("tool_call_id")
+                name = call_names.get(call_id) if isinstance(call_id, str) else None
             if name is None:
                 raise _bad(f"{where}: tool_call_id {m.get('tool_call_id')!r} names no earlier assistant tool call", where)
             out.append({"role": "tool", "name": name, "content": _tool_content(m.get("content"), where)})

@@ -50,6 +50,19 @@ class ResponseFormat:
         return None if error is None else f"the reply does not match the schema: {error.message}"
 
 
+def schema_problem(schema) -> str | None:
+    """Why `schema` is not a JSON schema a validator can use, or None."""
+    if not isinstance(schema, dict):
+        return "expected an object"
+    try:
+        _validator(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return e.message
+    except Exception as e:  # a malformed $schema or $ref the library trips over
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _validator(schema: dict):
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     return cls(schema)
@@ -71,13 +84,10 @@ def parse_response_format(fmt) -> ResponseFormat | None:
         raise RequestError(400, "response_format.json_schema: expected {'name': ..., 'schema': {...}}",
                            "response_format")
     schema = spec.get("schema", {})
-    try:
-        if not isinstance(schema, dict):
-            raise jsonschema.SchemaError("expected an object")
-        _validator(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise RequestError(400, f"response_format.json_schema.schema: not a valid JSON schema ({e.message})",
-                           "response_format") from None
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise RequestError(400, f"response_format.json_schema.schema: not a valid JSON schema ({problem})",
+                           "response_format")
     return ResponseFormat("json_schema", spec.get("name"), schema)
 
 
@@ -104,8 +114,8 @@ def tool_call_problem(name: str | None, arguments, tools: list[dict] | None) -> 
         return None
     try:
         error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(arguments))
-    except (jsonschema.SchemaError, RecursionError):
-        return None  # the tool's own schema is broken: it cannot be checked against
+    except Exception as e:  # e.g. a $ref that does not resolve: the call cannot be shown to fit
+        return f"{name}: its parameter schema cannot be checked ({type(e).__name__})"
     return None if error is None else f"{name}: arguments do not match its parameters: {error.message}"
 
 
@@ -113,15 +123,9 @@ def check_tools_schemas(tools: list[dict] | None) -> None:
     """Refuse (400) a tool whose parameters are not a valid JSON schema: calls could not be checked against it."""
     for i, t in enumerate(tools or []):
         schema = t["function"].get("parameters")
-        if schema is None:
-            continue
-        try:
-            if not isinstance(schema, dict):
-                raise jsonschema.SchemaError("expected an object")
-            _validator(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise RequestError(400, f"tools[{i}].function.parameters: not a valid JSON schema ({e.message})",
-                               "tools") from None
+        problem = None if schema is None else schema_problem(schema)
+        if problem is not None:
+            raise RequestError(400, f"tools[{i}].function.parameters: not a valid JSON schema ({problem})", "tools")
 
 
 def with_instruction(messages: list[dict], fmt: ResponseFormat) -> list[dict]:
