@@ -70,9 +70,10 @@ def _run_serve(args) -> int:
     cli._validate_early(args)
     try:
         import fastapi  # noqa: F401
+        import jsonschema  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise InputError("serve needs fastapi and uvicorn: pip install 'diffgemma[serve]'") from None
+        raise InputError("serve needs fastapi, uvicorn and jsonschema: pip install 'diffgemma[serve]'") from None
     model = cli._load(args)
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
