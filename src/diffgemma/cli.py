@@ -171,6 +171,8 @@ def _open_session(args):
     from .session import Session
 
     _validate_early(args)
+    if args.system is not None:
+        _utf8(args.system, "--system")
     tools = None if args.tools == "model" else _read_tools(args.tools)  # a bad file fails before the load
     model = _load(args)
     tools = tools or _read_tools(args.tools, model)
@@ -186,7 +188,19 @@ def _open_session(args):
                                     max_tokens=tokens, log=log, tool_validate=args.tool_validate)
 
 
+def _utf8(text: str, what: str) -> str:
+    """`text` as given on the command line or stdin, or an InputError when its bytes were not UTF-8 (Python keeps
+    such bytes as lone surrogates, which no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise InputError(f"{what}: not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start})") from None
+    return text
+
+
 def cmd_ask(args) -> int:
+    _utf8(args.prompt, "the prompt")
     model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
     reply = session.ask(args.prompt, settings=settings, on_step=view)
@@ -205,7 +219,14 @@ def cmd_chat(args) -> int:
     while True:
         if interactive:
             print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            line = "\n"  # a bad line is dropped (or, in a script, ends the chat) like any bad input
+            bad = InputError(f"the input: not valid UTF-8 text (byte 0x{e.object[e.start:e.start + 1].hex()})")
+            if not interactive:
+                raise bad from None
+            print(f"diffgemma: error: {bad}", file=sys.stderr)
         if not line:
             break
         line = line.strip()
@@ -218,6 +239,7 @@ def cmd_chat(args) -> int:
             continue
         view = CanvasView(model.tokenizer) if args.show_canvas else None
         try:
+            _utf8(line, "the input")
             if line.startswith("/tool "):
                 reply = session.tool_result(_last_call_name(session), _tool_content(line[6:]), settings=settings,
                                             on_step=view)

