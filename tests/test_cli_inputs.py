@@ -40,3 +40,13 @@ def test_chat_input_that_is_not_utf8(capsys, monkeypatch):
     stdin = io.TextIOWrapper(io.BytesIO(b"hi \xff\n"), encoding="utf-8", errors="surrogateescape")
     code, out, err = run_cli(["chat", "--device", "cpu", "--max-new-tokens", "4"], capsys, stdin, monkeypatch)
     one_line_error(code, err, "the input: not valid UTF-8 text (byte 0xff")
+
+
+@pytest.mark.parametrize("entry", [{"type": "function", "function": {"description": "x"}},
+                                   {"type": "function", "function": {"name": ""}}, {"description": "x"},
+                                   {"type": "function", "function": "get_weather"}])
+def test_a_tools_entry_without_a_name(tmp_path, capsys, entry):
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([{"type": "function", "function": {"name": "ok"}}, entry]))
+    code, out, err = run_cli(["ask", "hi", "--device", "cpu", "--tools", str(path)], capsys)
+    one_line_error(code, err, f"--tools {path}: entry 1 has no name")

@@ -144,6 +144,11 @@ def _read_tools(path, model=None):
         raise InputError(f"--tools {path}: not valid JSON ({e})") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InputError(f"--tools {path}: expected a JSON list of tool declarations")
+    for i, t in enumerate(tools):
+        fn = t.get("function", t)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InputError(f"--tools {path}: entry {i} has no name; expected {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'parameters': {{...}}}}}}")
     return tools
 
 
