@@ -50,3 +50,10 @@ def test_a_tools_entry_without_a_name(tmp_path, capsys, entry):
     path.write_text(json.dumps([{"type": "function", "function": {"name": "ok"}}, entry]))
     code, out, err = run_cli(["ask", "hi", "--device", "cpu", "--tools", str(path)], capsys)
     one_line_error(code, err, f"--tools {path}: entry 1 has no name")
+
+
+@pytest.mark.parametrize("command", [["ask", "hi"], ["golden"], ["serve"]])
+@pytest.mark.parametrize("device", ["meta", "mps", "cuda:x", "cpu:0", "gpu"])
+def test_a_device_the_engine_cannot_run_on(capsys, command, device):
+    code, out, err = run_cli(command + ["--device", device], capsys)
+    one_line_error(code, err, f"--device {device}: expected cpu, cuda, cuda:N or auto")
