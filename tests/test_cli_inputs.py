@@ -57,3 +57,20 @@ def test_a_tools_entry_without_a_name(tmp_path, capsys, entry):
 def test_a_device_the_engine_cannot_run_on(capsys, command, device):
     code, out, err = run_cli(command + ["--device", device], capsys)
     one_line_error(code, err, f"--device {device}: expected cpu, cuda, cuda:N or auto")
+
+
+def test_version_and_help_texts(capsys):
+    import diffgemma
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"diffgemma {diffgemma.__version__}"
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for command, flags in (("ask", ("--seed", "--max-new-tokens")), ("chat", ("--seed", "--max-new-tokens")),
+                           ("serve", ("--host", "--port", "--limit"))):
+        actions = {opt: a for a in subs[command]._actions for opt in a.option_strings}
+        for flag in flags:
+            assert actions[flag].help and len(actions[flag].help) > 20, (command, flag)
+        for a in subs[command]._actions:  # every flag says what it does
+            assert a.help, (command, a.option_strings)

@@ -45,8 +45,12 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
                         "tools.json (the demo model ships one)")
     p.add_argument("--think", action="store_true", help="let the model think first (thought channel on)")
     p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampler's random seed: the same seed, prompt and settings give the same reply "
+                        "(default: the generation settings' seed, 0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens a reply may have (default: the model's generation_config.json, 256 for "
+                        "the demo)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="tokens the conversation's KV cache holds, prompts and replies together (default 8192, or "
                         "the model's max_position_embeddings if smaller; more than that is refused)")
@@ -66,10 +70,13 @@ def add_tool_validate_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="diffgemma", description="DiffusionGemma inference engine")
+    parser.add_argument("--version", action="version", version=f"diffgemma {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ask = sub.add_parser("ask", help="answer one prompt")
-    ask.add_argument("prompt")
+    ask.add_argument("prompt", help="the user's message (UTF-8 text)")
     _add_generation_flags(ask)
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
