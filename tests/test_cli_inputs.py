@@ -74,3 +74,18 @@ def test_version_and_help_texts(capsys):
             assert actions[flag].help and len(actions[flag].help) > 20, (command, flag)
         for a in subs[command]._actions:  # every flag says what it does
             assert a.help, (command, a.option_strings)
+
+
+def test_settings_lists_every_name_with_its_default(capsys):
+    from diffgemma.settings import FIELD_NAMES, GenerationSettings
+
+    code, out, err = run_cli(["settings"], capsys)
+    rows = dict(line.split(None, 1) for line in out.strip().splitlines())
+    assert code == 0 and err == "" and list(rows) == list(FIELD_NAMES)
+    assert rows["entropy_bound"] == repr(GenerationSettings().entropy_bound)
+    code, out, _ = run_cli(["settings", "--model", "demo"], capsys)
+    assert code == 0 and "stop_ids" in out and "(1, 106, 50)" in out  # the demo's eos ids
+    code, out, err = run_cli(["settings", "--model", "/nonexistent/dir"], capsys)
+    one_line_error(code, err, "--model /nonexistent/dir: no such directory")
+    code, out, err = run_cli(["ask", "hi", "--set", "entropy_bond=1"], capsys)
+    one_line_error(code, err, "entropy_bond")

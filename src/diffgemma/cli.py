@@ -57,7 +57,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-canvas", action="store_true", help="redraw the denoising canvas live")
     p.add_argument("--stats", action="store_true", help="print steps per block, tokens per forward, timings")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2")
+                   help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2; "
+                        "`diffgemma settings` lists them")
     p.add_argument("--log-dir", default=None,
                    help="journal every turn (token ids and settings) in an op-log here, for `diffgemma replay`")
     add_tool_validate_flag(p)
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(ask)
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
+    listing = sub.add_parser("settings", help="list the generation settings --set, DIFFGEMMA_<NAME> and the "
+                                              "server's `diffgemma` request field take, with their defaults")
+    listing.add_argument("--model", default=None,
+                         help="show the defaults this checkpoint's generation_config.json gives (default: the "
+                              "settings' own defaults)")
     golden = sub.add_parser("golden", help="check (or --bless) the golden byte-identity fixture")
     golden.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
     golden.add_argument("--fixture", default=None, help="fixture path (default: MODEL/golden.json)")
@@ -357,7 +363,26 @@ def cmd_golden(args) -> int:
     return 1 if problems else 0
 
 
-COMMANDS = {"ask": cmd_ask, "chat": cmd_chat, "golden": cmd_golden}
+def cmd_settings(args) -> int:
+    from .settings import FIELD_NAMES, GenerationSettings
+
+    config = {}
+    if args.model is not None:
+        from .checkpoint import read_json
+        from .loader import resolve_path
+
+        if not resolve_path(args.model).is_dir():
+            raise InputError(f"--model {args.model}: no such directory")
+        path = resolve_path(args.model) / "generation_config.json"
+        config = read_json(path, "generation_config.json") if path.is_file() else {}
+    values = GenerationSettings.resolve(config, env={}).as_dict()
+    width = max(map(len, FIELD_NAMES))
+    for name in FIELD_NAMES:
+        print(f"{name:<{width}}  {values[name]!r}")
+    return 0
+
+
+COMMANDS = {"ask": cmd_ask, "chat": cmd_chat, "golden": cmd_golden, "settings": cmd_settings}
 
 
 def main(argv: list[str] | None = None) -> int:
