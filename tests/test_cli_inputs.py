@@ -4,7 +4,6 @@ UTF-8, tool files without names, devices the engine cannot run on, a busy port, 
 import io
 import json
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -89,3 +88,18 @@ def test_settings_lists_every_name_with_its_default(capsys):
     one_line_error(code, err, "--model /nonexistent/dir: no such directory")
     code, out, err = run_cli(["ask", "hi", "--set", "entropy_bond=1"], capsys)
     one_line_error(code, err, "entropy_bond")
+
+
+def test_serve_on_a_busy_port_fails_before_announcing(capsys):
+    pytest.importorskip("uvicorn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = run_cli(["serve", "--device", "cpu", "--port", str(port)], capsys)
+    one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
+    assert "http://" not in err and out == ""
+    code, out, err = run_cli(["serve", "--device", "cpu", "--limit", "canvas_length=0"], capsys)
+    one_line_error(code, err, "--limit 'canvas_length=0': expected a positive integer")
+    code, out, err = run_cli(["serve", "--device", "cpu", "--limit", "canvas=64"], capsys)
+    one_line_error(code, err, "NAME one of canvas_length")
