@@ -307,7 +307,10 @@ IGNORED = dict(temperature=0.3, top_p=0.9, frequency_penalty=0.1, presence_penal
                extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
 
 
-def test_openai_fields_are_accepted_and_ignored_once(live, caplog):
+def test_openai_fields_are_accepted_and_ignored_once(live, caplog, monkeypatch):
+    from diffgemma.server import openai_fields
+
+    monkeypatch.setattr(openai_fields, "_noted", set())  # as in a fresh process
     caplog.set_level(logging.INFO, logger="diffgemma.server")
     plain, _ = chat_raw(live, messages=SUM, seed=5, max_completion_tokens=40)
     got, _ = chat_raw(live, messages=SUM, seed=5, **IGNORED)

@@ -20,7 +20,7 @@ from ..errors import SettingsError
 from ..session import tool_result_value
 from ..settings import GenerationSettings
 from . import openai_fields
-from .errors import RequestError, error_body  # noqa: F401 (re-exported)
+from .errors import RequestError, error_body  # noqa: F401 (re-exported: callers import them from here)
 from .openai_fields import Limits
 from .structured import check_tools_schemas, parse_response_format
 
