@@ -266,6 +266,23 @@ def test_a_call_outside_the_offered_tools_is_not_a_tool_call(model_tokenizer):
     assert len(final_message(tok, two, True, tools=TOOLS, parallel=False)[1]) == 1
 
 
+def test_tool_validate_regenerates_a_call_against_the_schema():
+    """With --tool-validate N, a call that parses but breaks the offered function's schema is written again (seed
+    bumped) up to N times; one that still does not fit is left out: no tool_calls, no markup in content."""
+    strict = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]+$"}}, "required": ["city"]}}}]
+    s = LiveServer(diffgemma.load(), tool_validate=2)
+    try:
+        got, body = chat_raw(s, messages=WEATHER, tools=strict, seed=0)
+        ok, ok_body = chat_raw(s, messages=WEATHER, tools=TOOLS, seed=0)
+    finally:
+        s.close()
+    assert body["diffgemma"]["attempts"] == 3
+    msg = got.choices[0].message
+    assert msg.tool_calls is None and "<|" not in msg.content and got.choices[0].finish_reason == "stop"
+    assert ok_body["diffgemma"]["attempts"] == 1 and ok.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
 def test_usage_leaves_padding_out(model_tokenizer):
     tok = model_tokenizer
     assert reply_token_count(tok, [tok.pad_id] * 60 + [5, 6]) == 2

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import DiffgemmaError
+from ..session import reply_parts
 from . import handlers, structured
 from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
@@ -117,20 +118,32 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         def counted(result, cached):
             return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
 
-        if fmt is not None or forced:  # a checked reply: written whole, regenerated while it fails its check
+        # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
+        # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
+        validate_calls = retries > 0 and tools_on and not req.stream
+        if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
+            written = {}
+
+            def build_checked(result):
+                written["tokens"] = prefix + list(result.tokens)
+                return build(result)
+
             def check(message, calls):
                 if forced:
                     return structured.call_problem(calls, req.forced_name)
-                return None if calls else fmt.problem(message.get("content"))
+                if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
+                    return "its tool calls do not fit the offered tools"
+                return None if calls or fmt is None else fmt.problem(message.get("content"))
 
             async def generate(settings):
                 return await _result(submit(settings), request)
 
-            done = await structured.checked(generate, req.settings, build, check, structured.FORMAT_ATTEMPTS)
+            attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
+            done = await structured.checked(generate, req.settings, build_checked, check, attempts)
             if not isinstance(done, tuple):
                 return done
             cached, result, message, calls, attempts, problem = done
-            if problem is not None:
+            if problem is not None and (fmt is not None or forced):
                 raise structured.call_failed(attempts, problem) if forced else \
                     structured.format_failed(fmt, attempts, problem)
             extra["attempts"] = attempts
