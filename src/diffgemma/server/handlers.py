@@ -1,6 +1,6 @@
-"""OpenAI-shaped error bodies for every failure the HTTP layer can meet: `{"error": {"message", "type", "param",
-"code"}}`, also for routing errors (404, 405), FastAPI's own validation errors (422), a body nested too deep to
-parse, and anything unexpected (500, its traceback logged, not sent)."""
+"""The FastAPI exception handlers that send every failure the HTTP layer can meet as OpenAI's error object
+(errors.py): a refused request (RequestError), routing errors (404, 405), FastAPI's own validation errors, a body
+nested too deep to parse, and anything unexpected (500, its traceback logged, not sent)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .errors import RequestError, error_body
 
 log = logging.getLogger("diffgemma.server")
+
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    kind: str | None = None, headers: dict | None = None) -> JSONResponse:
