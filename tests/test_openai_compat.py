@@ -418,3 +418,28 @@ def test_langchain_tools_and_structured_output(live):
             assert e.body["code"] in ("response_format_failed", "tool_choice_failed")
             continue
         jsonschema.validate(value, SCHEMA)
+
+
+def test_a_drawn_seed_is_journaled_and_replays(tmp_path):
+    """A request without a seed gets a fresh one: the response names it and the op-log records it, so the request
+    can be replayed exactly (sending that seed gives the same reply)."""
+    from fastapi.testclient import TestClient
+
+    from diffgemma import oplog
+
+    model = diffgemma.load()
+    log = oplog.OpLog(tmp_path, oplog.header(model, 1, 512))
+    worker = Worker(model, slots=1, max_tokens=512, log=log)
+    app = create_app(worker, model.tokenizer, "m", GenerationSettings.resolve(model.generation_config, env={}),
+                     fresh_seed=True)
+    try:
+        with TestClient(app) as http:
+            first = http.post("/v1/chat/completions", json={"messages": SUM, "max_tokens": 8}).json()
+            seed = first["diffgemma"]["seed"]
+            again = http.post("/v1/chat/completions", json={"messages": SUM, "max_tokens": 8, "seed": seed}).json()
+    finally:
+        worker.close()
+        log.close()
+    ops = [r for r in oplog.read(log.path) if r.get("op") == "generate"]
+    assert [op["settings"]["seed"] for op in ops] == [seed, seed]
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
