@@ -33,28 +33,41 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
                         "tools.json (the demo model ships one)")
     p.add_argument("--think", action="store_true", help="let the model think first (thought channel on)")
     p.add_argument("--show-thought", action="store_true", help="print the thought channel too")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampler's random seed: the same seed, prompt and settings give the same reply "
+                        "(default: the generation settings' seed, 0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens a reply may have (default: the model's generation_config.json, 256 for "
+                        "the demo)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="tokens the conversation's KV cache holds, prompts and replies together (default 8192, or "
                         "the model's max_position_embeddings if smaller; more than that is refused)")
     p.add_argument("--show-canvas", action="store_true", help="redraw the denoising canvas live")
     p.add_argument("--stats", action="store_true", help="print steps per block, tokens per forward, timings")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2")
+                   help="override a generation setting (repeatable), e.g. --set entropy_bound=0.2; "
+                        "`diffgemma settings` lists them")
     p.add_argument("--log-dir", default=None,
                    help="journal every turn (token ids and settings) in an op-log here, for `diffgemma replay`")
     add_tool_validate_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="diffgemma", description="DiffusionGemma inference engine")
+    parser.add_argument("--version", action="version", version=f"diffgemma {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ask = sub.add_parser("ask", help="answer one prompt")
-    ask.add_argument("prompt")
+    ask.add_argument("prompt", help="the user's message (UTF-8 text)")
     _add_generation_flags(ask)
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
+    listing = sub.add_parser("settings", help="list the generation settings --set, DIFFGEMMA_<NAME> and the "
+                                              "server's `diffgemma` request field take, with their defaults")
+    listing.add_argument("--model", default=None,
+                         help="show the defaults this checkpoint's generation_config.json gives (default: the "
+                              "settings' own defaults)")
     golden = sub.add_parser("golden", help="check (or --bless) the golden byte-identity fixture")
     golden.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
     golden.add_argument("--fixture", default=None, help="fixture path (default: MODEL/golden.json)")
@@ -93,6 +106,11 @@ def _read_tools(path, model=None):
         raise InputError(f"--tools {path}: not valid JSON ({e})") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InputError(f"--tools {path}: expected a JSON list of tool declarations")
+    for i, t in enumerate(tools):
+        fn = t.get("function", t)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InputError(f"--tools {path}: entry {i} has no name; expected {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'parameters': {{...}}}}}}")
     return tools
 
 
@@ -120,6 +138,8 @@ def _open_session(args):
     from .session import Session
 
     options.validate_early(args)
+    if args.system is not None:
+        _utf8(args.system, "--system")
     tools = None if args.tools == "model" else _read_tools(args.tools)  # a bad file fails before the load
     model = options.load_model(args)
     tools = tools or _read_tools(args.tools, model)
@@ -135,7 +155,19 @@ def _open_session(args):
                                     max_tokens=tokens, log=log, tool_validate=args.tool_validate)
 
 
+def _utf8(text: str, what: str) -> str:
+    """`text` as given on the command line or stdin, or an InputError when its bytes were not UTF-8 (Python keeps
+    such bytes as lone surrogates, which no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise InputError(f"{what}: not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start})") from None
+    return text
+
+
 def cmd_ask(args) -> int:
+    _utf8(args.prompt, "the prompt")
     model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
     reply = session.ask(args.prompt, settings=settings, on_step=view)
@@ -154,7 +186,14 @@ def cmd_chat(args) -> int:
     while True:
         if interactive:
             print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            line = "\n"  # a bad line is dropped (or, in a script, ends the chat) like any bad input
+            bad = InputError(f"the input: not valid UTF-8 text (byte 0x{e.object[e.start:e.start + 1].hex()})")
+            if not interactive:
+                raise bad from None
+            print(f"diffgemma: error: {bad}", file=sys.stderr)
         if not line:
             break
         line = line.strip()
@@ -167,6 +206,7 @@ def cmd_chat(args) -> int:
             continue
         view = CanvasView(model.tokenizer) if args.show_canvas else None
         try:
+            _utf8(line, "the input")
             if line.startswith("/tool "):
                 reply = session.tool_result(_last_call_name(session), _tool_content(line[6:]), settings=settings,
                                             on_step=view)
@@ -262,7 +302,26 @@ def cmd_golden(args) -> int:
     return 1 if problems else 0
 
 
-COMMANDS = {"ask": cmd_ask, "chat": cmd_chat, "golden": cmd_golden}
+def cmd_settings(args) -> int:
+    from .settings import FIELD_NAMES, GenerationSettings
+
+    config = {}
+    if args.model is not None:
+        from .checkpoint import read_json
+        from .loader import resolve_path
+
+        if not resolve_path(args.model).is_dir():
+            raise InputError(f"--model {args.model}: no such directory")
+        path = resolve_path(args.model) / "generation_config.json"
+        config = read_json(path, "generation_config.json") if path.is_file() else {}
+    values = GenerationSettings.resolve(config, env={}).as_dict()
+    width = max(map(len, FIELD_NAMES))
+    for name in FIELD_NAMES:
+        print(f"{name:<{width}}  {values[name]!r}")
+    return 0
+
+
+COMMANDS = {"ask": cmd_ask, "chat": cmd_chat, "golden": cmd_golden, "settings": cmd_settings}
 
 
 def main(argv: list[str] | None = None) -> int:

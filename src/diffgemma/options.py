@@ -27,10 +27,19 @@ def validate_early(args) -> None:
     from .settings import GenerationSettings
 
     GenerationSettings.resolve({}, env=os.environ, overrides=list(args.sets))
+    if getattr(args, "device", None) is not None:
+        check_device(args.device)
     if getattr(args, "tool_validate", 0) < 0:
         raise InputError(f"--tool-validate {args.tool_validate}: expected a number of retries >= 0")
     if getattr(args, "context", None) is not None and args.context < 1:
         raise InputError(f"--context {args.context}: expected a positive number of tokens")
+
+
+def check_device(device: str) -> None:
+    """--device: auto, cpu, cuda or cuda:N; anything else (meta, mps, a typo) is refused before the model load."""
+    kind, _, index = str(device).partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise InputError(f"--device {device}: expected cpu, cuda, cuda:N or auto")
 
 
 def load_model(args):
@@ -39,6 +48,7 @@ def load_model(args):
 
     from .loader import load
 
+    check_device(args.device)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,90 +21,163 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
-from .protocol import (RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
+from ..reply import reply_parts
+from . import handlers, structured
+from .openai_fields import Limits
+from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
-from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message
+from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message, reply_token_count
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
 
-def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None):
+def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
+               limits=None, fresh_seed: bool = False):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
-    set, every request but /health must carry `Authorization: Bearer <api_key>` (a 401 otherwise)."""
+    set, every request but /health must carry `Authorization: Bearer <api_key>` (a 401 otherwise). limits: the
+    bounds on a request's `diffgemma` settings (openai_fields.Limits; None: the model's canvas_length only).
+    fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`
+    field and journaled in the op-log), else the server's."""
     app = FastAPI(title="diffgemma", version="1")
     created = int(time.time())
+    model_config = getattr(getattr(worker, "model", None), "config", None)
+    policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
+                    fresh_seed=fresh_seed)
+    handlers.install(app)
 
     if api_key:
-        want = f"Bearer {api_key}".encode()
+        want = api_key.encode()
 
         @app.middleware("http")
         async def authorize(request: Request, call_next):
-            given = request.headers.get("authorization", "").encode()
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            given = given.strip().encode() if scheme.lower() == "bearer" else b""
             if request.url.path != "/health" and not hmac.compare_digest(given, want):  # everything but /health
                 return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
                                                "'Authorization: Bearer <key>'", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)
             return await call_next(request)
 
-    @app.exception_handler(RequestError)
-    async def refused(_, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
-
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
+    def model_card():
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "diffgemma",
+                "max_model_len": worker.max_tokens}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "diffgemma", "max_model_len": worker.max_tokens}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_id:
+            raise RequestError(404, f"model {name!r} is not served here; this server serves {model_id!r}", "model",
+                               "model_not_found")
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_chat_request(await _json(request), model_id, base_settings)
+        req = parse_chat_request(await _json(request), model_id, base_settings, policy)
+        fmt, forced = req.response_format, req.tool_choice in ("required", "function")
+        messages = req.messages if fmt is None else structured.with_instruction(req.messages, fmt)
+        prefix = tokenizer.encode(structured.forced_call_text(req.forced_name)) if forced else []
         try:
-            ids = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
-                                                enable_thinking=req.think)
-            job = worker.submit(ids, req.settings, tool_validate if req.tools is not None else 0)
+            ids = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True,
+                                                enable_thinking=req.think) + prefix
         except DiffgemmaError as e:
             raise RequestError(400, str(e), "messages") from None
         except Exception as e:  # the template's own errors (a missing field, a wrong type)
             raise RequestError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                                "messages") from None
-        tools_on = req.tools is not None and req.tool_choice == "auto"
+        retries = tool_validate if req.tools is not None else 0
+
+        def submit(settings):
+            try:
+                return worker.submit(ids, settings, retries)
+            except DiffgemmaError as e:
+                raise RequestError(400, str(e), "messages") from None
+
+        tools_on = req.tools is not None and req.tool_choice != "none"
         stops = req.settings.stop_strings
+        extra = {"seed": req.settings.seed}
+        cid, t0 = new_id("chatcmpl-"), int(time.time())
+
+        def message_chunk(delta, finish=None, usage_=None, choices=True):
+            return dict(chunk(cid, model_id, t0, delta, finish, usage_, choices), diffgemma=extra)
+
+        def build(result):
+            canvas = req.settings.canvas_length or policy.model_canvas
+            return final_message(tokenizer, prefix + list(result.tokens), tools_on, stops, req.tools,
+                                 req.parallel_tool_calls, None if canvas is None else len(prefix) + canvas)
+
+        def counted(result, cached):
+            return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
+
+        # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
+        # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
+        validate_calls = retries > 0 and tools_on and not req.stream
+        if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
+            written = {}
+
+            def build_checked(result):
+                written["tokens"] = prefix + list(result.tokens)
+                return build(result)
+
+            def check(message, calls):
+                if forced:
+                    return structured.call_problem(calls, req.forced_name)
+                if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
+                    return "its tool calls do not fit the offered tools"
+                return None if calls or fmt is None else fmt.problem(message.get("content"))
+
+            async def generate(settings):
+                return await _result(submit(settings), request)
+
+            attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
+            done = await structured.checked(generate, req.settings, build_checked, check, attempts)
+            if not isinstance(done, tuple):
+                return done
+            cached, result, message, calls, attempts, problem = done
+            if problem is not None and (fmt is not None or forced):
+                raise structured.call_failed(attempts, problem) if forced else \
+                    structured.format_failed(fmt, attempts, problem)
+            extra["attempts"] = attempts
+            use = counted(result, cached)
+            if req.stream:
+                return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
+                                                             use if req.include_usage else None))
+            return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
+        job = submit(req.settings)
         if req.stream:
-            cid, t0 = new_id("chatcmpl-"), int(time.time())
-
-            def message_chunk(delta, finish=None, usage_=None, choices=True):
-                return chunk(cid, model_id, t0, delta, finish, usage_, choices)
-
-            deltas = ReplyDeltas(tokenizer, tools_on, stops)
+            deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
             return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
                                       first={"role": "assistant", "content": ""}, empty={}))
         done = await _result(job, request)
         if not isinstance(done, tuple):
             return done
         cached, result = done
-        message, calls = final_message(tokenizer, result.tokens, tools_on, stops)
-        return completion(model_id, message, _finish(result, calls), usage(len(ids), len(result.tokens), cached))
+        message, calls = build(result)
+        return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion_request(await _json(request), model_id, base_settings)
+        req = parse_completion_request(await _json(request), model_id, base_settings, policy)
         ids = prompt_ids(tokenizer, req.prompt)
         try:
             job = worker.submit(ids, req.settings)
         except DiffgemmaError as e:
             raise RequestError(400, str(e), "prompt") from None
         stops = req.settings.stop_strings
+        extra = {"seed": req.settings.seed}
         if req.stream:
             cid, t0 = new_id("cmpl-"), int(time.time())
 
             def piece(text, finish=None, usage_=None, choices=True):
-                return text_chunk(cid, model_id, t0, text, finish, usage_, choices)
+                return dict(text_chunk(cid, model_id, t0, text, finish, usage_, choices), diffgemma=extra)
 
             deltas = CompletionDeltas(tokenizer, stops)
             return _streaming(_events(job, len(ids), req.include_usage, deltas, piece, first=None, empty=""))
@@ -112,8 +185,9 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         if not isinstance(done, tuple):
             return done
         cached, result = done
-        return text_completion(model_id, completion_text(tokenizer, result.tokens, stops), _finish(result, []),
-                               usage(len(ids), len(result.tokens), cached))
+        return dict(text_completion(model_id, completion_text(tokenizer, result.tokens, stops), _finish(result, []),
+                                    usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)),
+                    diffgemma=extra)
 
     return app
 
@@ -123,6 +197,8 @@ async def _json(request):
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise RequestError(400, "the request body is nested too deeply") from None
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
@@ -155,7 +231,7 @@ async def _result(job, request):
         elif isinstance(event, ErrorEvent):
             return JSONResponse(_error_body(event.error), status_code=500)
         elif isinstance(event, CancelledEvent):  # the client left; nobody reads this
-            return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
+            return JSONResponse(RequestError(499, "cancelled", code="cancelled").body(), status_code=499)
 
 
 async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty):
@@ -186,7 +262,8 @@ async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, fi
                     yield sse(make(delta))
                 yield sse(make(empty, _finish(event.result, calls)))
                 if include_usage:
-                    yield sse(make(empty, None, usage(prompt_tokens, len(event.result.tokens), cached), False))
+                    count = reply_token_count(deltas.tokenizer, event.result.tokens)
+                    yield sse(make(empty, None, usage(prompt_tokens, count, cached), False))
                 break
             elif isinstance(event, ErrorEvent):
                 yield sse(_error_body(event.error))

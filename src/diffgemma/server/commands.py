@@ -14,8 +14,8 @@ def add_subcommands(subparsers) -> None:
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (chat completions, streaming, tools)")
     s.add_argument("--model", default=None, help="checkpoint or pack directory (default: the embedded demo model)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000; 0: any free port)")
     s.add_argument("--served-name", default=None, help="the model id clients name (default: the model directory's name)")
     s.add_argument("--slots", type=int, default=2, help="conversations whose KV cache is kept for reuse (default 2)")
     s.add_argument("--max-tokens", type=int, default=None,
@@ -24,6 +24,10 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--log-dir", default=None, help="write an op-log of every generation here (for `diffgemma replay`)")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="a generation setting for every request (repeatable); requests may override it")
+    s.add_argument("--limit", dest="limits", action="append", default=[], metavar="NAME=VALUE",
+                   help="the most a request may ask through its `diffgemma` settings (repeatable): canvas_length "
+                        "(default: the model's), max_denoising_steps (256), empty_reply_retry (8), stop_strings (16), "
+                        "stop_string_chars (256); more is refused with 400")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every request but /health (default: $DIFFGEMMA_API_KEY, "
                         "else none)")
@@ -53,12 +57,19 @@ def _run_serve(args) -> int:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key: empty; give the key clients must send (or leave the flag out for none)")
+    from .openai_fields import Limits
+
+    try:
+        limits = Limits().replace(args.limits)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     options.validate_early(args)
     try:
         import fastapi  # noqa: F401
+        import jsonschema  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise InputError("serve needs fastapi and uvicorn: pip install 'diffgemma[serve]'") from None
+        raise InputError("serve needs fastapi, uvicorn and jsonschema: pip install 'diffgemma[serve]'") from None
     model = options.load_model(args)
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
@@ -69,19 +80,46 @@ def _run_serve(args) -> int:
         print(f"diffgemma serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
     warmup = args.warmup == "on" or (args.warmup == "auto" and model.embedding.device.type == "cuda")
+    # a request that names no seed gets a fresh one, unless the operator fixed the seed for every request
+    seed_fixed = any(item.split("=", 1)[0].strip().replace("-", "_").lower() == "seed" for item in args.sets) \
+        or "DIFFGEMMA_SEED" in os.environ
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
                  slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
-                 warmup=warmup, api_key=api_key)
+                 warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed)
+
+
+def listen(host: str, port: int):
+    """A socket bound to host:port, or an InputError naming them (a busy port fails before anything is announced)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InputError(f"--host {host}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
-          tool_validate: int = 0, warmup: bool = False, api_key: str | None = None) -> int:
+          tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
+          fresh_seed: bool = False) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
     from .app import create_app
     from .worker import Worker
 
+    if not 0 <= port < 65536:
+        raise InputError(f"--port {port}: expected 0-65535")
+    sock = listen(host, port)
+    port = sock.getsockname()[1]
     log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
     worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
     try:
@@ -90,11 +128,14 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
                   file=sys.stderr)
             seconds = worker.warm_up(settings, progress=lambda m: print(f"  warm-up {m}", file=sys.stderr))
             print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
-        app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key)
+        app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key,
+                         limits=limits, fresh_seed=fresh_seed)
         print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         worker.close()
         if log is not None:
             log.close()

@@ -1,10 +1,12 @@
 """The OpenAI wire format (chat completions and completions): a request body -> what the engine needs, a reply ->
 response JSON.
 
-Pure functions over dicts (no HTTP, no model), so every refusal is testable on its own. A request field we
-cannot honour is refused with its name (HTTP 400), never silently dropped, except the sampling knobs of
-autoregressive models (temperature, top_p, penalties), which have no meaning for the diffusion sampler: it
-runs its own temperature schedule, set through the `diffgemma` field (any GenerationSettings name).
+Pure functions over dicts (no HTTP, no model), so every refusal is testable on its own. Every field OpenAI's
+API takes is accepted (openai_fields.py): honoured where it maps onto the model, ignored (logged once) where it
+has no meaning for the diffusion sampler (temperature, top_p, penalties, logit_bias: the sampler runs its own
+temperature schedule, set through the `diffgemma` field, any GenerationSettings name), refused by name (HTTP
+400) where ignoring it would silently change an answer the client relies on. A field OpenAI does not take is
+refused as unknown.
 """
 
 from __future__ import annotations
@@ -17,27 +19,23 @@ from dataclasses import dataclass
 from ..errors import SettingsError
 from ..reply import tool_result_value
 from ..settings import GenerationSettings
+from . import openai_fields
+from .errors import RequestError, error_body  # noqa: F401 (re-exported: callers import them from here)
+from .openai_fields import Limits
+from .structured import check_tools_schemas, parse_response_format
 
-# accepted and ignored: autoregressive sampling knobs (see the module docstring) and bookkeeping fields
-IGNORED_FIELDS = {"temperature", "top_p", "frequency_penalty", "presence_penalty", "user", "parallel_tool_calls",
-                  "metadata", "store", "service_tier"}
-KNOWN_FIELDS = IGNORED_FIELDS | {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
-                                 "max_completion_tokens", "seed", "n", "stop", "logprobs", "top_logprobs",
-                                 "response_format", "chat_template_kwargs", "diffgemma"}
-COMPLETION_FIELDS = IGNORED_FIELDS | {"model", "prompt", "stream", "stream_options", "max_tokens", "seed", "n", "stop",
-                                      "logprobs", "echo", "suffix", "best_of", "diffgemma"}
+IGNORED_FIELDS = openai_fields.IGNORED
+KNOWN_FIELDS = openai_fields.CHAT
+COMPLETION_FIELDS = openai_fields.COMPLETION
 
+@dataclass(frozen=True)
+class Policy:
+    """What the server allows a request: limits on its `diffgemma` settings (None: none), and whether a request
+    that names no seed gets a fresh random one (else the server's own seed)."""
 
-class RequestError(Exception):
-    """A request the server refuses: the HTTP status and a message naming the field and what was expected."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def body(self) -> dict:
-        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+    limits: Limits | None = None
+    model_canvas: int | None = None  # the model's canvas_length: canvas_length's limit unless limits give one
+    fresh_seed: bool = False
 
 
 @dataclass
@@ -48,7 +46,10 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     settings: GenerationSettings
-    tool_choice: str = "auto"  # "auto" or "none" (calls in the reply are then returned as text)
+    tool_choice: str = "auto"  # "auto", "none" (calls in the reply are not returned as calls), "required", "function"
+    forced_name: str | None = None  # tool_choice "function": the function the reply must call
+    parallel_tool_calls: bool = True  # False: only the reply's first call is returned
+    response_format: object = None  # structured.ResponseFormat, or None for text
 
 
 @dataclass
@@ -131,7 +132,8 @@ def convert_messages(messages) -> list[dict]:
         elif role == "tool":
             name = m.get("name")
             if not isinstance(name, str):
-                name = call_names.get(m.get("tool_call_id"))
+                call_id = m.get("tool_call_id")
+                name = call_names.get(call_id) if isinstance(call_id, str) else None
             if name is None:
                 raise _bad(f"{where}: tool_call_id {m.get('tool_call_id')!r} names no earlier assistant tool call", where)
             out.append({"role": "tool", "name": name, "content": _tool_content(m.get("content"), where)})
@@ -153,17 +155,25 @@ def _tools(tools) -> list[dict] | None:
     return tools or None
 
 
-def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[bool, bool, GenerationSettings]:
+def _common(body, model_id: str, base: GenerationSettings, known, policy: Policy | None = None
+            ) -> tuple[bool, bool, GenerationSettings]:
     """The fields both endpoints share -> (stream, include_usage, settings): unknown fields, model, n, stop, logprobs,
-    stream and stream_options, and the generation settings (max_tokens, seed, stop, diffgemma)."""
+    stream and stream_options, and the generation settings (max_tokens, seed, stop, diffgemma), bounded by the
+    server's policy."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - known, key=str)
     if unknown:
-        raise _bad(f"unknown field(s) {unknown}; this server takes {sorted(known)}", unknown[0])
+        raise _bad(f"unknown field(s) {unknown}; this server takes {sorted(known)}", str(unknown[0]))
+    why = openai_fields.refused(body)
+    if why is not None:
+        raise _bad(why[1], why[0])
+    openai_fields.note_ignored(body)
+    policy = policy or Policy()
     model = body.get("model")
     if model is not None and model != model_id:
-        raise RequestError(404, f"model {model!r} is not served here; this server serves {model_id!r}", "model")
+        raise RequestError(404, f"model {model!r} is not served here; this server serves {model_id!r}", "model",
+                           "model_not_found")
     if body.get("n") not in (None, 1):
         raise _bad("n: only 1 completion per request is supported", "n")
     stop = body.get("stop")
@@ -178,7 +188,8 @@ def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[
     if not isinstance(stream, bool):
         raise _bad("stream: expected true or false", "stream")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"} \
+            or not isinstance(opts.get("include_usage", False), bool):
         raise _bad("stream_options: only {'include_usage': true|false} is supported", "stream_options")
 
     overrides = body.get("diffgemma") or {}
@@ -192,35 +203,71 @@ def _common(body, model_id: str, base: GenerationSettings, known: set) -> tuple[
         overrides["seed"] = body["seed"]
     if stop is not None:
         overrides["stop_strings"] = tuple(stop)
+    if policy.fresh_seed and not any(str(k).strip().replace("-", "_").lower() == "seed" for k in overrides):
+        overrides["seed"] = secrets.randbits(63)  # an agent's retry gets another answer; the response says which
     try:
         settings = base.replace(**overrides) if overrides else base
     except SettingsError as e:
         raise _bad(f"settings: {e}", "diffgemma") from None
+    if policy.limits is not None:
+        over = openai_fields.over_limit(settings, base, policy.limits, policy.model_canvas)
+        if over is not None:
+            raise _bad(over[1], "stop" if over[0] == "stop" else "diffgemma")
     return stream, bool(opts.get("include_usage", False)), settings
 
 
-def parse_chat_request(body, model_id: str, base: GenerationSettings) -> ChatRequest:
+def _tool_choice(choice, tools) -> tuple[str, str | None]:
+    """tool_choice -> ("auto" | "none" | "required" | "function", the named function or None)."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto", None
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
+        name = None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                raise _bad("tool_choice: expected {'type': 'function', 'function': {'name': NAME}}", "tool_choice")
+        offered = [t["function"]["name"] for t in tools or []]
+        if not offered:
+            raise _bad("tool_choice: a tool call is required but the request offers no tools", "tool_choice")
+        if name is not None and name not in offered:
+            raise _bad(f"tool_choice: function {name!r} is not among the offered tools {offered}", "tool_choice")
+        return ("function", name) if name is not None else ("required", None)
+    raise _bad("tool_choice: expected 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': "
+               "NAME}}", "tool_choice")
+
+
+def parse_chat_request(body, model_id: str, base: GenerationSettings, policy: Policy | None = None) -> ChatRequest:
     """Validate a /v1/chat/completions body against what this server does -> ChatRequest, or RequestError."""
-    stream, include_usage, settings = _common(body, model_id, base, KNOWN_FIELDS)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format: only {'type': 'text'} is supported", "response_format")
-    tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in ("auto", "none"):
-        raise _bad("tool_choice: 'auto' or 'none' (the model's tool-call grammar is not constrained, so a call "
-                   "cannot be required)", "tool_choice")
+    stream, include_usage, settings = _common(body, model_id, base, KNOWN_FIELDS, policy)
+    fmt = parse_response_format(body.get("response_format"))
+    tools = _tools(body.get("tools"))
+    check_tools_schemas(tools)
+    tool_choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls: expected true or false", "parallel_tool_calls")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} \
             or not isinstance(kwargs.get("enable_thinking", False), bool):
         raise _bad("chat_template_kwargs: only {'enable_thinking': true|false} is supported", "chat_template_kwargs")
-    return ChatRequest(messages=convert_messages(body.get("messages")), tools=_tools(body.get("tools")),
-                       think=kwargs.get("enable_thinking", False), stream=stream, include_usage=include_usage,
-                       settings=settings, tool_choice=tool_choice)
+    think = kwargs.get("enable_thinking")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        by_effort = openai_fields.REASONING_EFFORT[effort]
+        if think is not None and think != by_effort:
+            raise _bad(f"reasoning_effort {effort!r} asks for thinking {'on' if by_effort else 'off'} but "
+                       f"chat_template_kwargs.enable_thinking is {think}", "reasoning_effort")
+        think = by_effort
+    return ChatRequest(messages=convert_messages(body.get("messages")), tools=tools, think=bool(think), stream=stream,
+                       include_usage=include_usage, settings=settings, tool_choice=tool_choice, forced_name=forced,
+                       parallel_tool_calls=parallel, response_format=fmt)
 
 
-def parse_completion_request(body, model_id: str, base: GenerationSettings) -> CompletionRequest:
+def parse_completion_request(body, model_id: str, base: GenerationSettings,
+                             policy: Policy | None = None) -> CompletionRequest:
     """Validate a /v1/completions body -> CompletionRequest, or RequestError. One prompt: a string, or token ids."""
-    stream, include_usage, settings = _common(body, model_id, base, COMPLETION_FIELDS)
+    stream, include_usage, settings = _common(body, model_id, base, COMPLETION_FIELDS, policy)
     if body.get("echo"):
         raise _bad("echo: not supported (the response carries the completion only)", "echo")
     if body.get("suffix"):

@@ -10,30 +10,68 @@ begins, and a stream holds back a tail that the next block could complete into o
 
 from __future__ import annotations
 
-from ..reply import CHANNEL_OPEN, THOUGHT_LABEL, answer_prose, reply_parts, split_thought, strip_padding
+from ..reply import CHANNEL_CLOSE, CHANNEL_OPEN, THOUGHT_LABEL, answer_prose, reply_parts, split_thought, strip_padding
 from ..stop_strings import held_back, settled, text_end
-from ..tool_calls import CALL_OPEN
+from ..tool_calls import CALL_CLOSE, CALL_OPEN
 from .protocol import tool_calls_json
+from .structured import tool_call_problem
 
 
-def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=()) -> tuple[dict, list]:
-    """-> (assistant message, well-formed tool calls answered as such, [] when none)."""
+def without_calls(answer: str) -> str:
+    """The answer with every tool call's markup taken out (a call not answered as a call is not content either)."""
+    out, pos = [], 0
+    while (start := answer.find(CALL_OPEN, pos)) >= 0:
+        out.append(answer[pos:start])
+        end = answer.find(CALL_CLOSE, start)
+        pos = len(answer) if end < 0 else end + len(CALL_CLOSE)
+    out.append(answer[pos:])
+    return "".join(out).strip()
+
+
+def unopened_thought(thought: str | None, answer: str, early: bool) -> tuple[str | None, str]:
+    """A reply that closes a thought channel it never opened, in its first block (`early`): what comes before the
+    close is a thought. A close later on is dropped from the answer (a stream has sent what came before it)."""
+    cut = answer.find(CHANNEL_CLOSE) if thought is None else -1
+    if cut < 0:
+        return thought, answer
+    if not early:
+        return thought, answer.replace(CHANNEL_CLOSE, "")
+    return answer[:cut].strip("\n").strip(), answer[cut + len(CHANNEL_CLOSE):].strip()
+
+
+def _closes_early(tokenizer, tokens: list[int], first_block: int | None) -> bool:
+    head = tokens if first_block is None else tokens[:first_block]
+    return CHANNEL_CLOSE in tokenizer.decode(head, skip_special_tokens=False)
+
+
+def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=(), tools=None,
+                  parallel: bool = True, first_block: int | None = None) -> tuple[dict, list]:
+    """-> (assistant message, well-formed tool calls answered as such, [] when none). `tools`: the offered tools;
+    a call to a function not offered, or with arguments against its parameter schema, is malformed. Calls are
+    answered only when every one is well-formed; otherwise their markup is left out of the content.
+    parallel=False answers only the first call. first_block: how many of the tokens the first block wrote (the
+    canvas length), where a close of a thought channel never opened makes a thought of what precedes it."""
     _, thought, answer, calls = reply_parts(tokenizer, tokens, stops)
+    thought, answer = unopened_thought(thought, answer, _closes_early(tokenizer, tokens, first_block))
     message = {"role": "assistant", "content": answer}
     if thought is not None:
         message["reasoning_content"] = thought
-    if tools_on and calls and all(c.ok for c in calls):
+    if tools_on and calls and all(c.ok and tool_call_problem(c.name, c.arguments, tools) is None for c in calls):
+        calls = calls if parallel else calls[:1]
         message["content"] = answer_prose(answer) or None
         message["tool_calls"] = tool_calls_json(calls)
         return message, calls
+    message["content"] = without_calls(answer)
     return message, []
 
 
 class ReplyDeltas:
     """Feed it the tokens so far after each block; it returns what the client has not seen yet."""
 
-    def __init__(self, tokenizer, tools_on: bool, stops=()):
+    def __init__(self, tokenizer, tools_on: bool, stops=(), tools=None, parallel: bool = True):
         self.tokenizer, self.tools_on, self.stops = tokenizer, tools_on, tuple(stops)
+        self.tools, self.parallel = tools, parallel
+        self.first_block: int | None = None  # the first block's length, once fed
         self.tokens: list[int] = []
         self.sent = {"reasoning_content": "", "content": ""}
 
@@ -42,14 +80,16 @@ class ReplyDeltas:
         it), anything from a tool call's opener on, and a tail that may still become a stop text are held back."""
         raw = settled(self.tokenizer.decode(self.tokens, skip_special_tokens=False), self.stops)
         thought, answer = split_thought(raw)
+        thought, answer = unopened_thought(thought, answer, _closes_early(self.tokenizer, self.tokens, self.first_block))
         opened = raw.find(CHANNEL_OPEN)
         if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
             thought = ""  # the channel's label is still being written: it is not part of the thought
         answer = strip_padding(answer, self.tokenizer).lstrip()
-        if self.tools_on:
-            cut = answer.find(CALL_OPEN)
-            answer = answer if cut < 0 else answer[:cut]
-            answer = answer[:len(answer) - held_back(answer, (CALL_OPEN,))]
+        # markup never reaches the content: from a tool call's opener (answered as a call, or left out when it
+        # is not) and from a thought channel's close on, the answer is held back until the reply is whole
+        cut = answer.find(CALL_OPEN)
+        answer = answer if cut < 0 else answer[:cut]
+        answer = answer[:len(answer) - held_back(answer, (CALL_OPEN,))]
         return {"reasoning_content": (thought or "").lstrip("\n").rstrip("\n"), "content": answer.rstrip()}
 
     def _delta(self, now: dict) -> dict:
@@ -62,6 +102,8 @@ class ReplyDeltas:
 
     def feed(self, tokens: list[int]) -> dict:
         self.tokens.extend(tokens)
+        if self.first_block is None:
+            self.first_block = len(self.tokens)
         return self._delta(self._visible())
 
     def rewind(self, kept: int) -> None:
@@ -76,7 +118,8 @@ class ReplyDeltas:
     def finish(self) -> tuple[dict, dict, list]:
         """-> (the last delta, the whole message, its tool calls): the delta completes what was sent to the
         message's content and reasoning, and carries the tool calls."""
-        message, calls = final_message(self.tokenizer, self.tokens, self.tools_on, self.stops)
+        message, calls = final_message(self.tokenizer, self.tokens, self.tools_on, self.stops, self.tools,
+                                       self.parallel, self.first_block)
         final = {"reasoning_content": message.get("reasoning_content") or "", "content": message.get("content") or ""}
         delta = {}
         for key, text in final.items():
@@ -88,6 +131,12 @@ class ReplyDeltas:
         if "tool_calls" in message:
             delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
         return delta, message, calls
+
+
+def reply_token_count(tokenizer, tokens) -> int:
+    """The reply's tokens as usage counts them: the canvas's padding is not part of the reply."""
+    pads = {t for t in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "filler_id", None)) if t is not None}
+    return sum(1 for t in tokens if t not in pads)
 
 
 def completion_text(tokenizer, tokens: list[int], stops=()) -> str:

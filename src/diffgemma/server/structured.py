@@ -1,0 +1,186 @@
+"""Checked replies: `response_format` (a JSON object, or JSON valid against a schema) and tool calls validated
+against the offered functions' parameter schemas.
+
+The sampler cannot be constrained to a grammar, so a reply is checked after it is written and, when it fails,
+regenerated with the seed bumped by one, up to a number of attempts; a reply still failing after the last
+attempt is an explicit error (HTTP 422, code `response_format_failed`), never invalid JSON labelled valid.
+A reply that must call a tool (tool_choice 'required' or a named function) starts with the call's opener
+(and the function's name), written into the prompt, and is checked and regenerated the same way.
+The request's instruction to answer in JSON (and the schema) is also written into the conversation as a
+system message, which is what steers the model towards it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import jsonschema
+
+from ..tool_calls import CALL_OPEN
+from .errors import RequestError
+
+FORMAT_ATTEMPTS = 4  # a response_format reply is written at most this many times
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    kind: str  # "json_object" or "json_schema"
+    name: str | None = None
+    schema: dict | None = None
+
+    def instruction(self) -> str:
+        """The system text that asks the model for this format."""
+        if self.kind == "json_object":
+            return "Answer with a single JSON object and nothing else."
+        return ("Answer with a single JSON value and nothing else, valid against this JSON schema"
+                + (f" ({self.name})" if self.name else "") + ":\n" + json.dumps(self.schema))
+
+    def problem(self, content: str | None) -> str | None:
+        """Why `content` does not satisfy the format, or None when it does."""
+        if content is None:
+            return "the reply has no content"
+        try:
+            value = json.loads(content)
+        except (json.JSONDecodeError, RecursionError) as e:
+            return f"the reply is not valid JSON ({getattr(e, 'msg', 'nested too deeply')})"
+        if self.kind == "json_object":
+            return None if isinstance(value, dict) else f"the reply is JSON but not an object ({type(value).__name__})"
+        error = jsonschema.exceptions.best_match(_validator(self.schema).iter_errors(value))
+        return None if error is None else f"the reply does not match the schema: {error.message}"
+
+
+def schema_problem(schema) -> str | None:
+    """Why `schema` is not a JSON schema a validator can use, or None."""
+    if not isinstance(schema, dict):
+        return "expected an object"
+    try:
+        _validator(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return e.message
+    except Exception as e:  # a malformed $schema or $ref the library trips over
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _validator(schema: dict):
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def parse_response_format(fmt) -> ResponseFormat | None:
+    """A request's response_format -> ResponseFormat, None for plain text, or RequestError (400) naming the part."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(400, "response_format: expected {'type': 'text'}, {'type': 'json_object'} or "
+                                "{'type': 'json_schema', 'json_schema': {'name', 'schema'}}", "response_format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return ResponseFormat("json_object")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise RequestError(400, "response_format.json_schema: expected {'name': ..., 'schema': {...}}",
+                           "response_format")
+    schema = spec.get("schema", {})
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise RequestError(400, f"response_format.json_schema.schema: not a valid JSON schema ({problem})",
+                           "response_format")
+    return ResponseFormat("json_schema", spec.get("name"), schema)
+
+
+def format_failed(fmt: ResponseFormat, attempts: int, problem: str) -> RequestError:
+    return RequestError(422, f"response_format {fmt.kind}: no reply satisfied it in {attempts} attempt(s); the "
+                             f"last: {problem}", "response_format", code="response_format_failed")
+
+
+def call_failed(attempts: int, problem: str) -> RequestError:
+    return RequestError(422, f"tool_choice: no reply made the required tool call in {attempts} attempt(s); the "
+                             f"last: {problem}", "tool_choice", code="tool_choice_failed")
+
+
+def tool_call_problem(name: str | None, arguments, tools: list[dict] | None) -> str | None:
+    """Why a parsed tool call does not fit the offered tools (an unknown function, arguments against its parameter
+    schema), or None when it fits."""
+    if not tools:
+        return None
+    offered = {t["function"]["name"]: t["function"] for t in tools}
+    if name not in offered:
+        return f"calls {name!r}, which the request did not offer (offered: {sorted(offered)})"
+    schema = offered[name].get("parameters")
+    if not isinstance(schema, dict):
+        return None
+    try:
+        error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(arguments))
+    except Exception as e:  # e.g. a $ref that does not resolve: the call cannot be shown to fit
+        return f"{name}: its parameter schema cannot be checked ({type(e).__name__})"
+    return None if error is None else f"{name}: arguments do not match its parameters: {error.message}"
+
+
+def check_tools_schemas(tools: list[dict] | None) -> None:
+    """Refuse (400) a tool whose parameters are not a valid JSON schema: calls could not be checked against it."""
+    for i, t in enumerate(tools or []):
+        schema = t["function"].get("parameters")
+        problem = None if schema is None else schema_problem(schema)
+        if problem is not None:
+            raise RequestError(400, f"tools[{i}].function.parameters: not a valid JSON schema ({problem})", "tools")
+
+
+def with_instruction(messages: list[dict], fmt: ResponseFormat) -> list[dict]:
+    """The conversation with the format's instruction added to its system message (one is put first if none)."""
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=(messages[0]["content"] + "\n\n" + fmt.instruction()).strip())
+        return [first] + messages[1:]
+    return [{"role": "system", "content": fmt.instruction()}] + messages
+
+
+def forced_call_text(name: str | None) -> str:
+    """What a reply that must call a tool starts with: the call's opener, and the function's name when named."""
+    return CALL_OPEN + (f"call:{name}{{" if name is not None else "")
+
+
+def call_problem(calls: list, forced_name: str | None) -> str | None:
+    """Why a reply that must call a tool (tool_choice 'required' or a named function) does not, or None."""
+    if not calls:
+        return "no well-formed call to the offered tools"
+    if forced_name is not None and any(c.name != forced_name for c in calls):
+        return f"a call to another function than {forced_name!r}"
+    return None
+
+
+async def checked(generate, settings, build, check, attempts: int):
+    """Generate, build the message, check it; on a problem generate again with the seed bumped by one, up to
+    `attempts` times. generate(settings) -> (cached tokens, GenerationResult), or a response to send as it is
+    (an error, a cancellation); build(result) -> (message, calls); check(message, calls) -> problem or None.
+    -> (cached, result, message, calls, attempts used, last problem or None), or generate's response."""
+    for k in range(attempts):
+        s = settings if k == 0 else settings.replace(seed=(settings.seed + k) % 2**64)
+        done = await generate(s)
+        if not isinstance(done, tuple):
+            return done
+        cached, result = done
+        message, calls = build(result)
+        problem = check(message, calls)
+        if problem is None:
+            break
+    return cached, result, message, calls, k + 1, problem
+
+
+def buffered_chunks(make, message: dict, finish_reason: str, usage_: dict | None):
+    """A checked reply sent as a stream once it is whole: the role, its text, its tool calls, the finish, and
+    the usage when asked. make(delta, finish, usage, choices) builds a chunk. -> server-sent event strings."""
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    yield sse(make({"role": "assistant", "content": ""}))
+    text = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
+    if text:
+        yield sse(make(text))
+    if message.get("tool_calls"):
+        yield sse(make({"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]}))
+    yield sse(make({}, finish_reason))
+    if usage_ is not None:
+        yield sse(make({}, None, usage_, False))
+    yield "data: [DONE]\n\n"
