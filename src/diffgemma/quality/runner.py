@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import DiffgemmaError, InputError
+from ..generation import BUDGET
 from . import analyze
 from .analyze import CAMPAIGN, ERROR, RESULTS, SKIPPED, UNCHECKED
 from .arms import Campaign
@@ -47,7 +48,7 @@ class Reply:
 
     @property
     def budget_hit(self) -> bool:
-        return bool(self.block_ends) and self.block_ends[-1] == "BUDGET"
+        return bool(self.block_ends) and self.block_ends[-1] == BUDGET
 
 
 class Skip(Exception):
