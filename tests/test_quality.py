@@ -322,3 +322,20 @@ def test_census_cli_three_arms_on_the_demo_model(tmp_path, capsys):
     assert all(r["forwards"] >= r["steps"] >= r["blocks"] >= 1 for r in recs)
     assert main(["census", "--analyze", str(out)]) == 0
     assert capsys.readouterr().out == printed  # --analyze reproduces the table (and the gate lines)
+
+
+def test_smoketest_spec_is_a_valid_gate():
+    from diffgemma.quality.smoketest import load_spec
+
+    spec = load_spec()
+    assert [b.name for b in spec.batteries] == ["smoke"] and spec.seeds == [7]
+    assert spec.aggregate_seeds == [7, 42, 123] and len(spec.campaign.gates) >= 3
+    assert {g["metric"] for g in spec.campaign.gates} >= {"exact_match", "tokens_per_forward"}
+
+
+def test_plot_of_quality_against_forwards(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = {"a": {"all": {"forwards": 3.0, "exact_match": 0.9}}, "b": {"all": {"forwards": 2.0,
+                                                                                  "exact_match": 0.8}}}
+    path = analyze.plot(tmp_path, summary)
+    assert path is not None and path.stat().st_size > 1000

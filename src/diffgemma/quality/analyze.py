@@ -210,6 +210,10 @@ def plot(out_dir: str | Path, summary: dict) -> Path | None:
     ax.grid(alpha=0.3)
     path = Path(out_dir) / PLOT
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError:
+        return None
+    finally:
+        plt.close(fig)
     return path

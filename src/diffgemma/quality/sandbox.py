@@ -96,8 +96,7 @@ def run_jailed(argv: list[str], files: dict[str, str], stdin: str = "", limits: 
         work.mkdir()
         for name, text in files.items():
             (work / name).write_text(text)
-        if uid is not None:
-            os.chown(private, uid, -1)  # the dropped uid must reach `work` and write in it, nothing else
+        if uid is not None:  # the dropped uid may pass through `private` (ours, root's) and write in `work` only
             os.chmod(private, 0o711)
             os.chown(work, uid, uid)
             for name in files:
