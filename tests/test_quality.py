@@ -51,6 +51,9 @@ def test_a_typo_in_an_arm_exits_2_before_the_model_loads(tmp_path, capsys, monke
     arms.write_text(json.dumps({"a": {}}))
     assert main(["census", "--arms", str(arms), "--battery", "smokey", "--out", "x"]) == 2
     assert "smokey" in capsys.readouterr().err
+    monkeypatch.setenv("DIFFGEMMA_ENTROPY_BOUND", "lots")  # the environment applies to every arm
+    assert main(["census", "--arms", str(arms), "--battery", "smoke", "--out", str(tmp_path / "o")]) == 2
+    assert "DIFFGEMMA_ENTROPY_BOUND" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------ batteries

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, SettingsError
 
 EXIT_INTERRUPTED = 130
 
@@ -98,8 +99,18 @@ def run(campaign, batteries, seeds, out, args, backend=None) -> int:
     from .analyze import table
     from .runner import ModelBackend, run_campaign
 
+    from ..settings import GenerationSettings
+
+    for arm in campaign.arms:  # the environment's DIFFGEMMA_* too, before the model loads
+        try:
+            GenerationSettings.resolve({}, env=os.environ, overrides=arm.overrides)
+        except SettingsError as e:
+            raise SettingsError(f"arm {arm.name!r}: {e}") from None
     if backend is None:
         backend = ModelBackend(load_model(args))
+    if hasattr(backend, "validate"):
+        for arm in campaign.arms:
+            backend.validate(arm)
     try:
         summary = run_campaign(campaign, batteries, backend, out, seeds, progress=not args.no_progress)
     except KeyboardInterrupt:

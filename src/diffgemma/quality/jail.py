@@ -108,6 +108,7 @@ def _user_processes(uid: int) -> int:
 def _child(spec: dict, abi: int) -> None:
     """In the forked child: limits, identity, confinement, exec. Never returns."""
     try:
+        os.setpgid(0, 0)  # its own process group, killed as a whole at the end
         for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, spec["cpu_s"]),
                            (resource.RLIMIT_AS, spec["as_bytes"]), (resource.RLIMIT_FSIZE, spec["fsize_bytes"])):
             resource.setrlimit(res, (value, value))
@@ -135,6 +136,8 @@ def _children() -> list[int]:
             with open(f"/proc/self/task/{tid}/children") as f:
                 pids += [int(p) for p in f.read().split()]
     except OSError:
+        if not os.path.isdir("/proc"):
+            return pids
         me = os.getpid()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -203,6 +206,10 @@ def main(spec_path: str) -> int:
             else:
                 time.sleep(0.002)
     wall = time.monotonic() - t0
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what stayed in its group (everywhere; /proc below is Linux's)
+    except (ProcessLookupError, PermissionError):
+        pass
     leftovers = _kill_all()  # whatever the program left running (daemons, sleepers, a fork bomb's remains)
     result = {"timed_out": timed_out, "wall_s": wall, "leftover_processes": leftovers, "landlock_abi": abi,
               "exit_code": os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,

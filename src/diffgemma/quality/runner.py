@@ -205,6 +205,15 @@ class ModelBackend:
         return {"path": str(getattr(self.model, "path", "")),
                 "device": str(self.model.embedding.device), "dtype": str(self.model.embedding.dtype)}
 
+    def validate(self, arm) -> None:
+        """The arm on top of this model's generation_config and the environment, or SettingsError naming it."""
+        from ..settings import GenerationSettings
+
+        try:
+            GenerationSettings.resolve(self.model.generation_config, env=os.environ, overrides=arm.overrides)
+        except DiffgemmaError as e:
+            raise type(e)(f"arm {arm.name!r}: {e}") from None
+
     def run(self, prompt: Prompt, overrides: dict[str, Any]) -> Reply:
         from ..generation import generate
         from ..session import reply_parts
