@@ -153,7 +153,9 @@ def _processes_with(marker: str) -> list[str]:
 @linux_only
 def test_forks_are_refused_and_leftover_processes_are_killed():
     v = judge_program("import os\nos.fork()\nprint('forked')\n", "python", [{"stdout": "forked\n"}], FAST)
-    assert v.outcome == "wrong_output" and "BlockingIOError" in v.runs[0].stderr
+    assert v.outcome == "wrong_output"  # refused (an exception), or had it forked, "forked" twice
+    if os.geteuid() == 0:  # as root, programs run as nobody, whose process count is exact; a user's may drift
+        assert "BlockingIOError" in v.runs[0].stderr
     # a shell may start a few processes; whatever it leaves behind (a setsid'd sleeper) is killed at the end
     marker = "4242.5"
     sh = judge_program(f"(setsid sleep {marker} &)\necho hi\n", "bash", [{"stdout": "hi\n"}], FAST)
