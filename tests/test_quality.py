@@ -344,3 +344,28 @@ def test_plot_of_quality_against_forwards(tmp_path):
                                                                                   "exact_match": 0.8}}}
     path = analyze.plot(tmp_path, summary)
     assert path is not None and path.stat().st_size > 1000
+
+
+def test_trace_counts_flips_and_contested_positions():
+    import torch
+
+    from diffgemma.generation import BlockEvent, StepEvent
+    from diffgemma.quality.runner import _Trace
+
+    def step(block, attempt, n, draft):
+        d = torch.tensor(draft)
+        return StepEvent(block=block, attempt=attempt, step=n, temperature=0.5, draft=d,
+                         accepted=torch.ones_like(d, dtype=torch.bool), mean_entropy=0.1 * n, stop_reason=None)
+
+    tr = _Trace()
+    # block 0: position 0 flips twice (contested), position 1 once, position 3 twice but is not committed
+    for n, draft in enumerate([[1, 2, 3, 4], [5, 6, 3, 7], [1, 6, 3, 4]], start=1):
+        tr.on_step(step(0, 0, n, draft))
+    tr.on_block(BlockEvent(block=0, tokens=[1, 6, 3], steps=3, stop_reason="confident", end="continue", attempts=1))
+    # block 1: a re-roll starts afresh (no flip counted across attempts)
+    tr.on_step(step(1, 0, 1, [9, 9, 9, 9]))
+    tr.on_step(step(1, 1, 1, [1, 1, 1, 1]))
+    tr.on_step(step(1, 1, 2, [1, 1, 1, 2]))
+    tr.on_block(BlockEvent(block=1, tokens=[1], steps=2, stop_reason="confident", end="stop_token", attempts=2))
+    assert (tr.flips, tr.contested) == (5 + 1, 1)
+    assert tr.entropies == pytest.approx([0.3, 0.2])
