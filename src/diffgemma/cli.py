@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.commands import add_subcommands as add_server_subcommands
 
     add_server_subcommands(sub)
+    from .quality.commands import add_parsers as add_quality_parsers  # census, smoketest
+
+    add_quality_parsers(sub)
     return parser
 
 
