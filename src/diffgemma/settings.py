@@ -119,7 +119,7 @@ class GenerationSettings:
             env = os.environ
         from_model = _from_generation_config(model_generation_config or {})
         from_env = _from_env(env)
-        from_overrides = _from_overrides(overrides)
+        from_overrides = parse_overrides(overrides)
 
         semantics = from_overrides.get("semantics", from_env.get("semantics", from_model.get("semantics", "contract")))
         values: dict[str, Any] = {}
@@ -371,7 +371,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _from_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
     if overrides is None:
         return {}
     if isinstance(overrides, Mapping):

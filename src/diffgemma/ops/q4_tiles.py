@@ -45,14 +45,14 @@ def tile_layout_ok(fmt: str, shape) -> bool:
     return fmt == "q4" and len(shape) == 3 and shape[1] % TILE_N == 0 and shape[2] % GROUP == 0
 
 
-ENV_VAR = "DIFFGEMMA_Q4_LAYOUT"  # "q4-tiles" (default) or "natural"; settings.py knows it by name
+LAYOUT_ENV = "DIFFGEMMA_Q4_LAYOUT"  # "q4-tiles" (default) or "natural"; settings.py knows it by name
 
 
 def wanted(fmt: str, shape, device) -> bool:
     """Whether the engine should load a stack in this layout (CUDA with Triton; DIFFGEMMA_Q4_LAYOUT=natural
     keeps the pack's order, for A/B against ops/moe_packed.py's kernel)."""
     return (HAVE_TRITON and torch.device(device).type == "cuda" and tile_layout_ok(fmt, shape)
-            and env_choice(ENV_VAR, (LAYOUT, "natural")) == LAYOUT)
+            and env_choice(LAYOUT_ENV, (LAYOUT, "natural")) == LAYOUT)
 
 
 def _nibble_source(device) -> torch.Tensor:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, SettingsError
-from ..settings import GenerationSettings, _from_overrides  # the parser --set uses
+from ..settings import GenerationSettings  # noqa: F401
+from ..settings import parse_overrides as parse_set_items  # the parser --set uses
 
 _ARM_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
 
@@ -54,7 +55,7 @@ def parse_overrides(name: str, raw: Any) -> dict[str, Any]:
                          f"got {type(raw).__name__}")
     try:
         GenerationSettings.resolve({}, env={}, overrides=items)  # names, values and ranges, as --set
-        return _from_overrides(items)
+        return parse_set_items(items)
     except SettingsError as e:
         raise SettingsError(f"arm {name!r}: {e}") from None
 
