@@ -46,99 +46,106 @@ class Mutant:
 
 
 S, R, O = "src/diffgemma/sampling/", "src/diffgemma/model/reference.py", "src/diffgemma/ops/"
+# Few distinct selections: each is run once unmutated first (the baseline), and -x stops a killed mutant's run at
+# its first failure, so a broader selection costs little.
 T_SAMPLING = "tests/test_sampling.py"
+SAMP = [T_SAMPLING, "tests/test_mutants_sampling.py"]
+SYNC = ["tests/test_generate_sync.py", "-k", "device_lcg or temperature_value or device_stop"]
 T_REF = ["tests/test_reference_parity.py", "-k", "two_blocks"]
+FLASH = ["tests/test_attention_kernels.py"]
+GEMM = ["tests/test_attention_gemm.py", "-k", "twin"]
+OPS = ["tests/test_ops.py", "-k", "qkv_prep or rope or norm or gelu or expert or moe or rowstats or softcap"]
+ENG_F16 = ["tests/test_engine_cpu.py", "-k", "f16"]
 
 MUTANTS = [
     # ------------------------------------------------------------------ planted bugs from issue 39
     Mutant("flash-out-scale", O + "attention_flash.py", "o = acc / l_i[:, None]", "o = acc / l_i[:, None] * 1.004",
-           ["tests/test_attention_kernels.py", "tests/test_ops.py", "-k", "attention"],
+           FLASH,
            "issue 39: the flash kernel's output off by 0.4 % (unsplit path)"),
     Mutant("flash-merge-scale", O + "attention_flash.py", "o = num / den[:, None]", "o = num / den[:, None] * 1.004",
-           ["tests/test_attention_kernels.py", "-k", "split_kv or nlive_bucket"],
+           FLASH,
            "the split-KV merge's output off by 0.4 %"),
     Mutant("kv-bf16-default", "src/diffgemma/model/engine.py", "kv_dtype=torch.float16, generation_config=None",
-           "kv_dtype=torch.bfloat16, generation_config=None", ["tests/test_engine_cpu.py", "-k", "f16"],
+           "kv_dtype=torch.bfloat16, generation_config=None", ENG_F16,
            "issue 39: a bf16 KV cache where the contract says f16"),
     Mutant("kv-through-bf16", O + "rope_kv.py", "cache[:, slots[keep]] = out[keep].transpose(0, 1).to(cache.dtype)",
            "cache[:, slots[keep]] = out[keep].transpose(0, 1).to(torch.bfloat16).to(cache.dtype)",
-           ["tests/test_engine_cpu.py", "-k", "f16"],
+           ENG_F16,
            "issue 39: K/V rounded through bf16 on their way into an f16 cache (the torch twin's cache write)"),
     Mutant("qkv-v-slot-unmasked", O + "qkv.py", "mv = ((kind == 2) & written)[:, None] & full",
-           "mv = ((kind == 2) & j_ok)[:, None] & full", ["tests/test_ops.py", "-k", "qkv_prep"],
+           "mv = ((kind == 2) & j_ok)[:, None] & full", OPS,
            "issue 39: the qkv kernel writes V for tokens with slot -1 (into slot 0)"),
     # ------------------------------------------------------------------ sampling/
     Mutant("accept-le-lt", S + "accept.py", "sorted_ok = before <= bound", "sorted_ok = before < bound",
-           [T_SAMPLING, "-k", "accept"], "accept while the prefix sum is strictly below the bound"),
+           SAMP, "accept while the prefix sum is strictly below the bound"),
     Mutant("accept-inclusive-sum", S + "accept.py", "before = torch.cumsum(sorted_h, dim=-1) - sorted_h",
-           "before = torch.cumsum(sorted_h, dim=-1)", [T_SAMPLING, "-k", "accept"],
+           "before = torch.cumsum(sorted_h, dim=-1)", SAMP,
            "the prefix sum includes the position itself"),
     Mutant("accept-final-step-all", S + "accept.py",
            "return frozen.clone() if frozen is not None else torch.zeros_like(entropy, dtype=torch.bool)",
            "return frozen.clone() if frozen is not None else torch.ones_like(entropy, dtype=torch.bool)",
-           [T_SAMPLING, "-k", "accept"], "the final step accepts everything"),
+           SAMP, "the final step accepts everything"),
     Mutant("accept-freeze-dropped", S + "accept.py",
            "return frozen | _sorted_prefix(entropy.masked_fill(frozen, float(\"inf\")), bound, stable=True)",
            "return _sorted_prefix(entropy.masked_fill(frozen, float(\"inf\")), bound, stable=True)",
-           [T_SAMPLING, "-k", "accept"], "the legacy freeze forgets the frozen positions"),
+           SAMP, "the legacy freeze forgets the frozen positions"),
     Mutant("temp-cur-minus-one", S + "schedule.py",
            "return t_min + (t_max - t_min) * (torch.tensor(cur, dtype=torch.int32) / max_steps)",
            "return t_min + (t_max - t_min) * (torch.tensor(cur - 1, dtype=torch.int32) / max_steps)",
-           [T_SAMPLING, "-k", "temperature"], "the schedule one step late"),
+           SAMP, "the schedule one step late"),
     Mutant("remaining-off-by-one", S + "schedule.py", "return max_steps - step + 1", "return max_steps - step",
-           [T_SAMPLING, "tests/test_generate.py", "-k", "temperature or schedule or remaining"],
+           SAMP,
            "step -> steps remaining off by one"),
     Mutant("temp-value-f64", S + "schedule.py", "frac = np.float32(cur) / np.float32(max_steps)",
-           "frac = np.float64(cur) / np.float64(max_steps)", [T_SAMPLING, "-k", "temperature"],
+           "frac = np.float64(cur) / np.float64(max_steps)", SYNC,
            "the host temperature in f64: no longer the bits of transformers' f32 one"),
     Mutant("lcg-seed-plus-one", S + "rng.py", "self.state = (int(seed) + 1) & _MASK64",
-           "self.state = int(seed) & _MASK64", [T_SAMPLING, "-k", "lcg"], "the contract's seed + 1 start"),
+           "self.state = int(seed) & _MASK64", SAMP, "the contract's seed + 1 start"),
     Mutant("lcg-high-bits", S + "rng.py", "return states >> np.uint64(32)", "return states >> np.uint64(31)",
-           [T_SAMPLING, "-k", "lcg"], "the vectorised draw takes the wrong bits"),
+           SAMP, "the vectorised draw takes the wrong bits"),
     Mutant("lcg-randint-mod", S + "rng.py", "ids = (self.u32(n) * np.uint64(high)) >> np.uint64(32)",
-           "ids = self.u32(n) % np.uint64(high)", [T_SAMPLING, "-k", "lcg"],
+           "ids = self.u32(n) % np.uint64(high)", SAMP,
            "ids by modulo instead of the contract's high-bits scaling"),
     Mutant("device-lcg-sign", S + "rng.py", "return (states >> 32) & 0xFFFFFFFF", "return states >> 32",
-           [T_SAMPLING, "tests/test_generate.py", "-k", "lcg or device"],
+           SYNC,
            "the device LCG's draws keep the int64 sign (negative draws)"),
     Mutant("block-seed-collide", S + "rng.py", "0xD1B54A32D192ED03 * attempt", "0x9E3779B97F4A7C15 * attempt",
-           [T_SAMPLING, "-k", "block_seed"], "re-roll streams collide with the next block's"),
+           SAMP, "re-roll streams collide with the next block's"),
     Mutant("categorical-left", S + "rng.py", "idx = torch.searchsorted(cdf, target[:, None], right=True)",
-           "idx = torch.searchsorted(cdf, target[:, None], right=False)", [T_SAMPLING, "-k", "categorical"],
+           "idx = torch.searchsorted(cdf, target[:, None], right=False)", SAMP,
            "inverse CDF picks the token whose cumulative probability equals u (a zero-probability one at u = 0)"),
     Mutant("sc-exact-no-scale", S + "self_condition.py",
            "return (probs @ embedding) * torch.tensor(scale, dtype=torch.float32).to(embedding.dtype)",
-           "return probs @ embedding", [T_SAMPLING, "-k", "soft_embed"], "exact SC forgets sqrt(hidden)"),
+           "return probs @ embedding", SAMP, "exact SC forgets sqrt(hidden)"),
     Mutant("sc-sparse-unnormalised", S + "self_condition.py", "weights = torch.exp(logits[rows, cols] - log_z[rows])",
-           "weights = torch.exp(logits[rows, cols] - logits.max(dim=-1).values[rows])", [T_SAMPLING, "-k", "soft_embed"],
+           "weights = torch.exp(logits[rows, cols] - logits.max(dim=-1).values[rows])", SAMP,
            "sparse SC weights relative to the row max instead of probabilities"),
     Mutant("sc-bound-mean", S + "self_condition.py",
            "return float(tail.max()) * scale * float(embedding.abs().max())",
-           "return float(tail.mean()) * scale * float(embedding.abs().max())", [T_SAMPLING, "-k", "soft_embed"],
+           "return float(tail.mean()) * scale * float(embedding.abs().max())", SAMP,
            "the stated error bound from the mean tail mass instead of the worst row"),
     Mutant("entropy-no-clamp", S + "stats.py", "logp = logp.clamp(min=torch.finfo(logp.dtype).min)", "pass",
-           [T_SAMPLING, "-k", "entropy"], "entropy of a row with -inf logits becomes NaN"),
+           SAMP, "entropy of a row with -inf logits becomes NaN"),
     Mutant("entropy-mean", S + "stats.py", "return -(logp * probs).sum(dim=-1)", "return -(logp * probs).mean(dim=-1)",
-           [T_SAMPLING, "-k", "entropy"], "entropy divided by the vocabulary size"),
+           SAMP, "entropy divided by the vocabulary size"),
     Mutant("max-prob-unnormalised", S + "stats.py",
            "return torch.exp(logits.max(dim=-1).values - logits.logsumexp(dim=-1))",
-           "return torch.exp(logits.max(dim=-1).values)", [T_SAMPLING, "tests/test_generate.py", "-k", "trim or max_prob"],
+           "return torch.exp(logits.max(dim=-1).values)", SAMP,
            "p_max without the normaliser"),
     Mutant("trim-row-zero", S + "trim.py", "for i in range(1, min(answer_len, len(ids))):",
-           "for i in range(0, min(answer_len, len(ids))):", [T_SAMPLING, "-k", "trim"], "the trim may cut row 0"),
+           "for i in range(0, min(answer_len, len(ids))):", SAMP, "the trim may cut row 0"),
     Mutant("trim-right-neighbour", S + "trim.py",
            "(ids[i] == ids[i - 1] or (i + 1 < len(ids) and ids[i] == ids[i + 1]))", "(ids[i] == ids[i - 1])",
-           [T_SAMPLING, "-k", "trim"], "the trim ignores a copy of the right neighbour"),
+           SAMP, "the trim ignores a copy of the right neighbour"),
     Mutant("stop-max-steps", S + "stops.py", "        if step >= self.max_steps:\n            return MAX_STEPS",
-           "        if step > self.max_steps:\n            return MAX_STEPS", [T_SAMPLING, "tests/test_generate.py",
-                                                                           "-k", "stop or confident or plateau"],
+           "        if step > self.max_steps:\n            return MAX_STEPS", SAMP,
            "one step past max_steps"),
     Mutant("stop-device-max-steps", S + "stops.py",
            "code = torch.full((), 4 if step >= self.max_steps else 0", "code = torch.full((), 4 if step > self.max_steps else 0",
-           [T_SAMPLING, "tests/test_generate.py", "-k", "stop or confident or plateau"],
+           SYNC,
            "the device stop rules one step past max_steps"),
     Mutant("confident-le", S + "stops.py", "if stable and mean_entropy < self.confidence_threshold:",
-           "if stable and mean_entropy <= self.confidence_threshold:", [T_SAMPLING, "-k", "confident"],
+           "if stable and mean_entropy <= self.confidence_threshold:", SAMP,
            "confidence threshold inclusive"),
     # ------------------------------------------------------------------ the reference forward
     Mutant("ref-norm-one-plus-w", R, "return y if weight is None else y * weight",
@@ -175,33 +182,33 @@ MUTANTS = [
     # ------------------------------------------------------------------ the kernels' torch twins (ops/)
     Mutant("twin-rope-direction", O + "rope_kv.py", "y = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)",
            "y = torch.cat((y1 * cos + y2 * sin, y2 * cos - y1 * sin), dim=-1)",
-           ["tests/test_ops.py", "-k", "rope or qkv_prep"], "the norm+RoPE twin rotates backwards"),
+           OPS, "the norm+RoPE twin rotates backwards"),
     Mutant("twin-attn-v-mask", O + "attention.py",
            "vf = v[:, :n_keys].float().masked_fill((kpos[:n_keys] < 0)[None, :, None], 0.0)",
-           "vf = v[:, :n_keys].float()", ["tests/test_attention_kernels.py", "-k", "split_kv"],
+           "vf = v[:, :n_keys].float()", FLASH,
            "the attention twin reads masked V rows (0 · NaN)"),
     Mutant("twin-attn-window", O + "attention.py", "return (kp >= 0) & (kp <= qp) & (kp > qp - window)",
            "return (kp >= 0) & (kp <= qp) & (kp >= qp - window)",
-           ["tests/test_attention_kernels.py", "-k", "causal_ring"], "the twin's causal window one key too wide"),
+           FLASH, "the twin's causal window one key too wide"),
     Mutant("twin-rms-one-plus-w", O + "rmsnorm.py", "    if w is not None:\n        y = y * w.float()",
-           "    if w is not None:\n        y = y * (1 + w.float())", ["tests/test_ops.py", "-k", "norm"],
+           "    if w is not None:\n        y = y * (1 + w.float())", OPS,
            "the RMSNorm twin as x·(1+w)"),
     Mutant("twin-layer-finish-scalar", O + "rmsnorm.py",
            "return ((res.float() + _norm_f32(s, eps) * w3.float()) * scalar).to(res.dtype)",
-           "return (res.float() + _norm_f32(s, eps) * w3.float()).to(res.dtype)", ["tests/test_ops.py", "-k", "norm"],
+           "return (res.float() + _norm_f32(s, eps) * w3.float()).to(res.dtype)", OPS,
            "the layer-finish twin drops layer_scalar"),
     Mutant("twin-gelu-erf", O + "gelu_mul.py", "y = F.gelu(gu[..., :f].float(), approximate=\"tanh\") * gu[..., f:].float()",
-           "y = F.gelu(gu[..., :f].float()) * gu[..., f:].float()", ["tests/test_ops.py", "-k", "gelu"],
+           "y = F.gelu(gu[..., :f].float()) * gu[..., f:].float()", OPS,
            "the gated GELU twin uses erf GELU instead of the checkpoint's tanh approximation"),
     Mutant("twin-experts-weight", O + "moe.py", "out.index_add_(0, tok, y.float() * weights[tok, slot, None])",
-           "out.index_add_(0, tok, y.float())", ["tests/test_ops.py", "-k", "expert or moe"],
+           "out.index_add_(0, tok, y.float())", OPS,
            "the experts twin ignores the router weights"),
     Mutant("twin-rowstats-entropy", O + "rowstats.py", "entropy = lse - (p * z).sum(-1)", "entropy = lse + (p * z).sum(-1)",
-           ["tests/test_ops.py", "-k", "rowstats"], "the row-stats twin's entropy sign"),
+           OPS, "the row-stats twin's entropy sign"),
     Mutant("twin-softcap", O + "rowstats.py", "return torch.tanh(raw.float() / cap) * cap", "return torch.tanh(raw.float())",
-           ["tests/test_ops.py", "-k", "softcap"], "the softcap twin without the cap"),
+           OPS, "the softcap twin without the cap"),
     Mutant("twin-chunk-softmax-max", O + "attention_gemm.py", "e = torch.exp2(xc - m[..., None])",
-           "e = torch.exp2(xc - m[..., None] + 0.006)", ["tests/test_attention_gemm.py", "-k", "twin"],
+           "e = torch.exp2(xc - m[..., None] + 0.006)", GEMM,
            "the GEMM attention's chunk softmax twin off by 0.4 % (a scale the merge cannot see through l)"),
 ]
 
@@ -217,6 +224,9 @@ def run(cmd, cwd, env, timeout):
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         return "TIMEOUT", None, time.time() - t0, out[-2000:]
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): take the test run down with us
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
     status = {0: "SURVIVED", 1: "KILLED"}.get(p.returncode, "ERROR")
     return status, p.returncode, time.time() - t0, out[-2000:]
 
@@ -259,6 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the copy is deleted, the test run killed
     mutants = [m for m in MUTANTS if not args.only or m.id in args.only]
     if args.list:
         for m in mutants:
