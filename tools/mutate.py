@@ -259,9 +259,9 @@ def locate(tree: Path, m: Mutant) -> tuple[Path | None, str]:
 def git_state() -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     subject = subprocess.run(["git", "log", "-1", "--format=%s"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return f"`{head}` ({subject[:70]}){' with uncommitted changes' if dirty else ''}"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "tests"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()  # what the outcomes depend on
+    return f"`{head}` ({subject[:70]}){' with uncommitted changes in src/ or tests/' if dirty else ''}"
 
 
 def main(argv=None) -> int:
