@@ -1,4 +1,4 @@
-"""The round-3 attention kernel (ops/attention_flash.py) against the f32 twin, through TRITON_INTERPRET=1.
+"""The flash attention kernel (ops/attention_flash.py) against the f32 twin, through TRITON_INTERPRET=1.
 
 Tiny shapes with the real layouts: GQA folded rows, the sliding ring (unordered, with empty slots and a
 wrap), the canvas scratch rows, a graph's padded bucket (nlive < key rows), head dims scaled down from
@@ -206,7 +206,7 @@ def test_bf16_output_is_the_f32_output_rounded(splits):
 
 
 def test_dispatcher_routes_to_flash():
-    """attention(impl='triton') is the round-3 kernel; its numbers equal a direct call bit for bit."""
+    """attention(impl='triton') is the flash kernel; its numbers equal a direct call bit for bit."""
     H, KV, C, d = 4, 2, 16, 32
     q, k, v = qkv(H, KV, C, 64, d)
     kpos = torch.where(torch.rand(64) < 0.3, -1, 0)

@@ -150,7 +150,7 @@ def test_grouped_experts_match_loop(dtype, tol):
     torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
 
 
-# ----------------------------------------------------------------------------------- round 2: fused ops
+# ----------------------------------------------------------------------------------- fused ops
 
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
