@@ -114,4 +114,4 @@ def test_dispatcher_calls_the_gemms_with_the_kernels_convention():
     got = attn._KERNELS["gemm"](q, k, v, None, key_rows, n_ring=0, base_pos=0, nlive=nlive, qpos=None,
                                 window=attn.NO_WINDOW, causal=False, out_dtype=torch.float32)
     exp = attn.attention(q, k, v, None, key_rows, out_dtype=torch.float32, impl="gemm", nlive=nlive)  # -> the twin
-    torch.testing.assert_close(got, exp, atol=1e-2, rtol=1e-2)
+    assert_close_f32(got, exp)
