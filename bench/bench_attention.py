@@ -2,7 +2,7 @@
 canvas the GEMM path (ops/attention_gemm.py; impl "gemm", chunk lengths swept on the full layers) and the tile
 path (ops/attention_tiles.py; impl "tiles", the engine's full-layer canvas).
 
-One H200 run: `PYTHONPATH=src python3 bench/bench_attention.py --json $OUT/attn.jsonl --budget 150`.
+One H200 run: `PYTHONPATH=src python -m bench.bench_attention --json $OUT/attn.jsonl --budget 150`.
 Every variant is first checked against the f32 twin (relative Frobenius error; a variant over 1e-2 is
 reported as WRONG and not timed), then timed:
   canvas (denoise) calls: a CUDA graph of 2 × NSETS calls rotating over NSETS input sets (so K/V
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench_engine import time_graph  # also puts src/ on the path
+from bench.bench_engine import time_graph
 from diffgemma.ops import attention as A
 from diffgemma.ops import attention_flash as F
 from diffgemma.ops import attention_gemm as AG

@@ -1,6 +1,6 @@
 """Small kernels alone at the real shapes, each against the variant it replaced (one GPU, under a minute).
 
-    PYTHONPATH=src python bench/bench_kernels.py [--reps 7] [--json out.json]
+    PYTHONPATH=src python -m bench.bench_kernels [--reps 7] [--json out.json]
 
 A kernel of a few microseconds launched from Python back to back is timed by the host's launch rate, not by
 the GPU. So every call here is captured 20 times into one CUDA graph and the graph is replayed; GPU µs a
@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import time_graph  # noqa: E402  (also puts src/ on the path)
-from diffgemma.ops import qkv, rowstats  # noqa: E402
+from bench.bench_engine import time_graph
+from diffgemma.ops import qkv, rowstats
 
 
 def timed(fn, reps: int, inner: int = 20) -> float:
