@@ -5,14 +5,14 @@
 A kernel of a few microseconds launched from Python back to back is timed by the host's launch rate, not by
 the GPU. So every call here is captured 20 times into one CUDA graph and the graph is replayed; GPU µs a
 call = the median replay / inner. Inputs stay the same across the calls, so they sit in L2 as a producer's
-output would in the engine. What is timed (round 13, bench/RESULTS.md):
+output would in the engine. What is timed:
 
-  qkv_prep           one program per (token, head), as before round 13 (heads_per_program=1), against the
+  qkv_prep           one program per (token, head) (heads_per_program=1), against the
                      default (2048 values a program); the sliding (hd 256, 16 + 8 + 8 heads) and full (hd 512,
                      16 + 2 heads, V read from K's columns) layers, 256 canvas rows and an 8192-row prefill chunk
   sampler passes     at [256, 262144]: the row stats and the counted probabilities from raw bf16 logits through
                      the tempered table (generate's step), the table's kernel, the row stats of f32 logits at a
-                     step temperature and at T = 1 (round 22 replaced the per-block reductions: RESULTS round 22)
+                     step temperature and at T = 1 (against the per-block reductions they replaced)
 """
 
 from __future__ import annotations

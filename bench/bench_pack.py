@@ -72,7 +72,7 @@ def med(fn, reps=20, warmup=3, setup=None) -> float:
 
 def gmed(fn, reps=7, calls=20) -> float:
     """ms a call, replayed from a CUDA graph of `calls` back-to-back calls. A kernel of ~0.1 ms timed one launch at
-    a time measures the host's launch instead (bench/RESULTS.md rounds 12 and 26)."""
+    a time measures the host's launch instead."""
     return statistics.median(time_graph(lambda: [fn() for _ in range(calls)], calls, reps)) / 1e3
 
 
@@ -402,14 +402,14 @@ def bench_kernels(res, reps):
                         row["dequant_ms"] = gmed(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
                 # the last three: fewer registers (3 blocks an SM) or fewer instructions an element than the
-                # default, read from Triton 3.6's sm_90 build offline (round 8); not yet timed
+                # default, read from Triton 3.6's sm_90 build offline; not yet timed
                 configs = [mp.CONFIGS["stream"], (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (128, 32, 64, 4, 3),
                            (128, 32, 64, 8, 4), (128, 16, 64, 4, 4), (128, 32, 32, 4, 4), (64, 16, 128, 4, 3),
                            (256, 16, 64, 8, 3)] if (label == "denoise" and fmt == "q4") else \
                     [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
                 for cfg in configs:
                     # kernel_*: the side planes prefetched one K-step ahead (the default); inloop_*: loaded in the
-                    # step that uses them (the loop before round 7), timed beside it on the denoise shape
+                    # step that uses them (the kernel's prefetch=False loop), timed beside it on the denoise shape
                     for prefix, prefetch in (("kernel_", True), ("inloop_", False)):
                         if not prefetch and label != "denoise":
                             continue

@@ -4,17 +4,19 @@
 #
 #   bash NEW/bench/gpu_check.sh OLD NEW OUT [BUDGET_S]
 #
-# OLD and NEW are checkouts (e.g. `git archive` of each commit); OUT gets the logs, the JSON and summary.md (the
-# table, printed last). BUDGET_S (default 550) caps the whole run: the last test phase gets what is left.
+# OLD and NEW are checkouts (e.g. `git archive` of each commit); DEST gets summary.md (the table, also printed last)
+# and logs.tgz (every log and JSON: the device tool brings back few files). BUDGET_S (default 550) caps the whole
+# run: the last test phase gets what is left. A phase past its time gets SIGINT, so pytest still prints its summary.
 set -u
-OLD=$(cd "$1" && pwd); NEW=$(cd "$2" && pwd); OUT=$(mkdir -p "$3" && cd "$3" && pwd); BUDGET=${4:-550}
+OLD=$(cd "$1" && pwd); NEW=$(cd "$2" && pwd); DEST=$(mkdir -p "$3" && cd "$3" && pwd); BUDGET=${4:-550}
+OUT=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # 1. the tests that exercise graphs, guarded graphs, staging and the run-ahead (CPU tests cannot)
-(cd "$NEW" && PYTHONPATH=src timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider --timeout=100 \
+(cd "$NEW" && PYTHONPATH=src timeout -s INT -k 10 150 python3 -m pytest -q -rfEs -p no:cacheprovider --timeout=100 \
     tests/gpu/test_engine_gpu.py tests/gpu/test_generate_gpu.py \
     > "$OUT/tests_engine.log" 2>&1; echo "rc=$?" >> "$OUT/tests_engine.log")
 tail -4 "$OUT/tests_engine.log"
@@ -34,7 +36,7 @@ PACK_ARGS="--skip kernels,gather,bf16,floor,launch_order,q4_inputs,glu,layouts -
 # 3. the rest of tests/gpu with what is left
 REST=$(( $(left) - 15 ))
 if [ "$REST" -gt 20 ]; then
-  (cd "$NEW" && PYTHONPATH=src timeout "$REST" python3 -m pytest -q -rfEs -p no:cacheprovider --timeout=120 tests/gpu \
+  (cd "$NEW" && PYTHONPATH=src timeout -s INT -k 10 "$REST" python3 -m pytest -q -rfEs -p no:cacheprovider --timeout=120 tests/gpu \
       --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_generate_gpu.py > "$OUT/tests_rest.log" 2>&1; echo "rc=$?" >> "$OUT/tests_rest.log")
 else
   echo "no time left for the other GPU tests" > "$OUT/tests_rest.log"
@@ -79,3 +81,5 @@ table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
 print(table)
 EOF
+cp "$OUT/summary.md" "$DEST/summary.md"
+tar -czf "$DEST/logs.tgz" -C "$OUT" .

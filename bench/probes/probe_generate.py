@@ -13,7 +13,7 @@ generate several times on fresh caches, then again after filling the allocator's
 later allocations first reuse the blocks the previous run cached), and prints a hash of every step's draft
 and of the tokens, comparable across processes: run it plain, under CUDA_LAUNCH_BLOCKING=1, with
 `--fill-uninitialized` (torch's deterministic mode, every new tensor filled with NaN / max int), `--no-side`
-or `--plain-generate` (generate() itself, no per-step clone). Numbers: bench/RESULTS.md rounds 8 and 9.
+or `--plain-generate` (generate() itself, no per-step clone).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main():
     ap.add_argument("what", choices=["timeline", "side", "repeat", "gather"])
     ap.add_argument("--reps", type=int, default=3, help="side: alternations; repeat: plain runs")
     ap.add_argument("--fill-uninitialized", action="store_true",
-                    help="repeat: torch's deterministic mode, new tensors filled (round 8's lead)")
+                    help="repeat: torch's deterministic mode, new tensors filled")
     ap.add_argument("--no-side", action="store_true", help="repeat: the bookkeeping on the main stream")
     ap.add_argument("--plain-generate", action="store_true", help="repeat: generate() itself, final tokens only")
     ap.add_argument("--prompt-len", type=int, default=300, help="repeat: prompt tokens")

@@ -7,7 +7,7 @@ kernel reaches. Without hardware counters, this times variants of the same loop 
 out (METHOD.md: "time variants that leave one stage out, and take differences"). Their results are
 wrong on purpose, except MODE full, which is checked against the twin.
 
-Its loop is round 6's: the scales and mins are loaded in the K step that uses them. Since round 7 the
+Its loop loads the scales and mins in the K step that uses them; the
 production kernel loads them one step ahead (Triton left those loads synchronous), so "full" here is the
 kernel's `prefetch=False` path, not its default.
 

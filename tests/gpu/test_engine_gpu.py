@@ -436,7 +436,7 @@ def test_sc_probs_kernel_path_matches_softmax_real_shape():
     assert (got.float().sum(-1) - 1).abs().max().item() < 1e-2
 
 
-# ----------------------------------------------------------------------------------- round 2 kernels, real shapes
+# ----------------------------------------------------------------------------------- fused kernels, real shapes
 
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402
