@@ -823,3 +823,22 @@ def test_models_implement_the_protocol(tiny_model):
         assert isinstance(cache, KVCache) and isinstance(model.denoiser([cache]), Denoiser)
         with pytest.raises(Exception, match="one cache"):
             model.denoiser([cache, cache])
+
+
+def test_engine_options_reach_the_engine_through_load():
+    """load(options=) hands the fast engine its EngineOptions, keywords override single fields, an unknown field is a
+    clear error, and the reference model takes none."""
+    import diffgemma
+    from diffgemma.errors import InputError
+    from diffgemma.model.engine import Engine
+
+    eng = diffgemma.load(None, engine="fast", dtype=torch.float32,
+                         options=diffgemma.EngineOptions(prefill_chunk=5, launch_order=False))
+    assert isinstance(eng, Engine) and eng.options.prefill_chunk == 5 and not eng.forward.options.launch_order
+    assert eng.options.graphs is None and not eng.use_graphs  # graphs only on CUDA
+    ref = diffgemma.load(None)
+    assert Engine.from_reference(ref, dtype=torch.float32, prefill_chunk=7).forward.options.prefill_chunk == 7
+    with pytest.raises(InputError, match="no_such_choice"):
+        Engine.from_reference(ref, dtype=torch.float32, no_such_choice=1)
+    with pytest.raises(InputError, match="options"):
+        diffgemma.load(None, engine="reference", options=diffgemma.EngineOptions())

@@ -10,12 +10,13 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from .errors import CheckpointError, ConfigError, DiffgemmaError, InputError, SettingsError, TensorError
 from .generation import GenerationResult, generate, generate_stream
 from .loader import load
+from .model.options import EngineOptions
 from .session import Session, chat
 from .settings import GenerationSettings
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "generate", "generate_stream", "chat", "Session", "GenerationSettings", "GenerationResult",
+    "load", "generate", "generate_stream", "chat", "Session", "GenerationSettings", "GenerationResult", "EngineOptions",
     "DiffgemmaError", "CheckpointError", "ConfigError", "TensorError", "SettingsError", "InputError",
 ]
