@@ -308,7 +308,7 @@ def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: 
     stops = DeviceStopRules.from_settings(s, cfg.pad_token_id, vocab)
     den = model.denoiser([cache])
 
-    with den.bookkeeping():  # born where the bookkeeping reads and replaces them (model/denoiser.SideStream)
+    with den.bookkeeping(join=True):  # born where the bookkeeping reads and replaces them (model/denoiser.SideStream)
         canvas = rng.randint(length, vocab, device)
         frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
     sc_logits = None

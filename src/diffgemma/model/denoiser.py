@@ -4,7 +4,8 @@ generation.py's loop says what a step computes; a Denoiser (model/protocol.py) s
 
   forward(canvas, sc)     the model's denoise -> logits (raw, with `cap` the softcap the sampler applies, or capped)
   bookkeeping()           a context for the step's small kernels (accept mask, renoise, stop rules): on CUDA a
-                          second stream, so they run beside the sparse SC's pass over the logits
+                          second stream, so they run beside the sparse SC's pass over the logits (joined by the
+                          status read)
   read_status(...)        THE per-step device->host read (stop code, mean entropy, survivor count), packed and copied
                           on the side stream while the main stream makes the SC product the step bet on; on an engine
                           with graphs the next forward's inputs are staged (and the forward launched, under the
@@ -108,10 +109,14 @@ class Denoiser:
         return self.model.denoise(self.cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
 
     @contextlib.contextmanager
-    def bookkeeping(self):
+    def bookkeeping(self, join: bool = False):
+        """The step's small kernels on the side stream (CUDA), beside what the main stream queues after the block:
+        the main stream joins them in read_status, before anything reads their results. join=True: at once (a new
+        canvas, which the first forward reads)."""
         with self.side.fork():
             yield
-        self.side.join()
+        if join:
+            self.side.join()
 
     def scratch(self) -> torch.Tensor | None:
         """A dead [C, V] buffer the dense SC may write its probabilities into, or None."""
@@ -120,14 +125,14 @@ class Denoiser:
     def read_status(self, code: torch.Tensor, mean_h: torch.Tensor, plan, canvas: torch.Tensor) -> StepStatus:
         """The step's one host read. plan: the step's SparsePlan or None; a speculative plan's SC sum is started
         beside the read. canvas: the next step's canvas."""
-        parts = [code.double(), mean_h]
-        if plan is not None:
-            parts.append(plan.count.double())
+        def make_status():  # on the side stream, where the bookkeeping left code and mean_h
+            return torch.stack([code.double(), mean_h] + ([plan.count.double()] if plan is not None else []))
+
         overlap = None
         if plan is not None and plan.speculative:
             embedding, scale = self.model.embedding, self.model.config.embed_scale
             overlap = lambda: plan.start(embedding, scale)  # noqa: E731
-        status = read_status(lambda: torch.stack(parts), overlap, self.side)
+        status = read_status(make_status, overlap, self.side)
         return StepStatus(int(status[0]), status[1], int(status[2]) if plan is not None else None)
 
     def close(self) -> None:
