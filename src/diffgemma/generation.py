@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .errors import InputError
+from .model.protocol import DenoiseModel
 from .sampling.accept import accept_mask
 from .sampling.rng import DeviceLcg, block_seed, categorical
 from .sampling.schedule import remaining, temperature_value
@@ -132,7 +133,8 @@ def _read_block(packed: torch.Tensor) -> list[float]:
     return packed.tolist()
 
 
-def resolve_settings(model, settings: GenerationSettings | None, overrides: dict[str, Any]) -> GenerationSettings:
+def resolve_settings(model: DenoiseModel, settings: GenerationSettings | None,
+                     overrides: dict[str, Any]) -> GenerationSettings:
     """Explicit settings (+ per-call overrides), or the model's generation_config <- env <- overrides."""
     if settings is None:
         return GenerationSettings.resolve(model.generation_config or {}, env=os.environ,
@@ -141,7 +143,7 @@ def resolve_settings(model, settings: GenerationSettings | None, overrides: dict
 
 
 def generate(
-    model,
+    model: DenoiseModel,
     input_ids,
     *,
     settings: GenerationSettings | None = None,
@@ -164,7 +166,7 @@ def generate(
 
 
 def generate_stream(
-    model,
+    model: DenoiseModel,
     input_ids,
     *,
     settings: GenerationSettings | None = None,
@@ -295,7 +297,8 @@ def generate_stream(
     yield DoneEvent(result)
 
 
-def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int, attempt: int):
+def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int,
+                   attempt: int):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
     Per step everything stays on the model's device; the denoiser's read_status is the only host read.
