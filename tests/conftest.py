@@ -24,8 +24,10 @@ import zlib
 import pytest
 import torch
 
-# Make tests/ importable (shared helpers such as tiny_checkpoints) without packaging it.
+# Make tests/ importable (shared helpers such as tiny_checkpoints) without packaging it, and the repo root for the
+# benchmarks' fixtures (bench.fixtures: random full-size weights).
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Without a GPU, Triton kernels run in its interpreter. This must be set before the first
 # `import triton` anywhere in the session, so it lives here rather than in one test module.

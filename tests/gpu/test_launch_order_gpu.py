@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomSource  # noqa: E402
+from bench.fixtures import RandomSource  # noqa: E402
 
 from tiny_checkpoints import MID  # noqa: E402
 
