@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from .errors import CheckpointError, ConfigError, DiffgemmaError, InputError, SettingsError, TensorError
+from .batch import generate_batch
 from .generation import GenerationResult, generate, generate_stream
 from .loader import load
 from .model.options import EngineOptions
@@ -17,6 +18,6 @@ from .settings import GenerationSettings
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "generate", "generate_stream", "chat", "Session", "GenerationSettings", "GenerationResult", "EngineOptions",
+    "load", "generate", "generate_stream", "generate_batch", "chat", "Session", "GenerationSettings", "GenerationResult", "EngineOptions",
     "DiffgemmaError", "CheckpointError", "ConfigError", "TensorError", "SettingsError", "InputError",
 ]

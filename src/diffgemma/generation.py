@@ -44,7 +44,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 
@@ -125,7 +125,53 @@ def generate_stream(
     cache=None,
     **overrides: Any,
 ) -> Iterator[StepEvent | BlockEvent | DoneEvent]:
-    """The same loop as generate(), as an iterator of StepEvent, BlockEvent and a final DoneEvent."""
+    """The same loop as generate(), as an iterator of StepEvent, BlockEvent and a final DoneEvent: the request's
+    steps (generate_steps) with each forward it asks for run on its own denoiser."""
+    steps = generate_steps(model, input_ids, settings=settings, cache=cache, **overrides)
+    try:
+        logits = None
+        while True:
+            try:
+                item = steps.send(logits)
+            except StopIteration:
+                return
+            logits = None  # one [C, V] f32 alive at a time: the request dropped its last step's before asking
+            if isinstance(item, Forward):
+                logits = item.run()
+            else:
+                yield item
+    finally:
+        steps.close()
+
+
+@dataclass
+class Forward:
+    """A request's ask for one denoise forward, yielded by generate_steps and answered with send(logits): by
+    generate_stream on the request's own denoiser (run()), or by the batch scheduler (batch.py) in one forward with
+    other requests' canvases (model.denoiser([cache, ...]))."""
+
+    den: Any  # the request's Denoiser (model/protocol.Denoiser): its bookkeeping and status read follow the answer
+    cache: Any
+    canvas: torch.Tensor  # [C] ids
+    sc_logits: torch.Tensor | None
+    sc_embeds: torch.Tensor | None
+
+    def run(self) -> torch.Tensor:
+        return self.den.forward(self.canvas, sc_logits=self.sc_logits, sc_embeds=self.sc_embeds)
+
+
+def generate_steps(
+    model: DenoiseModel,
+    input_ids,
+    *,
+    settings: GenerationSettings | None = None,
+    cache=None,
+    **overrides: Any,
+) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward, torch.Tensor | None, None]:
+    """One request's generation as a coroutine: it yields StepEvent, BlockEvent, a final DoneEvent and, where a step
+    needs the model, a Forward, which the driver answers by send()ing that forward's logits ([C, V], as the request's
+    denoiser returns them). Everything else of the algorithm (sampler, SC, stop rules, re-rolls, commits, the cache)
+    is the request's own, so one request gives the same tokens alone (generate_stream) or batched (batch.py)."""
     s = resolve_settings(model, settings, overrides)
     cfg = model.config
     vocab = cfg.vocab_size
@@ -276,7 +322,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
         # the previous step's logits and plan go before this step's arrive: one [C, V] f32 alive at a time
         stats = plan = logits = None
-        logits = den.forward(canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        logits = yield Forward(den, cache, canvas, sc_logits, sc_embeds)
         stats = StepStats(logits, temp, cap=den.cap)
         h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":  # T's device scalar made here: an SC sum made ahead reads it

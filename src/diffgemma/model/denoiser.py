@@ -94,19 +94,29 @@ def read_status(make_status, overlap=None, side: SideStream | None = None, then=
 
 
 class Denoiser:
-    """The step's device side for one cache, on any model (model/protocol.DenoiseModel): `model.denoise`, softcapped
-    logits, the side stream on CUDA. A batch of caches is the next form of this object (issue 33): the loop's calls
-    stay the same, with [B, C] canvases."""
+    """The step's device side for one cache, or for a batch of caches, on any model (model/protocol.DenoiseModel):
+    `model.denoise` (one cache) or `model.denoise_batch` (several; the reference model), softcapped logits, the side
+    stream on CUDA. With several caches only forward() is batched: each request's bookkeeping and status read go
+    through its own one-cache denoiser (generation.generate_steps; docs/ARCHITECTURE.md, 'Batching')."""
 
     cap = None  # the logits forward() returns are softcapped already
     run_ahead = False  # whether read_status may stage the next forward (SparsePlan's sparse_ahead follows it)
 
-    def __init__(self, model, cache):
-        self.model, self.cache = model, cache
+    def __init__(self, model, caches):
+        self.caches = list(caches) if isinstance(caches, (list, tuple)) else [caches]
+        if not self.caches:
+            raise InputError("denoiser: expected at least one cache")
+        self.model = model
+        self.cache = self.caches[0] if len(self.caches) == 1 else None
         self.side = SideStream(torch.device(model.embedding.device))
 
-    def forward(self, canvas: torch.Tensor, sc_logits=None, sc_embeds=None) -> torch.Tensor:
-        return self.model.denoise(self.cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+    def forward(self, canvas, sc_logits=None, sc_embeds=None):
+        """One cache: canvas [C] ids -> logits [C, V]. B caches: canvas [B, C] (-> [B, C, V]) or B 1-D canvases of
+        any lengths (-> a list of B [C_i, V]); sc_logits / sc_embeds None or B entries, each None or that request's."""
+        if self.cache is not None:
+            return self.model.denoise(self.cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        logits = self.model.denoise_batch(self.caches, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        return torch.stack(logits) if isinstance(canvas, torch.Tensor) else logits
 
     @contextlib.contextmanager
     def bookkeeping(self, join: bool = False):
@@ -206,9 +216,11 @@ class StagedDenoiser(Denoiser):
 
 
 def one_cache(caches):
-    """The cache of `caches`: a cache, or a sequence holding one (batched denoising comes later)."""
+    """The cache of `caches`: a cache, or a sequence holding one (a model that denoises one canvas per forward)."""
     if not isinstance(caches, (list, tuple)):
         return caches
     if len(caches) != 1:
-        raise InputError(f"denoiser: expected one cache, got {len(caches)} (batched denoising is not supported yet)")
+        raise InputError(f"denoiser: this model denoises one canvas per forward, got {len(caches)} caches (batched "
+                         "denoising runs on the reference model; generate_batch steps such a model one request at a "
+                         "time)")
     return caches[0]

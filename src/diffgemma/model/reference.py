@@ -24,6 +24,7 @@ Everything runs in the compute dtype given at load (float32 by default, float64 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import LayerConfig, ModelConfig
 from ..errors import InputError
-from .denoiser import Denoiser, one_cache
+from .denoiser import Denoiser
 from .kv_cache import ReferenceKVCache
 
 # ----------------------------------------------------------------------------- building blocks
@@ -46,8 +47,28 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def gated_mlp(x, gate_w, up_w, down_w):
-    return (gelu_tanh(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T, the plain product (prefill: one request, its rows in one call)."""
+    return x @ w.T
+
+
+ROW_TILE = 64  # the row count of every GEMM call of the denoise (rows_matmul)
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with a row's result independent of the other rows: the rows go through GEMM calls of exactly ROW_TILE
+    rows (the last one zero-padded), so every row meets the same kernel whatever the batch holds. A BLAS picks its
+    kernel (and so its reduction order) by the row count; a fixed count fixes it (docs/ARCHITECTURE.md, 'Batching')."""
+    M = x.shape[0]
+    pad = (-M) % ROW_TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    wt = w.T
+    return torch.cat([tile @ wt for tile in x.split(ROW_TILE)])[:M]
+
+
+def gated_mlp(x, gate_w, up_w, down_w, mm=matmul):
+    return mm(gelu_tanh(mm(x, gate_w)) * mm(x, up_w), down_w)
 
 
 def rope_inv_freq(layer: LayerConfig, dtype=torch.float64) -> torch.Tensor:
@@ -84,11 +105,11 @@ def attention(q, k, v, mask) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def route(x, proj_w, scale, per_expert_scale, top_k: int, eps: float):
+def route(x, proj_w, scale, per_expert_scale, top_k: int, eps: float, mm=matmul):
     """Router on the residual stream: no-scale norm → ·scale·H^-0.5 → linear → softmax → top-k →
     renormalise → ·per_expert_scale. Equal probabilities go to the lower expert index."""
     h = rms_norm(x, None, eps) * scale * (x.shape[-1] ** -0.5)
-    probs = torch.softmax(h @ proj_w.T, dim=-1)
+    probs = torch.softmax(mm(h, proj_w), dim=-1)
     # A stable descending sort keeps the lower index first among equal probabilities.
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = probs.gather(-1, order)
@@ -96,13 +117,14 @@ def route(x, proj_w, scale, per_expert_scale, top_k: int, eps: float):
     return order, weights * per_expert_scale[order]
 
 
-def moe(x, experts_idx, weights, gate_up, down):
-    """Each token's output = Σ_k weight_k · expert_k(x). gate_up [E, 2F, H] = [gate‖up], down [E, H, F]."""
+def moe(x, experts_idx, weights, gate_up, down, mm=matmul):
+    """Each token's output = Σ_k weight_k · expert_k(x), summed in ascending expert order.
+    gate_up [E, 2F, H] = [gate‖up], down [E, H, F]."""
     out = torch.zeros_like(x)
     for e in torch.unique(experts_idx).tolist():
         tok, slot = torch.nonzero(experts_idx == e, as_tuple=True)
-        gate, up = (x[tok] @ gate_up[e].T).chunk(2, dim=-1)
-        y = (gelu_tanh(gate) * up) @ down[e].T
+        gate, up = mm(x[tok], gate_up[e]).chunk(2, dim=-1)
+        y = mm(gelu_tanh(gate) * up, down[e])
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return out
 
@@ -110,7 +132,9 @@ def moe(x, experts_idx, weights, gate_up, down):
 # ----------------------------------------------------------------------------- the model
 
 class ReferenceModel:
-    """Plain-torch DiffusionGemma. Unbatched: ids are 1-D LongTensors."""
+    """Plain-torch DiffusionGemma: ids are 1-D LongTensors; denoise_batch takes several canvases at once."""
+
+    max_batch: int | None = None  # canvases one forward may take (denoise_batch): any number
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device, dtype,
                  generation_config: dict | None = None, path: Path | None = None, tokenizer=None):
@@ -134,8 +158,9 @@ class ReferenceModel:
         return [cache.max_tokens]
 
     def denoiser(self, caches) -> Denoiser:
-        """A denoise step's device side for `caches` (model/protocol.py): plain `denoise` calls."""
-        return Denoiser(self, one_cache(caches))
+        """A denoise step's device side for `caches` (model/protocol.py): `denoise` calls for one cache,
+        `denoise_batch` for several."""
+        return Denoiser(self, caches)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embedding[ids] * self.config.embed_scale
@@ -167,34 +192,48 @@ class ReferenceModel:
             if same_image is not None:
                 mask = mask | same_image
             # The last layer's output is never read on prefill (only its K/V are), so skip its FFN.
-            x, k, v = self._layer(layer, x, pos, cache, mask, denoise=False, with_ffn=layer.index != last)
+            attend = self._cached_attention(cache, layer, mask, denoise=False)
+            x, k, v = self._layer(layer, x, pos, attend, denoise=False, with_ffn=layer.index != last)
             cache.append(layer.index, k, v)
 
     @torch.no_grad()
     def denoise(self, cache: ReferenceKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                 sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        canvas_ids = self._check_ids(canvas_ids, "canvas ids")
-        C = len(canvas_ids)
-        if sc_logits is not None and sc_embeds is not None:
-            raise InputError("denoise: pass sc_logits or sc_embeds, not both")
-        if sc_logits is not None:
-            if tuple(sc_logits.shape) != (C, self.config.vocab_size):
-                raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {self.config.vocab_size}]")
-            work = torch.float64 if self.dtype == torch.float64 else torch.float32
-            sc_embeds = self.soft_embed(torch.softmax(sc_logits.to(self.device, work), dim=-1))
-        if sc_embeds is not None and tuple(sc_embeds.shape) != (C, self.config.hidden_size):
-            raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {self.config.hidden_size}]")
-        x = self._denoise_input(canvas_ids, sc_embeds)
-        start = cache.length
-        pos = torch.arange(start, start + C, device=self.device)
+        """One canvas' denoise step: softcapped f32 logits [C, V]. The batch of one (denoise_batch), so a request's
+        logits are the same bits alone and beside others."""
+        return self.denoise_batch([cache], [canvas_ids], sc_logits=[sc_logits], sc_embeds=[sc_embeds])[0]
+
+    @torch.no_grad()
+    def denoise_batch(self, caches: Sequence[ReferenceKVCache], canvases, sc_logits=None,
+                      sc_embeds=None) -> list[torch.Tensor]:
+        """B canvases, each against its own cache (its own context length, window and positions), in one pass over
+        the weights: the dense projections, router and experts run over all B·C rows at once, attention per request.
+        canvases: B 1-D id tensors (lengths may differ) or a [B, C] tensor; sc_logits / sc_embeds: None or B entries,
+        each None or that request's [C, V] logits / [C, H] soft embedding. Returns B softcapped f32 logits [C, V].
+
+        A request's logits do not depend on what else is in the batch, bit for bit: every row-wise GEMM runs in
+        fixed-size row tiles (rows_matmul), norms, RoPE, routing and the softcap are per row, the experts add their
+        outputs in ascending expert order, and attention reads only the request's own rows and cache."""
+        B = len(caches)
+        if B == 0 or len(canvases) != B:
+            raise InputError(f"denoise_batch: expected one canvas per cache, got {len(canvases)} canvases for {B} caches")
+        canvases = [self._check_ids(c, "canvas ids") for c in canvases]
+        sc_logits = self._per_request(sc_logits, B, "sc_logits")
+        sc_embeds = self._per_request(sc_embeds, B, "sc_embeds")
+        sc = [self._sc_embeds(len(c), lg, em) for c, lg, em in zip(canvases, sc_logits, sc_embeds)]
+        x = self._denoise_input(canvases, sc)
+        spans, pos, lo = [], [], 0
+        for cache, c in zip(caches, canvases):
+            spans.append((cache, lo, lo + len(c)))
+            pos.append(torch.arange(cache.length, cache.length + len(c), device=self.device))
+            lo += len(c)
+        pos = torch.cat(pos)
         for layer in self.config.layers:
-            visible = cache.visible(layer.index, for_denoise=True)[0].shape[1] + C
-            mask = torch.ones(C, visible, dtype=torch.bool, device=self.device)  # bidirectional
-            x, _, _ = self._layer(layer, x, pos, cache, mask, denoise=True)
+            x, _, _ = self._layer(layer, x, pos, self._batch_attention(layer, spans), denoise=True, mm=rows_matmul)
         x = rms_norm(x, self.w[DECODER + "norm.weight"], self.config.rms_norm_eps)
         cap = self.config.final_logit_softcapping
-        logits = (x @ self.embedding.T).to(torch.float32)
-        return cap * torch.tanh(logits / cap)
+        logits = cap * torch.tanh(rows_matmul(x, self.embedding).to(torch.float32) / cap)
+        return [logits[lo:hi] for _, lo, hi in spans]
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -222,47 +261,97 @@ class ReferenceModel:
         g_keys = torch.cat([torch.full((start,), -1, dtype=torch.long, device=self.device), g])
         return (g[:, None] == g_keys[None, :]) & (g[:, None] >= 0)
 
-    def _denoise_input(self, canvas_ids, sc_embeds):
-        """rms_no_scale(embed(canvas) + SC-MLP(RMSNorm_w(soft signal))); a zero signal contributes zero."""
+    @staticmethod
+    def _per_request(values, B: int, what: str) -> list:
+        if values is None:
+            return [None] * B
+        if len(values) != B:
+            raise InputError(f"denoise_batch: {what} has {len(values)} entries, expected one per canvas ({B})")
+        return list(values)
+
+    def _sc_embeds(self, C: int, sc_logits, sc_embeds):
+        """A request's SC signal as a soft embedding [C, H] (or None), from its logits or as given."""
+        if sc_logits is not None and sc_embeds is not None:
+            raise InputError("denoise: pass sc_logits or sc_embeds, not both")
+        if sc_logits is not None:
+            if tuple(sc_logits.shape) != (C, self.config.vocab_size):
+                raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {self.config.vocab_size}]")
+            work = torch.float64 if self.dtype == torch.float64 else torch.float32
+            probs = torch.softmax(sc_logits.to(self.device, work), dim=-1).to(self.dtype)
+            return rows_matmul(probs, self.embedding.T) * self.config.embed_scale  # soft_embed, row-tiled
+        if sc_embeds is not None and tuple(sc_embeds.shape) != (C, self.config.hidden_size):
+            raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {self.config.hidden_size}]")
+        return sc_embeds
+
+    def _denoise_input(self, canvases, sc):
+        """Per row: rms_no_scale(embed(canvas) + SC-MLP(RMSNorm_w(soft signal))); a zero signal contributes zero.
+        The SC-MLP runs once over the rows of every request that has a signal."""
         cfg, p = self.config, DECODER + "self_conditioning."
-        x = self.embed(canvas_ids)
-        if sc_embeds is not None:
-            s = rms_norm(sc_embeds.to(self.dtype), self.w[p + "pre_norm.weight"], cfg.rms_norm_eps)
-            x = x + gated_mlp(s, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"])
+        x = self.embed(torch.cat(canvases))
+        with_sc = [i for i, e in enumerate(sc) if e is not None]
+        if with_sc:
+            starts = [0]
+            for c in canvases:
+                starts.append(starts[-1] + len(c))
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device) for i in with_sc])
+            s = rms_norm(torch.cat([sc[i].to(self.device, self.dtype) for i in with_sc]), self.w[p + "pre_norm.weight"],
+                         cfg.rms_norm_eps)
+            mlp = gated_mlp(s, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
+                            self.w[p + "down_proj.weight"], mm=rows_matmul)
+            x = x.index_put((rows,), x[rows] + mlp)
         return rms_norm(x, None, cfg.rms_norm_eps)
 
-    def _layer(self, layer: LayerConfig, x, pos, cache, mask, denoise: bool, with_ffn: bool = True):
-        """One transformer layer. Returns (new x, K and V of the new rows as [kv_heads, T, d])."""
+    @staticmethod
+    def _cached_attention(cache, layer: LayerConfig, mask, denoise: bool):
+        """Attention of new rows over `cache`'s visible positions and themselves, under `mask`."""
+        def attend(q, k, v):
+            k_old, v_old = cache.visible(layer.index, for_denoise=denoise)  # [kv_heads, T_old, d]
+            k_all = torch.cat([k_old.transpose(0, 1), k], dim=0)
+            v_all = torch.cat([v_old.transpose(0, 1), v], dim=0)
+            return attention(q, k_all, v_all, mask)
+        return attend
+
+    def _batch_attention(self, layer: LayerConfig, spans):
+        """Per-request attention for a batch of canvases: rows lo:hi attend bidirectionally to themselves and to
+        their own cache (ragged contexts; nothing crosses requests)."""
+        def attend(q, k, v):
+            out = []
+            for cache, lo, hi in spans:
+                visible = cache.visible(layer.index, for_denoise=True)[0].shape[1] + hi - lo
+                mask = torch.ones(hi - lo, visible, dtype=torch.bool, device=self.device)  # bidirectional
+                out.append(self._cached_attention(cache, layer, mask, True)(q[lo:hi], k[lo:hi], v[lo:hi]))
+            return torch.cat(out)
+        return attend
+
+    def _layer(self, layer: LayerConfig, x, pos, attend, denoise: bool, with_ffn: bool = True, mm=matmul):
+        """One transformer layer; attend(q, k, v) is its attention over the new rows' q/k/v and what they may read.
+        Returns (new x, K and V of the new rows as [kv_heads, T, d])."""
         cfg, p, eps = self.config, f"{DECODER}layers.{layer.index}.", self.config.rms_norm_eps
         T, hd = len(pos), layer.head_dim
         h = rms_norm(x, self.w[p + "input_layernorm.weight"], eps)
-        q = (h @ self.w[p + "self_attn.q_proj.weight"].T).view(T, cfg.num_heads, hd)
+        q = mm(h, self.w[p + "self_attn.q_proj.weight"]).view(T, cfg.num_heads, hd)
         q = apply_rope(rms_norm(q, self.w[p + "self_attn.q_norm.weight"], eps), pos, self.inv_freq[layer.index])
-        k_raw = (h @ self.w[p + "self_attn.k_proj.weight"].T).view(T, layer.num_kv_heads, hd)
+        k_raw = mm(h, self.w[p + "self_attn.k_proj.weight"]).view(T, layer.num_kv_heads, hd)
         # Full layers have no v_proj: V is the raw k_proj output (before k_norm and RoPE).
-        v_raw = (h @ self.w[p + "self_attn.v_proj.weight"].T).view_as(k_raw) if layer.has_v_proj else k_raw
+        v_raw = mm(h, self.w[p + "self_attn.v_proj.weight"]).view_as(k_raw) if layer.has_v_proj else k_raw
         k = apply_rope(rms_norm(k_raw, self.w[p + "self_attn.k_norm.weight"], eps), pos, self.inv_freq[layer.index])
         v = rms_norm(v_raw, None, eps)
-
-        k_old, v_old = cache.visible(layer.index, for_denoise=denoise)  # [kv_heads, T_old, d]
-        k_all = torch.cat([k_old.transpose(0, 1), k], dim=0)
-        v_all = torch.cat([v_old.transpose(0, 1), v], dim=0)
-        a = attention(q, k_all, v_all, mask).reshape(T, -1) @ self.w[p + "self_attn.o_proj.weight"].T
+        a = mm(attend(q, k, v).reshape(T, -1), self.w[p + "self_attn.o_proj.weight"])
         x = x + rms_norm(a, self.w[p + "post_attention_layernorm.weight"], eps)
         if with_ffn:
-            x = self._ffn(layer, x)
+            x = self._ffn(layer, x, mm)
         scalar = f"{DECODER}layers.{layer.index}.layer_scalar" if denoise else f"{ENCODER_LAYERS}{layer.index}.layer_scalar"
         return x * self.w[scalar], k.transpose(0, 1), v.transpose(0, 1)
 
-    def _ffn(self, layer: LayerConfig, x):
+    def _ffn(self, layer: LayerConfig, x, mm=matmul):
         """Dense MLP and MoE side by side on the same residual, each inside its own norms (7-norm sandwich)."""
         cfg, p, eps = self.config, f"{DECODER}layers.{layer.index}.", self.config.rms_norm_eps
         dense = gated_mlp(rms_norm(x, self.w[p + "pre_feedforward_layernorm.weight"], eps),
-                          self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"], self.w[p + "mlp.down_proj.weight"])
+                          self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"], self.w[p + "mlp.down_proj.weight"], mm)
         dense = rms_norm(dense, self.w[p + "post_feedforward_layernorm_1.weight"], eps)
         idx, wts = route(x, self.w[p + "router.proj.weight"], self.w[p + "router.scale"],
-                         self.w[p + "router.per_expert_scale"], cfg.top_k_experts, eps)
+                         self.w[p + "router.per_expert_scale"], cfg.top_k_experts, eps, mm)
         experts = moe(rms_norm(x, self.w[p + "pre_feedforward_layernorm_2.weight"], eps), idx, wts,
-                      self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"])
+                      self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], mm)
         experts = rms_norm(experts, self.w[p + "post_feedforward_layernorm_2.weight"], eps)
         return x + rms_norm(dense + experts, self.w[p + "post_feedforward_layernorm.weight"], eps)

@@ -1,0 +1,129 @@
+"""diffgemma.generate_batch: several requests generated together, their denoise steps stacked into one forward.
+
+Each request is generation.generate_steps: its own settings, RNG stream, stop rules, SC state, re-rolls, block count
+and KV cache, as a coroutine that yields a `Forward` whenever a step needs the model. The scheduler here only decides
+which requests step together:
+
+    active = the first max_batch requests (each prefills its prompt as it joins)
+    each round:
+        one forward over the canvases every active request asked for (model.denoiser([cache, ...]))
+        each request takes its logits and runs on (sampler, accept, renoise, stop rules, SC, and when its block
+        converges: commit, prefill of the kept tokens, the next block's canvas) up to its next Forward
+        a request whose turn is over leaves; the next queued request joins
+
+A request whose block converges does not wait for the others: its next block's canvas is in the next round. The
+forward is batch invariant (docs/ARCHITECTURE.md, 'Batching'), so every request gets exactly the tokens, steps and
+stop reasons `generate` gives it alone. A model that denoises one canvas per forward (max_batch 1: the CUDA engine for
+now) runs the requests one after another through the same scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from .errors import DiffgemmaError, InputError
+from .events import DoneEvent, GenerationResult
+from .generation import Forward, _as_ids, generate_steps, resolve_settings
+from .model.protocol import DenoiseModel
+from .settings import GenerationSettings
+
+
+def generate_batch(
+    model: DenoiseModel,
+    inputs: Sequence,
+    *,
+    seeds: Sequence[int] | None = None,
+    settings: GenerationSettings | Sequence[GenerationSettings | None] | None = None,
+    max_batch: int | None = None,
+    on_event: Callable[[int, Any], None] | None = None,
+    **overrides: Any,
+) -> list[GenerationResult]:
+    """Generate an answer for each of `inputs` (each a LongTensor [T] or a list of ids), batched.
+
+    seeds: one per request (overrides each request's seed). settings: None (the model's generation_config <- env),
+    one GenerationSettings for all, or one (or None) per request; **overrides apply to every request. max_batch: how
+    many requests step together (default: all, or what the model's forward takes; see the module docstring).
+    on_event(i, event): request i's StepEvent, BlockEvent and final DoneEvent as they happen.
+    Returns one GenerationResult per request, in order; each equals `generate(model, inputs[i], ...)` with the same
+    settings."""
+    n = len(inputs)
+    if n == 0:
+        return []
+    if seeds is not None and len(seeds) != n:
+        raise InputError(f"generate_batch: got {len(seeds)} seeds for {n} requests; expected one per request")
+    if isinstance(settings, (list, tuple)):
+        if len(settings) != n:
+            raise InputError(f"generate_batch: got {len(settings)} settings for {n} requests; expected one per request")
+        per_request = list(settings)
+    else:
+        per_request = [settings] * n
+    resolved = []
+    for i in range(n):  # every request checked before any runs
+        extra = dict(overrides) if seeds is None else dict(overrides, seed=seeds[i])
+        try:
+            resolved.append(resolve_settings(model, per_request[i], extra))
+            if _as_ids(inputs[i], model.config.vocab_size, "cpu").numel() == 0:
+                raise InputError("input_ids: empty prompt; expected at least one token")
+        except DiffgemmaError as e:
+            raise type(e)(f"request {i}: {e}") from None
+    limit = _batch_limit(model, max_batch, n)
+
+    results: list[GenerationResult | None] = [None] * n
+    queue = deque(range(n))
+    running: dict[int, Any] = {}  # request -> its generate_steps coroutine
+    asks: dict[int, Forward] = {}  # request -> the forward it waits for
+
+    def advance(i: int, logits) -> None:
+        """Run request i until it asks for a forward (kept in `asks`) or its turn is over (it leaves)."""
+        steps = running[i]
+        while True:
+            item = steps.send(logits)
+            logits = None
+            if isinstance(item, Forward):
+                asks[i] = item
+                return
+            if on_event is not None:
+                on_event(i, item)
+            if isinstance(item, DoneEvent):
+                results[i] = item.result
+                steps.close()
+                del running[i]
+                return
+
+    try:
+        while queue or running:
+            while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
+                i = queue.popleft()
+                running[i] = generate_steps(model, inputs[i], settings=resolved[i])
+                advance(i, None)
+            order = sorted(asks)
+            forwards = [asks.pop(i) for i in order]
+            for i, logits in zip(order, _forward(model, forwards)):
+                advance(i, logits)
+    finally:
+        for steps in running.values():
+            steps.close()
+    return results  # type: ignore[return-value]
+
+
+def _batch_limit(model, max_batch: int | None, n: int) -> int:
+    """How many requests step together: max_batch, within what the model's forward takes (its `max_batch`: None for
+    any number; a model without one takes a single canvas)."""
+    cap = getattr(model, "max_batch", 1)
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+        raise InputError(f"generate_batch: max_batch must be a positive integer, got {max_batch!r}")
+    limit = max_batch if max_batch is not None else n
+    return limit if cap is None else min(limit, cap)
+
+
+def _forward(model, forwards: list[Forward]) -> list:
+    """The round's forward: one request on its own denoiser (exactly generate's step), several in one batched
+    forward over their caches. Returns each request's logits, in order."""
+    if len(forwards) == 1:
+        return [forwards[0].run()]
+    den = model.denoiser([f.cache for f in forwards])
+    logits = den.forward([f.canvas for f in forwards], sc_logits=[f.sc_logits for f in forwards],
+                         sc_embeds=[f.sc_embeds for f in forwards])
+    den.close()
+    return logits
