@@ -33,9 +33,9 @@ LAYERS = [
     {"ops"},  # kernels and the bit layouts they read
     {"quant"},  # pack formats: read and write them (import their layouts from ops)
     {"model", "sampling"},  # the forward pass; the sampler
-    {"generation", "loader", "warmup", "vision"},  # the generation loop; loading a model (and its vision tower)
+    {"generation", "batch", "loader", "warmup", "vision"},  # the generation loop; loading a model (and its vision tower)
     {"session", "reply", "slots", "options", "oplog", "replay", "golden", ""},  # conversations, logs; the public API
-    {"server", "cli", "quality"},  # the applications
+    {"server", "cli", "batch_file", "quality"},  # the applications
 ]
 
 # ops/ is the bottom layer: inside the package it may import only these besides itself.

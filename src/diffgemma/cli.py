@@ -58,9 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diffgemma", description="DiffusionGemma inference engine")
     parser.add_argument("--version", action="version", version=f"diffgemma {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    ask = sub.add_parser("ask", help="answer one prompt")
-    ask.add_argument("prompt", help="the user's message (UTF-8 text)")
+    ask = sub.add_parser("ask", help="answer one prompt (or a file of them: --batch-file)")
+    ask.add_argument("prompt", nargs="?", help="the user's message (UTF-8 text)")
     _add_generation_flags(ask)
+    ask.add_argument("--batch-file", default=None, metavar="JSONL",
+                     help='answer every line {"prompt": ..., "seed": ..., "id": ...} of this file, batched; one JSON '
+                          'line per answer')
+    ask.add_argument("--out", default=None, metavar="FILE", help="with --batch-file: write the answers here")
+    ask.add_argument("--max-batch", type=int, default=8, metavar="N",
+                     help="with --batch-file: prompts denoised together (default 8)")
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
     listing = sub.add_parser("settings", help="list the generation settings --set, DIFFGEMMA_<NAME> and the "
@@ -170,6 +176,12 @@ def _utf8(text: str, what: str) -> str:
 
 
 def cmd_ask(args) -> int:
+    if (args.prompt is None) == (args.batch_file is None):
+        raise InputError("ask: expected a prompt or --batch-file FILE (one of the two)")
+    if args.batch_file is not None:
+        from .batch_file import run_batch_file
+
+        return run_batch_file(args, _read_tools)
     _utf8(args.prompt, "the prompt")
     model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None

@@ -52,19 +52,22 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T
 
 
-ROW_TILE = 64  # the row count of every GEMM call of the denoise (rows_matmul)
+ROW_TILE = 64  # the batched denoise's tensors hold a whole number of these row tiles (docs/ARCHITECTURE.md, 'Batching')
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to a whole number of ROW_TILE rows."""
+    pad = (-x.shape[0]) % ROW_TILE
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
 
 
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T with a row's result independent of the other rows: the rows go through GEMM calls of exactly ROW_TILE
     rows (the last one zero-padded), so every row meets the same kernel whatever the batch holds. A BLAS picks its
-    kernel (and so its reduction order) by the row count; a fixed count fixes it (docs/ARCHITECTURE.md, 'Batching')."""
+    kernel (and so its reduction order) by the row count; a fixed count fixes it."""
     M = x.shape[0]
-    pad = (-M) % ROW_TILE
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     wt = w.T
-    return torch.cat([tile @ wt for tile in x.split(ROW_TILE)])[:M]
+    return torch.cat([tile @ wt for tile in pad_rows(x).split(ROW_TILE)])[:M]
 
 
 def gated_mlp(x, gate_w, up_w, down_w, mm=matmul):
@@ -117,14 +120,16 @@ def route(x, proj_w, scale, per_expert_scale, top_k: int, eps: float, mm=matmul)
     return order, weights * per_expert_scale[order]
 
 
-def moe(x, experts_idx, weights, gate_up, down, mm=matmul):
+def moe(x, experts_idx, weights, gate_up, down, mm=matmul, pad=None):
     """Each token's output = Σ_k weight_k · expert_k(x), summed in ascending expert order.
-    gate_up [E, 2F, H] = [gate‖up], down [E, H, F]."""
+    gate_up [E, 2F, H] = [gate‖up], down [E, H, F]. pad: applied to each expert's rows before its FFN (the batched
+    denoise's pad_rows)."""
     out = torch.zeros_like(x)
     for e in torch.unique(experts_idx).tolist():
         tok, slot = torch.nonzero(experts_idx == e, as_tuple=True)
-        gate, up = mm(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = mm(gelu_tanh(gate) * up, down[e])
+        xe = x[tok] if pad is None else pad(x[tok])
+        gate, up = mm(xe, gate_up[e]).chunk(2, dim=-1)
+        y = mm(gelu_tanh(gate) * up, down[e])[:len(tok)]
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return out
 
@@ -221,15 +226,19 @@ class ReferenceModel:
         sc_logits = self._per_request(sc_logits, B, "sc_logits")
         sc_embeds = self._per_request(sc_embeds, B, "sc_embeds")
         sc = [self._sc_embeds(len(c), lg, em) for c, lg, em in zip(canvases, sc_logits, sc_embeds)]
-        x = self._denoise_input(canvases, sc)
         spans, pos, lo = [], [], 0
         for cache, c in zip(caches, canvases):
             spans.append((cache, lo, lo + len(c)))
             pos.append(torch.arange(cache.length, cache.length + len(c), device=self.device))
             lo += len(c)
-        pos = torch.cat(pos)
+        # All rows in one tensor of whole row tiles: the pad rows (id 0, position 0, no SC) are computed and dropped.
+        # Elementwise kernels treat a tensor's last partial vector apart (a scalar tail, other bits for tanh, exp,
+        # sin...), so no real row may ever sit in a tail: each tensor below holds a whole number of tiles.
+        pos = pad_rows(torch.cat(pos))
+        x = self._denoise_input(pad_rows(torch.cat(canvases)), sc, spans)
         for layer in self.config.layers:
-            x, _, _ = self._layer(layer, x, pos, self._batch_attention(layer, spans), denoise=True, mm=rows_matmul)
+            x, _, _ = self._layer(layer, x, pos, self._batch_attention(layer, spans), denoise=True, mm=rows_matmul,
+                                  pad=pad_rows)
         x = rms_norm(x, self.w[DECODER + "norm.weight"], self.config.rms_norm_eps)
         cap = self.config.final_logit_softcapping
         logits = cap * torch.tanh(rows_matmul(x, self.embedding).to(torch.float32) / cap)
@@ -283,22 +292,20 @@ class ReferenceModel:
             raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {self.config.hidden_size}]")
         return sc_embeds
 
-    def _denoise_input(self, canvases, sc):
-        """Per row: rms_no_scale(embed(canvas) + SC-MLP(RMSNorm_w(soft signal))); a zero signal contributes zero.
-        The SC-MLP runs once over the rows of every request that has a signal."""
+    def _denoise_input(self, ids, sc, spans):
+        """Per row: rms_no_scale(embed(canvas) + SC-MLP(RMSNorm_w(soft signal))). ids: every row's canvas id; sc: each
+        request's [C, H] signal or None. A zero signal contributes exactly zero, so the rows without one (and the pad
+        rows) go through the SC-MLP with zeros when any request has a signal."""
         cfg, p = self.config, DECODER + "self_conditioning."
-        x = self.embed(torch.cat(canvases))
-        with_sc = [i for i, e in enumerate(sc) if e is not None]
-        if with_sc:
-            starts = [0]
-            for c in canvases:
-                starts.append(starts[-1] + len(c))
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device) for i in with_sc])
-            s = rms_norm(torch.cat([sc[i].to(self.device, self.dtype) for i in with_sc]), self.w[p + "pre_norm.weight"],
-                         cfg.rms_norm_eps)
-            mlp = gated_mlp(s, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
-                            self.w[p + "down_proj.weight"], mm=rows_matmul)
-            x = x.index_put((rows,), x[rows] + mlp)
+        x = self.embed(ids)
+        if any(e is not None for e in sc):
+            signal = torch.zeros_like(x)
+            for e, (_, lo, hi) in zip(sc, spans):
+                if e is not None:
+                    signal[lo:hi] = e.to(self.device, self.dtype)
+            s = rms_norm(signal, self.w[p + "pre_norm.weight"], cfg.rms_norm_eps)
+            x = x + gated_mlp(s, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
+                              self.w[p + "down_proj.weight"], mm=rows_matmul)
         return rms_norm(x, None, cfg.rms_norm_eps)
 
     @staticmethod
@@ -315,15 +322,16 @@ class ReferenceModel:
         """Per-request attention for a batch of canvases: rows lo:hi attend bidirectionally to themselves and to
         their own cache (ragged contexts; nothing crosses requests)."""
         def attend(q, k, v):
-            out = []
+            out = torch.zeros_like(q)  # the pad rows attend to nothing
             for cache, lo, hi in spans:
                 visible = cache.visible(layer.index, for_denoise=True)[0].shape[1] + hi - lo
                 mask = torch.ones(hi - lo, visible, dtype=torch.bool, device=self.device)  # bidirectional
-                out.append(self._cached_attention(cache, layer, mask, True)(q[lo:hi], k[lo:hi], v[lo:hi]))
-            return torch.cat(out)
+                out[lo:hi] = self._cached_attention(cache, layer, mask, True)(q[lo:hi], k[lo:hi], v[lo:hi])
+            return out
         return attend
 
-    def _layer(self, layer: LayerConfig, x, pos, attend, denoise: bool, with_ffn: bool = True, mm=matmul):
+    def _layer(self, layer: LayerConfig, x, pos, attend, denoise: bool, with_ffn: bool = True, mm=matmul,
+               pad=None):
         """One transformer layer; attend(q, k, v) is its attention over the new rows' q/k/v and what they may read.
         Returns (new x, K and V of the new rows as [kv_heads, T, d])."""
         cfg, p, eps = self.config, f"{DECODER}layers.{layer.index}.", self.config.rms_norm_eps
@@ -339,11 +347,11 @@ class ReferenceModel:
         a = mm(attend(q, k, v).reshape(T, -1), self.w[p + "self_attn.o_proj.weight"])
         x = x + rms_norm(a, self.w[p + "post_attention_layernorm.weight"], eps)
         if with_ffn:
-            x = self._ffn(layer, x, mm)
+            x = self._ffn(layer, x, mm, pad)
         scalar = f"{DECODER}layers.{layer.index}.layer_scalar" if denoise else f"{ENCODER_LAYERS}{layer.index}.layer_scalar"
         return x * self.w[scalar], k.transpose(0, 1), v.transpose(0, 1)
 
-    def _ffn(self, layer: LayerConfig, x, mm=matmul):
+    def _ffn(self, layer: LayerConfig, x, mm=matmul, pad=None):
         """Dense MLP and MoE side by side on the same residual, each inside its own norms (7-norm sandwich)."""
         cfg, p, eps = self.config, f"{DECODER}layers.{layer.index}.", self.config.rms_norm_eps
         dense = gated_mlp(rms_norm(x, self.w[p + "pre_feedforward_layernorm.weight"], eps),
@@ -352,6 +360,6 @@ class ReferenceModel:
         idx, wts = route(x, self.w[p + "router.proj.weight"], self.w[p + "router.scale"],
                          self.w[p + "router.per_expert_scale"], cfg.top_k_experts, eps, mm)
         experts = moe(rms_norm(x, self.w[p + "pre_feedforward_layernorm_2.weight"], eps), idx, wts,
-                      self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], mm)
+                      self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], mm, pad)
         experts = rms_norm(experts, self.w[p + "post_feedforward_layernorm_2.weight"], eps)
         return x + rms_norm(dense + experts, self.w[p + "post_feedforward_layernorm.weight"], eps)

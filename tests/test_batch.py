@@ -1,0 +1,254 @@
+"""Batched denoising on the reference model and generate_batch (docs/ARCHITECTURE.md, 'Batching').
+
+- The forward: denoise_batch's logits for each request are bit for bit its solo denoise's, whatever else is in the
+  batch (other context lengths past the sliding window, other canvas lengths, other SC inputs, any order).
+- rows_matmul: a row's result does not depend on the rows around it.
+- The loop: generate_batch gives each request exactly what generate gives it alone (tokens, steps per block, stop
+  reasons, block ends), with per-request seeds and settings, requests leaving when done and queued ones joining.
+- A model that denoises one canvas per forward (the engine) refuses several caches and is stepped one at a time.
+- `diffgemma ask --batch-file`: one JSON line per request; a bad line fails before the model loads.
+"""
+
+import json
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma import generate, generate_batch
+from diffgemma.errors import InputError
+from diffgemma.events import BlockEvent, DoneEvent, StepEvent
+from diffgemma.model.reference import ROW_TILE, rows_matmul
+from diffgemma.settings import GenerationSettings
+from tiny_checkpoints import CONFIGS, build_model, save
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    hf = build_model(CONFIGS[request.param], canvas_length=8)
+    return diffgemma.load(save(hf, tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return diffgemma.load()
+
+
+def _cache(model, n, room=64):
+    cache = model.new_cache(n + room)
+    model.prefill(cache, torch.randint(0, model.config.vocab_size, (n,)))
+    return cache
+
+
+def _result(r):
+    return r.tokens, r.steps_per_block, r.stop_reasons, r.block_ends, r.retries, r.stop_token
+
+
+# ----------------------------------------------------------------------------------- the forward
+
+def test_rows_matmul_row_results_do_not_depend_on_the_other_rows():
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        for rows, k, n in [(1, 16, 8), (3, 64, 512), (8, 256, 96), (70, 32, 2048)]:
+            w = torch.randn(n, k, generator=gen, dtype=dtype)
+            x = torch.randn(rows, k, generator=gen, dtype=dtype)
+            alone = rows_matmul(x, w)
+            assert torch.allclose(alone, x @ w.T, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
+            for before, after in [(0, 5), (1, 0), (ROW_TILE - 1, 2), (37, 2 * ROW_TILE + 3)]:
+                others = torch.randn(before + after, k, generator=gen, dtype=dtype) * 100
+                mixed = torch.cat([others[:before], x, others[before:]])
+                assert torch.equal(rows_matmul(mixed, w)[before:before + rows], alone)
+
+
+@pytest.mark.parametrize("B", [2, 3, 4])
+def test_batched_logits_are_bitwise_the_solo_logits(tiny, B):
+    cfg = tiny.config
+    V, H = cfg.vocab_size, cfg.hidden_size
+    contexts = [1, 23, 4, 11][:B]  # past every tiny sliding window, and within it
+    lengths = [8, 3, 8, 5]
+    caches = [_cache(tiny, n) for n in contexts]
+    canvases = [torch.randint(0, V, (c,)) for c in lengths[:B]]
+    sc_logits = [None, torch.randn(lengths[1], V) * 4, None, torch.randn(lengths[3], V)][:B]
+    sc_embeds = [None, None, torch.randn(lengths[2], H), None][:B] if B > 2 else None
+    embeds = sc_embeds or [None] * B
+    solo = [tiny.denoise(c, x, sc_logits=lg, sc_embeds=em) for c, x, lg, em in zip(caches, canvases, sc_logits, embeds)]
+    batched = tiny.denoise_batch(caches, canvases, sc_logits=sc_logits, sc_embeds=sc_embeds)
+    assert len(batched) == B
+    for a, b in zip(solo, batched):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    order = list(reversed(range(B)))  # another order, through the batch denoiser
+    den = tiny.denoiser([caches[i] for i in order])
+    again = den.forward([canvases[i] for i in order], sc_logits=[sc_logits[i] for i in order],
+                        sc_embeds=[embeds[i] for i in order])
+    for i, b in zip(order, again):
+        assert torch.equal(solo[i], b)
+    # the protocol's [B, C] form: equal canvas lengths in, [B, C, V] out
+    same = torch.stack([torch.randint(0, V, (lengths[0],)) for _ in range(B)])
+    stacked = tiny.denoiser(caches).forward(same)
+    assert stacked.shape == (B, lengths[0], V)
+    for i in range(B):
+        assert torch.equal(stacked[i], tiny.denoise(caches[i], same[i]))
+
+
+def test_batched_demo_logits_are_bitwise_the_solo_logits(demo):
+    V = demo.config.vocab_size
+    caches = [_cache(demo, n, 80) for n in (3, 40, 17)]
+    canvases = [torch.randint(0, V, (c,)) for c in (64, 16, 32)]
+    sc = [torch.randn(64, V), None, torch.randn(32, V)]
+    solo = [demo.denoise(c, x, sc_logits=s) for c, x, s in zip(caches, canvases, sc)]
+    for a, b in zip(solo, demo.denoise_batch(caches, canvases, sc_logits=sc)):
+        assert torch.equal(a, b)
+
+
+def test_denoise_batch_rejects_mismatched_inputs(tiny):
+    caches = [_cache(tiny, 3), _cache(tiny, 4)]
+    canvas = torch.zeros(8, dtype=torch.long)
+    with pytest.raises(InputError, match="one canvas per cache"):
+        tiny.denoise_batch(caches, [canvas])
+    with pytest.raises(InputError, match="sc_logits has 1 entries"):
+        tiny.denoise_batch(caches, [canvas, canvas], sc_logits=[None])
+    with pytest.raises(InputError, match="sc_logits has shape"):
+        tiny.denoise_batch(caches, [canvas, canvas], sc_logits=[None, torch.zeros(3, 5)])
+    with pytest.raises(InputError, match="canvas ids"):
+        tiny.denoise_batch(caches, [canvas, torch.zeros(0, dtype=torch.long)])
+
+
+# ----------------------------------------------------------------------------------- the loop
+
+PROMPTS = [[2, 5, 9], [2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [2], [2, 7, 7, 30, 31]]
+
+
+@pytest.mark.parametrize("B", [2, 3, 4])
+def test_generate_batch_equals_generate_per_request(tiny, B):
+    prompts = PROMPTS[:B]
+    base = GenerationSettings(max_new_tokens=20, max_denoising_steps=6, confidence_trim=0.0)
+    settings = [base, base.replace(sc_mode="exact", confidence_trim=0.9), base.replace(commit="sample", freeze=True),
+                base.replace(semantics="hf", max_new_tokens=11)][:B]
+    seeds = [3, 3, 17, 5][:B]
+    solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, s, seed in zip(prompts, settings, seeds)]
+    batched = generate_batch(tiny, prompts, seeds=seeds, settings=settings)
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+    assert [r.settings for r in batched] == [r.settings for r in solo]
+
+
+def test_generate_batch_on_the_demo_model_equals_generate(demo):
+    msgs = [[{"role": "user", "content": c}] for c in ("hi", "What is 2+2? Answer briefly.", "Name a colour.")]
+    prompts = [demo.tokenizer.apply_chat_template(m) for m in msgs]
+    kw = dict(max_new_tokens=24, max_denoising_steps=8)
+    solo = [generate(demo, p, seed=i, **kw) for i, p in enumerate(prompts)]
+    batched = generate_batch(demo, prompts, seeds=[0, 1, 2], **kw)
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+    assert [r.text for r in batched] == [r.text for r in solo]
+
+
+def test_requests_leave_when_done_and_queued_ones_join_mid_block(tiny, monkeypatch):
+    """Request 0 has one short block and leaves; request 2 (queued behind max_batch=2) joins while request 1 is
+    still in its blocks; every forward holds exactly the requests that are running; results equal generate's."""
+    canvas = tiny.config.canvas_length
+    base = GenerationSettings(max_denoising_steps=6, confidence_trim=0.0, empty_reply_retry=0)
+    settings = [base.replace(max_new_tokens=canvas, max_denoising_steps=2), base.replace(max_new_tokens=4 * canvas),
+                base.replace(max_new_tokens=2 * canvas, seed=9)]
+    prompts = PROMPTS[:3]
+    sizes, events = [], []
+    real = tiny.denoise_batch
+
+    def spy(caches, canvases, **kw):
+        sizes.append(len(caches))
+        events.append(("forward", len(caches)))
+        return real(caches, canvases, **kw)
+
+    monkeypatch.setattr(tiny, "denoise_batch", spy)
+    batched = generate_batch(tiny, prompts, settings=settings, max_batch=2,
+                             on_event=lambda i, e: events.append((type(e).__name__, i)))
+    monkeypatch.undo()
+    solo = [generate(tiny, p, settings=s) for p, s in zip(prompts, settings)]
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+
+    done = {i: events.index(("DoneEvent", i)) for i in range(3)}
+    first_step = {i: events.index(("StepEvent", i)) for i in range(3)}
+    assert done[0] < first_step[2] < done[1]  # 2 joined after 0 left, while 1 was running
+    assert max(sizes) == 2 and 1 not in sizes[:2]  # two at a time from the start
+    # between two forwards, each running request took one step: the forward's size is the number of StepEvents
+    steps_after = []
+    for kind, value in events:
+        if kind == "forward":
+            steps_after.append(0)
+        elif kind == "StepEvent":
+            steps_after[-1] += 1
+    assert steps_after == sizes
+    # request 0 left after its only block: from then on no forward held three requests, and 1 kept stepping alone
+    # or beside 2; request 1 stepped on in blocks after 0's converged
+    r1_blocks_after_0 = [e for e in events[done[0]:] if e == ("BlockEvent", 1)]
+    assert r1_blocks_after_0
+
+
+def test_generate_batch_checks_every_request_before_running_any(tiny):
+    with pytest.raises(InputError, match="2 seeds for 3 requests"):
+        generate_batch(tiny, PROMPTS[:3], seeds=[1, 2])
+    with pytest.raises(InputError, match="1 settings for 2 requests"):
+        generate_batch(tiny, PROMPTS[:2], settings=[GenerationSettings()])
+    with pytest.raises(InputError, match="request 1: input_ids"):
+        generate_batch(tiny, [[2, 3], [tiny.config.vocab_size + 5]])
+    with pytest.raises(InputError, match="request 0: input_ids: empty prompt"):
+        generate_batch(tiny, [[], [2]])
+    with pytest.raises(InputError, match="max_batch must be a positive integer"):
+        generate_batch(tiny, PROMPTS[:2], max_batch=0)
+    assert generate_batch(tiny, []) == []
+
+
+def test_a_one_canvas_model_refuses_several_caches_and_is_stepped_one_request_at_a_time(tiny):
+    from diffgemma.model.engine import Engine
+
+    eng = Engine.from_reference(tiny, dtype=torch.float32)
+    caches = [eng.new_cache(64), eng.new_cache(64)]
+    with pytest.raises(InputError, match="one canvas per forward, got 2 caches"):
+        eng.denoiser(caches)
+    kw = dict(max_new_tokens=12, max_denoising_steps=4)
+    batched = generate_batch(eng, PROMPTS[:2], seeds=[1, 2], **kw)
+    solo = [generate(eng, p, seed=s, **kw) for p, s in zip(PROMPTS[:2], [1, 2])]
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+
+
+# ----------------------------------------------------------------------------------- the CLI
+
+def test_ask_batch_file_writes_one_json_line_per_request(tmp_path, capsys):
+    from diffgemma.cli import main
+
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text(json.dumps({"prompt": "hi", "id": "a"}) + "\n\n"
+                     + json.dumps({"prompt": "Name a colour.", "seed": 7}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["ask", "--batch-file", str(batch), "--out", str(out), "--max-new-tokens", "8",
+                 "--set", "max_denoising_steps=4"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["a", 3]  # the id given, else the line number (line 2 is blank)
+    assert [line["seed"] for line in lines] == [0, 7]
+    assert all(isinstance(line["answer"], str) and line["tokens"] <= 8 for line in lines)
+    assert capsys.readouterr().out == ""  # --out: nothing on stdout
+
+    single = diffgemma.Session(diffgemma.load()).ask("Name a colour.", seed=7, max_new_tokens=8, max_denoising_steps=4)
+    assert lines[1]["answer"] == single.answer
+
+    assert main(["ask", "--batch-file", str(batch), "--max-new-tokens", "4", "--set", "max_denoising_steps=2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"prompt": "hi"}\n{"prompt": 3}\n', "line 2: \"prompt\" must be a string"),
+    ('{"prompt": "hi"}\nnot json\n', "line 2: not valid JSON"),
+    ('{"seed": 1}\n', "line 1: no \"prompt\""),
+    ('{"prompt": "x", "seed": "one"}\n', "line 1: \"seed\" must be an integer"),
+    ('["hi"]\n', "line 1: expected a JSON object"),
+    ('\n\n', "no prompts"),
+])
+def test_ask_batch_file_bad_lines_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, text, message):
+    from diffgemma import cli, options
+
+    monkeypatch.setattr(options, "load_model", lambda args: pytest.fail("the model loaded before the file was checked"))
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text(text)
+    assert cli.main(["ask", "--batch-file", str(batch)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and str(batch) in err[0]
