@@ -242,6 +242,7 @@ def test_ask_batch_file_writes_one_json_line_per_request(tmp_path, capsys):
     ('{"prompt": "x", "seed": "one"}\n', "line 1: \"seed\" must be an integer"),
     ('["hi"]\n', "line 1: expected a JSON object"),
     ('\n\n', "no prompts"),
+    ('{"prompt": "x", "temperature": 1}\n', "line 1: unknown key 'temperature'"),
 ])
 def test_ask_batch_file_bad_lines_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, text, message):
     from diffgemma import cli, options
@@ -252,3 +253,19 @@ def test_ask_batch_file_bad_lines_fail_before_the_model_loads(tmp_path, capsys, 
     assert cli.main(["ask", "--batch-file", str(batch)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and str(batch) in err[0]
+
+
+def test_ask_takes_a_prompt_or_a_batch_file(tmp_path, capsys):
+    from diffgemma.cli import main
+
+    batch = tmp_path / "p.jsonl"
+    batch.write_text('{"prompt": "hi"}\n')
+    for argv, message in [(["ask"], "a prompt or --batch-file"), (["ask", "hi", "--batch-file", str(batch)],
+                                                                  "a prompt or --batch-file"),
+                          (["ask", "hi", "--out", str(tmp_path / "o")], "--out: only with --batch-file"),
+                          (["ask", "--batch-file", str(batch), "--out", str(tmp_path / "no" / "o")],
+                           "its directory does not exist"),
+                          (["ask", "--batch-file", str(batch), "--max-batch", "0"], "--max-batch 0")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]

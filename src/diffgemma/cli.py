@@ -178,6 +178,8 @@ def _utf8(text: str, what: str) -> str:
 def cmd_ask(args) -> int:
     if (args.prompt is None) == (args.batch_file is None):
         raise InputError("ask: expected a prompt or --batch-file FILE (one of the two)")
+    if args.out is not None and args.batch_file is None:
+        raise InputError("--out: only with --batch-file")
     if args.batch_file is not None:
         from .batch_file import run_batch_file
 

@@ -17,6 +17,9 @@ the block budget ends the turn:
 
 The loop calls the model only through model/protocol.DenoiseModel, and a step's forward, side stream and status read
 through the model's Denoiser (model/denoiser.py): how the step meets the GPU lives there, what it computes here.
+It is written once, as one request's coroutine (`generate_steps`) that yields a `Forward` where a step needs the
+model: generate_stream answers it on the request's own denoiser, batch.generate_batch in one forward with other
+requests (docs/ARCHITECTURE.md, 'Batching').
 
 Cache contract (multi-turn reuse): on return the cache holds the prompt plus exactly the returned
 `tokens`. The stop token that ended the turn is NOT in `tokens` and NOT in the cache (it is reported as

@@ -2,8 +2,9 @@
 (model/engine.py). generation.py uses nothing else.
 
 A step reaches the device through a Denoiser (model/denoiser.py), which the model makes for the caches it denoises:
-`model.denoiser([cache])`. Batched denoising (several requests per forward) will hand it several caches and [B, C]
-canvases; the loop's shape (forward, bookkeeping, read_status, close) stays as it is.
+`model.denoiser([cache])`. A model that takes several canvases per forward (its `max_batch`: None for any number;
+without the attribute, one) also makes one for several caches, whose forward takes B canvases and returns B logits;
+each request's bookkeeping and status read stay on its own one-cache denoiser (batch.py, generation.generate_steps).
 """
 
 from __future__ import annotations
