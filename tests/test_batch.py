@@ -148,8 +148,9 @@ def test_requests_leave_when_done_and_queued_ones_join_mid_block(tiny, monkeypat
     still in its blocks; every forward holds exactly the requests that are running; results equal generate's."""
     canvas = tiny.config.canvas_length
     base = GenerationSettings(max_denoising_steps=6, confidence_trim=0.0, empty_reply_retry=0)
-    settings = [base.replace(max_new_tokens=canvas, max_denoising_steps=2), base.replace(max_new_tokens=4 * canvas),
-                base.replace(max_new_tokens=2 * canvas, seed=9)]
+    never_early = dict(confidence_threshold=0.0, plateau_steps=0, entropy_stop=0.0)  # request 1: 6 steps a block
+    settings = [base.replace(max_new_tokens=canvas, max_denoising_steps=2),
+                base.replace(max_new_tokens=4 * canvas, **never_early), base.replace(max_new_tokens=2 * canvas, seed=9)]
     prompts = PROMPTS[:3]
     sizes, events = [], []
     real = tiny.denoise_batch
@@ -159,9 +160,15 @@ def test_requests_leave_when_done_and_queued_ones_join_mid_block(tiny, monkeypat
         events.append(("forward", len(caches)))
         return real(caches, canvases, **kw)
 
+    steps = []  # (forward number, request, block, step)
+
+    def on_event(i, e):
+        events.append((type(e).__name__, i))
+        if isinstance(e, StepEvent):
+            steps.append((len(sizes), i, e.block, e.step))
+
     monkeypatch.setattr(tiny, "denoise_batch", spy)
-    batched = generate_batch(tiny, prompts, settings=settings, max_batch=2,
-                             on_event=lambda i, e: events.append((type(e).__name__, i)))
+    batched = generate_batch(tiny, prompts, settings=settings, max_batch=2, on_event=on_event)
     monkeypatch.undo()
     solo = [generate(tiny, p, settings=s) for p, s in zip(prompts, settings)]
     assert [_result(r) for r in batched] == [_result(r) for r in solo]
@@ -178,10 +185,13 @@ def test_requests_leave_when_done_and_queued_ones_join_mid_block(tiny, monkeypat
         elif kind == "StepEvent":
             steps_after[-1] += 1
     assert steps_after == sizes
-    # request 0 left after its only block: from then on no forward held three requests, and 1 kept stepping alone
-    # or beside 2; request 1 stepped on in blocks after 0's converged
-    r1_blocks_after_0 = [e for e in events[done[0]:] if e == ("BlockEvent", 1)]
-    assert r1_blocks_after_0
+    # request 0 converged and left in the middle of request 1's first block; request 2 joined mid-block too
+    assert {s for _, i, b, s in steps if i == 1} == set(range(1, 7))  # 1 never stops early: 6 steps a block
+    last_of_0 = max(n for n, i, _, _ in steps if i == 0)
+    assert [(b, s) for n, i, b, s in steps if i == 1 and n == last_of_0] == [(0, last_of_0)]
+    first_of_2 = min(n for n, i, _, _ in steps if i == 2)
+    assert [s for n, i, b, s in steps if i == 1 and n == first_of_2][0] > 1
+    assert any(e == ("BlockEvent", 1) for e in events[done[0]:])  # 1 kept going after 0 left
 
 
 def test_generate_batch_checks_every_request_before_running_any(tiny):

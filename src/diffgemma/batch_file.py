@@ -130,7 +130,8 @@ def run_batch_file(args, read_tools) -> int:
     with tqdm(total=len(entries), desc="ask", unit="prompt", file=sys.stderr, disable=None) as bar:
         results = generate_batch(model, prompts, seeds=seeds, settings=settings, max_batch=args.max_batch,
                                  on_event=lambda i, ev: bar.update(1) if isinstance(ev, DoneEvent) else None)
-    text = "".join(json.dumps(result_line(e, r, tokenizer), ensure_ascii=False) + "\n" for e, r in zip(entries, results))
+    lines = [json.dumps(result_line(e, r, tokenizer), ensure_ascii=False) for e, r in zip(entries, results)]
+    text = "".join(line + "\n" for line in lines)
     if args.out is not None:
         write_atomically(args.out, text)
     else:

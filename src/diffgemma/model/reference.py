@@ -211,17 +211,20 @@ class ReferenceModel:
     @torch.no_grad()
     def denoise_batch(self, caches: Sequence[ReferenceKVCache], canvases, sc_logits=None,
                       sc_embeds=None) -> list[torch.Tensor]:
-        """B canvases, each against its own cache (its own context length, window and positions), in one pass over
-        the weights: the dense projections, router and experts run over all B·C rows at once, attention per request.
+        """B canvases, each against its own cache (its own context length, window and positions), in one forward:
+        the dense projections, router, SC-MLP, experts and lm_head run over all B·C rows together, attention per
+        request.
         canvases: B 1-D id tensors (lengths may differ) or a [B, C] tensor; sc_logits / sc_embeds: None or B entries,
         each None or that request's [C, V] logits / [C, H] soft embedding. Returns B softcapped f32 logits [C, V].
 
-        A request's logits do not depend on what else is in the batch, bit for bit: every row-wise GEMM runs in
-        fixed-size row tiles (rows_matmul), norms, RoPE, routing and the softcap are per row, the experts add their
-        outputs in ascending expert order, and attention reads only the request's own rows and cache."""
+        A request's logits do not depend on what else is in the batch, bit for bit: every tensor holds whole row tiles
+        and every row-wise GEMM runs tile by tile (rows_matmul), norms, RoPE, routing and the softcap are per row, the
+        experts add their outputs in ascending expert order, and attention reads only the request's own rows and
+        cache (docs/ARCHITECTURE.md, 'Batching')."""
         B = len(caches)
         if B == 0 or len(canvases) != B:
-            raise InputError(f"denoise_batch: expected one canvas per cache, got {len(canvases)} canvases for {B} caches")
+            raise InputError(f"denoise_batch: expected one canvas per cache, got {len(canvases)} canvases for {B} "
+                             "caches")
         canvases = [self._check_ids(c, "canvas ids") for c in canvases]
         sc_logits = self._per_request(sc_logits, B, "sc_logits")
         sc_embeds = self._per_request(sc_embeds, B, "sc_embeds")
