@@ -275,7 +275,9 @@ def test_ask_takes_a_prompt_or_a_batch_file(tmp_path, capsys):
                           (["ask", "hi", "--out", str(tmp_path / "o")], "--out: only with --batch-file"),
                           (["ask", "--batch-file", str(batch), "--out", str(tmp_path / "no" / "o")],
                            "its directory does not exist"),
-                          (["ask", "--batch-file", str(batch), "--max-batch", "0"], "--max-batch 0")]:
+                          (["ask", "--batch-file", str(batch), "--max-batch", "0"], "--max-batch 0"),
+                          (["ask", "--batch-file", str(batch), "--log-dir", str(tmp_path)], "--log-dir: not with"),
+                          (["ask", "--batch-file", str(batch), "--show-canvas"], "--show-canvas: not with")]:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]

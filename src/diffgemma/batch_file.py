@@ -104,6 +104,10 @@ def run_batch_file(args, read_tools) -> int:
     from .batch import generate_batch
     from .events import DoneEvent
 
+    for flag, given in (("--log-dir", args.log_dir), ("--show-canvas", args.show_canvas), ("--stats", args.stats),
+                        ("--tool-validate", args.tool_validate)):
+        if given:  # the JSON lines carry the counts; op-logs and tool retries are per conversation
+            raise InputError(f"{flag}: not with --batch-file")
     entries = read_batch_file(args.batch_file)
     check_out(args.out)
     if args.max_batch < 1:
