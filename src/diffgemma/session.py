@@ -71,6 +71,12 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         rewind(slot.cache, 0)
         slot.ids = []
         return emit(ErrorEvent(e))
+    except KeyboardInterrupt:  # Ctrl-C, anywhere in the loop: journaled as such (replay stops there too), passed on
+        stream.close()
+        rewind(slot.cache, 0)  # it may have struck mid-write: start the cache afresh
+        slot.ids = []
+        emit(CancelledEvent(blocks=blocks, kept=0, interrupted=True))
+        raise
     raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
 
 
