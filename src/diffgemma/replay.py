@@ -92,6 +92,10 @@ def replay(path, model) -> ReplayReport:
             continue
         if end["event"] == "cancelled":
             interrupt = bool(end.get("interrupted"))
+            if interrupt and end.get("blocks") not in (blocks, blocks + 1):  # +1: Ctrl-C fell as a block was logged
+                report.problems.append(f"generation {gen}: interrupted after {end.get('blocks')!r} blocks, the log "
+                                       f"holds {blocks}")
+                continue
             got = _run(model, slot, slot_i, keep, prompt, settings, gen,
                        stop_after=blocks if interrupt else end.get("blocks"), interrupt=interrupt)
         else:
@@ -131,8 +135,8 @@ def _diff(gen, logged: list[dict], got: list[dict]) -> list[str]:
             problems.append(f"generation {gen}, event {k + 1}: logged {_brief(want)}, replayed {_brief(have)}")
             break  # the rest follows from the first divergence
         keys = COMPARED.get(want["event"], ())
-        if want.get("interrupted"):  # the blocks before it are compared one by one; a Ctrl-C may fall between a
-            keys = ("kept", "interrupted")  # block's record and its count
+        if want.get("interrupted"):  # its blocks were compared one by one (and their count checked by replay)
+            keys = ("kept", "interrupted")
         for key in keys:
             if want.get(key) != have.get(key):
                 problems.append(f"generation {gen}, event {k + 1} ({want['event']}): {key} logged "
