@@ -36,8 +36,9 @@ SKIPPED = {
 }
 # Placeholders of the bash lines, and what stands for them here.
 PLACEHOLDERS = {"MODEL_DIR": str(embedded_model_path()), "PACK_DIR": "pack"}
-# What a line's run gets besides the line: stdin for `chat`.
+# What a line's run gets besides the line: stdin for `chat`; a smaller budget for the open-ended "..." prompt.
 STDIN = {"diffgemma chat --context 4096": "What is 2 + 3?\n/exit\n"}
+EXTRA = {'diffgemma ask "..." --set entropy_bound=0.2 --set confidence_trim=0 --stats': " --max-new-tokens 32"}
 SERVE = "diffgemma serve --log-dir logs/"
 
 # Runs each command line it is given (JSON on stdin: [[line, stdin], ...]) through diffgemma.cli.main, in order:
@@ -98,7 +99,7 @@ def test_readme_has_only_blocks_this_test_runs():
     assert set(kinds) <= {"bash", "python", ""}, kinds  # "": the layout tree, not code
     assert kinds.count("bash") >= 2 and kinds.count("python") == 1
     lines = bash_lines()
-    assert set(SKIPPED) <= set(lines), set(SKIPPED) - set(lines)  # no stale skip
+    assert set(SKIPPED) | set(STDIN) | set(EXTRA) <= set(lines)  # none stale
     assert lines[0] == 'pip install . && diffgemma ask "What is 17 + 25?"'  # the quickstart, exactly
     assert all(runnable(ln).startswith("diffgemma ") for ln in lines if ln not in SKIPPED)
 
@@ -150,7 +151,7 @@ def ran(tmp_path_factory) -> dict:
     logs = sorted((cwd / "logs").glob("ops-*.jsonl"))
     assert len(logs) == 1
     shutil.copy(logs[0], logs[0].with_name(logs[0].stem + "-copy.jsonl"))  # two logs: the glob names both
-    todo = [[runnable(ln), STDIN.get(ln, "")] for ln in before + after]
+    todo = [[runnable(ln) + EXTRA.get(ln, ""), STDIN.get(ln, "")] for ln in before + after]
     proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=cwd, env=env(), input=json.dumps(todo),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,8 +176,8 @@ EXPECTED = [
     ('diffgemma ask "..." --set', "", "[blocks="),
     ("diffgemma chat --context 4096", "5\n", ""),
     ("diffgemma golden", "golden: ", ""),
-    ("diffgemma quantize", "", ""),
-    ("diffgemma verify", "", ""),
+    ("diffgemma quantize", "pack\n", ""),
+    ("diffgemma verify", "every sha256 matches the manifest\n", ""),
     ("diffgemma replay", "replay: 2 logs: 2 identical\n", ""),
 ]
 
@@ -193,7 +194,7 @@ def test_bash_line(ran, start, out, err):
     elif start == "diffgemma replay":
         assert result["out"].endswith(out) and result["out"].count("logged events: identical") == 2, result
     elif start in ("diffgemma quantize", "diffgemma verify"):
-        assert (ran["cwd"] / "pack").is_dir()
+        assert result["out"].endswith(out) and (ran["cwd"] / "pack" / "manifest.json").is_file(), result
     else:
         assert result["out"] == out if out.endswith("\n") else out in result["out"], result
     assert err in result["err"], result
