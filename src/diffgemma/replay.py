@@ -85,7 +85,8 @@ def replay(path, model) -> ReplayReport:
                                   f"block(s)): " + (f"its {blocks} logged block(s) replayed, the rest skipped"
                                                     if blocks else "skipped"))
             if blocks:
-                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks)[:-1]
+                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks)
+                got = got[:-1] if got and got[-1]["event"] == "cancelled" else got  # the stop is replay's own
                 report.problems += _diff(gen, logged, got)
             rewind(slot.cache, 0)
             slot.ids = []
