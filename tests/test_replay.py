@@ -104,7 +104,7 @@ def small_log(model, directory, turns=("Count from 1 to 200.", "And from 5 to 50
     return log.path.read_text().splitlines(keepends=True)
 
 
-def test_a_log_cut_anywhere_replays_its_complete_part(model, tmp_path):
+def test_a_log_cut_anywhere_replays_its_complete_part(model, tmp_path, capsys):
     lines = small_log(model, tmp_path / "whole")
     kinds = [json.loads(ln).get("op") or json.loads(ln)["event"] for ln in lines]
     assert kinds == ["start", "generate", "block", "block", "done", "generate", "block", "block", "done"]
@@ -127,6 +127,14 @@ def test_a_log_cut_anywhere_replays_its_complete_part(model, tmp_path):
                 assert report.skipped == [f"generation {opened - 1}: unfinished in the log (no end record after "
                                           f"{blocks} block(s)): " + (f"its {blocks} logged block(s) replayed, the rest "
                                                                      f"skipped" if blocks else "skipped")], where
+    # what the command says about a log cut mid-record in its second generation
+    cut.write_text("".join(lines[:7]) + lines[7][:9])
+    assert cli.main(["replay", str(cut)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{cut}:8: the last line is cut mid-record (9 bytes, no newline); left out",
+        "generation 1: unfinished in the log (no end record after 1 block(s)): its 1 logged block(s) replayed, the "
+        "rest skipped",
+        "replay: 1 generations, 1 unfinished, 4 logged events: identical"]
     # the replayed part is compared: a changed block of the unfinished generation is a difference
     recs = [json.loads(ln) for ln in lines[:7]]
     recs[6]["tokens"][0] += 1
@@ -235,12 +243,14 @@ def _ask_until_first_block(directory: Path, sig) -> tuple[subprocess.Popen, Path
     return proc, logs[0]
 
 
-def test_kill_9_mid_generation_leaves_a_log_that_replays(model, tmp_path):
+def test_kill_9_mid_generation_leaves_a_log_that_replays(model, tmp_path, capsys):
     proc, path = _ask_until_first_block(tmp_path, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     report = replay(path, model)
     assert report.ok and report.generations == 0, report.problems
     assert len(report.skipped) == 1 and report.skipped[0].startswith("generation 0: unfinished in the log")
+    assert cli.main(["replay", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("replay: 0 generations, 1 unfinished, ")
 
 
 def test_ctrl_c_on_ask_journals_the_interruption(model, tmp_path):

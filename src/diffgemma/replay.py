@@ -29,8 +29,8 @@ COMPARED = {"block": ("block", "tokens", "steps", "stop_reason", "end"), "done":
 
 @dataclass
 class ReplayReport:
-    generations: int = 0
-    events: int = 0
+    generations: int = 0  # replayed to their logged end
+    events: int = 0  # logged events compared (the blocks of unfinished generations too)
     problems: list[str] = field(default_factory=list)  # one line per generation that differs
     skipped: list[str] = field(default_factory=list)  # one line per unfinished generation
     torn: str | None = None  # the torn last line, if the log has one
@@ -87,6 +87,7 @@ def replay(path, model) -> ReplayReport:
             if blocks:
                 got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks)
                 got = got[:-1] if got and got[-1]["event"] == "cancelled" else got  # the stop is replay's own
+                report.events += len(logged)
                 report.problems += _diff(gen, logged, got)
             rewind(slot.cache, 0)
             slot.ids = []
