@@ -4,7 +4,8 @@ The fenced ```bash lines are parsed by bash itself (quotes, globs, comments) and
 all in one subprocess (one torch import) in a scratch folder, in README order: `quantize` makes the pack that
 `verify` checks, and `serve` (run as its own process, stopped after one request) writes the op-log that `replay`
 runs again. The ```python blocks run in a subprocess of their own. Each line's output is checked for what it
-promises. A line that cannot run here is listed in SKIPPED with its reason; a README line in neither list fails.
+promises (EXPECTED). A line that cannot run here is listed in SKIPPED with its reason; a README line neither
+skipped nor checked fails.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ for line, stdin in json.load(sys.stdin):
         except SystemExit as e:
             rc = e.code
     results.append({"line": line, "argv": argv, "rc": rc, "out": out.getvalue(), "err": err.getvalue()})
-sys.stdout = sys.__stdout__
 print(json.dumps(results))
 '''
 
