@@ -39,8 +39,9 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
     rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Every event (events.py) goes
     to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent, CancelledEvent or ErrorEvent (the
     cache is then emptied), which is also returned. `should_stop(blocks)` is asked after every step and block; True
-    cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and its events are journaled for
-    `diffgemma replay`."""
+    cancels, rewinding the cache to the prompt. A KeyboardInterrupt (Ctrl-C) ends it with
+    CancelledEvent(interrupted=True), the cache emptied, and is raised again. With `log` (an oplog.OpLog) the op and
+    its events are journaled for `diffgemma replay`."""
 
     def emit(event):
         if log is not None and (record := oplog.event_record(gen, event)) is not None:
@@ -71,6 +72,12 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         rewind(slot.cache, 0)
         slot.ids = []
         return emit(ErrorEvent(e))
+    except KeyboardInterrupt:  # Ctrl-C, anywhere in the loop: journaled as such (replay stops there too), passed on
+        stream.close()
+        rewind(slot.cache, 0)  # it may have struck mid-write: start the cache afresh
+        slot.ids = []
+        emit(CancelledEvent(blocks=blocks, kept=0, interrupted=True))
+        raise
     raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
 
 
