@@ -37,8 +37,6 @@ def test_the_cli_and_the_server_refuse_what_the_rule_refuses(capsys):
                       f"(text_config.max_position_embeddings); use at most 4096\n"
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="new_cache does not call config.check_context yet (model/ is being restructured)")
 def test_new_cache_follows_the_rule(model):
     with pytest.raises(InputError, match="max_tokens 100000: over this model's context of 4096 tokens"):
         model.new_cache(max_tokens=100000)

@@ -231,6 +231,18 @@ def _parse_rope(params, layer_type: str, source: str) -> RopeConfig:
                       factor=float(params.get("factor", 1.0)))
 
 
+DEFAULT_CONTEXT = 8192  # a KV cache's size when none is asked for, capped at the model's own context
+
+
+def cache_tokens(config, tokens: int | None = None, name: str = "max_tokens") -> int:
+    """The size of a new KV cache: `tokens` checked by `check_context`, or, when None, DEFAULT_CONTEXT capped at the
+    model's context."""
+    if tokens is None:
+        limit = getattr(config, "max_positions", None)
+        return DEFAULT_CONTEXT if limit is None else min(DEFAULT_CONTEXT, limit)
+    return check_context(config, tokens, name)
+
+
 def check_context(config, tokens: int, name: str = "max_tokens") -> int:
     """The one rule for how many tokens a KV cache may hold (the CLI's --context, serve's --max-tokens, the API's
     new_cache): a positive number, at most the context the model was made for (`max_positions`, when the config

@@ -149,7 +149,9 @@ def generate_stream(
     if cache is None:
         if prompt.numel() == 0:
             raise InputError("input_ids: empty prompt without a cache; expected at least one token")
-        cache = model.new_cache(prompt.numel() + s.max_new_tokens + canvas_len)
+        need = prompt.numel() + s.max_new_tokens + canvas_len
+        limit = getattr(cfg, "max_positions", None)  # never past the model's context (config.check_context); overflow is an error
+        cache = model.new_cache(need if limit is None else min(need, limit))
     if prompt.numel():
         t = time.perf_counter()
         model.prefill(cache, prompt)

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from . import oplog
+from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
 from .generation import generate_stream
@@ -145,7 +146,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
 
 
 class Session:
-    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None,
+    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int | None = None, tools=None,
                  log=None, tool_validate: int = 0):
         """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`.
         tool_validate: with tools, regenerate a malformed tool call up to this many times (run_turn)."""
@@ -158,7 +159,7 @@ class Session:
         self.think = think
         self.tools = tools
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.slot = Slot(model.new_cache(max_tokens))
+        self.slot = Slot(model.new_cache(cache_tokens(model.config, max_tokens)))
         self.log = log
         self.tool_validate = tool_validate
         self._gens = itertools.count()  # generations journaled (a turn with a regenerated tool call takes several)

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, cache_tokens
 from ..errors import InputError
 from ..ops._backend import use_triton
 from ..ops.rows_at import RowsAt, aligned
@@ -66,7 +66,6 @@ class Engine:
         self.w = weights
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_dtype = kv_dtype
         self.generation_config = generation_config or {}
         self.path = path
         self.tokenizer = tokenizer
@@ -95,6 +94,15 @@ class Engine:
         """New choices apply to graphs captured from now on (a graph keeps the form it was captured with)."""
         self._options = self.forward.options = options
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the caches new_cache makes (the forward owns it; tests may switch it to f32)."""
+        return self.forward.kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype) -> None:
+        self.forward.kv_dtype = dtype
+
     launch_order = _option("launch_order")
     sliding_live_window = _option("sliding_live_window")
     attn_impl = _option("attn_impl")
@@ -119,8 +127,9 @@ class Engine:
     def logit_softcap(self) -> float:
         return self.config.final_logit_softcapping
 
-    def new_cache(self, max_tokens: int = 8192, rewind_slack: int | None = None) -> EngineKVCache:
-        return self.forward.new_cache(max_tokens, rewind_slack)
+    def new_cache(self, max_tokens: int | None = None, rewind_slack: int | None = None) -> EngineKVCache:
+        """A KV cache of max_tokens (default: 8192, or the model's context where smaller; more is refused)."""
+        return self.forward.new_cache(cache_tokens(self.config, max_tokens), rewind_slack)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.forward.embed(ids)
