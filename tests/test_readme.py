@@ -35,6 +35,9 @@ SKIPPED = {
     "pip install -e '.[test]' && python -m pytest -q": "runs this test suite itself",
     'diffgemma ask "..." --model /path/to/diffusiongemma-26B-A4B-it --device cuda':
         "needs the 26B checkpoint and a GPU",
+    "diffgemma census --arms arms.json --battery smoke --out DIR":
+        "a campaign takes minutes on the CPU (tests/test_quality.py runs census on small batteries)",
+    "diffgemma smoketest": "the whole smoke battery takes minutes on the CPU (tests/test_quality.py checks the gate logic)",
 }
 # Placeholders of the bash lines, and what stands for them here.
 PLACEHOLDERS = {"MODEL_DIR": str(embedded_model_path()), "PACK_DIR": "pack"}
@@ -185,6 +188,8 @@ EXPECTED = [
     ("diffgemma quantize", "pack\n", ""),
     ("diffgemma verify", "every sha256 matches the manifest\n", ""),
     ("diffgemma replay", "replay: 2 logs: 2 identical\n", ""),
+    ("diffgemma settings", "entropy_bound ", ""),
+    ("diffgemma --version", "diffgemma ", ""),
 ]
 
 
