@@ -1,4 +1,4 @@
-"""diffgemma.generate: the entropy-bound denoising loop and block chaining (docs/ARCHITECTURE.md, 'Generation').
+"""diffgemma.generate: the entropy-bound denoising loop and block chaining (docs/ARCHITECTURE.md, 'Generation contract').
 
 One call = prefill the prompt, then propose / commit blocks until a stop token, the token budget, or
 the block budget ends the turn:

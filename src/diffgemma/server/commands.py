@@ -134,7 +134,10 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
         print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: for a server, a normal stop
+            pass
     finally:
         sock.close()
         worker.close()
