@@ -69,9 +69,14 @@ def replay(path, model) -> ReplayReport:
         ends = [r for r in logged if r["event"] == "cancelled"]
         stop_after = ends[0].get("blocks") if ends else None
         events: list = []
+        images = None
+        if op.get("images"):  # vision/journal.py: the images' bytes beside the log
+            from .vision.journal import load_images
+
+            images = load_images(path, op["images"], model, f"generation {gen}")
         run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i,
                        should_stop=lambda blocks: stop_after is not None and blocks >= stop_after,
-                       on_event=events.append)
+                       on_event=events.append, images=images)
         got = [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]  # as a log records them
         report.generations += 1
         report.events += len(logged)
