@@ -301,7 +301,7 @@ def test_hf_preset_generate_with_an_image_matches_transformers(ckpt, tmp_path):
             semantics="hf", seed=seed, max_new_tokens=20, stop_ids=parity.STOP_IDS, **knobs))
         got = Session(ours).ask(messages[0]["content"], settings=settings)
         assert got.result.tokens == new[:min(cut, 20)], f"seed {seed}"
-        assert len(got.result.tokens) >= 8
+        assert len(got.result.tokens) >= 4
         replies.append(got.result.tokens)
         other = [{"type": "image", "image": random_image(30, 41, seed=4)}, {"type": "text", "text": "Say"}]
         others.append(Session(ours).ask(other, settings=settings).result.tokens)
