@@ -305,3 +305,143 @@ def test_hf_preset_generate_with_an_image_matches_transformers(ckpt, tmp_path):
         other = [{"type": "image", "image": random_image(30, 41, seed=4)}, {"type": "text", "text": "Say"}]
         others.append(Session(ours).ask(other, settings=settings).result.tokens)
     assert sum(map(len, replies)) >= 8 and replies != others  # replies of substance, steered by the picture
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+def image_message(url, text="What is it?"):
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                          {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture
+def server(model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from diffgemma import oplog
+    from diffgemma.server.app import create_app
+    from diffgemma.server.images import ImageLimits
+    from diffgemma.server.worker import Worker
+    from diffgemma.settings import GenerationSettings
+
+    log = oplog.OpLog(tmp_path / "logs", oplog.header(model, 2, 1024))
+    worker = Worker(model, slots=2, max_tokens=1024, log=log)
+    base = GenerationSettings.resolve(model.generation_config or {}, env={}, overrides={"max_new_tokens": 6})
+    client = TestClient(create_app(worker, model.tokenizer, "tiny", base,
+                                   image_limits=ImageLimits(max_bytes=4000, max_images=2)))
+    yield client, log
+    worker.close()
+    log.close()
+
+
+def post(client, messages, **body):
+    return client.post("/v1/chat/completions", json={"messages": messages, "diffgemma": {"seed": 1}, **body})
+
+
+def test_server_takes_a_data_url_and_reuses_the_kv_of_the_same_picture(server, model):
+    client, _ = server
+    img = png(random_image(30, 41, seed=1))
+    r = post(client, image_message(data_url(img)))
+    assert r.status_code == 200, r.text
+    want = Session(model).ask([{"type": "text", "text": "What is it?"}, {"type": "image", "image": img}],
+                              max_new_tokens=6, seed=1)
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == want.answer
+    assert body["usage"]["prompt_tokens"] == want.prefilled_tokens
+    # the same picture again continues the conversation from the cache; another one does not reuse its run
+    again = post(client, image_message(data_url(img)) + [body["choices"][0]["message"],
+                                                         {"role": "user", "content": "And?"}])
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= want.prefilled_tokens
+    other = post(client, image_message(data_url(png(random_image(30, 41, seed=2)))))
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < 20
+
+
+@pytest.mark.parametrize("part, needle", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "does not fetch image URLs"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "base64 does not decode"),
+    ({"type": "image_url", "image_url": {"url": "data:image/gif;base64,R0lGOD=="}}, "media type 'image/gif'"),
+    ({"type": "image_url", "image_url": {"url": data_url(png(random_image(30, 41, 1))[:200])}}, "truncated"),
+    ({"type": "image_url", "image_url": {"url": data_url(b"hello, not an image")}}, "not an image"),
+    ({"type": "image_url", "image_url": {"url": data_url(bytes(5000))}}, "over this server's limit of 4000"),
+    ({"type": "image_url", "image_url": {}}, "needs {'image_url': {'url'"),
+    ({"type": "input_audio"}, "got 'input_audio'"),
+])
+def test_bad_image_parts_are_400s_naming_the_part(server, part, needle):
+    client, _ = server
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    r = post(client, messages)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "messages[0].content[1]" in msg and needle in msg, msg
+
+
+def test_too_many_images_and_a_model_without_a_tower_are_400s(server):
+    client, _ = server
+    url = data_url(png(random_image(8, 8, 1)))
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * 3
+    r = post(client, [{"role": "user", "content": parts}])
+    assert r.status_code == 400 and "3 images, over this server's limit of 2" in r.json()["error"]["message"]
+
+    from fastapi.testclient import TestClient
+
+    from diffgemma.server.app import create_app
+    from diffgemma.server.worker import Worker
+    from diffgemma.settings import GenerationSettings
+
+    demo = diffgemma.load()
+    worker = Worker(demo, slots=1, max_tokens=512)
+    try:
+        client = TestClient(create_app(worker, demo.tokenizer, "demo", GenerationSettings.resolve({}, env={})))
+        r = post(client, image_message(url))
+        assert r.status_code == 400 and "cannot take images" in r.json()["error"]["message"], r.text
+    finally:
+        worker.close()
+
+
+def test_server_op_log_with_an_image_replays(server, model):
+    from diffgemma import oplog
+    from diffgemma.replay import replay
+
+    client, log = server
+    img = png(random_image(30, 41, seed=5))
+    assert post(client, image_message(data_url(img))).status_code == 200
+    assert post(client, image_message(data_url(img), text="Again?")).status_code == 200
+    ops = [r for r in oplog.read(log.path) if r.get("op") == "generate"]
+    assert all(isinstance(t, int) for op in ops for t in op["prompt"]) and "images" in ops[0]
+    (sha,) = ops[0]["images"].values()
+    assert (log.path.parent / (log.path.name + ".images") / sha).read_bytes() == img
+    report = replay(log.path, model)
+    assert report.ok and report.generations == 2, report.problems
+    # a missing side file is one clear error
+    (log.path.parent / (log.path.name + ".images") / sha).unlink()
+    with pytest.raises(InputError, match=f"image {sha} is missing"):
+        replay(log.path, model)
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+def test_ask_with_images(ckpt, model, tmp_path, capsys):
+    from diffgemma import cli
+
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(png(random_image(30, 41, seed=1)))
+    b.write_bytes(png(random_image(20, 20, seed=2)))
+    argv = ["ask", "What is it?", "--image", str(a), "--image", str(b), "--model", str(ckpt[0]), "--device", "cpu",
+            "--seed", "3", "--max-new-tokens", "6"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    want = Session(model).ask("What is it?", images=[a, b], max_new_tokens=6, seed=3).answer
+    assert out.strip() == want.strip()
+    assert cli.main(["ask", "hi", "--image", str(tmp_path / "nope.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.png: no such file" in err[0]
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    assert cli.main(["ask", "hi", "--image", str(tmp_path / "bad.png"), "--model", str(ckpt[0]),
+                     "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.png" in err[0] and "not an image" in err[0]

@@ -46,7 +46,7 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
         raise _bad(f"media type {media or 'none'!r}; expected image/png, image/jpeg or image/webp", where)
     text = re.sub(r"\s+", "", m.group("data"))
     if len(text) * 3 // 4 > limits.max_bytes + 3:
-        raise _bad(f"the image is over {limits.max_bytes} bytes (this server's limit)", where)
+        raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -54,7 +54,7 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
     if not data:
         raise _bad("the data URL holds no bytes", where)
     if len(data) > limits.max_bytes:
-        raise _bad(f"the image is {len(data)} bytes, over this server's limit of {limits.max_bytes}", where)
+        raise _bad(f"the image is {len(data)} bytes, over this server's limit of {limits.max_bytes} bytes", where)
     return data
 
 
