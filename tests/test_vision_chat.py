@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 import diffgemma  # noqa: E402
+from PIL import Image  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.session import Session, chat  # noqa: E402
 from diffgemma.vision.prompt import prepare_parts, render_prompt, vision_for  # noqa: E402
@@ -332,7 +333,7 @@ def server(model, tmp_path):
     worker = Worker(model, slots=2, max_tokens=1024, log=log)
     base = GenerationSettings.resolve(model.generation_config or {}, env={}, overrides={"max_new_tokens": 6})
     client = TestClient(create_app(worker, model.tokenizer, "tiny", base,
-                                   image_limits=ImageLimits(max_bytes=4000, max_images=2)))
+                                   image_limits=ImageLimits(max_bytes=4000, max_images=2, max_pixels=2000)))
     yield client, log
     worker.close()
     log.close()
@@ -369,6 +370,7 @@ def test_server_takes_a_data_url_and_reuses_the_kv_of_the_same_picture(server, m
     ({"type": "image_url", "image_url": {"url": data_url(b"hello, not an image")}}, "not an image"),
     ({"type": "image_url", "image_url": {"url": data_url(bytes(5000))}}, "over this server's limit of 4000"),
     ({"type": "image_url", "image_url": {}}, "needs {'image_url': {'url'"),
+    ({"type": "image_url", "image_url": {"url": data_url(png(Image.new("RGB", (60, 50))))}}, "more than the 2000 allowed"),
     ({"type": "input_audio"}, "got 'input_audio'"),
 ])
 def test_bad_image_parts_are_400s_naming_the_part(server, part, needle):

@@ -180,7 +180,8 @@ class Vision:
         except ConfigError as e:
             raise InputError(f"{path}: this model cannot take images ({e})") from None
         if "embeds" not in inspect.signature(model.prefill).parameters:
-            raise InputError("images need the reference engine for now: load(..., engine='reference')")
+            raise InputError("images need the reference engine for now: load(..., engine='reference') "
+                             "(on the command line: --device cpu)")
         tower = VisionTower.from_checkpoint(path, device=model.embedding.device,
                                             dtype=torch.float64 if model.embedding.dtype == torch.float64
                                             else torch.float32)
