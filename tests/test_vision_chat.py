@@ -447,3 +447,47 @@ def test_ask_with_images(ckpt, model, tmp_path, capsys):
                      "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.png" in err[0] and "not an image" in err[0]
+
+
+def test_allowed_image_urls_are_fetched_with_the_caps(model, tmp_path):
+    import http.server
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from diffgemma.server.app import create_app
+    from diffgemma.server.images import ImageLimits
+    from diffgemma.server.worker import Worker
+    from diffgemma.settings import GenerationSettings
+
+    small, big = png(random_image(20, 20, seed=1)), png(random_image(64, 64, seed=2))
+    (tmp_path / "small.png").write_bytes(small)
+    (tmp_path / "big.png").write_bytes(big)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(tmp_path), **k)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{httpd.server_address[1]}"
+    worker = Worker(model, slots=1, max_tokens=1024)
+    try:
+        base = GenerationSettings.resolve({}, env={}, overrides={"max_new_tokens": 4})
+        client = TestClient(create_app(worker, model.tokenizer, "tiny", base, image_limits=ImageLimits(
+            max_bytes=len(small) + 10, allow_urls=True, url_timeout_s=5)))
+        r = post(client, image_message(f"{root}/small.png"))
+        assert r.status_code == 200, r.text
+        want = Session(model).ask([{"type": "text", "text": "What is it?"}, {"type": "image", "image": small}],
+                                  max_new_tokens=4, seed=1)
+        assert r.json()["choices"][0]["message"]["content"] == want.answer
+        for path, needle in [("big.png", "over this server's limit"), ("nope.png", "HTTP 404"),
+                             ("", "not an image")]:  # a directory listing
+            r = post(client, image_message(f"{root}/{path}"))
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (path, r.text)
+    finally:
+        worker.close()
+        httpd.shutdown()

@@ -2,7 +2,8 @@
 
 A part is `{"type": "image_url", "image_url": {"url": URL}}` (or the URL as a plain string). `data:` URLs
 with base64 PNG, JPEG or WebP are decoded here; http(s) URLs are refused unless the server runs with
-`--allow-image-urls`, and are then fetched with a byte cap and a timeout (redirects not followed). Every
+`--allow-image-urls`, and are then fetched with a byte cap and a total timeout (redirects not followed; the
+operator who allows URLs lets clients make the server fetch any address it can reach). Every
 problem is a 400 naming the part (`messages[1].content[2]: ...`): a bad data URL, another media type, too
 many bytes, too many images in the request, or an image PIL cannot decode or that is too large once decoded
 (those last ones when the image is prepared, vision/preprocess.py).
@@ -60,8 +61,11 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
 
 def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
     """GET an http(s) image with the byte cap and the timeout; no redirects, no other schemes."""
+    import time
+
     import httpx
 
+    deadline = time.monotonic() + limits.url_timeout_s
     try:
         with httpx.Client(timeout=limits.url_timeout_s, follow_redirects=False) as client:
             with client.stream("GET", url) as r:
@@ -75,6 +79,8 @@ def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
                     data += piece
                     if len(data) > limits.max_bytes:
                         raise _bad(f"{url!r} is over this server's limit of {limits.max_bytes} bytes", where)
+                    if time.monotonic() > deadline:
+                        raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where)
     except httpx.HTTPError as e:
         raise _bad(f"cannot fetch {url!r} ({type(e).__name__}: {e})", where) from None
     if not data:
