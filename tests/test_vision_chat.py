@@ -286,13 +286,15 @@ def test_hf_preset_generate_with_an_image_matches_transformers(ckpt, tmp_path):
         init, multinomial = cls.initialize_canvas, torch.multinomial
         cls.initialize_canvas = lambda self, batch_size, device: rng.randint(
             batch_size * self.canvas_length, self.vocab_size, device).view(batch_size, -1)
-        torch.multinomial = lambda probs, num_samples: parity.categorical(probs, rng.uniform(probs.shape[0], probs.device))[:, None]
+        torch.multinomial = lambda probs, num_samples: parity.categorical(
+            probs, rng.uniform(probs.shape[0], probs.device))[:, None]
         try:
             k = dict(knobs)
+            sampler = parity.hfgen.EntropyBoundSamplerConfig(entropy_bound=k.pop("entropy_bound"))
             out = hf.generate(inputs["input_ids"], pixel_values=inputs["pixel_values"].to(torch.float64),
                               image_position_ids=inputs["image_position_ids"],
                               mm_token_type_ids=inputs["mm_token_type_ids"], max_new_tokens=20,
-                              sampler_config=parity.hfgen.EntropyBoundSamplerConfig(entropy_bound=k.pop("entropy_bound")),
+                              sampler_config=sampler,
                               eos_token_id=parity.STOP_IDS, pad_token_id=0, **k)
         finally:
             cls.initialize_canvas, torch.multinomial = init, multinomial
@@ -370,7 +372,8 @@ def test_server_takes_a_data_url_and_reuses_the_kv_of_the_same_picture(server, m
     ({"type": "image_url", "image_url": {"url": data_url(b"hello, not an image")}}, "not an image"),
     ({"type": "image_url", "image_url": {"url": data_url(bytes(5000))}}, "over this server's limit of 4000"),
     ({"type": "image_url", "image_url": {}}, "needs {'image_url': {'url'"),
-    ({"type": "image_url", "image_url": {"url": data_url(png(Image.new("RGB", (60, 50))))}}, "more than the 2000 allowed"),
+    ({"type": "image_url", "image_url": {"url": data_url(png(Image.new("RGB", (60, 50))))}},
+     "more than the 2000 allowed"),
     ({"type": "input_audio"}, "got 'input_audio'"),
 ])
 def test_bad_image_parts_are_400s_naming_the_part(server, part, needle):

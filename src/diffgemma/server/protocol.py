@@ -263,7 +263,8 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings, policy: Po
                        f"chat_template_kwargs.enable_thinking is {think}", "reasoning_effort")
         think = by_effort
     messages = convert_messages(body.get("messages"), policy.images if policy else None)
-    return ChatRequest(messages=messages, tools=tools, think=bool(think), stream=stream, include_usage=include_usage, settings=settings, tool_choice=tool_choice, forced_name=forced,
+    return ChatRequest(messages=messages, tools=tools, think=bool(think), stream=stream, include_usage=include_usage,
+                       settings=settings, tool_choice=tool_choice, forced_name=forced,
                        parallel_tool_calls=parallel, response_format=fmt)
 
 
