@@ -174,6 +174,7 @@ def test_session_with_an_image_equals_a_direct_prefill(model):
     prefill(cache, n)
     want = generate(model, ids[n:], cache=cache, max_new_tokens=10, seed=5)
     assert reply.result.tokens == want.tokens and reply.reused_tokens == 0
+    assert reply.result.timings["prefill_s"] > want.timings["prefill_s"]  # the image's prefill is counted
     # the image is really in the KV: the same text after another picture gives other logits, while cutting
     # the prompt elsewhere changes them only by float32 rounding
     canvas = torch.arange(5, 13)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from . import oplog
@@ -64,11 +65,18 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
     blocks = 0
     stream = None
     try:
-        tail = prefill_images(model, slot.cache, prompt, images or {}) if with_images else prompt
+        tail, image_s = prompt, 0.0
+        if with_images:
+            t = time.perf_counter()
+            tail = prefill_images(model, slot.cache, prompt, images or {})
+            image_s = time.perf_counter() - t
         stream = generate_stream(model, tail, settings=settings, cache=slot.cache)
         for event in stream:
             if isinstance(event, DoneEvent):
                 slot.ids = full + list(event.result.tokens)
+                if image_s:  # the images' prefill (tower included) is part of the prompt's
+                    for k in ("prefill_s", "total_s"):
+                        event.result.timings[k] = event.result.timings.get(k, 0.0) + image_s
                 return emit(event)
             blocks += isinstance(event, BlockEvent)
             emit(event)
