@@ -184,7 +184,7 @@ class Session:
 
     @property
     def cached_ids(self) -> list[int]:
-        """The token ids the KV cache holds."""
+        """The token ids the KV cache holds (with images: a prompt key, each image's run a negative sentinel)."""
         return self.slot.ids
 
     def reset(self) -> None:
