@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-import diffgemma.model.engine as engine_module
+import diffgemma.model.forward as forward_module
 
-MODEL_ROUTE = engine_module.route_fused
+MODEL_ROUTE = forward_module.route_fused
 KINDS = ("balanced", "model")
 
 
@@ -36,9 +36,9 @@ _IDS: dict = {}
 def balanced_route(router_in, router_w, k, per_expert_scale, **kw):
     """The model's router runs (its cost stays in the step); its expert ids are replaced by balanced ones.
 
-    The ids are a constant made once per shape, not recomputed in every layer: before round 9 the arange,
-    remainder and cast (~90 small kernels a step) were timed as part of the engine's step, a cost the
-    real model does not have."""
+    The ids are a constant made once per shape, not recomputed in every layer: the arange, remainder and cast
+    (~90 small kernels a step) would otherwise be timed as part of the engine's step, a cost the real model does
+    not have."""
     weights, experts = MODEL_ROUTE(router_in, router_w, k, per_expert_scale, **kw)
     key = (experts.shape[0], k, router_w.shape[0], experts.device, experts.dtype)
     if key not in _IDS:
@@ -49,11 +49,11 @@ def balanced_route(router_in, router_w, k, per_expert_scale, **kw):
 @contextlib.contextmanager
 def route_with(route):
     """The engine routes with `route` (same signature as route_fused) inside, with its own router after."""
-    engine_module.route_fused = route
+    forward_module.route_fused = route
     try:
         yield
     finally:
-        engine_module.route_fused = MODEL_ROUTE
+        forward_module.route_fused = MODEL_ROUTE
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
-"""Attention kernels alone at the real shapes: SDPA, the round-3 flash kernel over a config sweep, and for the
+"""Attention kernels alone at the real shapes: SDPA, the flash kernel over a config sweep, and for the
 canvas the GEMM path (ops/attention_gemm.py; impl "gemm", chunk lengths swept on the full layers) and the tile
 path (ops/attention_tiles.py; impl "tiles", the engine's full-layer canvas).
 
-One H200 run: `PYTHONPATH=src python3 bench/bench_attention.py --json $OUT/attn.jsonl --budget 150`.
+One H200 run: `PYTHONPATH=src python -m bench.bench_attention --json $OUT/attn.jsonl --budget 150`.
 Every variant is first checked against the f32 twin (relative Frobenius error; a variant over 1e-2 is
 reported as WRONG and not timed), then timed:
   canvas (denoise) calls: a CUDA graph of 2 × NSETS calls rotating over NSETS input sets (so K/V
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench_engine import time_graph  # also puts src/ on the path
+from bench.bench_engine import time_graph
 from diffgemma.ops import attention as A
 from diffgemma.ops import attention_flash as F
 from diffgemma.ops import attention_gemm as AG
@@ -59,7 +59,7 @@ def canvas_case(name, d, KV, n_ctx, sliding, dev, live=None):
         live = (slot_pos >= 0) & (slot_pos > L - W)
         kpos = torch.cat([torch.where(live, 0, -1), torch.zeros(C, dtype=torch.int64, device=dev)])
         nlive = None
-        length = torch.tensor(L, device=dev)  # the engine's call since round 21: the ring's live window only
+        length = torch.tensor(L, device=dev)  # the engine's call: the ring's live window only
     else:
         n_live = rows if live is None else live + C
         kpos = torch.where(torch.arange(rows, device=dev) < n_live, 0, -1)  # rows past n_live: the bucket's padding
@@ -149,7 +149,7 @@ def variants(case):
     """(impl, cfg) pairs to try, most informative first. Configs checked offline against Triton 3.6's
     sm_90 resource report (no spills, shared memory under 227 KB)."""
     d, causal = case["d"], case["causal"]
-    out = [("sdpa", {}), ("flash", {})]  # (the round-2 kernel's column in bench/RESULTS.md came from commit 8f24671)
+    out = [("sdpa", {}), ("flash", {})]
     if d >= 512 and not causal:  # the engine's full-canvas call: the flash kernel without positions vs the GEMMs
         out = [("flash_nokpos", {}), ("tiles", {}), ("gemm", {}), ("sdpa", {}), ("tiles", dict(tma=False)),
                ("tiles", dict(tile=64))]
@@ -176,7 +176,7 @@ def variants(case):
     if not causal:  # the default config at other split counts first, then the other configs at each
         waves = (1, 2, 4) if d >= 512 else (0, 1, 2)
         dflt = F.flash_config(d, causal, case["n_keys"])
-        if d >= 512:  # the full canvas without per-key positions (the engine's call since round 7), every config
+        if d >= 512:  # the full canvas without per-key positions (the engine's call), every config
             out += [("flash", {})] + [("flash_nokpos", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]
             out += [("flash_nokpos", dict(c, waves=w)) for c in cfgs for w in (1, 2)]
         out += [("flash", dict(dflt, waves=w)) for w in waves if w != dflt["waves"]]

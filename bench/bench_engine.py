@@ -1,6 +1,6 @@
 """Benchmark: the fast engine vs transformers at DiffusionGemma's full size, random bf16 weights, one GPU.
 
-    PYTHONPATH=src python bench/bench_engine.py [--contexts 1024,8192,32768] [--skip-hf] [--json out.json]
+    PYTHONPATH=src python -m bench.bench_engine [--contexts 1024,8192,32768] [--skip-hf] [--json out.json]
 
 Builds the real shapes (30 layers, hidden 2816, vocab 262144, 128 experts top-8 F=704, dense 2112,
 16 heads; sliding hd 256 / 8 KV, full hd 512 / 2 KV; window 1024; canvas 256) directly on the GPU,
@@ -27,20 +27,18 @@ import contextlib
 import gc
 import json
 import statistics
-import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from balanced_routing import KINDS, balance_hf, routing  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomSource  # noqa: E402
-from diffgemma.ops.moe_packed import PackedWeight  # noqa: E402
+from bench.balanced_routing import KINDS, balance_hf, routing
+from bench.fixtures import RandomSource
+from diffgemma.config import ModelConfig
+from diffgemma.model import denoiser as denoiser_mod
+from diffgemma.model.engine import build_engine
+from diffgemma.ops.moe_packed import PackedWeight
 
 S, FULL = "sliding_attention", "full_attention"
 BW = 4.3e12
@@ -52,22 +50,11 @@ TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hid
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=16)
 CANVAS = 256
-# (engine attribute, value, name) for the A/B timings of bench_ours; --ab picks by name
+# (EngineOptions field, value, name) for the A/B timings of bench_ours; --ab picks by name
 AB_VARIANTS = [("attn_impl", "sdpa", "sdpa"), ("attn_impl", "triton", "triton"),
                ("launch_order", False, "expert_order"),  # the expert GEMMs' programs in expert order
                ("canvas_impls", {"full": "gemm"}, "gemm"), ("canvas_impls", {"full": "tiles"}, "tiles"),
-               ("overlap_router", False, "serial"),  # the router chain on the main stream, after the dense MLP
-               ("dense_sm_carveout", None, "no_carve"),  # the dense MLP's GEMMs on plain cuBLAS, every SM
-               (("overlap_router", "dense_sm_carveout"), (False, None), "one_stream"),  # both: round 15's layer
-               ("sc_by_address", False, "sc_copy"),  # the SC logits copied into the graph's buffer each step
-               ("router_gemm", "cublas", "router_cublas"),  # the router logits from cuBLAS's f32 GEMM (round 18's)
-               ("fuse_glu", False, "glu_after"),  # gelu·up as its own kernel after the expert gate_up GEMM
                ("sliding_live_window", False, "slide_mask"),  # the sliding canvas over every ring slot, per-key mask
-               ("dense_sm_carveout", 8, "carve8"), ("dense_sm_carveout", 24, "carve24"),
-               # the bf16x3 router GEMM's (BM, K slice, BK, warps, stages): 16 / 176 / 22 programs at the denoise shape
-               ("router_gemm_config", (64, 704, 64, 4, 3), "rg16"), ("router_gemm_config", (32, 128, 64, 4, 3), "rg176"),
-               ("router_gemm_config", (128, 256, 64, 8, 3), "rg22"),
-               (("overlap_router", "dense_sm_carveout", "sc_by_address"), (False, None, False), "round15"),
                ("guarded_graphs", False, "plain_graphs")]  # denoise graphs without the IF node around the forward
 
 
@@ -95,10 +82,8 @@ def time_cuda(fn, reps: int, warmup: int = 1, setup=None) -> list[float]:
 
 
 def generate_forward(eng):
-    """The engine method generate() calls for a denoise step (diffgemma.generation._forward)."""
-    import diffgemma.generation as G
-
-    return G._forward(eng)[0]
+    """The engine method generate() calls for a denoise step (model/denoiser.StagedDenoiser.forward)."""
+    return eng.denoise_raw if eng.options.softcap_in_sampler else eng.denoise
 
 
 def time_graph(run, calls: int, reps: int = 7) -> list[float]:
@@ -128,18 +113,15 @@ def time_graph(run, calls: int, reps: int = 7) -> list[float]:
 
 
 @contextlib.contextmanager
-def knob(eng, attr, value):
-    """The engine with an attribute (or a tuple of them, with a tuple of values) changed for the block; its graphs
-    are dropped on the way out, so the default step is captured afresh after it."""
-    attrs, values = (attr, value) if isinstance(attr, tuple) else ((attr,), (value,))
-    old = [getattr(eng, a) for a in attrs]
-    for a, v in zip(attrs, values):
-        setattr(eng, a, v)
+def knob(eng, field, value):
+    """The engine with one EngineOptions field changed for the block; its graphs are dropped on the way out, so the
+    default step is captured afresh after it."""
+    old = eng.options
+    eng.options = replace(old, **{field: value})
     try:
         yield
     finally:
-        for a, v in zip(attrs, old):
-            setattr(eng, a, v)
+        eng.options = old
         eng._graphs.clear()
 
 
@@ -218,8 +200,8 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         r["denoise_embeds_min_ms"] = min(times)
         r["denoise_embeds_unstaged_ms"] = statistics.median(time_cuda(lambda: step(cache, ids, sc_embeds=emb),
                                                                       reps=reps, warmup=1))
-        # A/B: the same graphed step (and prefill) with one engine knob changed: every attention forced to
-        # SDPA (round 1's path) or to the Triton kernel, or the expert GEMMs' programs in expert order
+        # A/B: the same graphed step (and prefill) with one engine option changed: every attention forced to
+        # SDPA or to the Triton kernel, or the expert GEMMs' programs in expert order
         ab = {}
         chosen = [v for v in AB_VARIANTS if v[2] in ab_names]
 
@@ -269,11 +251,11 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         res["ctx"][T] = r
         if T == contexts[-1] and extra_chunks:
             for ch in extra_chunks:
-                eng.prefill_chunk = ch
+                eng.options = replace(eng.options, prefill_chunk=ch)
                 times = time_cuda(do_prefill, reps=2, warmup=0)
                 r[f"prefill_tok_s_chunk{ch}"] = T / (statistics.median(times) / 1e3)
                 log(f"[ours] ctx {T}: prefill chunk {ch}: {r[f'prefill_tok_s_chunk{ch}']:.0f} tok/s")
-            eng.prefill_chunk = 8192
+            eng.options = replace(eng.options, prefill_chunk=8192)
         del cache
         eng._graphs.clear()
     res["generate"] = bench_generate(eng) if generate else {}
@@ -347,8 +329,8 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
 
     The warm-up run captures the graphs on the same cache object (graphs are keyed by the cache), so the timed
     run replays them. It runs the timed run's seed (WARM_SEED), so it takes the same paths and every Triton kernel
-    the timed run launches is compiled before the timing starts: with another seed, a path first taken in the timed
-    run compiled there, 130-250 ms in one gap on a machine whose Triton cache was empty (bench/RESULTS.md round 25).
+    the timed run launches is compiled before the timing starts (with another seed, a path first taken in the timed
+    run would compile there, inside one gap).
     Host syncs per step = the loop's status reads / forwards (the loop's one allowed read).
     """
     try:
@@ -405,7 +387,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
 
         inner_stage = getattr(eng, "stage_denoise", None)
 
-        def timed_stage(*a, go=None, **k):  # a forward launched ahead (generate's RUN_AHEAD) is timed here
+        def timed_stage(*a, go=None, **k):  # a forward launched ahead (EngineOptions.run_ahead) is timed here
             if go is None:
                 return inner_stage(*a, **k)
             s, e = pair()
@@ -417,7 +399,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             return launched
 
         reads = {"n": 0}
-        read_status = getattr(G, "_read_status", None)
+        read_status = denoiser_mod.read_status
         if read_status is not None:
             def counted(*a, **k):
                 reads["n"] += 1
@@ -426,7 +408,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
                 host["read"] = time.perf_counter()
                 host["wait"].append(host["read"] - t0)
                 return out
-            G._read_status = counted
+            denoiser_mod.read_status = counted
         setattr(eng, name, timed_denoise)
         eng.prefill = timed_prefill
         if inner_stage is not None:
@@ -443,7 +425,7 @@ def bench_generate(eng, profile_trace: str | None = None, profile: bool = False)
             if inner_stage is not None:
                 del eng.stage_denoise
             if read_status is not None:
-                G._read_status = read_status
+                denoiser_mod.read_status = read_status
         fwd_s = sum(s.elapsed_time(e) for s, e in filter(None, events)) / 1e3
         prefill_host_s = out.timings.get("prefill_s", 0.0)
         prefill_gpu_s = sum(s.elapsed_time(e) for s, e, _ in prefills) / 1e3
@@ -575,16 +557,14 @@ def table(ours, hf, contexts) -> str:
 
 
 def run_ahead_ab(eng, rounds: int) -> dict:
-    """bench_generate with generation.RUN_AHEAD on and off in turn: ms a step outside the forwards, its share, the
+    """bench_generate with EngineOptions.run_ahead on and off in turn: ms a step outside the forwards, its share, the
     forwards' ms a step and what a user waits a step, per round."""
-    import diffgemma.generation as G
-
-    keep = G.RUN_AHEAD
+    keep = eng.options
     out = {"ahead": [], "after_read": []}
     try:
         for _ in range(rounds):
             for name, flag in (("ahead", True), ("after_read", False)):
-                G.RUN_AHEAD = flag
+                eng.options = replace(keep, run_ahead=flag)
                 r = bench_generate(eng)
                 row = {k: r.get(k) for k in ("outside_ms_per_step", "outside_share", "step_ms", "gap_ms_median",
                                               "gap_ms_sum", "host_turn_ms_median", "host_call_ms_median", "forwards",
@@ -593,7 +573,7 @@ def run_ahead_ab(eng, rounds: int) -> dict:
                 out[name].append(row)
                 log(f"[ours] run-ahead A/B {name}: {json.dumps(row, default=str)}")
     finally:
-        G.RUN_AHEAD = keep
+        eng.options = keep
     out["same_tokens"] = len({row["tokens_hash"] for rows in out.values() for row in rows}) == 1
     log(f"[ours] run-ahead A/B: the same tokens in every run: {out['same_tokens']}")
     return out
@@ -612,7 +592,7 @@ def main():
     ap.add_argument("--trace", default=None, help="with --profile-generate: also write a Chrome trace here")
     ap.add_argument("--run-ahead-ab", type=int, default=0,
                     help="with --generate-only: also time generate with and without the forward launched ahead "
-                         "(generation.RUN_AHEAD) in turn, this many rounds")
+                         "(EngineOptions.run_ahead) in turn, this many rounds")
     ap.add_argument("--ab", default="sdpa,triton",
                     help=f"A/B variants of the denoise step to also time (of {', '.join(v[2] for v in AB_VARIANTS)}; '' for none)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-overhead measurement")

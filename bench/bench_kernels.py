@@ -1,18 +1,18 @@
 """Small kernels alone at the real shapes, each against the variant it replaced (one GPU, under a minute).
 
-    PYTHONPATH=src python bench/bench_kernels.py [--reps 7] [--json out.json]
+    PYTHONPATH=src python -m bench.bench_kernels [--reps 7] [--json out.json]
 
 A kernel of a few microseconds launched from Python back to back is timed by the host's launch rate, not by
 the GPU. So every call here is captured 20 times into one CUDA graph and the graph is replayed; GPU µs a
 call = the median replay / inner. Inputs stay the same across the calls, so they sit in L2 as a producer's
-output would in the engine. What is timed (round 13, bench/RESULTS.md):
+output would in the engine. What is timed:
 
-  qkv_prep           one program per (token, head), as before round 13 (heads_per_program=1), against the
+  qkv_prep           one program per (token, head) (heads_per_program=1), against the
                      default (2048 values a program); the sliding (hd 256, 16 + 8 + 8 heads) and full (hd 512,
                      16 + 2 heads, V read from K's columns) layers, 256 canvas rows and an 8192-row prefill chunk
   sampler passes     at [256, 262144]: the row stats and the counted probabilities from raw bf16 logits through
                      the tempered table (generate's step), the table's kernel, the row stats of f32 logits at a
-                     step temperature and at T = 1 (round 22 replaced the per-block reductions: RESULTS round 22)
+                     step temperature and at T = 1 (against the per-block reductions they replaced)
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import time_graph  # noqa: E402  (also puts src/ on the path)
-from diffgemma.ops import qkv, rowstats  # noqa: E402
+from bench.bench_engine import time_graph
+from diffgemma.ops import qkv, rowstats
 
 
 def timed(fn, reps: int, inner: int = 20) -> float:

@@ -1,10 +1,10 @@
 """Benchmark: the fast engine on q4-packed experts at DiffusionGemma's full size, one GPU, one run.
 
-    PYTHONPATH=src python bench/bench_pack.py [--reps 30] [--json out.json]
+    PYTHONPATH=src python -m bench.bench_pack [--reps 30] [--json out.json]
 
 Builds the real shapes (bench_engine.py's TEXT) on the GPU with bench_engine's random non-expert
 weights (RandomSource) and random q4 expert records + q8 SC records generated directly in the pack
-layout on the device (engine_weights.RandomPackSource: quantizing 51 GB would not fit the run), then:
+layout on the device (bench.fixtures.RandomPackSource: quantizing 51 GB would not fit the run), then:
   engine  pack bytes (what a q4 pack of these tensors holds, the vision tower aside); GPU memory with an
           8k context (after an 8k prefill and a graphed denoise on it, with only what such a session holds:
           the weights, the 8k cache and its graph; the 1k case's cache and graph are gone by then);
@@ -36,27 +36,24 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from balanced_routing import KINDS, routing  # noqa: E402
-from bench_engine import CANVAS, TEXT, generate_forward, profile_fn, time_cuda, time_graph, weight_bytes  # noqa: E402  (also puts src/ on the path)
-from diffgemma.checkpoint import expected_tensors  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
-from diffgemma.ops import moe_packed as mp  # noqa: E402
-from diffgemma.ops import moe_q4  # noqa: E402
-from diffgemma.ops import moe_stream  # noqa: E402
-from diffgemma.ops import moe  # noqa: E402
-from diffgemma.ops.grouped import grouped_mm_torch as _grouped_mm  # noqa: E402
-from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
-from diffgemma.ops._backend import HAVE_TRITON  # noqa: E402
+from bench.balanced_routing import KINDS, routing
+from bench.bench_engine import CANVAS, TEXT, generate_forward, profile_fn, time_cuda, time_graph, weight_bytes
+from bench.fixtures import RandomPackSource, random_record
+from diffgemma.checkpoint import expected_tensors
+from diffgemma.config import ModelConfig
+from diffgemma.model.engine import build_engine
+from diffgemma.ops import moe
+from diffgemma.ops import moe_packed as mp
+from diffgemma.ops import moe_q4
+from diffgemma.ops import moe_stream
+from diffgemma.ops.grouped import grouped_mm_torch as _grouped_mm
+from diffgemma.ops.moe_plan import moe_plan
+from diffgemma.ops._backend import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -76,7 +73,7 @@ def med(fn, reps=20, warmup=3, setup=None) -> float:
 
 def gmed(fn, reps=7, calls=20) -> float:
     """ms a call, replayed from a CUDA graph of `calls` back-to-back calls. A kernel of ~0.1 ms timed one launch at
-    a time measures the host's launch instead (bench/RESULTS.md rounds 12 and 26)."""
+    a time measures the host's launch instead."""
     return statistics.median(time_graph(lambda: [fn() for _ in range(calls)], calls, reps)) / 1e3
 
 
@@ -266,14 +263,19 @@ def bench_launch_order(r, eng, V, reps):
 
 
 def bench_q4_inputs(r, eng, V, reps):
-    """How the q4 GEMMs read their operands (round 12): planes through TMA and x as f16 operands from the producers
-    (the defaults on Hopper), x as bf16 converted in the GEMM (Engine.f16_operands = False), planes through
+    """How the q4 GEMMs read their operands: planes through TMA and x as f16 operands from the producers (the
+    defaults on Hopper), x as bf16 converted in the GEMM (ops/moe.expert_ffn(f16_operands=False)), planes through
     cp.async (the pre-Hopper path). The same bits in all three (GPU tests)."""
-    tma_available = moe_q4.tma_available
+    import functools
+
+    import diffgemma.model.forward as fm
+
+    tma_available, ffn, finish = moe_q4.tma_available, fm.expert_ffn, fm.attn_finish
 
     def setup(f16, tma):
         def go():
-            eng.f16_operands = f16
+            fm.expert_ffn = ffn if f16 else functools.partial(ffn, f16_operands=False)
+            fm.attn_finish = finish if f16 else (lambda *a, moe_f16, **k: finish(*a, moe_f16=False, **k))
             moe_q4.tma_available = tma_available if tma else (lambda t: False)
         return go
 
@@ -282,7 +284,7 @@ def bench_q4_inputs(r, eng, V, reps):
                                                  "tma_bf16_inputs": setup(False, True),
                                                  "cp_async_f16_inputs": setup(True, False)})
     finally:
-        eng.f16_operands, moe_q4.tma_available = True, tma_available
+        fm.expert_ffn, fm.attn_finish, moe_q4.tma_available = ffn, finish, tma_available
     r["denoise_1k_ms_by_q4_inputs"] = by
     log(f"[q4] denoise 1k by how the q4 GEMMs read (alternating, ms): {by}")
 
@@ -366,7 +368,6 @@ def bench_kernels(res, reps):
     E, H, Fe, k = 128, 2816, 704, 8
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1)
-    from diffgemma.model.engine_weights import random_record
 
     for T, label in ((256, "denoise"), (8192, "prefill")):
         experts = torch.randint(0, E, (T, k), device="cuda")
@@ -402,14 +403,14 @@ def bench_kernels(res, reps):
                         row["dequant_ms"] = gmed(lambda: mp.dequantize_triton(pw, torch.bfloat16, out=wb), reps=reps)
                     del wb
                 # the last three: fewer registers (3 blocks an SM) or fewer instructions an element than the
-                # default, read from Triton 3.6's sm_90 build offline (round 8); not yet timed
+                # default, read from Triton 3.6's sm_90 build offline; not yet timed
                 configs = [mp.CONFIGS["stream"], (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (128, 32, 64, 4, 3),
                            (128, 32, 64, 8, 4), (128, 16, 64, 4, 4), (128, 32, 32, 4, 4), (64, 16, 128, 4, 3),
                            (256, 16, 64, 8, 3)] if (label == "denoise" and fmt == "q4") else \
                     [mp.CONFIGS["stream"]] if label == "denoise" else [mp.CONFIGS["compute"], (128, 128, 64, 8, 3)]
                 for cfg in configs:
                     # kernel_*: the side planes prefetched one K-step ahead (the default); inloop_*: loaded in the
-                    # step that uses them (the loop before round 7), timed beside it on the denoise shape
+                    # step that uses them (the kernel's prefetch=False loop), timed beside it on the denoise shape
                     for prefix, prefetch in (("kernel_", True), ("inloop_", False)):
                         if not prefetch and label != "denoise":
                             continue
@@ -440,7 +441,6 @@ def bench_kernels(res, reps):
 def bench_gather(res, reps):
     """The engine's gate_up call at the denoise shape (GEMM, then gelu_mul), bf16 (streaming kernel) and q4, with
     the routes' rows gathered first (index_select) or by the kernel's own x loads through the token ids (src)."""
-    from diffgemma.model.engine_weights import random_record
     from diffgemma.ops.gelu_mul import gelu_mul
 
     r = res.setdefault("gather", {})

@@ -5,7 +5,7 @@ streams all expert weights: issue 5's premise and our roofline. Random weights n
 canvas rows' hidden states are alike, they pick the same few experts and the grouped GEMM reads a fraction
 of the bytes, so a step looks faster than it would be on the real model.
 
-    PYTHONPATH=src python bench/bench_routing.py [--contexts 1024,8192] [--reps 20] [--json out.json]
+    PYTHONPATH=src python -m bench.bench_routing [--contexts 1024,8192] [--reps 20] [--json out.json]
 
 Builds the full-size random engine (bf16 experts, then q4 experts as in bench_pack.py) and, per context:
   - counts, per layer, the distinct experts the canvas routes to and the largest rows-per-expert (eager pass,
@@ -21,20 +21,16 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from balanced_routing import MODEL_ROUTE, route_with, routing  # noqa: E402
-from bench_engine import BW, CANVAS, TEXT, time_cuda, weight_bytes  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomPackSource, RandomSource  # noqa: E402
+from bench.balanced_routing import MODEL_ROUTE, route_with, routing
+from bench.bench_engine import BW, CANVAS, TEXT, time_cuda, weight_bytes
+from bench.fixtures import RandomPackSource, RandomSource
+from diffgemma.config import ModelConfig
+from diffgemma.model.engine import build_engine
 
 def log(*a):
     print(*a, flush=True)

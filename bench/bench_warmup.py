@@ -1,7 +1,7 @@
 """Benchmark: what the first requests of a fresh server process cost, with and without the warm-up (warmup.py,
 `serve --warmup`), at DiffusionGemma's full size (random bf16 weights, one GPU).
 
-    PYTHONPATH=src python bench/bench_warmup.py [--json out.json]
+    PYTHONPATH=src python -m bench.bench_warmup [--json out.json]
 
 Each arm is a fresh Python process (a server's start): it builds the engine, makes one slot's cache (8192 tokens),
 optionally warms it up (timed), then serves four requests on that slot, each a seeded generate of up to 256 tokens
@@ -32,13 +32,11 @@ REQUESTS = [("1k", 1000), ("1k again", 1000), ("3k", 3000), ("3k again", 3000)]
 def child(warm: bool) -> dict:
     import torch
 
-    sys.path.insert(0, str(HERE.parent / "src"))
-    sys.path.insert(0, str(HERE))
-    from bench_engine import CANVAS, TEXT
+    from bench.bench_engine import CANVAS, TEXT
+    from bench.fixtures import RandomSource
     from diffgemma.config import ModelConfig
     from diffgemma.generation import generate
     from diffgemma.model.engine import build_engine
-    from diffgemma.model.engine_weights import RandomSource
     from diffgemma.settings import GenerationSettings
     from diffgemma.warmup import warm_up
 
@@ -84,8 +82,8 @@ def main() -> None:
     for label, tdir, warm in arms:
         env = dict(os.environ, TRITON_CACHE_DIR=str(tdir))
         t = time.perf_counter()
-        p = subprocess.run([sys.executable, __file__, "--child", "warm" if warm else "cold"], env=env,
-                           capture_output=True, text=True)
+        p = subprocess.run([sys.executable, "-m", "bench.bench_warmup", "--child", "warm" if warm else "cold"],
+                           env=env, cwd=HERE.parent, capture_output=True, text=True)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
             print(f"{label}, warm-up {warm}: failed (rc {p.returncode})\n{p.stderr[-3000:]}", flush=True)

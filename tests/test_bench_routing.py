@@ -2,18 +2,14 @@
 number of rows, really reach the engine's router (else the bench would time the random model's routing and
 say otherwise), and put the model's router back afterwards."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import balanced_routing  # noqa: E402
-import diffgemma.model.engine as engine_module  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomSource  # noqa: E402
+import diffgemma.model.forward as forward_module
+from bench import balanced_routing
+from bench.fixtures import RandomSource
+from diffgemma.config import ModelConfig
+from diffgemma.model.engine import build_engine
 
 
 @pytest.mark.parametrize("T,k,E", [(256, 8, 128), (37, 3, 8), (5, 2, 6)])
@@ -49,7 +45,7 @@ def test_routing_switch_reaches_the_engine_and_restores_it():
             balanced = eng.denoise(cache, canvas)
     finally:
         balanced_routing.balanced_route = inner
-    assert engine_module.route_fused is balanced_routing.MODEL_ROUTE
+    assert forward_module.route_fused is balanced_routing.MODEL_ROUTE
     assert len(seen) == 2 and all(torch.equal(e, balanced_routing.balanced_ids(8, 2, 8, "cpu")) for e in seen)
     with balanced_routing.routing("model"):
         model = eng.denoise(cache, canvas)

@@ -1,4 +1,4 @@
-"""The `diffgemma` command end to end: ask, chat, golden, and one-line exit-2 errors."""
+"""The `diffgemma` command end to end: ask, chat, and one-line exit-2 errors (`golden`: tests/test_golden_cli.py)."""
 
 import io
 import json

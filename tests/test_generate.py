@@ -19,6 +19,7 @@ import torch
 
 from diffgemma.errors import InputError
 from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate, generate_stream
+from diffgemma.model.denoiser import Denoiser
 from diffgemma.sampling.rng import Lcg, block_seed, categorical
 from diffgemma.sampling.schedule import temperature
 from diffgemma.sampling.self_condition import sparse_soft_embed
@@ -68,6 +69,9 @@ class FakeModel:
         self.calls: list[Call] = []
         self.prefills: list[list[int]] = []
         self._steps, self._t = steps, (t_min, t_max)
+
+    def denoiser(self, caches):
+        return Denoiser(self, caches[0])
 
     def new_cache(self, max_tokens):
         return FakeCache(max_tokens)

@@ -8,12 +8,13 @@ loop against the pre-fusion host loop, and a count of every host read the loop m
   events and results (torch path), and the fused (Triton-interpreted) path gives the same tokens.
 - The sync count: every Python-level way to read a tensor on the host (item/tolist/bool/float/int/index/
   numpy, torch.equal, nonzero, boolean-mask indexing) is counted outside the model's own forward; between
-  two steps of a block only `_read_status` may read, once; per attempt `_read_block` reads once.
+  two steps of a block only the denoiser's `read_status` may read, once; per attempt `_read_block` reads once.
 """
 
 import os
 import random
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from diffgemma import generation
 from diffgemma.errors import TensorError
 from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate_stream
+from diffgemma.model import denoiser as denoiser_mod
 from diffgemma.ops import rowstats
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.accept import accept_mask, accept_mask_frozen_reference
@@ -374,11 +376,12 @@ def test_sparse_plan_bet_on_the_dense_product_moves_work_not_results(monkeypatch
 def test_status_read_runs_the_overlap_once_and_reads_the_values():
     calls = []
     status = torch.tensor([2.0, 0.25, 7.0], dtype=torch.float64)
-    assert generation._read_status(lambda: status, lambda: calls.append(1)) == [2.0, 0.25, 7.0] and calls == [1]
-    assert generation._read_status(lambda: status) == [2.0, 0.25, 7.0]
-    side = generation._SideStream(torch.device("cpu"))  # off CUDA the side stream is a no-op
-    assert generation._read_status(lambda: status, lambda: calls.append(2), side) == [2.0, 0.25, 7.0]
-    assert calls == [1, 2]
+    read = denoiser_mod.read_status
+    assert read(lambda: status, lambda: calls.append(1)) == [2.0, 0.25, 7.0] and calls == [1]
+    assert read(lambda: status) == [2.0, 0.25, 7.0]
+    side = denoiser_mod.SideStream(torch.device("cpu"))  # off CUDA the side stream is a no-op
+    assert read(lambda: status, lambda: calls.append(2), side, lambda: calls.append(3)) == [2.0, 0.25, 7.0]
+    assert calls == [1, 2, 3]
 
 
 def test_sparse_plan_product_scales_as_the_float_formula():
@@ -595,7 +598,7 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
 @pytest.mark.parametrize("fused", [False, True])
 def test_engine_steps_on_raw_logits_give_the_softcapped_steps_events(tiny_model, monkeypatch, fused):
     """generate on the engine calls denoise_raw and leaves the softcap to the sampler (StepStats(cap=)): every
-    event and result equals the loop on denoise's softcapped logits (SOFTCAP_IN_SAMPLER off), on the torch path
+    event and result equals the loop on denoise's softcapped logits (softcap_in_sampler off), on the torch path
     and on the fused (interpreted) one, for the default sparse SC and exact SC."""
     from diffgemma.model.engine import Engine
 
@@ -617,11 +620,11 @@ def test_engine_steps_on_raw_logits_give_the_softcapped_steps_events(tiny_model,
         s = _settings(tiny_model, **arm)
         raw_path = _summary(generate_stream(eng, prompt, settings=s))
         assert not softcapped
-        monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
+        eng.options = replace(eng.options, softcap_in_sampler=False)
         assert raw_path == _summary(generate_stream(eng, prompt, settings=s))
         assert softcapped
         softcapped.clear()
-        monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", True)
+        eng.options = replace(eng.options, softcap_in_sampler=True)
 
 
 def test_loop_holds_one_steps_logits_at_a_time(tiny_model, monkeypatch):
@@ -716,7 +719,7 @@ def test_one_host_read_per_step_and_one_per_block_attempt(tiny_model, monkeypatc
     status_reads, block_reads = [], []
     for name in ("denoise", "prefill", "embed"):  # the forward is not the loop's to count
         counter.silence(monkeypatch, model, name)
-    counter.silence(monkeypatch, generation, "_read_status", status_reads)
+    counter.silence(monkeypatch, denoiser_mod, "read_status", status_reads)
     counter.silence(monkeypatch, generation, "_read_block", block_reads)
 
     stream = generate_stream(model, prompt, settings=s)
@@ -795,12 +798,47 @@ def test_survivor_mask_kernel_writes_into_a_lent_buffer():
 
 
 def test_each_block_drops_the_engines_staging(tiny_model, monkeypatch):
-    """generate tells the model to forget a forward staged (or launched ahead) at a block's last step, once per
-    denoised canvas (a re-rolled attempt included): on the GPU a staging left alive kept a finished block's graph,
-    and with it a dead cache's, alive into the next capture (bench/RESULTS.md round 24)."""
+    """generate tells the engine to forget a forward staged (or launched ahead) at a block's last step, once per
+    denoised canvas (a re-rolled attempt included): a staging left alive would keep a finished block's graph, and
+    with it a dead cache's, alive into the next capture."""
+    from diffgemma.model.engine import Engine
+
+    eng = Engine.from_reference(tiny_model, dtype=torch.float32)
     drops = []
-    monkeypatch.setattr(tiny_model, "drop_staged", lambda: drops.append(1), raising=False)
+    monkeypatch.setattr(eng, "drop_staged", lambda: drops.append(1))
     s = _settings(tiny_model)
     prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
-    result = [e for e in generate_stream(tiny_model, prompt, settings=s)][-1].result
+    result = [e for e in generate_stream(eng, prompt, settings=s)][-1].result
     assert len(drops) == len(result.steps_per_block) + result.retries > 0
+
+
+def test_models_implement_the_protocol(tiny_model):
+    """Both models generate() drives are DenoiseModels, and their denoisers Denoisers (model/protocol.py)."""
+    from diffgemma.model.engine import Engine
+    from diffgemma.model.protocol import DenoiseModel, Denoiser, KVCache
+
+    for model in (tiny_model, Engine.from_reference(tiny_model, dtype=torch.float32)):
+        assert isinstance(model, DenoiseModel)
+        cache = model.new_cache(16)
+        assert isinstance(cache, KVCache) and isinstance(model.denoiser([cache]), Denoiser)
+        with pytest.raises(Exception, match="one cache"):
+            model.denoiser([cache, cache])
+
+
+def test_engine_options_reach_the_engine_through_load():
+    """load(options=) hands the fast engine its EngineOptions, keywords override single fields, an unknown field is a
+    clear error, and the reference model takes none."""
+    import diffgemma
+    from diffgemma.errors import InputError
+    from diffgemma.model.engine import Engine
+
+    eng = diffgemma.load(None, engine="fast", dtype=torch.float32,
+                         options=diffgemma.EngineOptions(prefill_chunk=5, launch_order=False))
+    assert isinstance(eng, Engine) and eng.options.prefill_chunk == 5 and not eng.forward.options.launch_order
+    assert eng.options.graphs is None and not eng.use_graphs  # graphs only on CUDA
+    ref = diffgemma.load(None)
+    assert Engine.from_reference(ref, dtype=torch.float32, prefill_chunk=7).forward.options.prefill_chunk == 7
+    with pytest.raises(InputError, match="no_such_choice"):
+        Engine.from_reference(ref, dtype=torch.float32, no_such_choice=1)
+    with pytest.raises(InputError, match="options"):
+        diffgemma.load(None, engine="reference", options=diffgemma.EngineOptions())

@@ -43,6 +43,7 @@ import torch
 
 import diffgemma
 from diffgemma.generation import generate
+from diffgemma.model.denoiser import Denoiser
 from diffgemma.sampling.rng import Lcg, categorical
 from diffgemma.settings import GenerationSettings
 from tiny_checkpoints import CONFIGS, build_model, save
@@ -178,6 +179,9 @@ class _TransformersBehindOurApi:
         # the SC MLP receives the soft embedding as its 2nd argument: substitute ours when given
         hf.model.decoder.self_conditioning.register_forward_pre_hook(
             lambda mod, args: None if self._sc_embeds is None else (args[0], self._sc_embeds[None]))
+
+    def denoiser(self, caches):
+        return Denoiser(self, caches[0])
 
     def new_cache(self, max_tokens):
         cache = DynamicCache(config=self.hf.config.get_text_config(decoder=True))

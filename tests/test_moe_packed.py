@@ -231,7 +231,7 @@ def test_random_pack_source_engine_matches_reference(experts):
     agrees with a reference model built from the same source's dequantized tensors."""
     from diffgemma.checkpoint import expected_tensors
     from diffgemma.config import ModelConfig
-    from diffgemma.model.engine_weights import RandomPackSource
+    from bench.fixtures import RandomPackSource
     from diffgemma.model.reference import ReferenceModel
 
     tc = dict(TEXT, model_type="diffusion_gemma_text")

@@ -46,7 +46,8 @@ PACKABLE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden
 def build_model(text_config: dict, canvas_length: int = 8, seed: int | None = None):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    # seed=None: a fresh model from the global generator (tests/conftest.py seeds it per test, so it reproduces)
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
     cfg = DiffusionGemmaConfig(text_config=dict(text_config, max_position_embeddings=4096), vision_config=TINY_VISION,
                                canvas_length=canvas_length)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))

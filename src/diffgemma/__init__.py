@@ -2,21 +2,21 @@
 
 import os
 
-# Expandable segments let torch's allocator grow one mapping instead of caching fixed blocks: the q4 model in a
-# generate session at 8k context reserved 19.93 GiB with them and 20.44 GiB without (H200, bench/RESULTS.md
-# round 7), which is what decides whether it fits a 24 GB card. Only a default: a value the user set wins, and it
-# does nothing if CUDA was initialised before diffgemma was imported.
+# Expandable segments let torch's allocator grow one mapping instead of caching fixed blocks: a q4 session reserves
+# about half a GiB less with them, which decides whether it fits a 24 GB card (docs/ARCHITECTURE.md, 'Memory').
+# Only a default: a value the user set wins, and it does nothing if CUDA was initialised before diffgemma was imported.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from .errors import CheckpointError, ConfigError, DiffgemmaError, InputError, SettingsError, TensorError
 from .generation import GenerationResult, generate, generate_stream
 from .loader import load
+from .model.options import EngineOptions
 from .session import Session, chat
 from .settings import GenerationSettings
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "generate", "generate_stream", "chat", "Session", "GenerationSettings", "GenerationResult",
+    "load", "generate", "generate_stream", "chat", "Session", "GenerationSettings", "GenerationResult", "EngineOptions",
     "DiffgemmaError", "CheckpointError", "ConfigError", "TensorError", "SettingsError", "InputError",
 ]

@@ -291,14 +291,14 @@ def cmd_golden(args) -> int:
 
     model = options.load_model(args)
     path = args.fixture or golden.fixture_path(model)
-    expected = None if args.bless else golden.load_fixture(path)
+    expected = None if args.bless else golden.load_fixture(path, model.path)
     results = golden.run_all(model)
     if args.bless:
-        golden.bless(results, path)
+        golden.bless(results, path, model.path)
         print(f"blessed {len(results)} cases -> {path}")
         return 0
     if args.add_platform:
-        golden.bless(golden.add_platform(expected, results), path)
+        golden.bless(golden.add_platform(expected, results), path, model.path)
         print(f"added this platform's KV hashes to {len(results)} cases -> {path}")
         return 0
     problems = golden.diff(expected, results)

@@ -1,4 +1,4 @@
-"""diffgemma.generate: the entropy-bound denoising loop and block chaining (ARCHITECTURE.md §4-§7, §9).
+"""diffgemma.generate: the entropy-bound denoising loop and block chaining (docs/ARCHITECTURE.md, 'Generation contract').
 
 One call = prefill the prompt, then propose / commit blocks until a stop token, the token budget, or
 the block budget ends the turn:
@@ -6,8 +6,7 @@ the block budget ends the turn:
     for each block:                                     (canvas at positions cache.length ..)
         canvas = uniform random ids                     (seeded LCG)
         for step 1..max_denoising_steps:
-            logits = model.denoise(cache, canvas, SC)   (SC: first-step seed, then previous step's logits;
-                                                         the engine's raw logits, softcapped as the sampler reads)
+            logits = forward(canvas, SC)                (SC: first-step seed, then the previous step's logits)
             T = schedule(step);  H, argmax = stats(logits / T)
             accept the lowest-entropy prefix (bound in nats); renoise every other position
             stop? confident / plateau / entropy-only / max steps (pad gate: never on all-pad)
@@ -15,6 +14,9 @@ the block budget ends the turn:
         first block opening with a stop/control id -> re-roll with a halved canvas (<= 3 times)
         cut at a stop id (end of turn), at the token budget, or at the confidence trim
         prefill the kept tokens into the cache
+
+The loop calls the model only through model/protocol.DenoiseModel, and a step's forward, side stream and status read
+through the model's Denoiser (model/denoiser.py): how the step meets the GPU lives there, what it computes here.
 
 Cache contract (multi-turn reuse): on return the cache holds the prompt plus exactly the returned
 `tokens`. The stop token that ended the turn is NOT in `tokens` and NOT in the cache (it is reported as
@@ -26,24 +28,18 @@ the block keeps its tokens through the one completing it and the turn ends (`sto
 `tokens` and in the cache (the model wrote them); `text` ends where the match begins.
 
 RNG layout: with semantics="contract" every (block, re-roll attempt) gets its own LCG seeded with
-block_seed(seed, block, attempt) (§7 "re-seed the canvas RNG"); with semantics="hf" one LCG(seed)
-stream serves the whole call in transformers' order (canvas init, then per step: categorical draw
-(commit="sample" only) and renoise of the full canvas). Both are deterministic across processes.
+block_seed(seed, block, attempt); with semantics="hf" one LCG(seed) stream serves the whole call in transformers'
+order (canvas init, then per step: categorical draw (commit="sample" only) and renoise of the full canvas). Both
+are deterministic across processes.
 
-Host syncs: a denoise step does all its sampler work on the model's device (row stats, accept mask,
-LCG renoise, stop rules with their argmax history and mask-run counter, the sparse-SC survivor count) and
-the host reads ONE small packed status per step (`_read_status`: stop code, mean entropy, survivor
-count). The temperature is a host float. Block-level work (the degenerate-opening check, the stop scan,
-the trim, the prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
-On a step whose SC sum (the dense product or the gather, as the step bets) is made before that read, the next
-forward is queued before it too, under the device's own go/stop answer (RUN_AHEAD, Engine.stage_denoise(go=)), so
-the host's turnaround no longer idles the GPU.
+Host syncs: a denoise step does all its sampler work on the model's device (row stats, accept mask, LCG renoise,
+stop rules, the sparse-SC survivor count) and the host reads ONE small status per step (Denoiser.read_status: stop
+code, mean entropy, survivor count). Block-level work (the degenerate-opening check, the stop scan, the trim, the
+prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import os
 import time
@@ -53,6 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .errors import InputError
+from .model.protocol import DenoiseModel
 from .sampling.accept import accept_mask
 from .sampling.rng import DeviceLcg, block_seed, categorical
 from .sampling.schedule import remaining, temperature_value
@@ -83,80 +80,22 @@ class _Proposal:
     stop_reason: str
 
 
-def _read_status(make_status, overlap=None, side=None, then=None) -> list[float]:
-    """THE per-step device->host read: the few float64 numbers `make_status()` packs (built in _denoise_block).
-
-    overlap: a callable that queues more device work (the dense SC product) on the current stream. On CUDA the
-    status is packed and copied on `side` (a _SideStream), after the current stream's work so far but not behind
-    the overlap: the product starts as soon as its inputs are ready, and the host waits for the copy alone (an
-    event) while the GPU runs the product and the host turns the step around. then: a callable for after the side
-    stream is joined and before the wait (staging the next forward's inputs)."""
-    if side is None or side.stream is None:
-        status = make_status()
-        for f in (overlap, then):
-            if f is not None:
-                f()
-        return status.tolist()
-    with side.fork():
-        status = make_status()
-        host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-        host.copy_(status, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    if overlap is not None:
-        overlap()
-    side.join()
-    if then is not None:
-        then()
-    copied.synchronize()
-    return host.tolist()
-
-
-class _SideStream:
-    """A second CUDA stream for the step's bookkeeping (accept mask, renoise, stop rules: ~15 small kernels),
-    so it runs beside the sparse SC's pass over the logits (~0.1 ms at full size) instead of before it; and for
-    the status read (_read_status), so the dense SC product need not queue behind its packing and copy.
-
-    `fork()` starts a side segment after everything queued so far on the main stream; `join()` makes the main
-    stream wait for it. Every side segment opens after the main stream's latest work and the main stream joins
-    it before using its results, so a tensor the side allocates is never reused while the main stream may
-    still read it (the allocator's per-stream reuse is ordered by those waits). Off CUDA both are no-ops.
-
-    The other way round needs care: a tensor the main stream allocated, read by a side segment and then dropped
-    by the host, goes back to the main stream's pool while that read may still be queued, and the main stream's
-    next allocation may overwrite it first. So what the side reads and replaces step by step is born on the side
-    stream (the canvas, the freeze mask), the canvas RNG moves its state in place (sampling/rng.DeviceLcg), and
-    the main stream's own tensors the side reads (entropy, argmax, row counts) live until after the join."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-
-    def fork(self):
-        if self.stream is None:
-            return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        return torch.cuda.stream(self.stream)
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
 def _read_block(packed: torch.Tensor) -> list[float]:
     """The per-attempt read of a proposed block: [committed ids | argmax ids | max probs] as float64."""
     return packed.tolist()
 
 
-def resolve_settings(model, settings: GenerationSettings | None, overrides: dict[str, Any]) -> GenerationSettings:
+def resolve_settings(model: DenoiseModel, settings: GenerationSettings | None,
+                     overrides: dict[str, Any]) -> GenerationSettings:
     """Explicit settings (+ per-call overrides), or the model's generation_config <- env <- overrides."""
     if settings is None:
-        return GenerationSettings.resolve(getattr(model, "generation_config", None) or {}, env=os.environ,
+        return GenerationSettings.resolve(model.generation_config or {}, env=os.environ,
                                           overrides=overrides)
     return settings.replace(**overrides) if overrides else settings
 
 
 def generate(
-    model,
+    model: DenoiseModel,
     input_ids,
     *,
     settings: GenerationSettings | None = None,
@@ -179,7 +118,7 @@ def generate(
 
 
 def generate_stream(
-    model,
+    model: DenoiseModel,
     input_ids,
     *,
     settings: GenerationSettings | None = None,
@@ -194,15 +133,15 @@ def generate_stream(
     prompt = _as_ids(input_ids, vocab, device)
     canvas_len = s.canvas_length or cfg.canvas_length
     stop_ids = tuple(s.stop_ids) if s.stop_ids is not None else tuple(cfg.eos_token_ids)
-    # a first block opening with one of these is the empty-reply attractor (§6 guard)
+    # a first block opening with one of these is the empty-reply attractor (the re-roll guard)
     control_ids = set(stop_ids) | {cfg.pad_token_id, filler_id(vocab)}
     if cfg.bos_token_id is not None:
         control_ids.add(cfg.bos_token_id)
     hf = s.semantics == "hf"
-    tokenizer = getattr(model, "tokenizer", None)
+    tokenizer = model.tokenizer
     if s.stop_strings and tokenizer is None:
         raise InputError("stop_strings: this model has no tokenizer to decode the reply with")
-    # the trim can shorten blocks, so it gets twice the block budget (§9 #11 "max_blocks *= 2")
+    # the trim can shorten blocks, so it gets twice the block budget
     max_blocks = math.ceil(s.max_new_tokens / canvas_len) * (2 if s.confidence_trim > 0 else 1)
 
     t_start = time.perf_counter()
@@ -210,7 +149,9 @@ def generate_stream(
     if cache is None:
         if prompt.numel() == 0:
             raise InputError("input_ids: empty prompt without a cache; expected at least one token")
-        cache = model.new_cache(prompt.numel() + s.max_new_tokens + canvas_len)
+        need = prompt.numel() + s.max_new_tokens + canvas_len
+        limit = getattr(cfg, "max_positions", None)  # never past the model's context (config.check_context); overflow is an error
+        cache = model.new_cache(need if limit is None else min(need, limit))
     if prompt.numel():
         t = time.perf_counter()
         model.prefill(cache, prompt)
@@ -310,135 +251,76 @@ def generate_stream(
     yield DoneEvent(result)
 
 
-def _denoise_block(model, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int, attempt: int):
+def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int,
+                   attempt: int):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
-    Per step everything stays on the model's device; `_read_status` is the only host read.
+    Per step everything stays on the model's device; the denoiser's read_status is the only host read.
     """
-    device = model.embedding.device
-    vocab = model.config.vocab_size
+    device, cfg = model.embedding.device, model.config
+    vocab = cfg.vocab_size
     hf = s.semantics == "hf"
     sparse_sc = s.sc_mode != "exact"
     steps_total = s.max_denoising_steps
-    stops = DeviceStopRules.from_settings(s, model.config.pad_token_id, vocab)
+    stops = DeviceStopRules.from_settings(s, cfg.pad_token_id, vocab)
+    den = model.denoiser([cache])
 
-    side = _SideStream(torch.device(device))
-    with side.fork():  # born on the side stream, which reads and replaces them each step (see _SideStream)
+    with den.bookkeeping(join=True):  # born where the bookkeeping reads and replaces them (model/denoiser.SideStream)
         canvas = rng.randint(length, vocab, device)
         frozen = torch.zeros(length, dtype=torch.bool, device=device) if s.freeze else None
-    side.join()
     sc_logits = None
-    sc_embeds = model.embed(canvas) if s.sc_seed else None  # first-step SC seed (§4.1, §9 #2)
-    reason = None
-    step = 0
-    stats = None
-    bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas's rows are flat; then what the last step took
-    forward, cap = _forward(model)
-    stage = getattr(model, "stage_denoise", None)  # the engine's: copies a coming forward's inputs ahead of the call
-    ahead = RUN_AHEAD and stage is not None  # the SC sum and the next forward before the read (the engine decides if)
-    hidden = model.config.hidden_size
-    # the engine's dead raw-logits buffer, for the dense SC (SparsePlan never writes the step's own logits' storage)
-    scratch = getattr(model, "logits_scratch", None)
+    sc_embeds = model.embed(canvas) if s.sc_seed else None  # the first step's SC seed
+    reason, step, stats = None, 0, None
+    bet_dense = True  # the sparse SC's bet (SparsePlan): a fresh canvas' rows are flat; then what the last step took
     while reason is None:
         step += 1
         cur = remaining(step, steps_total)
         temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
         # the previous step's logits and plan go before this step's arrive: one [C, V] f32 alive at a time
-        stats = plan = logits = probs = None
-        logits = forward(cache, canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
-        stats = StepStats(logits, temp, cap=cap)
+        stats = plan = logits = None
+        logits = den.forward(canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        stats = StepStats(logits, temp, cap=den.cap)
         h, argmax = stats.entropy, stats.argmax
-        if s.commit == "sample":  # T's device scalar made here: the gather made ahead reads it before the join
+        if s.commit == "sample":  # T's device scalar made here: an SC sum made ahead reads it
             stats.temp_tensor()
-        with side.fork():  # the bookkeeping, beside the survivor pass below
+
+        with den.bookkeeping():  # sample, accept, renoise, stop rules: beside the SC pass below
             if s.commit == "sample":
-                probs = torch.softmax(stats.processed, dim=-1, dtype=torch.float32)
-                proposal = categorical(probs, rng.uniform(length, device))
+                proposal = categorical(torch.softmax(stats.processed, dim=-1, dtype=torch.float32),
+                                       rng.uniform(length, device))
             else:
                 proposal = argmax
             # the final scheduled step accepts nothing under the contract; transformers decides it as usual
-            # (the loop ends after it either way, so this only shows in the StepEvent)
             mask = accept_mask(h, s.entropy_bound, final_step=(cur == 1 and not hf), frozen=frozen)
             if frozen is not None:
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
-            noise = rng.randint(length, vocab, device)
-            canvas = torch.where(mask, proposal, noise)
+            canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
             mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
             code = stops.update(step, argmax, mean_h, mask)
-        # the survivor count rides in the status; not needed when this step is the last one for sure
+
+        # the sparse SC's survivor count rides in the status; not needed when this step is the last one for sure
         plan = None
         if sparse_sc and step < steps_total:
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
-                              scratch=scratch() if scratch is not None else None,
-                              sparse_ahead=ahead)
-        overlap = None
-        if plan is not None and plan.speculative:
-            overlap = functools.partial(plan.start, model.embedding, model.config.embed_scale)
-        go, launched, staged_sc = None, False, None
-
-        def make_status():  # on the side stream, where the bookkeeping above left code and mean_h
-            nonlocal go
-            parts = [code.double(), mean_h]
-            if plan is not None:
-                parts.append(plan.count.double())
-                if ahead and plan.speculative:
-                    # the device's own answer to "is the next forward the staged one": no stop, and the bet holds
-                    go = (code == 0) & plan.bet_holds(plan.count, hidden)
-                    parts.append(go.double())
-            return torch.stack(parts)
-
-        def stage_next():  # the next forward's inputs into its graph now, if the bet's product is what it will take
-            nonlocal launched, staged_sc  # and with `go`, the forward itself, under the device's condition
-            if stage is not None and plan is not None and plan.product is not None:
-                staged_sc = plan.product
-                launched = stage(cache, canvas, sc_embeds=staged_sc, go=go) and go is not None
-
-        status = _read_status(make_status, overlap, side, stage_next)  # the step's one host sync; joins the side
-        overlap = None  # it holds the plan, and so this step's logits, which must go before the next step's arrive
-        reason = REASONS[int(status[0])]
+                              scratch=den.scratch(), sparse_ahead=den.run_ahead)
+        status = den.read_status(code, mean_h, plan, canvas)  # the step's one host read
+        reason = REASONS[status.code]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
-                        accepted=mask, mean_entropy=status[1], stop_reason=reason)
-        if reason is None:
-            # the next step self-conditions on these tempered logits (§5)
+                        accepted=mask, mean_entropy=status.mean_entropy, stop_reason=reason)
+        if reason is None:  # the next step self-conditions on these tempered logits
             if sparse_sc:
                 sc_logits = None
-                sc_embeds = plan.soft_embed(int(status[2]), model.embedding, model.config.embed_scale)
+                sc_embeds = plan.soft_embed(status.count, model.embedding, cfg.embed_scale)
                 bet_dense = plan.took_dense
             else:
                 sc_logits, sc_embeds = stats.processed, None
-        if launched and bool(status[3]) != (reason is None and sc_embeds is staged_sc):
-            # the next call would take (or drop) a forward the GPU skipped (or ran): never silently
-            raise RuntimeError("generate: the device's run-ahead condition disagrees with the host's reading of the "
-                               f"same status {status}")
 
-    drop = getattr(model, "drop_staged", None)
-    if drop is not None:  # a forward staged or launched (skipped) at the last step is never called for
-        drop()
+    den.close()
     committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
     p_max = stats.max_prob() if s.confidence_trim > 0 else None
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
-
-
-# With an engine whose graphs take a device condition (Engine.stage_denoise(go=)), each step makes its SC sum for
-# the bet (the dense product, or the gather sized for its cap) and launches the next forward before its status read,
-# under the device's own stop/bet answer: the GPU goes from the step's SC work straight into the next forward,
-# however long the host takes to turn the step around. False: the gather and the next forward come after the read
-# (A/B and test knob; the same tokens).
-RUN_AHEAD = True
-
-# generate's forward is the engine's denoise_raw where the model has one (raw logits, softcapped by the sampler's
-# kernels as they read them: no f32 [C, V] pass a step); False: always model.denoise (an A/B and test knob).
-SOFTCAP_IN_SAMPLER = True
-
-
-def _forward(model):
-    """-> (the denoise call a step makes, the softcap its logits still need or None)."""
-    raw = getattr(model, "denoise_raw", None)
-    if SOFTCAP_IN_SAMPLER and raw is not None:
-        return raw, model.logit_softcap
-    return model.denoise, None
 
 
 def _as_ids(input_ids, vocab: int, device) -> torch.Tensor:

@@ -42,12 +42,13 @@ def open_source(directory: Path) -> TensorSource:
 
 
 def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
-         engine: str = "auto"):
+         engine: str = "auto", options=None):
     """Load a DiffusionGemma checkpoint directory.
 
     device: "cpu" or "cuda[:N]". engine: "auto" (the fast engine on CUDA, the reference elsewhere),
     "fast" or "reference". dtype: compute dtype (default bfloat16 for the fast engine, float32 for the
-    reference). Tensors are read one at a time from memory-mapped files and converted on the way, so
+    reference). options: the fast engine's implementation choices (model/options.EngineOptions; None: the
+    defaults). Tensors are read one at a time from memory-mapped files and converted on the way, so
     host RAM never holds the whole checkpoint.
     """
     if engine not in ("auto", "fast", "reference"):
@@ -66,6 +67,8 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("load: device='cuda' requested but CUDA is not available on this machine")
     fast = engine == "fast" or (engine == "auto" and device.type == "cuda")
+    if options is not None and not fast:
+        raise InputError("load: options are the fast engine's; the reference model takes none (engine='fast')")
     dtype = dtype or (torch.bfloat16 if fast else torch.float32)
     if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise InputError(f"load: dtype must be a floating torch dtype, got {dtype}")
@@ -83,7 +86,7 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
         from .model.engine import build_engine
 
         return build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device, dtype,
-                            generation_config=generation_config, path=directory, tokenizer=tokenizer)
+                            generation_config=generation_config, path=directory, tokenizer=tokenizer, options=options)
     names = list(expected_tensors(cfg))
     weights = {}
     for name in iter_with_progress(names, len(names), progress, desc=f"loading {directory.name}"):

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import oplog
+from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
 from .generation import generate_stream
@@ -42,9 +43,11 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
     rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Every event (events.py) goes
     to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent, CancelledEvent or ErrorEvent (the
     cache is then emptied), which is also returned. `should_stop(blocks)` is asked after every step and block; True
-    cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and its events are journaled for
-    `diffgemma replay`. A prompt with images is a prompt key (vision/prompt.py) and `images` maps its keys to the
-    images: the part up to the last image is prefilled here in one call, the text after it by the loop."""
+    cancels, rewinding the cache to the prompt. A KeyboardInterrupt (Ctrl-C) ends it with
+    CancelledEvent(interrupted=True), the cache emptied, and is raised again. With `log` (an oplog.OpLog) the op and
+    its events are journaled for `diffgemma replay`. A prompt with images is a prompt key (vision/prompt.py) and
+    `images` maps its keys to the images: the part up to the last image is prefilled here in one call, the text
+    after it by the loop."""
 
     def emit(event):
         if log is not None and (record := oplog.event_record(gen, event)) is not None:
@@ -91,6 +94,13 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         rewind(slot.cache, 0)
         slot.ids = []
         return emit(ErrorEvent(e))
+    except KeyboardInterrupt:  # Ctrl-C, anywhere in the loop: journaled as such (replay stops there too), passed on
+        if stream is not None:
+            stream.close()
+        rewind(slot.cache, 0)  # it may have struck mid-write: start the cache afresh
+        slot.ids = []
+        emit(CancelledEvent(blocks=blocks, kept=0, interrupted=True))
+        raise
     raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
 
 
@@ -160,7 +170,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
 
 
 class Session:
-    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None,
+    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int | None = None, tools=None,
                  log=None, tool_validate: int = 0):
         """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`.
         tool_validate: with tools, regenerate a malformed tool call up to this many times (run_turn)."""
@@ -173,7 +183,7 @@ class Session:
         self.think = think
         self.tools = tools
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.slot = Slot(model.new_cache(max_tokens))
+        self.slot = Slot(model.new_cache(cache_tokens(model.config, max_tokens)))
         self.log = log
         self.tool_validate = tool_validate
         self._gens = itertools.count()  # generations journaled (a turn with a regenerated tool call takes several)

@@ -32,7 +32,7 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
         raise InputError(f"warm_up: the cache holds {cache.length} tokens; expected an empty one (it is emptied after)")
     t0 = time.perf_counter()
     canvas = settings.canvas_length or model.config.canvas_length
-    buckets = model.context_buckets(cache) if hasattr(model, "context_buckets") else [cache.max_tokens]
+    buckets = model.context_buckets(cache)
     filler = torch.Generator().manual_seed(FILLER_SEED)
     try:
         for low, top in zip([0] + buckets[:-1], buckets):  # bucket `top` serves cache lengths in (low, top]

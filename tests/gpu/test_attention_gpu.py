@@ -1,4 +1,4 @@
-"""The round-3 attention kernel (ops/attention_flash.py) natively, at the real shapes, against the f32 twin.
+"""The flash attention kernel (ops/attention_flash.py) natively, at the real shapes, against the f32 twin.
 
 Skips without CUDA. 16 query heads; sliding layers hd 256 / 8 KV heads / window 1024 over a ring of
 1279 rows + 256 canvas rows; full layers hd 512 / 2 KV heads. K/V rows the kernel must never read
@@ -138,7 +138,8 @@ def test_engine_kernel_vs_sdpa_mid():
     from diffgemma.checkpoint import expected_tensors
     from diffgemma.config import ModelConfig
     from diffgemma.model.engine import build_engine
-    from diffgemma.model.engine_weights import DictSource, RandomSource
+    from bench.fixtures import RandomSource
+    from diffgemma.model.engine_weights import DictSource
     from diffgemma.model.reference import ReferenceModel
 
     S, FULL = "sliding_attention", "full_attention"

@@ -11,11 +11,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import Engine, build_engine  # noqa: E402
-from diffgemma.model.engine_weights import DictSource, RandomSource  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.model.engine_weights import DictSource  # noqa: E402
+from diffgemma.model.forward import Forward  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
 from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
 
+from bench.fixtures import RandomSource  # noqa: E402
 from tiny_checkpoints import CONFIGS, MID  # noqa: E402
 
 DEV = "cuda"
@@ -157,8 +159,8 @@ def test_engine_matches_reference(name, tc, canvas, prompt_len, draws, full_impl
         assert cos[len(cos) // 2] > 0.99 and cos[0] > 0.9, cos
 
 
-def test_router_side_stream_gives_the_same_bits():
-    """The router chain on a side stream beside the dense MLP (Engine.overlap_router) changes when kernels run,
+def test_router_side_stream_gives_the_same_bits(monkeypatch):
+    """The router chain on a side stream beside the dense MLP (Forward._router_stream) changes when kernels run,
     not what they compute: prefill's cache and the denoise logits, graphed and eager, equal the one-stream run."""
     cfg = make_config(MID, 64)
     src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
@@ -169,7 +171,8 @@ def test_router_side_stream_gives_the_same_bits():
     out = {}
     blas = torch.backends.cuda.preferred_blas_library()
     for overlap in (True, False):
-        eng.overlap_router = overlap
+        if not overlap:
+            monkeypatch.setattr(eng.forward, "_router_stream", lambda: None)
         eng._graphs.clear()
         cache = eng.new_cache(1024)
         eng.prefill(cache, prompt)
@@ -193,7 +196,7 @@ def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
     ring's slack: the engine's live-window call (ring_length) against the same q, K and V under the per-key mask of the
     cache's slot positions (Engine._slide_kpos). The same keys in another order: equal to the bf16 output's rounding.
     (The logits of the two forms are not compared: a random model's near-tied routing turns rounding into flips.)"""
-    import diffgemma.model.engine as engine_module
+    import diffgemma.model.forward as forward_module
 
     cfg = make_config(MID, 64)
     src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
@@ -201,7 +204,7 @@ def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
     eng.use_graphs = False
     V, W = cfg.vocab_size, cfg.sliding_window
     cache = eng.new_cache(4 * W + 128)
-    real, errors = engine_module.attention, []
+    real, errors = forward_module.attention, []
 
     def both(q, k, v, kpos, n_keys, ring_length=None, **kw):
         out = real(q, k, v, kpos, n_keys, ring_length=ring_length, **kw)
@@ -210,7 +213,7 @@ def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
             errors.append(rel(out, masked))
         return out
 
-    monkeypatch.setattr(engine_module, "attention", both)
+    monkeypatch.setattr(forward_module, "attention", both)
     eng.prefill(cache, torch.randint(0, V, (3 * W + 37,), device=DEV))
     ids = torch.randint(0, V, (64,), device=DEV)
     eng.denoise(cache, ids)
@@ -421,7 +424,7 @@ def test_a_forward_launched_under_a_device_condition_runs_only_when_told():
 def test_sc_probs_kernel_path_matches_softmax_real_shape():
     """The graph's SC probabilities (row-stats lse, then exp(z - lse) in bf16) against torch's f32 softmax cast
     to bf16, at the real [256, 262144]: equal up to one bf16 rounding of nearly equal f32 values."""
-    eng = object.__new__(Engine)
+    eng = object.__new__(Forward)
     eng.dtype = torch.bfloat16
     sc = torch.randn(256, 262144, device=DEV) * 4
     sc[:, :7] += 25  # a few rows' worth of peaked mass, as a converging canvas has
@@ -433,7 +436,7 @@ def test_sc_probs_kernel_path_matches_softmax_real_shape():
     assert (got.float().sum(-1) - 1).abs().max().item() < 1e-2
 
 
-# ----------------------------------------------------------------------------------- round 2 kernels, real shapes
+# ----------------------------------------------------------------------------------- fused kernels, real shapes
 
 from diffgemma.ops import attention as attn  # noqa: E402
 from diffgemma.ops import gelu_mul, moe_plan, qkv, route  # noqa: E402

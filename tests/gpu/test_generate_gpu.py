@@ -12,6 +12,7 @@
 
 import random
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,14 +22,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from diffgemma import generation  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.generation import StepEvent, generate_stream  # noqa: E402
+from diffgemma.model import denoiser as denoiser_mod  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomSource  # noqa: E402
 from diffgemma.ops import rowstats  # noqa: E402
 from diffgemma.sampling.accept import accept_mask  # noqa: E402
 from diffgemma.sampling import stats as stats_mod  # noqa: E402
 from diffgemma.sampling.stats import StepStats  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 
+from bench.fixtures import RandomSource  # noqa: E402
 from tiny_checkpoints import CONFIGS, MID  # noqa: E402
 
 DEV = "cuda"
@@ -68,8 +70,8 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
     cache.truncate(len(prompt))
     torch.cuda.synchronize()
     reads = []
-    original = generation._read_status
-    monkeypatch.setattr(generation, "_read_status",
+    original = denoiser_mod.read_status
+    monkeypatch.setattr(denoiser_mod, "read_status",
                         lambda *a, **k: (reads.append(1), original(*a, **k))[1])
     per_step = []
     with warnings.catch_warnings(record=True) as caught:
@@ -244,7 +246,7 @@ def test_generate_on_raw_logits_gives_the_softcapped_loop(engine, arm, monkeypat
     s = settings(**arm)
     prompt = torch.randint(4, engine.config.vocab_size, (23,), device=DEV)
     a = next(e for e in generate_stream(engine, prompt, settings=s) if isinstance(e, StepEvent))
-    monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
+    monkeypatch.setattr(engine, "options", replace(engine.options, softcap_in_sampler=False))
     b = next(e for e in generate_stream(engine, prompt, settings=s) if isinstance(e, StepEvent))
     assert (a.block, a.step, b.block, b.step) == (0, 1, 0, 1)
     assert torch.equal(a.draft, b.draft) and abs(a.mean_entropy - b.mean_entropy) < 1e-5
@@ -282,11 +284,11 @@ def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, mo
     """The sparse SC writes its dense fallback's probabilities (forced here) or its survivor mask (the gather, which
     small vocabularies take) into the graph's raw-logits buffer, dead between a denoise's softcap and the next
     replay (Engine.logits_scratch): every step is lent the buffer, and the tokens are those of a run that
-    allocates fresh ones. That is the loop on denoise's softcapped logits (SOFTCAP_IN_SAMPLER off): on the raw
+    allocates fresh ones. That is the loop on denoise's softcapped logits (softcap_in_sampler off): on the raw
     logits the buffer is the step's logits themselves, and nothing is lent."""
     from diffgemma.sampling.self_condition import SparsePlan
 
-    monkeypatch.setattr(generation, "SOFTCAP_IN_SAMPLER", False)
+    monkeypatch.setattr(engine, "options", replace(engine.options, softcap_in_sampler=False))
 
     if dense:
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)
@@ -312,7 +314,7 @@ def test_sparse_sc_in_the_engines_dead_logits_buffer_changes_no_token(engine, mo
 def test_status_read_waits_for_the_main_stream_but_not_for_the_overlap():
     """The status is packed on the side stream after the main stream's work so far (here a long chain whose last
     value it reads), and the overlap queued after it (the dense SC product) still lands in order on the main stream."""
-    side = generation._SideStream(torch.device(DEV))
+    side = denoiser_mod.SideStream(torch.device(DEV))
     a = torch.randn(2048, 2048, device=DEV)
     x = a
     for _ in range(20):  # long enough that a read racing it would see the zeros below
@@ -331,7 +333,7 @@ def test_status_read_waits_for_the_main_stream_but_not_for_the_overlap():
     def overlap():
         later.append(torch.tanh(x @ a * 1e-3).double().sum())
 
-    got = generation._read_status(lambda: torch.stack([value, value * 2]), overlap, side)
+    got = denoiser_mod.read_status(lambda: torch.stack([value, value * 2]), overlap, side)
     assert got == [want, 2 * want]
     assert len(later) == 1 and torch.isfinite(later[0])
 
@@ -371,7 +373,7 @@ def test_staged_forward_inputs_change_no_token(engine, monkeypatch):
 
 @pytest.mark.parametrize("sc_way", ["dense", "gather", "both"])
 def test_forwards_launched_ahead_change_no_token(engine, monkeypatch, sc_way):
-    """generate launches each next forward before its status read, under the device's go/stop answer (RUN_AHEAD),
+    """generate launches each next forward before its status read, under the device's go/stop answer (EngineOptions.run_ahead),
     with the dense SC product (forced) or the gather (the small vocabularies' way) made ahead of the read, or a
     cap of ~2 survivors a row so that steps go both ways and bets are lost (a gather made ahead past its cap, then
     dropped): the same tokens as a run that launches after the read, some forwards were launched ahead, and some
@@ -401,7 +403,7 @@ def test_forwards_launched_ahead_change_no_token(engine, monkeypatch, sc_way):
     assert True in gos, gos
     if any(r != "max_steps" for r in ahead.stop_reasons):  # a block stopped on a step that had a plan: launched false
         assert False in gos, (gos, ahead.stop_reasons)
-    monkeypatch.setattr(generation, "RUN_AHEAD", False)
+    monkeypatch.setattr(engine, "options", replace(engine.options, run_ahead=False))
     gos.clear()
     after = [e for e in generate_stream(engine, prompt, settings=s)][-1].result
     assert gos == []
@@ -417,8 +419,7 @@ SIDE_DELAY_CYCLES = 20_000_000
 def test_device_lcg_draws_on_a_delayed_stream_match_the_host_lcg():
     """The canvas RNG drawn on the main stream, then on a side stream held back by a spin, while the main stream
     allocates and fills small tensors right away: the side's draws are still the host LCG's. A state replaced on
-    each draw (the code before round 25) went back to the main stream's pool here and was overwritten before the side
-    read it."""
+    each draw would go back to the main stream's pool here and be overwritten before the side read it."""
     from diffgemma.sampling.rng import DeviceLcg, Lcg
 
     seed = random.getrandbits(64)
@@ -443,14 +444,14 @@ ARMS_DELAYED = [{}, {"freeze": True}, {"commit": "sample"}, {"commit": "sample",
 def test_a_delayed_side_stream_changes_no_token(engine, monkeypatch, arm):
     """generate's bookkeeping stream held back by a spin at every fork (so the main stream's work and allocations run
     well ahead of it) gives the tokens of a run with no side stream at all, with the freeze mask and with sampling
-    (whose temperature scalar the gather made ahead reads on the main stream). Before round 25 the first step's
-    noise read an RNG state the main stream had already reused, and seeded runs with graphs differed."""
+    (whose temperature scalar the gather made ahead reads on the main stream). An RNG state the main stream
+    reused before the side read it would change the first step's noise."""
     from diffgemma.sampling.self_condition import SparsePlan
 
     s = settings(max_denoising_steps=12, **ARMS_DELAYED[arm])
     monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 1 << 40)  # every step takes the gather (ahead, with graphs)
     prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
-    real_fork = generation._SideStream.fork
+    real_fork = denoiser_mod.SideStream.fork
 
     def delayed_fork(self):
         ctx = real_fork(self)
@@ -459,9 +460,9 @@ def test_a_delayed_side_stream_changes_no_token(engine, monkeypatch, arm):
                 torch.cuda._sleep(SIDE_DELAY_CYCLES)
         return ctx
 
-    monkeypatch.setattr(generation._SideStream, "fork", delayed_fork)
+    monkeypatch.setattr(denoiser_mod.SideStream, "fork", delayed_fork)
     delayed = [[e for e in generate_stream(engine, prompt, settings=s)][-1].result for _ in range(2)]
-    monkeypatch.setattr(generation._SideStream, "__init__", lambda self, device: setattr(self, "stream", None))
+    monkeypatch.setattr(denoiser_mod.SideStream, "__init__", lambda self, device: setattr(self, "stream", None))
     one_stream = [e for e in generate_stream(engine, prompt, settings=s)][-1].result
     for run in delayed:
         assert run.tokens == one_stream.tokens and len(one_stream.tokens) > 0
@@ -469,14 +470,14 @@ def test_a_delayed_side_stream_changes_no_token(engine, monkeypatch, arm):
 
 
 FIRST_RUNS = r"""
-import json, sys
+import json, os, sys
 import torch
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # tests/ and the repo root (bench.fixtures)
 from tiny_checkpoints import MID
 from diffgemma.config import ModelConfig
 from diffgemma.generation import generate_stream
 from diffgemma.model.engine import build_engine
-from diffgemma.model.engine_weights import RandomSource
+from bench.fixtures import RandomSource
 from diffgemma.sampling.self_condition import SparsePlan
 from diffgemma.settings import GenerationSettings
 
@@ -493,9 +494,8 @@ print(json.dumps([[e for e in generate_stream(eng, prompt, settings=s)][-1].resu
 
 
 def test_a_fresh_process_first_seeded_generate_gives_the_later_runs_tokens():
-    """Every other test here generates after earlier tests warmed the process up. Round 8 saw a process's first
-    seeded generate give other tokens than its later ones (the RNG state's stream race fixed in round 25 fits it),
-    so this one starts a fresh process and compares its first three runs."""
+    """Every other test here generates after earlier tests warmed the process up: this one starts a fresh process
+    and compares its first three seeded runs (a race on the first run's state would show here)."""
     import json
     import subprocess
     import sys

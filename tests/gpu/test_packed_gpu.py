@@ -1,6 +1,6 @@
 """GPU checks for the packed-weight GEMMs at the real shapes, and the engine on packed weights.
 
-Skips without CUDA. Random packed records are generated on the device (engine_weights.random_record).
+Skips without CUDA. Random packed records are generated on the device (bench.fixtures.random_record).
 Kernels are held to their torch twins (dequantize to bf16 + torch._grouped_mm) by ‖Δ‖/‖ref‖: both
 accumulate in f32 from the same bf16 weights and round the output to bf16, so only the summation order
 differs.
@@ -14,10 +14,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from diffgemma.checkpoint import expected_tensors  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomPackSource, random_record  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
 from diffgemma.ops import grouped, moe, moe_packed as mp, moe_q4  # noqa: E402
 from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
+
+from bench.fixtures import RandomPackSource, random_record  # noqa: E402
 
 DEV = "cuda"
 S, FULL = "sliding_attention", "full_attention"
@@ -225,7 +226,7 @@ MID = dict(vocab_size=8192, hidden_size=512, intermediate_size=384, num_hidden_l
 
 
 @pytest.mark.parametrize("experts", ["q4", "nvfp4"])
-def test_engine_on_packed_weights_matches_reference(experts):
+def test_engine_on_packed_weights_matches_reference(experts, monkeypatch):
     """bf16 engine (packed experts + q8 SC, graphs, f16 KV) vs the f32 reference on the same dequantized weights."""
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": MID, "canvas_length": 64})
     src = RandomPackSource(cfg, DEV, torch.float32, seed=int(torch.randint(0, 2**31, (1,))), std=0.05,
@@ -253,10 +254,16 @@ def test_engine_on_packed_weights_matches_reference(experts):
     assert cos > 0.97 and agree >= 0.95
     # q4: the expert inputs come as f16 operands from attn_finish and gelu·up; as bf16 they give the same bits
     assert mp.takes_f16_operand(eng.w.layers[0].experts_gu, 64 * cfg.top_k_experts, g) == (experts == "q4")
-    eng.f16_operands = False
-    eng._graphs.clear()
-    assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), g)
-    eng.use_graphs = False
-    eager = eng.denoise(ec, canvas, sc_logits=sc)
-    eng.f16_operands = True
+    import functools
+
+    import diffgemma.model.forward as forward_module
+
+    with monkeypatch.context() as m:  # bf16 operands: attn_finish writes bf16, the GEMM converts in its loop
+        m.setattr(forward_module, "expert_ffn", functools.partial(moe.expert_ffn, f16_operands=False))
+        finish = forward_module.attn_finish
+        m.setattr(forward_module, "attn_finish", lambda *a, moe_f16, **k: finish(*a, moe_f16=False, **k))
+        eng._graphs.clear()
+        assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), g)
+        eng.use_graphs = False
+        eager = eng.denoise(ec, canvas, sc_logits=sc)
     assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), eager)

@@ -1,1 +1,3 @@
-"""Model implementations: `reference` (plain torch oracle) and, on CUDA, the fast `engine`."""
+"""The models generate drives (protocol.DenoiseModel): `reference` (the plain-torch oracle) and the fast `engine`
+(the `forward` math behind a runner of CUDA graphs and staging, configured by `options.EngineOptions`); `denoiser`
+says how a step meets the device for either."""

@@ -5,7 +5,7 @@ Layout choices (all lossless reshuffles of the checkpoint tensors):
              layers have no v_proj (V is the raw k_proj output), so their block is q ‖ k only.
   mlp_gu     [2·F, H]  dense gate ‖ up, one GEMM.
   router_w   [E, H] and router_in_scale = router.scale · H^-0.5 (f32): routing is control flow, so its
-             logits are computed in f32 (ARCHITECTURE precision policy). On CUDA also router_pieces, the same
+             logits are computed in f32 (docs/ARCHITECTURE.md, 'Precision'). On CUDA also router_pieces, the same
              weight as exact bf16 parts for the bf16x3 router GEMM (ops/route.py); a bf16 router (every
              checkpoint's) is then one part, and router_w is that part (its users read it as f32), else f32.
   layer scalars are plain floats (read once; they are baked into the CUDA graph).
@@ -17,14 +17,10 @@ stacks in q4 / q5 / q6 / nvfp4 and the SC MLP in q8 then stay packed on the devi
 device, no bf16 copy is made, and the GEMMs dequantize on the fly. The SC gate and up records are
 concatenated row-wise (q8 is per-row, so that is lossless). Any other quantized tensor is
 dequantized once at load to `dtype`, as before.
-
-`random_source` builds checkpoint-named random tensors directly on a device (no file), for the
-benchmark at the real shapes and for tests.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -217,121 +213,3 @@ class DictSource:
     def get(self, name, dtype=None, device="cpu"):
         t = self.tensors[name]
         return t.to(device=device, dtype=dtype or t.dtype)
-
-
-class RandomSource(DictSource):
-    """Checkpoint-named random weights generated lazily on `device` (each tensor on first `get`), so the
-    full-size model never needs a host copy. Scales keep activations O(1): std 0.02 linears, norm
-    weights near 1 (QK-norm near head_dim^-1/4), layer scalars near 1."""
-
-    def __init__(self, cfg: ModelConfig, device, dtype=torch.bfloat16, seed=0, std=0.02):
-        from ..checkpoint import expected_tensors
-
-        self.shapes = expected_tensors(cfg)
-        self.device, self.dt, self.std = device, dtype, std
-        self.gen = torch.Generator(device=device)
-        self.gen.manual_seed(seed)
-        super().__init__({})
-
-    def keys(self):
-        return set(self.shapes)
-
-    def shape(self, name):
-        return self.shapes[name]
-
-    def get(self, name, dtype=None, device=None):
-        shape = self.shapes[name]
-        dt = dtype or self.dt
-        if name.endswith("layer_scalar") or name.endswith("per_expert_scale") or name.endswith("router.scale"):
-            t = 1.0 + 0.1 * torch.rand(shape, generator=self.gen, device=self.device)
-        elif len(shape) == 1:  # norm weights
-            t = 1.0 + 0.2 * torch.randn(shape, generator=self.gen, device=self.device)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                # Trained QK-norm weights carry the attention temperature (there is no 1/sqrt(d));
-                # weights near 1 would make q·k ~ head_dim and attention a chaotic hard max.
-                t = t * shape[0] ** -0.25
-        else:  # in the model's dtype, as a checkpoint stores them (the router's too, though it is read as f32)
-            t = torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dt) * self.std
-        return t.to(device=device or self.device, dtype=dt)
-
-
-def random_record(fmt: str, shape, device, gen: torch.Generator, std: float = 0.02) -> torch.Tensor:
-    """A random pack record generated directly on `device` (no encoder pass): uniform random codes and
-    per-group scales / mins chosen so the decoded weights have mean ~0 and std ~`std`. For the benchmark
-    at the real size (quantizing 51 GB would take far longer than the run) and the GPU tests."""
-    from ..quant import codecs
-
-    shape = tuple(shape)
-    rec = torch.zeros(codecs.record_nbytes(fmt, shape), dtype=torch.uint8, device=device)
-    view = {p.name: rec[p.offset:p.offset + p.nbytes].view(p.rows, p.row_bytes) for p in codecs.planes(fmt, shape)}
-
-    def rand_bytes(v, lo=0, hi=256):
-        v.copy_(torch.randint(lo, hi, v.shape, generator=gen, device=device, dtype=torch.int32).to(torch.uint8))
-
-    def jitter(v):  # per-group spread of the ranges, as trained weights have
-        return v * (0.75 + 0.5 * torch.rand(v.shape, generator=gen, device=device))
-
-    for name in ("codes", "lo", "hi"):
-        if name in view and fmt != "q8":
-            rand_bytes(view[name])
-    if fmt in ("q4", "q5", "q6"):
-        levels = {"q4": 16, "q5": 32, "q6": 64}[fmt]
-        s = jitter(torch.full(view["scale"].view(torch.float16).shape, std * math.sqrt(12) / levels, device=device))
-        view["scale"].view(torch.float16).copy_(s)
-        view["min"].view(torch.float16).copy_(-s * (levels - 1) / 2)
-    elif fmt == "q8":
-        view["codes"].view(torch.int8).copy_(torch.randint(-127, 128, view["codes"].shape, generator=gen, device=device,
-                                                           dtype=torch.int32).to(torch.int8))
-        view["scale"].view(torch.float32).copy_(jitter(torch.full(view["scale"].view(torch.float32).shape, std / 73.3,
-                                                                  device=device)))
-    elif fmt == "nvfp4":
-        rand_bytes(view["scale"], 0x30, 0x41)  # e4m3 block scales 0.5 .. 2.0
-        view["tscale"].view(torch.float32).fill_(std / 2.93)  # rms of a uniform random e2m1 code: 2.93
-    else:
-        raise ValueError(f"no random records for format {fmt!r}")
-    return rec
-
-
-class RandomPackSource(RandomSource):
-    """RandomSource whose expert stacks come as random `experts` records and the SC MLP as random `sc`
-    records, generated on the device: the fast engine keeps them packed. `get` on a packed name returns
-    its dequantized values (so a reference model can be built from the same source). cache=True keeps
-    every tensor it hands out, so two consumers see the same weights."""
-
-    def __init__(self, cfg: ModelConfig, device, dtype=torch.bfloat16, seed=0, std=0.02, experts="q4", sc="q8",
-                 cache=False):
-        super().__init__(cfg, device, dtype, seed=seed, std=std)
-        self.experts_fmt, self.sc_fmt, self.cache = experts, sc, cache
-        self._records: dict = {}
-        self._raw: dict = {}
-
-    def kind(self, name) -> str:
-        if ".experts." in name:
-            return self.experts_fmt
-        if ".self_conditioning." in name and "norm" not in name:
-            return self.sc_fmt
-        return "raw"
-
-    def record_tensor(self, name, device=None):
-        rec = self._records.get(name)
-        if rec is None:
-            rec = random_record(self.kind(name), self.shapes[name], self.device, self.gen, self.std)
-            if self.cache:
-                self._records[name] = rec
-        return rec if device is None else rec.to(device)
-
-    def record_nbytes(self, name) -> int:
-        from ..quant import codecs
-
-        kind = self.kind(name)  # raw tensors: bf16 in the checkpoint, stored verbatim
-        return math.prod(self.shapes[name]) * 2 if kind == "raw" else codecs.record_nbytes(kind, self.shapes[name])
-
-    def get(self, name, dtype=None, device=None):
-        if self.kind(name) != "raw":
-            pw = PackedWeight.from_record(self.kind(name), self.shapes[name], self.record_tensor(name))
-            return pw.dequantize(dtype or self.dt).to(device or self.device)
-        if not self.cache:
-            return super().get(name, dtype, device)
-        if name not in self._raw:
-            self._raw[name] = super().get(name, torch.float32)
-        return self._raw[name].to(device=device or self.device, dtype=dtype or self.dt)

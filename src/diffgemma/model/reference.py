@@ -11,8 +11,8 @@ One set of weights, two passes:
   layer's output is multiplied by the *decoder's* layer_scalar; output logits are
   30·tanh(h·Eᵀ/30) with the embedding E as the tied lm_head.
 
-Checkpoint-specific details that look wrong but are right (ARCHITECTURE.md §2.1; transformers is
-the authority): RMSNorm is x·w (not x·(1+w)); no 1/sqrt(d) attention scale (QK-norm folds it in);
+Checkpoint-specific details that look wrong but are right (docs/ARCHITECTURE.md, 'The model';
+transformers is the authority): RMSNorm is x·w (not x·(1+w)); no 1/sqrt(d) attention scale (QK-norm folds it in);
 full-attention layers have no v_proj and use the raw k_proj output as V (then a no-scale norm,
 no RoPE); RoPE pairs dimension d with d+head_dim/2, and on full layers only the first
 partial_rotary_factor·head_dim/2 frequencies rotate, with exponents over the whole head_dim;
@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import DECODER, ENCODER_LAYERS
-from ..config import LayerConfig, ModelConfig
+from ..config import LayerConfig, ModelConfig, cache_tokens
 from ..errors import InputError
+from .denoiser import Denoiser, one_cache
 from .kv_cache import ReferenceKVCache
 
 # ----------------------------------------------------------------------------- building blocks
@@ -125,8 +126,17 @@ class ReferenceModel:
 
     # -- public API ------------------------------------------------------------------------
 
-    def new_cache(self, max_tokens: int = 8192) -> ReferenceKVCache:
-        return ReferenceKVCache(self.config, max_tokens, self.dtype, self.device)
+    def new_cache(self, max_tokens: int | None = None) -> ReferenceKVCache:
+        """A KV cache of max_tokens (default: 8192, or the model's context where smaller; more is refused)."""
+        return ReferenceKVCache(self.config, cache_tokens(self.config, max_tokens), self.dtype, self.device)
+
+    def context_buckets(self, cache: ReferenceKVCache) -> list[int]:
+        """One bucket: the reference captures nothing per context length."""
+        return [cache.max_tokens]
+
+    def denoiser(self, caches) -> Denoiser:
+        """A denoise step's device side for `caches` (model/protocol.py): plain `denoise` calls."""
+        return Denoiser(self, one_cache(caches))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embedding[ids] * self.config.embed_scale

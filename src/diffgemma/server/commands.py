@@ -44,7 +44,8 @@ def add_subcommands(subparsers) -> None:
     s.set_defaults(func=_run_serve)
 
     r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
-    r.add_argument("log", type=Path, help="an ops-*.jsonl file written by serve, ask or chat with --log-dir")
+    r.add_argument("log", type=Path, nargs="+",
+                   help="ops-*.jsonl files written by serve, ask or chat with --log-dir, or folders of them")
     r.add_argument("--model", default=None, help="model directory (default: the one the log names)")
     r.add_argument("--device", default=None, help="device (default: the one the log names)")
     r.set_defaults(func=_run_replay)
@@ -146,7 +147,10 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
         print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: for a server, a normal stop
+            pass
     finally:
         sock.close()
         worker.close()
@@ -156,15 +160,6 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
 
 
 def _run_replay(args) -> int:
-    from .. import oplog
-    from ..loader import load
-    from ..replay import replay
+    from ..replay import run_logs
 
-    start = oplog.read(args.log)[0]
-    model = load(args.model or start.get("model"), device=args.device or start.get("device") or "cpu")
-    report = replay(args.log, model)
-    for line in report.problems:
-        print(line)
-    verdict = "identical" if report.ok else f"{len(report.problems)} generation(s) differ"
-    print(f"replay: {report.generations} generations, {report.events} logged events: {verdict}")
-    return 0 if report.ok else 1
+    return run_logs(args.log, model_path=args.model, device=args.device)

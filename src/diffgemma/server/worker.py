@@ -17,6 +17,7 @@ import itertools
 import queue
 import threading
 
+from ..config import cache_tokens
 from ..errors import InputError
 from ..events import CancelledEvent, ErrorEvent, StepEvent
 from ..session import run_turn
@@ -72,11 +73,10 @@ class _Call:
 
 
 class Worker:
-    def __init__(self, model, *, slots: int = 2, max_tokens: int = 8192, log=None):
+    def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None):
         if not isinstance(slots, int) or slots < 1:
             raise InputError(f"slots: expected a positive integer, got {slots!r}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InputError(f"max_tokens: expected a positive integer, got {max_tokens!r}")
+        max_tokens = cache_tokens(model.config, max_tokens)  # the one rule for a cache's size
         self.model, self.max_tokens, self.log = model, max_tokens, log
         self.slots: list[Slot | None] = [None] * slots  # each cache is made on first use
         self._gens = itertools.count()

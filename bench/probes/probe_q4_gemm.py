@@ -1,13 +1,13 @@
 """Probe: where the q4 expert GEMM's time goes at the denoise shape (one GPU, a minute).
 
-    PYTHONPATH=src python bench/probe_q4_gemm.py [--modes full,no_affine,...] [--configs N] [--json out.json]
+    PYTHONPATH=src python -m bench.probes.probe_q4_gemm [--modes full,no_affine,...] [--configs N] [--json out.json]
 
 The packed kernel (ops/moe_packed.py) streams q4 codes at a fifth of the bandwidth the bf16 streaming
 kernel reaches. Without hardware counters, this times variants of the same loop that leave one stage
-out (METHOD.md: "time variants that leave one stage out, and take differences"). Their results are
+out, and takes the differences. Their results are
 wrong on purpose, except MODE full, which is checked against the twin.
 
-Its loop is round 6's: the scales and mins are loaded in the K step that uses them. Since round 7 the
+Its loop loads the scales and mins in the K step that uses them; the
 production kernel loads them one step ahead (Triton left those loads synchronous), so "full" here is the
 kernel's `prefetch=False` path, not its default.
 
@@ -29,18 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import time_cuda  # noqa: E402  (also puts src/ on the path)
-from diffgemma.model.engine_weights import random_record  # noqa: E402
-from diffgemma.ops import moe_packed as mp  # noqa: E402
-from diffgemma.ops.moe_plan import moe_plan  # noqa: E402
+from bench.bench_engine import time_cuda
+from bench.fixtures import random_record
+from diffgemma.ops import moe_packed as mp
+from diffgemma.ops.moe_plan import moe_plan
 
 MODES = {"full": 0, "no_affine": 1, "bytes": 2, "no_dot": 3, "loads": 4, "group_dots": 5, "ptr_affine": 6}
 

@@ -1,6 +1,6 @@
 """Probe: what is alive at the peak of a q4 generate session at 8k context (one GPU, a minute).
 
-    PYTHONPATH=src python bench/probe_memory.py [--top 25]
+    PYTHONPATH=src python -m bench.probes.probe_memory [--top 25]
 
 Builds the full-size q4 model on random weights (as bench_pack.py), prefills 7936 tokens, runs one warm
 `generate` (captures the graphs), then records the allocator's history over a second generate that ends with
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import CANVAS, TEXT  # noqa: E402  (also puts src/ on the path)
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.model.engine_weights import RandomPackSource  # noqa: E402
-import diffgemma.generation as G  # noqa: E402
+import diffgemma.generation as G
+from bench.bench_engine import CANVAS, TEXT
+from bench.fixtures import RandomPackSource
+from diffgemma.config import ModelConfig
+from diffgemma.model.engine import build_engine
 
 GiB = 2**30
 

@@ -1,6 +1,6 @@
 """Probe: where one graphed denoise step's GPU time goes, kernel by kernel (full size, random weights, one GPU).
 
-    PYTHONPATH=src python bench/probe_step.py [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--sequence N]
+    PYTHONPATH=src python -m bench.probes.probe_step [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--sequence N]
                                               [--json out.json]
 
 Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_engine as B  # noqa: E402  (also puts src/ on the path)
-from diffgemma.config import ModelConfig  # noqa: E402
+import bench.bench_engine as B
+from bench.fixtures import RandomPackSource, RandomSource
+from diffgemma.config import ModelConfig
 
 # kernel name -> family; the first pattern that matches wins
 FAMILIES = [
@@ -165,11 +165,10 @@ def main():
         sys.exit("probe_step.py needs a CUDA GPU")
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": B.TEXT, "canvas_length": B.CANVAS})
     if a.q4:
-        from diffgemma.model.engine_weights import RandomPackSource
 
         src = RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8")
     else:
-        src = B.RandomSource(cfg, "cuda", torch.bfloat16, seed=0)
+        src = RandomSource(cfg, "cuda", torch.bfloat16, seed=0)
     eng = B.build_engine(cfg, src, "cuda", torch.bfloat16)
     V = cfg.vocab_size
     out = {"gpu": torch.cuda.get_device_name(), "q4": a.q4, "ctx": {}, "memory": read_bandwidth()}

@@ -1,9 +1,9 @@
 """Probe: where `generate`'s time outside the forwards goes, and whether seeded runs repeat (one GPU, ~1 min each).
 
-    PYTHONPATH=src python bench/probe_generate.py timeline      # CUDA events at the loop's seams, per step
-    PYTHONPATH=src python bench/probe_generate.py side          # overhead with the bookkeeping stream on / off
-    PYTHONPATH=src python bench/probe_generate.py repeat        # seeded full-size generates: the same tokens?
-    PYTHONPATH=src python bench/probe_generate.py gather        # the SC gather kernels against index_add_
+    PYTHONPATH=src python -m bench.probes.probe_generate timeline      # CUDA events at the loop's seams, per step
+    PYTHONPATH=src python -m bench.probes.probe_generate side          # overhead with the bookkeeping stream on / off
+    PYTHONPATH=src python -m bench.probes.probe_generate repeat        # seeded full-size generates: the same tokens?
+    PYTHONPATH=src python -m bench.probes.probe_generate gather        # the SC gather kernels against index_add_
 
 All on the full-size architecture with random weights and balanced routing (as bench_engine.py). `timeline`
 records CUDA events around the forward, the row stats, the SC plan, the status read and the SC product (no
@@ -13,7 +13,7 @@ generate several times on fresh caches, then again after filling the allocator's
 later allocations first reuse the blocks the previous run cached), and prints a hash of every step's draft
 and of the tokens, comparable across processes: run it plain, under CUDA_LAUNCH_BLOCKING=1, with
 `--fill-uninitialized` (torch's deterministic mode, every new tensor filled with NaN / max int), `--no-side`
-or `--plain-generate` (generate() itself, no per-step clone). Numbers: bench/RESULTS.md rounds 8 and 9.
+or `--plain-generate` (generate() itself, no per-step clone).
 """
 
 from __future__ import annotations
@@ -24,24 +24,24 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_engine as B  # noqa: E402  (also puts src/ on the path)
-import diffgemma.generation as G  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.sampling import self_condition as SC  # noqa: E402
-from diffgemma.sampling import stats as ST  # noqa: E402
+import bench.bench_engine as B
+import diffgemma.generation as G
+from bench.fixtures import RandomSource
+from diffgemma.config import ModelConfig
+from diffgemma.model import denoiser as D
+from diffgemma.sampling import self_condition as SC
+from diffgemma.sampling import stats as ST
 
 
 def full_size_engine():
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": B.TEXT, "canvas_length": B.CANVAS})
-    return cfg, B.build_engine(cfg, B.RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
+    return cfg, B.build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
 
 
-class _NoSide(G._SideStream):
+class _NoSide(D.SideStream):
     """The loop's bookkeeping on the main stream (the A/B twin of the side stream)."""
 
     def __init__(self, device):
@@ -72,7 +72,7 @@ def timeline():
     with B.routing("balanced"):
         G.generate(eng, prompt, seed=0, max_new_tokens=256, cache=cache)  # warm: graphs, compiles
         wrap(eng, "denoise", "fwd")
-        wrap(G, "_read_status", "read")
+        wrap(D, "read_status", "read")
         wrap(ST.StepStats, "__init__", "stats")
         wrap(SC.SparsePlan, "__init__", "plan")
         wrap(SC.SparsePlan, "start", "product")
@@ -94,19 +94,19 @@ def timeline():
 
 def side(reps: int):
     _, eng = full_size_engine()
-    real = G._SideStream
+    real = D.SideStream
     res = {"side": [], "no side": []}
     try:
         with B.routing("balanced"):
             for _ in range(reps):
                 for name, cls in (("side", real), ("no side", _NoSide)):
-                    G._SideStream = cls
+                    D.SideStream = cls
                     r = B.bench_generate(eng)
                     res[name].append(r["outside_ms_per_step"])
                     print(f"{name}: {r['outside_ms_per_step']:.3f} ms/step outside ({r['outside_share'] * 100:.2f} %)",
                           flush=True)
     finally:
-        G._SideStream = real
+        D.SideStream = real
     for name, v in res.items():
         print(f"{name}: median {statistics.median(v):.3f} ms/step over {len(v)} runs")
 
@@ -123,7 +123,7 @@ def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: b
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
     if no_side:
-        G._SideStream = _NoSide
+        D.SideStream = _NoSide
     cfg, eng = full_size_engine()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(11)
@@ -164,7 +164,7 @@ def repeat(runs: int, fill_uninitialized: bool, no_side: bool, plain_generate: b
 
 
 def gather():
-    from bench_engine import time_cuda
+    from bench.bench_engine import time_cuda
     from diffgemma.ops import sc_gather as g
 
     V, H, R = 262144, 2816, 256
@@ -187,7 +187,7 @@ def main():
     ap.add_argument("what", choices=["timeline", "side", "repeat", "gather"])
     ap.add_argument("--reps", type=int, default=3, help="side: alternations; repeat: plain runs")
     ap.add_argument("--fill-uninitialized", action="store_true",
-                    help="repeat: torch's deterministic mode, new tensors filled (round 8's lead)")
+                    help="repeat: torch's deterministic mode, new tensors filled")
     ap.add_argument("--no-side", action="store_true", help="repeat: the bookkeeping on the main stream")
     ap.add_argument("--plain-generate", action="store_true", help="repeat: generate() itself, final tokens only")
     ap.add_argument("--prompt-len", type=int, default=300, help="repeat: prompt tokens")

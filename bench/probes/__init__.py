@@ -1,0 +1,1 @@
+"""Probes: one-off investigations of where the engine's time and memory go (python -m bench.probes.probe_step)."""

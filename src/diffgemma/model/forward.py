@@ -1,0 +1,286 @@
+"""The fast forward: the reference model's math (model/reference.py) with fused weights and fused ops.
+
+Precision (docs/ARCHITECTURE.md, 'Precision'): activations in `dtype` (bf16 on the GPU), norms / softmax / router
+logits / MoE accumulation in f32, KV cache in `kv_dtype` (f16; the CPU parity tests may ask for f32). `denoise`
+returns the logits before the final softcap, in `dtype`.
+
+Data path of one layer (both passes; only the attention mask and the cache slots differ), with the number of
+launches on CUDA:
+  qkv GEMM (1; its input norm came fused with the previous layer's finish)
+  -> qkv_prep (1: Q/K norm + RoPE, V no-scale norm, K/V into the cache, Q head-major)
+  -> attention (1: flash-style Triton, GQA folded, masked key blocks skipped; the full layers' denoise canvas
+     instead (3): a Triton Q.K^T with the softmax per key tile in its epilogue, the tiles' weights, a Triton P.V)
+  -> o GEMM (1) -> attn_finish (1: post-attn norm + residual + the dense / MoE / router input norms)
+  -> dense gate||up GEMM, gelu.up, down GEMM (3; at up to OVERLAP_ROWS rows on all SMs but DENSE_SM_CARVEOUT)
+     beside it on a side stream (CUDA), joined before the expert GEMMs:
+  -> route_fused (2: f32 router logits from a bf16x3 GEMM; softmax, top-k ties -> lower expert, renorm, scale)
+  -> moe_plan (1: stable expert grouping, and the experts by row count: the GEMMs' launch order)
+  -> grouped expert GEMMs (2-4) -> layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual,
+     layer scalar, and the next layer's input norm).
+Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.
+
+Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to (q-W, q], over the
+ring as it was before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas
+writes its K/V into per-layer scratch rows of the cache and attends bidirectionally to the visible cache rows and
+itself. Only device tensors describe the context (cache.length_t, cache.slot_pos), so a denoise can be captured
+once as a CUDA graph and replayed at every step (model/engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..ops import moe_packed
+from ..ops._backend import use_triton
+from ..ops.attention import NO_WINDOW, attention
+from ..ops.gelu_mul import gelu_mul
+from ..ops.moe import expert_ffn
+from ..ops.moe_plan import moe_plan, moe_plan_with_order
+from ..ops.qkv import qkv_prep
+from ..ops.rmsnorm import attn_finish, embed_sc_norms, layer_finish_moe, rms_norm
+from ..ops.route import route_fused
+from ..ops.rowstats import tempered_masked_probs, tempered_rowstats
+from ..ops.sm_carveout import cublas_sm_carveout
+from .engine_cache import EngineKVCache
+from .engine_weights import EngineWeights
+from .options import EngineOptions
+
+# Up to this many rows (the denoise canvas, a committed block's prefill) the router chain runs on a side stream
+# beside the dense MLP, whose GEMMs leave it DENSE_SM_CARVEOUT SMs (docs/ARCHITECTURE.md, 'Overlap'). A prefill
+# chunk's kernels fill the GPU by themselves.
+OVERLAP_ROWS = 512
+DENSE_SM_CARVEOUT = 16
+
+
+class Forward:
+    """Weights, the prefill pass (writes the cache) and the denoise pass (reads it, returns raw logits)."""
+
+    def __init__(self, config: ModelConfig, weights: EngineWeights, *, device, dtype=torch.bfloat16,
+                 kv_dtype=torch.float16, options: EngineOptions | None = None):
+        self.config = config
+        self.w = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.options = options or EngineOptions()
+        self._side_stream = None  # the router chain's (CUDA)
+        self._canvas_rows_cache: dict = {}
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self.w.embed
+
+    def new_cache(self, max_tokens: int = 8192, rewind_slack: int | None = None) -> EngineKVCache:
+        return EngineKVCache(self.config, max_tokens, self.device, self.kv_dtype, rewind_slack=rewind_slack)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.w.embed[ids].float() * self.config.embed_scale).to(self.dtype)
+
+    def soft_embed(self, probs: torch.Tensor) -> torch.Tensor:
+        return ((probs.to(self.dtype) @ self.w.embed).float() * self.config.embed_scale).to(self.dtype)
+
+    # ------------------------------------------------------------------ prefill (causal, writes the cache)
+
+    @torch.no_grad()
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+        """ids: checked, on the device. Writes their K/V into the cache, a chunk at a time."""
+        chunk = self.options.prefill_chunk
+        for s in range(0, len(ids), chunk):
+            self._prefill_chunk(cache, ids[s: s + chunk])
+        if self._dequantizes_in_prefill(min(len(ids), chunk)):
+            # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at full
+            # size; ops/moe_packed.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
+            torch.cuda.empty_cache()
+
+    def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+        cfg, W, dev = self.config, self.config.sliding_window, self.device
+        P, n, R = cache.length, len(ids), cache.ring
+        pos = torch.arange(P, P + n, device=dev)
+        full_kpos = torch.arange(P + n, device=dev)  # full layers: row p holds position p
+        slide_kpos = torch.cat([cache.slot_pos, pos])  # the ring before this chunk, then the chunk itself
+        ring_slots = cache.ring_slots(pos, P + n)
+        tail = max(0, n - R)  # the first `tail` chunk positions are overwritten within the chunk
+
+        def attend(li, qkv, need_out):
+            K, V = cache.keys[li], cache.values[li]
+            if cfg.layers[li].is_sliding:  # (the last layer is always full: need_out is True here)
+                # Attend over the ring as it was before this chunk, then store the chunk: a long chunk's own writes
+                # would otherwise clobber window positions its earlier queries still need.
+                q, kv = self._qkv(li, qkv, pos, dense_kv=True)
+                Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+                o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
+                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P)
+                K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
+                V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
+                return o
+            q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
+            if not need_out:
+                return None
+            return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
+                             impl=self._attn_impl(False, True))
+
+        x = self.embed(ids)  # no SC norm on the encoder pass
+        self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
+        cache.advance(pos, P + n)
+
+    def _dequantizes_in_prefill(self, chunk: int) -> bool:
+        cfg = self.config
+        return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)
+                and moe_packed.dequantizes_for(chunk * cfg.top_k_experts / cfg.num_experts))
+
+    # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
+
+    def denoise(self, cache: EngineKVCache, ids, mode: str, sc, key_rows: int) -> torch.Tensor:
+        """One denoise forward -> the logits before the softcap, [C, V] in the model's dtype. mode: 'none' / 'logits'
+        / 'embeds' (what `sc` is). key_rows: rows of each full-attention cache the canvas reads (>= cache.length + C;
+        rows past that are masked)."""
+        cfg, eps, W = self.config, self.config.rms_norm_eps, self.config.sliding_window
+        C, L, R = len(ids), cache.length_t, cache.ring
+        ar, ring_canvas_slots = self._canvas_rows(C, R)
+        pos = L + ar
+        h = None
+        if mode != "none":
+            s = self.soft_embed(self._sc_probs(sc)) if mode == "logits" else sc.to(self.dtype)
+            s = self._sc_mlp(rms_norm(s, self.w.sc_pre_norm, eps))
+            x, h = embed_sc_norms(ids, self.w.embed, cfg.embed_scale, s, self.w.layers[0].input_norm, eps, self.dtype)
+        else:  # a zero SC signal goes through the SC MLP as exactly zero
+            x = rms_norm(self.embed(ids), None, eps)
+
+        live = self.options.sliding_live_window
+        slide_kpos = None if live else self._slide_kpos(cache, C)
+        slide_kw = dict(window=W, n_ring=R, ring_length=L) if live else {}
+        nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
+
+        def attend(li, qkv, need_out):
+            K, V = cache.keys[li], cache.values[li]
+            if cfg.layers[li].is_sliding:
+                q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
+                return attention(q, K, V, slide_kpos, R + C, out_dtype=self.dtype, impl=self._attn_impl(True, False),
+                                 **slide_kw)
+            q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
+            # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
+            return attention(q, K, V, None, key_rows, out_dtype=self.dtype, impl=self._attn_impl(False, False),
+                             nlive=nlive)
+
+        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
+        return h @ self.w.embed.T
+
+    def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
+        """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's logsumexp,
+        then exp(z - lse) written straight in bf16 (ops/rowstats.py): no [C, V] f32 softmax in the graph."""
+        if use_triton(sc) and sc.dtype == torch.float32:  # sc may be a RowsAt (a graph's SC input, no copy)
+            lse = tempered_rowstats(sc, 1.0)[3]
+            return tempered_masked_probs(sc, 1.0, torch.full_like(lse, -float("inf")), lse, self.dtype)
+        return torch.softmax(sc.float(), dim=-1)
+
+    def _sc_mlp(self, s):
+        """The self-conditioning MLP (gate||up, gelu.up, down); plain or packed q8 weights."""
+        return moe_packed.linear(gelu_mul(moe_packed.linear(s, self.w.sc_gu)), self.w.sc_down)
+
+    def _canvas_rows(self, C: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arange(C), R + arange(C)) on the device, made once per shape: constants a graph reads."""
+        rows = self._canvas_rows_cache.get((C, R))
+        if rows is None:
+            ar = torch.arange(C, device=self.device)
+            rows = self._canvas_rows_cache[(C, R)] = (ar, R + ar)
+        return rows
+
+    def _slide_kpos(self, cache: EngineKVCache, C: int) -> torch.Tensor:
+        """Per-key visibility of a sliding canvas call from the cache's slot positions (0 = visible, -1 = not): the
+        ring's live window, then the canvas itself (the twin of sliding_live_window)."""
+        sp, L, dev = cache.slot_pos, cache.length_t, self.device
+        neg = torch.full((), -1, dtype=torch.int64, device=dev)  # a fill, not a host copy: graph-capturable
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        ring = torch.where((sp >= 0) & (sp > L - self.config.sliding_window), zero, neg)
+        return torch.cat([ring, torch.zeros(C, dtype=torch.int64, device=dev)])
+
+    # ------------------------------------------------------------------ the layers
+
+    def _attn_impl(self, sliding: bool, causal: bool):
+        """Which attention runs where: a forced `attn_impl` everywhere; else the denoise canvas by layer kind as
+        `canvas_impls` says, and the dispatcher's default (the flash kernel on CUDA) for the rest. A fixed rule, not
+        a run-time race: the same inputs always take the same kernels (docs/ARCHITECTURE.md, 'Attention')."""
+        if self.attn_impl is None and not causal:
+            return self.canvas_impls.get("sliding" if sliding else "full")
+        return self.attn_impl
+
+    @property
+    def attn_impl(self) -> str | None:
+        return self.options.attn_impl
+
+    @property
+    def canvas_impls(self):
+        return self.options.canvas_impls
+
+    def _run_layers(self, x, scalars, attend, last_with_ffn: bool, final_w, h=None):
+        """h: the first layer's input norm of x, when the op that made x made it too. -> the last layer's output
+        norm (by final_w)."""
+        layers = self.w.layers
+        if h is None:
+            h = rms_norm(x, layers[0].input_norm, self.config.rms_norm_eps)
+        n = len(layers)
+        for li in range(n):
+            w_next = layers[li + 1].input_norm if li + 1 < n else final_w
+            x, h = self._layer(li, x, h, attend, scalars[li], w_next, with_ffn=last_with_ffn or li + 1 < n)
+        return h
+
+    def _layer(self, li: int, x, h, attend, scalar: float, w_next, with_ffn: bool = True):
+        """x: the residual stream, h: its input norm (fused into the previous op). -> (x, norm(x).w_next)."""
+        cfg, lw, eps = self.config, self.w.layers[li], self.config.rms_norm_eps
+        o = attend(li, h @ lw.qkv.T, with_ffn)
+        if not with_ffn:  # prefill's last layer: only its K/V are ever read
+            return None, None
+        a = o @ lw.o.T
+        # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
+        moe_f16 = moe_packed.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
+        x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
+                                                     lw.router_in_scale, eps, moe_f16=moe_f16)
+        side = self._router_stream() if len(h) <= OVERLAP_ROWS else None
+        if side is None:
+            dense = self._dense_mlp(lw, dense_in)
+            weights, src, inv, offs, order = self._route(lw, router_in)
+        else:  # fork: the router chain beside the dense MLP; join before the expert GEMMs read the plan
+            main = torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                weights, src, inv, offs, order = self._route(lw, router_in)
+            dense = self._dense_mlp(lw, dense_in)
+            main.wait_stream(side)
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype)
+        return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
+                                scalar, eps, w_next)
+
+    def _dense_mlp(self, lw, dense_in):
+        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and len(dense_in) <= OVERLAP_ROWS else None
+        with cublas_sm_carveout(carve):
+            return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
+
+    def _route(self, lw, router_in):
+        """The router chain: the mixing weights and the plan the expert GEMMs read (src, inv, offs, order)."""
+        cfg = self.config
+        weights, experts = route_fused(router_in, lw.router_w, cfg.top_k_experts, lw.per_expert_scale,
+                                       pieces=lw.router_pieces)
+        # order: the experts by row count, most first (None where no GEMM reads it, or with launch_order off)
+        if self.options.launch_order:
+            src, inv, offs, order = moe_plan_with_order(experts, cfg.num_experts)
+        else:
+            (src, inv, offs), order = moe_plan(experts, cfg.num_experts), None
+        return weights, src, inv, offs, order
+
+    def _router_stream(self):
+        """The router chain's side stream (CUDA), else None. Safe for the caching allocator without record_stream:
+        the side stream's tensors are last read by this layer's finish on the main stream, and the next fork (which
+        orders the side stream after that finish) comes before any side allocation could reuse their blocks."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:  # high priority: its blocks are scheduled first when SMs free up
+            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._side_stream
+
+    def _qkv(self, li, qkv, positions, **kw):
+        layer, lw = self.config.layers[li], self.w.layers[li]
+        H, KV, hd = self.config.num_heads, layer.num_kv_heads, layer.head_dim
+        v_off = (H + KV) * hd if layer.has_v_proj else H * hd  # full layers: V = raw k_proj output
+        return qkv_prep(qkv, H, KV, hd, v_off, lw.qkv_norm, lw.inv_freq, positions, self.config.rms_norm_eps,
+                        self.kv_dtype, **kw)

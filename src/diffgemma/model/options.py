@@ -1,0 +1,39 @@
+"""EngineOptions: the fast engine's implementation choices, fixed when it is built.
+
+None of them changes a token: each pair of forms computes the same bits (or, for `attn_impl`, the same math), and
+the tests compare them. The defaults are the measured fastest forms; the others stay because a test uses them as the
+twin of a default (docs/ARCHITECTURE.md, 'Verification').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    # Denoise through CUDA graphs (None: on CUDA). A capture that fails turns them off for the engine, with a warning.
+    graphs: bool | None = None
+    # Give each denoise graph a guarded twin (model/graph_guard.py: the graph as a CUDA graph IF node's body), so the
+    # loop can launch the next forward before it knows there is one. Where the driver cannot, plain graphs are used.
+    guarded_graphs: bool = True
+    # Run the next step's forward ahead of the step's status read, under the device's own go answer (the staged step:
+    # model/denoiser.py). Needs guarded graphs to launch; with plain graphs only the inputs are staged.
+    run_ahead: bool = True
+    # The loop steps on the raw bf16 logits and the sampler's kernels softcap them as they read (no f32 [C, V] pass);
+    # False: on `denoise`'s softcapped f32 logits (the twin the tests compare).
+    softcap_in_sampler: bool = True
+    # Force one attention implementation everywhere ('triton' / 'sdpa' / 'ref'); None: the rule in Forward._attn_impl.
+    attn_impl: str | None = None
+    # The denoise canvas attention by layer kind ('full' / 'sliding'); a kind not named takes the dispatcher's flash
+    # kernel. 'tiles' (ops/attention_tiles.py) is the default for full layers; 'gemm' (ops/attention_gemm.py) its twin.
+    canvas_impls: Mapping[str, str] = field(default_factory=lambda: {"full": "tiles"})
+    # The streaming expert GEMMs take the most-routed experts first (ops/moe_plan.moe_plan_with_order); False: in
+    # expert order (the same results; the GPU tests compare them).
+    launch_order: bool = True
+    # The sliding layers' canvas attention visits only the ring's live window; False: every ring slot under a per-key
+    # mask of the slot positions (the twin the CPU tests compare it with).
+    sliding_live_window: bool = True
+    # Prompt tokens per prefill chunk.
+    prefill_chunk: int = 8192

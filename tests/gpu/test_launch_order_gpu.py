@@ -1,0 +1,42 @@
+"""Engine.launch_order on the GPU: it reorders the expert GEMMs' programs (most-loaded expert first) and must not
+change a bit of what they compute. Off CUDA the plan carries no order, so both settings run the same code and
+the comparison would prove nothing: this file skips without CUDA.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from bench.fixtures import RandomSource  # noqa: E402
+
+from tiny_checkpoints import MID  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("use_graphs", [False, True])
+def test_launch_order_leaves_the_cache_and_logits_unchanged(use_graphs):
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": 64,
+                                 "text_config": dict(MID, model_type="diffusion_gemma_text")})
+    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
+    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
+    assert eng.launch_order  # the default
+    V = cfg.vocab_size
+    prompt, ids = torch.randint(0, V, (700,), device=DEV), torch.randint(0, V, (64,), device=DEV)
+    sc = torch.randn(64, V, device=DEV) * 3
+    out = {}
+    for order in (True, False):
+        eng.launch_order = order
+        eng.use_graphs = use_graphs
+        eng._graphs.clear()
+        cache = eng.new_cache(1024)
+        eng.prefill(cache, prompt)
+        out[order] = (cache.keys[-1].clone(), cache.values[-1].clone(), eng.denoise(cache, ids),
+                      eng.denoise(cache, ids, sc_logits=sc))
+        if use_graphs:
+            assert eng.graph_error is None, eng.graph_error
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
