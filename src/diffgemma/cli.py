@@ -10,6 +10,7 @@ import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from . import options
 from .errors import DiffgemmaError, InputError
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ask = sub.add_parser("ask", help="answer one prompt")
     ask.add_argument("prompt", help="the user's message (UTF-8 text)")
+    ask.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
+                     help="an image file (PNG, JPEG, WebP, ...) put before the prompt (repeatable; needs a model "
+                          "with a vision tower)")
     _add_generation_flags(ask)
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
@@ -171,9 +175,13 @@ def _utf8(text: str, what: str) -> str:
 
 def cmd_ask(args) -> int:
     _utf8(args.prompt, "the prompt")
+    for path in args.images:  # a missing file fails before the load
+        if not Path(path).expanduser().is_file():
+            raise InputError(f"--image {path}: no such file")
     model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
-    reply = session.ask(args.prompt, settings=settings, on_step=view)
+    images = [Path(p).expanduser() for p in args.images] or None
+    reply = session.ask(args.prompt, images=images, settings=settings, on_step=view)
     if view is not None:
         view.finish()
     _print_reply(reply, args)

@@ -8,7 +8,9 @@ same device (seeded generation is deterministic there). Records, one JSON object
   {"op": "start", "version": 1, "model": PATH|null, "device": ..., "dtype": ..., "slots": N, "max_tokens": M}
   {"op": "generate", "gen": G, "slot": S, "keep": K, "prompt": [ids...], "settings": {...}}
       slot S's KV cache rewound to its first K tokens, then `prompt` (the rest of the rendered
-      conversation) prefilled and a reply generated with `settings` (every GenerationSettings field)
+      conversation) prefilled and a reply generated with `settings` (every GenerationSettings field); with
+      images the prompt is a prompt key (vision/prompt.py) and the op has "images": {key: sha256}, the
+      bytes in <log>.images/<sha256> (vision/journal.py)
   {"event": "block", "gen": G, "block": B, "tokens": [...], "steps": n, "stop_reason": ..., "end": ...}
   {"event": "done", "gen": G, "tokens": [...], "stop_token": id|null}
   {"event": "cancelled", "gen": G, "blocks": n, "kept": K}   the client left after n blocks; the cache

@@ -78,6 +78,11 @@ def replay(path, model) -> ReplayReport:
         if got_keep != keep:
             report.problems.append(f"generation {gen}: the cache rewound to {got_keep} tokens, the log says {keep}")
             continue
+        images = None
+        if op.get("images"):  # vision/journal.py: the images' bytes beside the log
+            from .vision.journal import load_images
+
+            images = load_images(path, op["images"], model, f"generation {gen}")
         end = logged[-1] if logged and logged[-1]["event"] in oplog.END_EVENTS else None
         blocks = sum(r["event"] == "block" for r in logged)
         if end is None:  # the writer died during it
@@ -85,7 +90,7 @@ def replay(path, model) -> ReplayReport:
                                   f"block(s)): " + (f"its {blocks} logged block(s) replayed, the rest skipped"
                                                     if blocks else "skipped"))
             if blocks:
-                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks)
+                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks, images=images)
                 got = got[:-1] if got and got[-1]["event"] == "cancelled" else got  # the stop is replay's own
                 report.events += len(logged)
                 report.problems += _diff(gen, logged, got)
@@ -99,18 +104,20 @@ def replay(path, model) -> ReplayReport:
                                        f"holds {blocks}")
                 continue
             got = _run(model, slot, slot_i, keep, prompt, settings, gen,
-                       stop_after=blocks if interrupt else end.get("blocks"), interrupt=interrupt)
+                       stop_after=blocks if interrupt else end.get("blocks"), interrupt=interrupt,
+                       images=images)
         else:
-            got = _run(model, slot, slot_i, keep, prompt, settings, gen)
+            got = _run(model, slot, slot_i, keep, prompt, settings, gen, images=images)
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)
     return report
 
 
-def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False) -> list[dict]:
+def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False,
+         images=None) -> list[dict]:
     """Generation `gen` run again -> its events as a log records them. stop_after: cancel (or with `interrupt`,
-    interrupt) it once that many blocks are committed."""
+    interrupt) it once that many blocks are committed. images: the op's images (vision/journal.py)."""
 
     def should_stop(blocks):
         if stop_after is None or blocks < stop_after:
@@ -122,7 +129,7 @@ def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, inte
     events: list = []
     try:
         run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i, should_stop=should_stop,
-                       on_event=events.append)
+                       on_event=events.append, images=images)
     except _Interrupt:
         pass
     return [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]
