@@ -74,8 +74,8 @@ def test_graphed_commit_is_the_eager_commit(engine, k):
             else:
                 err = (x.float() - z.float()).abs().max().item()
                 assert err <= 0.05 * max(1.0, z.float().abs().max().item()), f"block {b}: K/V {i} off by {err:.3g}"
-    keys = [key for key in engine._graphs[caches["graphed"]] if key[0] == "prefill"]
-    assert keys == [("prefill", CANVAS, keys[0][2], engine.options.attn_impl)], keys
+    keys = list(engine._prefill_graphs[caches["graphed"]])
+    assert keys == [(CANVAS, keys[0][1], engine.options.attn_impl)], keys
     canvas = torch.randint(0, V, (CANVAS,), device=DEV)
     lg, lu = (engine.denoise(caches[m], canvas).float().clone() for m in ("graphed", "unpadded"))
     if k == CANVAS:

@@ -78,6 +78,8 @@ class Engine:
         # cache -> {graph key: DenoiseGraph}. Weakly keyed: a graph reads its cache's buffers, so it must die with that
         # cache; keying by id(cache) would let a new cache at a recycled address replay a graph over freed memory.
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # cache -> {(padded length, key rows, attention impl): PrefillGraph}: the padded prefills' graphs, likewise
+        self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # One memory pool for every denoise graph: a private pool per graph would keep each graph's intermediates for
         # as long as it lives (one set per context bucket). Sharing is safe: graphs replay one at a time on one
         # stream, and each replay's output is read right after that replay, before another graph may overwrite it.
@@ -178,8 +180,8 @@ class Engine:
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)
-        key = ("prefill", pad, key_rows, self.options.attn_impl)
-        graphs = self._graphs.setdefault(cache, {})
+        key = (pad, key_rows, self.options.attn_impl)
+        graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:
             entry = graphs[key] = self._capture_prefill(cache, pad, key_rows)
@@ -200,8 +202,7 @@ class Engine:
             for _ in range(2):
                 self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if not any(self._graphs.values()):
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        self._fresh_pool_if_dead()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
@@ -331,10 +332,7 @@ class Engine:
             for _ in range(2):
                 self.forward.denoise(cache, ids_buf, mode, sc_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if not any(self._graphs.values()):
-            # A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
-            # capturing into that dead handle again trips its internal assert (use_count > 0).
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        self._fresh_pool_if_dead()
         guarded = self.options.guarded_graphs and self._guard_ok()
         graph = torch.cuda.CUDAGraph(keep_graph=guarded)  # a guarded twin clones the kept cudaGraph_t
         with torch.cuda.graph(graph, pool=self._graph_pool):
@@ -348,6 +346,17 @@ class Engine:
                 self.guard_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: no guarded denoise graph ({self.guard_error})")
         return DenoiseGraph(graph, ids_buf, sc_buf, out, guard)
+
+    def _fresh_pool_if_dead(self) -> None:
+        """A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
+        capturing into that dead handle again trips its internal assert (use_count > 0)."""
+        if not any(self._graphs.values()) and not any(self._prefill_graphs.values()):
+            self._graph_pool = torch.cuda.graph_pool_handle()
+
+    def clear_graphs(self) -> None:
+        """Drop every captured graph (denoise and prefill), e.g. after patching what a graph captured."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
 
     def _guard_ok(self) -> bool:
         if self.guard_error is None:
