@@ -11,6 +11,11 @@ serves every step at contexts up to the bucket. The bucket's padded key rows are
 the kernel). The graph ends at the raw logits: `denoise_raw` returns them, `denoise` softcaps them into a fresh f32
 tensor. Each graph also gets a guarded twin (model/graph_guard.py: the same graph inside a CUDA graph IF node), which
 `stage_denoise(go=)` launches under a device flag (docs/ARCHITECTURE.md, 'Overlap').
+
+A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`prefill_pad`: the canvas, or the
+smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
+number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
+such prefill. A longer one runs eagerly in `prefill_chunk` chunks.
 """
 
 from __future__ import annotations
