@@ -195,7 +195,7 @@ def main():
             if a.sequence:
                 out["ctx"][T]["sequence"] = sequence_report(trace, a.sequence)
             del cache
-            eng._graphs.clear()
+            eng.clear_graphs()
             torch.cuda.empty_cache()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

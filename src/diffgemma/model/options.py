@@ -2,7 +2,7 @@
 
 None of them changes a token: each pair of forms computes the same bits (or, for `attn_impl`, the same math), and
 the tests compare them. The defaults are the measured fastest forms; the others stay because a test uses them as the
-twin of a default (docs/ARCHITECTURE.md, 'Verification').
+twin of a default (docs/ARCHITECTURE.md, 'Verification chain').
 """
 
 from __future__ import annotations
