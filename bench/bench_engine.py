@@ -122,7 +122,7 @@ def knob(eng, field, value):
         yield
     finally:
         eng.options = old
-        eng._graphs.clear()
+        eng.clear_graphs()
 
 
 def peak_gib() -> float:
@@ -206,7 +206,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         chosen = [v for v in AB_VARIANTS if v[2] in ab_names]
 
         def step_ms():  # capture afresh (a knob outside the graph key, launch_order, needs it), then time
-            eng._graphs.clear()
+            eng.clear_graphs()
             eng.denoise(cache, ids, sc_logits=sc)
             return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc),
                                                reps=max(3, reps // 2), warmup=2))
@@ -225,7 +225,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
                     ab[f"denoise_{name}_ms"] = step_ms()
                 except Exception as e:
                     ab[f"denoise_{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
-                eng._graphs.clear()
+                eng.clear_graphs()
                 try:
                     times = time_cuda(do_prefill, reps=1, warmup=1)
                     ab[f"prefill_{name}_tok_s"] = T / (statistics.median(times) / 1e3)
@@ -257,7 +257,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
                 log(f"[ours] ctx {T}: prefill chunk {ch}: {r[f'prefill_tok_s_chunk{ch}']:.0f} tok/s")
             eng.options = replace(eng.options, prefill_chunk=8192)
         del cache
-        eng._graphs.clear()
+        eng.clear_graphs()
     res["generate"] = bench_generate(eng) if generate else {}
     del eng
     gc.collect()

@@ -121,7 +121,7 @@ def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
     # prefill 8k and memory with an 8k context: what a session at 8k holds (weights, its cache, its graph),
     # so the 1k cache and its graph go first
     del cache
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -159,7 +159,7 @@ def bench_engine_q4(res, eng, cfg, reps, skip=frozenset()):
         f"reserved {r['mem_8k_reserved_gib']:.2f}, peak {r['mem_8k_peak_allocated_gib']:.2f}, "
         f"device used {r['mem_8k_device_used_gib']:.2f} GiB")
     del c8, sc, ids, ids8
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
     bench_session_8k(r, eng, V)
@@ -188,11 +188,11 @@ def alternate_denoise_1k(eng, V, reps, variants: dict, as_generate: bool = False
     for _ in range(2):
         for name, setup in variants.items():
             setup()
-            eng._graphs.clear()
+            eng.clear_graphs()
             call()  # capture with this setup
             by.setdefault(name, []).append(med(call, reps=reps, setup=setup_call))
     del cache
-    eng._graphs.clear()
+    eng.clear_graphs()
     return by
 
 
@@ -246,7 +246,7 @@ def bench_floor(r, eng, V, reps):
                                                  "no_expert_gemm": use(no_expert_gemm)}, as_generate=True)
     finally:
         moe_q4.grouped_mm_q4_tiles = real
-        eng._graphs.clear()
+        eng.clear_graphs()
     r["denoise_1k_embeds_ms_by_expert_gemm"] = by
     log(f"[q4] denoise 1k as generate calls it, by what stands for the expert GEMMs (alternating, ms): {by}")
 
@@ -297,7 +297,7 @@ def set_gate_up_glu(eng, glu: bool):
         if w.layout == moe_q4.LAYOUT and w.glu != glu:
             lw.experts_gu = moe_q4.to_tile_layout(moe_q4.to_natural_layout(w), glu=glu)
             del w
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -329,7 +329,7 @@ def set_expert_layout(eng, layout):
             if w.layout != layout:
                 setattr(lw, name, moe_q4.to_tile_layout(w, glu=name == "experts_gu") if layout == moe_q4.LAYOUT
                         else moe_q4.to_natural_layout(w))
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -358,7 +358,7 @@ def bench_session_8k(r, eng, V):
                            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), graph_error=eng.graph_error)
     log(f"[q4] session at 8k context (generate, default settings): {r['session_8k']}")
     del cs
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -468,7 +468,7 @@ def bench_bf16(res, eng, cfg, reps):
         lw.experts_gu = moe.dequantize_stack(lw.experts_gu, torch.bfloat16)
         lw.experts_down = moe.dequantize_stack(lw.experts_down, torch.bfloat16)
     torch.cuda.synchronize()
-    eng._graphs.clear()
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
     prompt_1k, ids, sc = (t.cuda() for t in res.pop("_q4_case"))

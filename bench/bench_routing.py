@@ -58,13 +58,13 @@ def routing_stats(eng, cache, ids, sc) -> dict:
 
 
 def timed_step(eng, cache, ids, sc, reps: int, kind: str) -> float:
-    eng._graphs.clear()  # a captured graph holds the routing function it was captured with
+    eng.clear_graphs()  # a captured graph holds the routing function it was captured with
     try:
         with routing(kind):
             eng.denoise(cache, ids, sc_logits=sc)  # capture
             return statistics.median(time_cuda(lambda: eng.denoise(cache, ids, sc_logits=sc), reps=reps, warmup=2))
     finally:
-        eng._graphs.clear()
+        eng.clear_graphs()
 
 
 def bench(label: str, eng, cfg, contexts, reps) -> dict:

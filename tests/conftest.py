@@ -3,13 +3,13 @@
 Random inputs, and how to reproduce a failure
 ---------------------------------------------
 Most tests draw fresh random inputs each run (torch's global generator, `random`, numpy). Each run has a session
-seed: DIFFGEMMA_TEST_SEED if set, else a fresh one, printed in pytest's header. Before every test its own seed is
+seed: DGTEST_SEED if set, else a fresh one, printed in pytest's header. Before every test its own seed is
 derived from the session seed and the test's id (tests/test_ops.py::test_x[param]) and torch, `random` and numpy
 are seeded with it; a fixture wider than one test (a module's random model) is seeded from its own name the same
 way, on a generator state of its own, so a test draws the same inputs whether it runs alone or in the whole suite.
 A failing test's report has a "random seed" section; to re-run it with the same inputs:
 
-    DIFFGEMMA_TEST_SEED=<session seed> python -m pytest -q 'tests/test_ops.py::test_x[param]'
+    DGTEST_SEED=<session seed> python -m pytest -q 'tests/test_ops.py::test_x[param]'
 
 Tests that seed themselves (torch.manual_seed, an explicit torch.Generator, a seed argument) keep doing exactly
 what they did: the seeding here only fixes the state they would otherwise have found unseeded.
@@ -38,7 +38,7 @@ if not torch.cuda.is_available():
 # many times slower. One thread for the whole session (subprocess tests set their own).
 torch.set_num_threads(1)
 
-SEED_ENV = "DIFFGEMMA_TEST_SEED"
+SEED_ENV = "DGTEST_SEED"  # not DIFFGEMMA_*: the package refuses DIFFGEMMA_ variables it does not know
 SESSION_SEED = int(os.environ.get(SEED_ENV) or secrets.randbelow(2**31))
 
 try:

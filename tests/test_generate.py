@@ -221,13 +221,19 @@ def test_trim_cuts_at_a_duplicated_low_confidence_row_and_keeps_the_budget():
     model = FakeModel(script, steps=4)
     result = run(model, prompt=answer_ids(p), seed=seed, max_new_tokens=16)
     assert result.block_ends[0] == "trimmed"
-    assert [len(x) for x in model.prefills] == [p, 3, 8, 5]  # cut block, full block, budget-capped block
+    # cut block, full block; the budget-capped last block is not committed (no caller's cache to keep it)
+    assert [len(x) for x in model.prefills] == [p, 3, 8]
     assert sorted({c.cache_len for c in model.calls}) == [p, p + 3, p + 11]  # the next canvas starts after the cut
     assert len(result.tokens) == 16 and result.block_ends[1:] == ["continue", "max_new_tokens"]
     # trim off: two full blocks; the unsure duplicate is committed
     model = FakeModel(script, steps=4)
     result = run(model, prompt=answer_ids(p), seed=seed, max_new_tokens=16, confidence_trim=0)
-    assert [len(x) for x in model.prefills] == [p, 8, 8] and result.tokens[2:4] == [20, 20]
+    assert [len(x) for x in model.prefills] == [p, 8] and result.tokens[2:4] == [20, 20]
+    # with a caller's cache every kept token is committed, the last block too
+    model = FakeModel(script, steps=4)
+    settings = GenerationSettings.resolve(model.generation_config, env={}, overrides=dict(seed=seed, max_new_tokens=16))
+    result = generate(model, answer_ids(p), settings=settings, cache=model.new_cache(64))
+    assert [len(x) for x in model.prefills] == [p, 3, 8, 5] and len(result.tokens) == 16
 
 
 # ----------------------------------------------------------------------------- block chaining

@@ -41,3 +41,16 @@ def test_golden_command_without_a_fixture_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(missing) in err and "--bless" in err
     assert not missing.exists()
+
+
+def test_golden_command_refuses_a_fixture_of_another_model(tmp_path, capsys):
+    """A quantized pack carries the checkpoint's golden.json among its side files: checking it against the pack's
+    (different) outputs must say the fixture belongs to another model, not fail every case."""
+    pack = tmp_path / "pack"
+    assert main(["quantize", str(embedded_model_path()), "-o", str(pack), "--profile", "q4"]) == 0
+    assert (pack / golden.FIXTURE_NAME).is_file()  # copied with the config and tokenizer
+    capsys.readouterr()
+    assert main(["golden", "--model", str(pack)]) == 2
+    err = capsys.readouterr().err
+    assert "this fixture pins another model's outputs" in err and "--bless" in err and err.count("\n") == 1
+    assert golden.load_fixture(FIXTURE, embedded_model_path())  # the shipped one is the demo's own

@@ -104,7 +104,7 @@ def server(model, base):
     ({"messages": WEATHER, "chat_template_kwargs": {"add_vision": True}}, 400, "chat_template_kwargs"),
     ({"messages": []}, 400, "messages: expected a non-empty list"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content[0]: only text parts are supported, got 'image_url'"),
+     "messages[0].content[0]: URL scheme 'x'; expected a data: URL"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role: 'robot'"),
     ({"messages": WEATHER + [{"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]}, 400,

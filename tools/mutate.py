@@ -14,7 +14,7 @@ anywhere under src/, is reported as STALE rather than guessed at.
 Outcomes: KILLED (the tests failed), SURVIVED (they passed: a missing test, or an equivalent mutant that the
 `note` explains), TIMEOUT, STALE (snippet not found), ERROR (pytest could not run the tests: exit code 2-5, which
 also counts as caught, e.g. an import that breaks, but is listed separately). The tests run with a fixed
-DIFFGEMMA_TEST_SEED (--seed), so a run is repeatable. On a 2-core machine the whole list takes ~10-15 min of CPU.
+DGTEST_SEED (--seed), so a run is repeatable. On a 2-core machine the whole list takes ~10-15 min of CPU.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "MUTATION.md"), help="the markdown report")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per mutant's test run (wall clock)")
-    ap.add_argument("--seed", default="39", help="DIFFGEMMA_TEST_SEED for every run")
+    ap.add_argument("--seed", default="39", help="DGTEST_SEED for every run")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
     ap.add_argument("--merge", action="store_true",
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="diffgemma-mutate-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
-        env = dict(os.environ, PYTHONPATH=str(tree / "src"), DIFFGEMMA_TEST_SEED=args.seed, TRITON_INTERPRET="1",
+        env = dict(os.environ, PYTHONPATH=str(tree / "src"), DGTEST_SEED=args.seed, TRITON_INTERPRET="1",
                    PYTHONDONTWRITEBYTECODE="1")
         pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"]
         if not args.no_baseline:  # every selection must pass unmutated, or its verdicts mean nothing
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
             if status == "SURVIVED":
                 survivors.append(m)
             print(f"{m.id}: {status} ({secs:.0f}s)", flush=True)
-    runs = [f"Ran on {state}, {started:%Y-%m-%d %H:%M} UTC, DIFFGEMMA_TEST_SEED={args.seed}"
+    runs = [f"Ran on {state}, {started:%Y-%m-%d %H:%M} UTC, DGTEST_SEED={args.seed}"
             + (f": {', '.join(m.id for m in mutants)}." if args.only else ".")]
     if args.merge and args.only and Path(args.out).exists():  # the other mutants' outcomes from the last report
         previous, earlier_runs = read_report(Path(args.out))

@@ -1,9 +1,9 @@
 """Probe: where `generate`'s time outside the forwards goes, and whether seeded runs repeat (one GPU, ~1 min each).
 
-    PYTHONPATH=src python -m bench._generate timeline      # CUDA events at the loop's seams, per step
-    PYTHONPATH=src python -m bench._generate side          # overhead with the bookkeeping stream on / off
-    PYTHONPATH=src python -m bench._generate repeat        # seeded full-size generates: the same tokens?
-    PYTHONPATH=src python -m bench._generate gather        # the SC gather kernels against index_add_
+    PYTHONPATH=src python -m bench.probes.probe_generate timeline      # CUDA events at the loop's seams, per step
+    PYTHONPATH=src python -m bench.probes.probe_generate side          # overhead with the bookkeeping stream on / off
+    PYTHONPATH=src python -m bench.probes.probe_generate repeat        # seeded full-size generates: the same tokens?
+    PYTHONPATH=src python -m bench.probes.probe_generate gather        # the SC gather kernels against index_add_
 
 All on the full-size architecture with random weights and balanced routing (as bench_engine.py). `timeline`
 records CUDA events around the forward, the row stats, the SC plan, the status read and the SC product (no

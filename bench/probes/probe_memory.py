@@ -1,6 +1,6 @@
 """Probe: what is alive at the peak of a q4 generate session at 8k context (one GPU, a minute).
 
-    PYTHONPATH=src python -m bench._memory [--top 25]
+    PYTHONPATH=src python -m bench.probes.probe_memory [--top 25]
 
 Builds the full-size q4 model on random weights (as bench_pack.py), prefills 7936 tokens, runs one warm
 `generate` (captures the graphs), then records the allocator's history over a second generate that ends with

@@ -1,10 +1,10 @@
 """Probe: where the q4 expert GEMM's time goes at the denoise shape (one GPU, a minute).
 
-    PYTHONPATH=src python -m bench._q4_gemm [--modes full,no_affine,...] [--configs N] [--json out.json]
+    PYTHONPATH=src python -m bench.probes.probe_q4_gemm [--modes full,no_affine,...] [--configs N] [--json out.json]
 
 The packed kernel (ops/moe_packed.py) streams q4 codes at a fifth of the bandwidth the bf16 streaming
 kernel reaches. Without hardware counters, this times variants of the same loop that leave one stage
-out (METHOD.md: "time variants that leave one stage out, and take differences"). Their results are
+out, and takes the differences. Their results are
 wrong on purpose, except MODE full, which is checked against the twin.
 
 Its loop loads the scales and mins in the K step that uses them; the

@@ -1,6 +1,6 @@
 """Probe: where one graphed denoise step's GPU time goes, kernel by kernel (full size, random weights, one GPU).
 
-    PYTHONPATH=src python -m bench._step [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--sequence N]
+    PYTHONPATH=src python -m bench.probes.probe_step [--contexts 1024,8192] [--q4] [--sc logits|embeds] [--idle] [--sequence N]
                                               [--json out.json]
 
 Builds the full-size engine (bf16, or with --q4 the q4 pack's experts and q8 SC MLP), prefills a context,
@@ -195,7 +195,7 @@ def main():
             if a.sequence:
                 out["ctx"][T]["sequence"] = sequence_report(trace, a.sequence)
             del cache
-            eng._graphs.clear()
+            eng.clear_graphs()
             torch.cuda.empty_cache()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -10,6 +10,7 @@ import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from . import options
 from .errors import DiffgemmaError, InputError
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ask = sub.add_parser("ask", help="answer one prompt (or a file of them: --batch-file)")
     ask.add_argument("prompt", nargs="?", help="the user's message (UTF-8 text)")
+    ask.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
+                     help="an image file (PNG, JPEG, WebP, ...) put before the prompt (repeatable; needs a model "
+                          "with a vision tower)")
     _add_generation_flags(ask)
     ask.add_argument("--batch-file", default=None, metavar="JSONL",
                      help='answer every line {"prompt": ..., "seed": ..., "id": ...} of this file, batched; one JSON '
@@ -180,14 +184,20 @@ def cmd_ask(args) -> int:
         raise InputError("ask: expected a prompt or --batch-file FILE (one of the two)")
     if args.out is not None and args.batch_file is None:
         raise InputError("--out: only with --batch-file")
+    if args.images and args.batch_file is not None:
+        raise InputError("--image: not with --batch-file")
     if args.batch_file is not None:
         from .batch_file import run_batch_file
 
         return run_batch_file(args, _read_tools)
     _utf8(args.prompt, "the prompt")
+    for path in args.images:  # a missing file fails before the load
+        if not Path(path).expanduser().is_file():
+            raise InputError(f"--image {path}: no such file")
     model, settings, session = _open_session(args)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
-    reply = session.ask(args.prompt, settings=settings, on_step=view)
+    images = [Path(p).expanduser() for p in args.images] or None
+    reply = session.ask(args.prompt, images=images, settings=settings, on_step=view)
     if view is not None:
         view.finish()
     _print_reply(reply, args)
@@ -297,14 +307,14 @@ def cmd_golden(args) -> int:
 
     model = options.load_model(args)
     path = args.fixture or golden.fixture_path(model)
-    expected = None if args.bless else golden.load_fixture(path)
+    expected = None if args.bless else golden.load_fixture(path, model.path)
     results = golden.run_all(model)
     if args.bless:
-        golden.bless(results, path)
+        golden.bless(results, path, model.path)
         print(f"blessed {len(results)} cases -> {path}")
         return 0
     if args.add_platform:
-        golden.bless(golden.add_platform(expected, results), path)
+        golden.bless(golden.add_platform(expected, results), path, model.path)
         print(f"added this platform's KV hashes to {len(results)} cases -> {path}")
         return 0
     problems = golden.diff(expected, results)

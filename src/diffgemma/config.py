@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -229,3 +229,28 @@ def _parse_rope(params, layer_type: str, source: str) -> RopeConfig:
         raise ConfigError(f"{source}: rope_parameters.{layer_type}: partial_rotary_factor needs rope_type 'proportional'")
     return RopeConfig(rope_type=rope_type, theta=float(theta), partial_rotary_factor=partial,
                       factor=float(params.get("factor", 1.0)))
+
+
+DEFAULT_CONTEXT = 8192  # a KV cache's size when none is asked for, capped at the model's own context
+
+
+def cache_tokens(config, tokens: int | None = None, name: str = "max_tokens") -> int:
+    """The size of a new KV cache: `tokens` checked by `check_context`, or, when None, DEFAULT_CONTEXT capped at the
+    model's context."""
+    if tokens is None:
+        limit = getattr(config, "max_positions", None)
+        return DEFAULT_CONTEXT if limit is None else min(DEFAULT_CONTEXT, limit)
+    return check_context(config, tokens, name)
+
+
+def check_context(config, tokens: int, name: str = "max_tokens") -> int:
+    """The one rule for how many tokens a KV cache may hold (the CLI's --context, serve's --max-tokens, the API's
+    new_cache): a positive number, at most the context the model was made for (`max_positions`, when the config
+    gives it). -> tokens; else an InputError naming `name`, the value and the limit."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise InputError(f"{name} {tokens!r}: expected a positive number of tokens")
+    limit = getattr(config, "max_positions", None)
+    if limit is not None and tokens > limit:
+        raise InputError(f"{name} {tokens}: over this model's context of {limit} tokens "
+                         f"(text_config.max_position_embeddings); use at most {limit}")
+    return tokens

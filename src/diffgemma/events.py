@@ -89,10 +89,12 @@ class RetryEvent:
 
 @dataclass
 class CancelledEvent:
-    """Last event of a generation stopped on request, between denoise steps."""
+    """Last event of a generation stopped on request, between denoise steps, or interrupted (Ctrl-C: a
+    KeyboardInterrupt, which `session.run_generation` journals and then passes on)."""
 
     blocks: int = 0  # blocks committed before it stopped (0: it never started)
     kept: int | None = None  # tokens the slot's cache was rewound to (None: it never started)
+    interrupted: bool = False  # a KeyboardInterrupt, at any point: the cache was emptied (kept 0)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""diffgemma.generate: the entropy-bound denoising loop and block chaining (docs/ARCHITECTURE.md, 'Generation').
+"""diffgemma.generate: the entropy-bound denoising loop and block chaining (docs/ARCHITECTURE.md, 'Generation contract').
 
 One call = prefill the prompt, then propose / commit blocks until a stop token, the token budget, or
 the block budget ends the turn:
@@ -21,10 +21,10 @@ It is written once, as one request's coroutine (`generate_steps`) that yields a 
 model: generate_stream answers it on the request's own denoiser, batch.generate_batch in one forward with other
 requests (docs/ARCHITECTURE.md, 'Batching').
 
-Cache contract (multi-turn reuse): on return the cache holds the prompt plus exactly the returned
-`tokens`. The stop token that ended the turn is NOT in `tokens` and NOT in the cache (it is reported as
-`stop_token`); the chat layer appends the template's own end-of-turn text as part of the next turn's
-new tokens. When a cache is passed in, `input_ids` are only the tokens it does not hold yet.
+Cache contract (multi-turn reuse): on return a caller's cache holds the prompt plus exactly the returned
+`tokens` (without a caller's cache the last block is not committed: no one reads it). The stop token that ended
+the turn is NOT in `tokens` and NOT in the cache (it is reported as `stop_token`); the chat layer appends the
+template's own end-of-turn text as part of the next turn's new tokens. When a cache is passed in, `input_ids` are only the tokens it does not hold yet.
 
 Stop strings (settings.stop_strings, stop_strings.py): after each block the decoded reply is searched; at a match
 the block keeps its tokens through the one completing it and the turn ends (`stop_string`). Those tokens stay in
@@ -195,10 +195,13 @@ def generate_steps(
 
     t_start = time.perf_counter()
     timings = {"prefill_s": 0.0, "denoise_s": 0.0}
+    keep_cache = cache is not None  # a caller's cache gets every kept token; our own skips the last block's commit
     if cache is None:
         if prompt.numel() == 0:
             raise InputError("input_ids: empty prompt without a cache; expected at least one token")
-        cache = model.new_cache(prompt.numel() + s.max_new_tokens + canvas_len)
+        need = prompt.numel() + s.max_new_tokens + canvas_len
+        limit = getattr(cfg, "max_positions", None)  # never past the model's context (config.check_context); overflow is an error
+        cache = model.new_cache(need if limit is None else min(need, limit))
     if prompt.numel():
         t = time.perf_counter()
         model.prefill(cache, prompt)
@@ -260,7 +263,9 @@ def generate_steps(
                 k, final_string = hit
                 keep, end, stop_token, cut = keep[:k - len(tokens)], STOP_STRING, None, None
 
-        if keep:
+        last = (stop_token is not None or end == STOP_STRING or len(tokens) + len(keep) >= s.max_new_tokens
+                or block + 1 >= max_blocks)
+        if keep and (keep_cache or not last):
             t = time.perf_counter()
             model.prefill(cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
             timings["prefill_s"] += time.perf_counter() - t

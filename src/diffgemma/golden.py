@@ -18,6 +18,7 @@ Token ids are what must survive everywhere.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import tempfile
@@ -180,21 +181,60 @@ def fixture_path(model) -> Path:
     return Path(model.path) / FIXTURE_NAME
 
 
-def load_fixture(path: Path) -> dict:
+SAMPLE_BYTES = 1 << 20  # of each safetensors file's data, from its start and its end
+
+
+def model_identity(model_dir) -> str:
+    """Which weights a fixture pins: sha256 over config.json and the weights' description (a pack's manifest, which
+    holds every record's sha256; or each safetensors file's header and the first and last MiB of its data). A
+    quantized pack of a checkpoint, or another checkpoint of the same shapes, gets another identity; reading it
+    costs a few MiB whatever the model's size."""
+    from .quant.pack import MANIFEST
+
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", MANIFEST):
+        if (root / name).is_file():
+            h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    if not (root / MANIFEST).is_file():
+        for f in sorted(root.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                size = f.stat().st_size
+                h.update(f.name.encode() + b"\0" + fh.read(SAMPLE_BYTES))
+                fh.seek(max(0, size - SAMPLE_BYTES))
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def load_fixture(path: Path, model_dir=None) -> dict:
+    """The fixture's cases. With model_dir, a fixture blessed on other weights (its `model` identity differs) is
+    refused with a one-line CheckpointError instead of failing every case."""
     from .errors import CheckpointError
 
     try:
-        return json.loads(Path(path).read_text())["cases"]
+        data = json.loads(Path(path).read_text())
+        cases = data["cases"]
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no golden fixture; run `diffgemma golden --bless` to create it") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: malformed golden fixture ({e})") from None
+    pinned = data.get("model")
+    if model_dir is not None and pinned is not None and pinned != model_identity(model_dir):
+        raise CheckpointError(f"{path}: this fixture pins another model's outputs (blessed on weights "
+                              f"{pinned[:12]}, these are {model_identity(model_dir)[:12]}: another checkpoint, or a "
+                              f"quantized pack of it); run `diffgemma golden --model {model_dir} --bless` to pin "
+                              f"this model's")
+    return cases
 
 
-def bless(results: dict, path: Path) -> None:
-    """Write the fixture atomically (temp file + rename): a failed bless leaves the old one intact."""
+def bless(results: dict, path: Path, model_dir=None) -> None:
+    """Write the fixture atomically (temp file + rename): a failed bless leaves the old one intact. With model_dir,
+    the fixture records the model's identity (model_identity), which load_fixture checks."""
     path = Path(path)
-    payload = json.dumps({"version": 1, "cases": results}, indent=1, sort_keys=True) + "\n"
+    data = {"version": 1, "cases": results}
+    if model_dir is not None:
+        data["model"] = model_identity(model_dir)
+    payload = json.dumps(data, indent=1, sort_keys=True) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".golden-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:

@@ -8,14 +8,20 @@ same device (seeded generation is deterministic there). Records, one JSON object
   {"op": "start", "version": 1, "model": PATH|null, "device": ..., "dtype": ..., "slots": N, "max_tokens": M}
   {"op": "generate", "gen": G, "slot": S, "keep": K, "prompt": [ids...], "settings": {...}}
       slot S's KV cache rewound to its first K tokens, then `prompt` (the rest of the rendered
-      conversation) prefilled and a reply generated with `settings` (every GenerationSettings field)
+      conversation) prefilled and a reply generated with `settings` (every GenerationSettings field); with
+      images the prompt is a prompt key (vision/prompt.py) and the op has "images": {key: sha256}, the
+      bytes in <log>.images/<sha256> (vision/journal.py)
   {"event": "block", "gen": G, "block": B, "tokens": [...], "steps": n, "stop_reason": ..., "end": ...}
   {"event": "done", "gen": G, "tokens": [...], "stop_token": id|null}
   {"event": "cancelled", "gen": G, "blocks": n, "kept": K}   the client left after n blocks; the cache
       was rewound to K tokens (the prompt, or 0 where the rewind was deeper than the sliding ring)
+  {"event": "cancelled", "gen": G, "blocks": n, "kept": 0, "interrupted": true}   Ctrl-C (KeyboardInterrupt)
+      after n blocks; the cache was emptied
   {"event": "error", "gen": G, "error": "Type: message"}         the cache was emptied
 
-Each line is written and flushed as it happens, so a crash leaves a readable prefix.
+Each line is written and flushed as it happens, so a crash leaves a readable prefix: every complete line is a
+record, a generation with no done / cancelled / error record is unfinished (the process died during it), and a
+last line with no newline that does not parse is a torn record (`load` reports it and reads the rest).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
@@ -55,7 +62,8 @@ def event_record(gen: int, event) -> dict | None:
     if isinstance(event, DoneEvent):
         return {"event": "done", "gen": gen, "tokens": event.result.tokens, "stop_token": event.result.stop_token}
     if isinstance(event, CancelledEvent):
-        return {"event": "cancelled", "gen": gen, "blocks": event.blocks, "kept": event.kept}
+        record = {"event": "cancelled", "gen": gen, "blocks": event.blocks, "kept": event.kept}
+        return {**record, "interrupted": True} if event.interrupted else record
     if isinstance(event, ErrorEvent):
         return {"event": "error", "gen": gen, "error": event.message}
     return None
@@ -92,26 +100,50 @@ class OpLog:
         self._file.close()
 
 
-def read(path) -> list[dict]:
-    """The records of a log, checked for the shape replay needs; errors name the line."""
+END_EVENTS = ("done", "cancelled", "error")  # the records that end a generation
+
+
+@dataclass
+class LogFile:
+    path: Path
+    records: list[dict]  # every complete record, the start record first
+    torn: str | None = None  # the torn last line, described in one line (None: the file ends with a whole record)
+
+
+def load(path) -> LogFile:
+    """The complete records of a log, checked for the shape replay needs; errors name the line. A last line cut
+    mid-record (the writer died while writing it) is left out and described in `torn`."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read the op-log ({e.strerror})") from None
-    records = []
-    for n, line in enumerate(lines, 1):
+    lines = data.split(b"\n")
+    tail = lines.pop()  # what follows the last newline: b"" when the file ends with one
+    records, torn = [], None
+    for n, line in enumerate(lines + [tail], 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+            rec = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if n == len(lines) + 1:  # the unterminated last line: written only in part
+                torn = f"{path}:{n}: the last line is cut mid-record ({len(line)} bytes, no newline); left out"
+                break
+            raise InputError(f"{path}:{n}: not a JSON line ({getattr(e, 'msg', None) or e.reason})") from None
         if not isinstance(rec, dict) or not ("op" in rec or "event" in rec):
             raise InputError(f"{path}:{n}: expected an object with an 'op' or an 'event'")
         records.append(rec)
-    if not records or records[0].get("op") != "start":
+    if not records:
+        what = "only a torn first line" if torn else "no records"
+        raise InputError(f"{path}: {what}; an op-log starts with its 'start' op (is this a diffgemma op-log?)")
+    if records[0].get("op") != "start":
         raise InputError(f"{path}: the first record must be the 'start' op (is this a diffgemma op-log?)")
     if records[0].get("version") != VERSION:
         raise InputError(f"{path}: op-log version {records[0].get('version')!r}; this diffgemma reads {VERSION}")
-    return records
+    return LogFile(path, records, torn)
+
+
+def read(path) -> list[dict]:
+    """The complete records of a log (load(path).records)."""
+    return load(path).records

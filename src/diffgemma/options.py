@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .config import check_context
 from .errors import InputError
 
 SESSION_TOKENS = 8192  # the KV cache of `ask` and `chat`: prompt and replies of the whole conversation
@@ -68,11 +69,9 @@ def generation_settings(model, args):
 
 def context_tokens(model, requested: int | None = None, flag: str = "--max-tokens") -> int:
     """The tokens a conversation's KV cache holds: `requested`, or SESSION_TOKENS, but never past the context the
-    model was made for (its max_position_embeddings): asked for more, an error naming both."""
+    model was made for (config.check_context, the rule new_cache follows too): asked for more, an error naming
+    both."""
     limit = model.config.max_positions
     if requested is None:
         return SESSION_TOKENS if limit is None else min(SESSION_TOKENS, limit)
-    if limit is not None and requested > limit:
-        raise InputError(f"{flag} {requested}: over this model's context of {limit} tokens "
-                         f"(text_config.max_position_embeddings); use at most {limit}")
-    return requested
+    return check_context(model.config, requested, flag)

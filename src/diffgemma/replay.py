@@ -1,18 +1,24 @@
-"""`diffgemma replay OPS.jsonl`: run a logged session (`serve`, `ask` or `chat` with --log-dir) again and compare
+"""`diffgemma replay OPS.jsonl...`: run logged sessions (`serve`, `ask` or `chat` with --log-dir) again and compare
 every event with the log.
 
 The same slots, rewinds, prompts and settings, in the logged order, through the same session.run_generation
-that wrote it; a cancelled generation stops after the same number of blocks. On the device and build that
-wrote the log every event must match: a difference is a bug (or a different device / build, which the start
-record names).
+that wrote it; a cancelled generation stops after the same number of blocks, an interrupted one (Ctrl-C) is
+interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
+(or a different device / build, which the start record names).
+
+A log whose writer died (kill -9, a crash) is replayed as far as it goes: a torn last line is left out, and a
+generation with no end record is unfinished: its logged blocks are replayed and compared, the rest is skipped and
+said so, and its slot starts afresh (what the dead process's cache held is unknown). Neither is a difference.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import oplog
-from .errors import InputError
+from .errors import DiffgemmaError, InputError
 from .session import run_generation
 from .settings import GenerationSettings
 from .slots import Slot, rewind
@@ -23,9 +29,11 @@ COMPARED = {"block": ("block", "tokens", "steps", "stop_reason", "end"), "done":
 
 @dataclass
 class ReplayReport:
-    generations: int = 0
-    events: int = 0
-    problems: list[str] = field(default_factory=list)
+    generations: int = 0  # replayed to their logged end
+    events: int = 0  # logged events compared (the blocks of unfinished generations too)
+    problems: list[str] = field(default_factory=list)  # one line per generation that differs
+    skipped: list[str] = field(default_factory=list)  # one line per unfinished generation
+    torn: str | None = None  # the torn last line, if the log has one
 
     @property
     def ok(self) -> bool:
@@ -47,12 +55,16 @@ def _group(records: list[dict]):
     return out
 
 
+class _Interrupt(KeyboardInterrupt):
+    """The logged Ctrl-C, raised again at the same block (a real Ctrl-C during replay is not caught)."""
+
+
 def replay(path, model) -> ReplayReport:
-    records = oplog.read(path)
-    start = records[0]
+    log = oplog.load(path)
+    start = log.records[0]
     slots: dict[int, Slot] = {}
-    report = ReplayReport()
-    for op, logged in _group(records):
+    report = ReplayReport(torn=log.torn)
+    for op, logged in _group(log.records):
         gen = op.get("gen")
         try:
             slot_i, keep, prompt = int(op["slot"]), int(op["keep"]), list(op["prompt"])
@@ -66,17 +78,61 @@ def replay(path, model) -> ReplayReport:
         if got_keep != keep:
             report.problems.append(f"generation {gen}: the cache rewound to {got_keep} tokens, the log says {keep}")
             continue
-        ends = [r for r in logged if r["event"] == "cancelled"]
-        stop_after = ends[0].get("blocks") if ends else None
-        events: list = []
-        run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i,
-                       should_stop=lambda blocks: stop_after is not None and blocks >= stop_after,
-                       on_event=events.append)
-        got = [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]  # as a log records them
+        images = None
+        if op.get("images"):  # vision/journal.py: the images' bytes beside the log
+            from .vision.journal import load_images
+
+            images = load_images(path, op["images"], model, f"generation {gen}")
+        end = logged[-1] if logged and logged[-1]["event"] in oplog.END_EVENTS else None
+        blocks = sum(r["event"] == "block" for r in logged)
+        if end is None:  # the writer died during it
+            report.skipped.append(f"generation {gen}: unfinished in the log (no end record after {blocks} "
+                                  f"block(s)): " + (f"its {blocks} logged block(s) replayed, the rest skipped"
+                                                    if blocks else "skipped"))
+            if blocks:
+                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks, images=images)
+                got = got[:-1] if got and got[-1]["event"] == "cancelled" else got  # the stop is replay's own
+                report.events += len(logged)
+                report.problems += _diff(gen, logged, got)
+            rewind(slot.cache, 0)
+            slot.ids = []
+            continue
+        if end["event"] == "cancelled":
+            interrupt = bool(end.get("interrupted"))
+            if interrupt and end.get("blocks") not in (blocks, blocks + 1):  # +1: Ctrl-C fell as a block was logged
+                report.problems.append(f"generation {gen}: interrupted after {end.get('blocks')!r} blocks, the log "
+                                       f"holds {blocks}")
+                continue
+            got = _run(model, slot, slot_i, keep, prompt, settings, gen,
+                       stop_after=blocks if interrupt else end.get("blocks"), interrupt=interrupt,
+                       images=images)
+        else:
+            got = _run(model, slot, slot_i, keep, prompt, settings, gen, images=images)
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)
     return report
+
+
+def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False,
+         images=None) -> list[dict]:
+    """Generation `gen` run again -> its events as a log records them. stop_after: cancel (or with `interrupt`,
+    interrupt) it once that many blocks are committed. images: the op's images (vision/journal.py)."""
+
+    def should_stop(blocks):
+        if stop_after is None or blocks < stop_after:
+            return False
+        if interrupt:
+            raise _Interrupt
+        return True
+
+    events: list = []
+    try:
+        run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i, should_stop=should_stop,
+                       on_event=events.append, images=images)
+    except _Interrupt:
+        pass
+    return [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]
 
 
 def _diff(gen, logged: list[dict], got: list[dict]) -> list[str]:
@@ -87,7 +143,10 @@ def _diff(gen, logged: list[dict], got: list[dict]) -> list[str]:
         if want is None or have is None or want["event"] != have["event"]:
             problems.append(f"generation {gen}, event {k + 1}: logged {_brief(want)}, replayed {_brief(have)}")
             break  # the rest follows from the first divergence
-        for key in COMPARED.get(want["event"], ()):
+        keys = COMPARED.get(want["event"], ())
+        if want.get("interrupted"):  # its blocks were compared one by one (and their count checked by replay)
+            keys = ("kept", "interrupted")
+        for key in keys:
             if want.get(key) != have.get(key):
                 problems.append(f"generation {gen}, event {k + 1} ({want['event']}): {key} logged "
                                 f"{_short(want.get(key))}, replayed {_short(have.get(key))}")
@@ -104,3 +163,52 @@ def _brief(rec) -> str:
 def _short(value, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def log_paths(paths) -> list[Path]:
+    """The logs that `paths` name: a file is itself, a folder its ops-*.jsonl in name (= time) order."""
+    out = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.glob("ops-*.jsonl"))
+            if not found:
+                raise InputError(f"{path}: a folder with no op-log (ops-*.jsonl) in it")
+            out += found
+        else:
+            out.append(path)
+    return out
+
+
+def run_logs(paths, model_path=None, device=None, out=None, err=None) -> int:
+    """`diffgemma replay`: each log in turn on the model and device it names (or these), its differences and skips,
+    its verdict; with several logs a summary last. -> 0 all identical, 1 some differ, 2 some could not be replayed
+    (a log or its model unreadable), as diff(1) does."""
+    from .loader import load
+
+    out, err = out or sys.stdout, err or sys.stderr
+    logs = log_paths(paths)
+    models: dict = {}
+    counts = {"identical": 0, "differ": 0, "unreadable": 0}
+    for path in logs:
+        if len(logs) > 1:
+            print(f"== {path}", file=out)
+        try:
+            start = oplog.load(path).records[0]
+            where = (model_path or start.get("model"), device or start.get("device") or "cpu")
+            if where not in models:
+                models[where] = load(where[0], device=where[1])
+            report = replay(path, models[where])
+        except DiffgemmaError as e:
+            print(f"diffgemma: error: {e}", file=err)
+            counts["unreadable"] += 1
+            continue
+        for line in [report.torn] * (report.torn is not None) + report.skipped + report.problems:
+            print(line, file=out)
+        unfinished = f", {len(report.skipped)} unfinished" if report.skipped else ""
+        verdict = "identical" if report.ok else f"{len(report.problems)} generation(s) differ"
+        print(f"replay: {report.generations} generations{unfinished}, {report.events} logged events: {verdict}",
+              file=out)
+        counts["identical" if report.ok else "differ"] += 1
+    if len(logs) > 1:
+        print(f"replay: {len(logs)} logs: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n), file=out)
+    return 2 if counts["unreadable"] else 1 if counts["differ"] else 0

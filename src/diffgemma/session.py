@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from . import oplog
+from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
 from .generation import generate_stream
@@ -20,6 +22,7 @@ from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_mess
 from .settings import settings_for_call
 from .slots import Slot, reuse_prefix, rewind
 from .stop_strings import text_end
+from .vision.prompt import has_images, prefill_images, prepare_parts, render_prompt, vision_for
 
 
 @dataclass
@@ -34,13 +37,17 @@ class Reply:
 
 
 def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *, log=None, gen: int = 0,
-                   slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None):
+                   slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None,
+                   images: dict | None = None):
     """The one way a conversation's reply is generated (Session, the server's worker, replay): `slot` already
     rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Every event (events.py) goes
     to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent, CancelledEvent or ErrorEvent (the
     cache is then emptied), which is also returned. `should_stop(blocks)` is asked after every step and block; True
-    cancels, rewinding the cache to the prompt. With `log` (an oplog.OpLog) the op and its events are journaled for
-    `diffgemma replay`."""
+    cancels, rewinding the cache to the prompt. A KeyboardInterrupt (Ctrl-C) ends it with
+    CancelledEvent(interrupted=True), the cache emptied, and is raised again. With `log` (an oplog.OpLog) the op and
+    its events are journaled for `diffgemma replay`. A prompt with images is a prompt key (vision/prompt.py) and
+    `images` maps its keys to the images: the part up to the last image is prefilled here in one call, the text
+    after it by the loop."""
 
     def emit(event):
         if log is not None and (record := oplog.event_record(gen, event)) is not None:
@@ -48,16 +55,31 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         on_event(event)
         return event
 
+    with_images = any(t < 0 for t in prompt)
     if log is not None:
-        log.write(oplog.generate_record(gen, slot_index, keep, prompt, settings))
+        record = oplog.generate_record(gen, slot_index, keep, prompt, settings)
+        if with_images:
+            from .vision.journal import save_images
+
+            record["images"] = save_images(log.path, prompt, images or {})
+        log.write(record)
     full = slot.ids[:keep] + list(prompt)
     slot.ids = []  # unknown until the generation ends
     blocks = 0
-    stream = generate_stream(model, prompt, settings=settings, cache=slot.cache)
+    stream = None
     try:
+        tail, image_s = prompt, 0.0
+        if with_images:
+            t = time.perf_counter()
+            tail = prefill_images(model, slot.cache, prompt, images or {})
+            image_s = time.perf_counter() - t
+        stream = generate_stream(model, tail, settings=settings, cache=slot.cache)
         for event in stream:
             if isinstance(event, DoneEvent):
                 slot.ids = full + list(event.result.tokens)
+                if image_s:  # the images' prefill (tower included) is part of the prompt's
+                    for k in ("prefill_s", "total_s"):
+                        event.result.timings[k] = event.result.timings.get(k, 0.0) + image_s
                 return emit(event)
             blocks += isinstance(event, BlockEvent)
             emit(event)
@@ -67,10 +89,18 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
                 slot.ids = full[:kept]
                 return emit(CancelledEvent(blocks=blocks, kept=kept))
     except Exception as e:  # the cache may hold part of a prefill or a block: start it afresh
-        stream.close()
+        if stream is not None:
+            stream.close()
         rewind(slot.cache, 0)
         slot.ids = []
         return emit(ErrorEvent(e))
+    except KeyboardInterrupt:  # Ctrl-C, anywhere in the loop: journaled as such (replay stops there too), passed on
+        if stream is not None:
+            stream.close()
+        rewind(slot.cache, 0)  # it may have struck mid-write: start the cache afresh
+        slot.ids = []
+        emit(CancelledEvent(blocks=blocks, kept=0, interrupted=True))
+        raise
     raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
 
 
@@ -97,14 +127,16 @@ def _combined(results: list, tokens: list[int], tokenizer) -> object:
 
 
 def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_retries: int = 0, log=None,
-             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None):
+             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None,
+             images: dict | None = None):
     """A turn: StartEvent, then run_generation. With tool_retries > 0 a reply whose tool call does not parse is
     regenerated from that call's opener (the text before it stays, so a stream never takes back what it sent), with
     the seed bumped by one each time, up to tool_retries times (the last attempt stands, parsed or not). Each
     regeneration is a generation of its own (its own op in the log, so `diffgemma replay` needs no notion of
     retries); between them a RetryEvent tells a consumer to drop what came after the tokens it keeps. The turn ends
     with one DoneEvent carrying the whole reply as one GenerationResult (tool_retries says how many regenerations it
-    took), or the CancelledEvent / ErrorEvent that stopped it; that last event is also returned."""
+    took), or the CancelledEvent / ErrorEvent that stopped it; that last event is also returned. `images`: as
+    run_generation's."""
     tokenizer = getattr(model, "tokenizer", None)
     next_gen = next_gen or (lambda: 0)
     reply_start = keep + len(prompt)
@@ -118,7 +150,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
 
     while True:
         end = run_generation(model, slot, keep, prompt, settings, log=log, gen=next_gen(), slot_index=slot_index,
-                             should_stop=should_stop, on_event=relay)
+                             should_stop=should_stop, on_event=relay, images=images)
         if not isinstance(end, DoneEvent):  # cancelled or failed: already said
             return end
         results.append(end.result)
@@ -138,7 +170,7 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
 
 
 class Session:
-    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int = 8192, tools=None,
+    def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int | None = None, tools=None,
                  log=None, tool_validate: int = 0):
         """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`.
         tool_validate: with tools, regenerate a malformed tool call up to this many times (run_turn)."""
@@ -151,7 +183,7 @@ class Session:
         self.think = think
         self.tools = tools
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.slot = Slot(model.new_cache(max_tokens))
+        self.slot = Slot(model.new_cache(cache_tokens(model.config, max_tokens)))
         self.log = log
         self.tool_validate = tool_validate
         self._gens = itertools.count()  # generations journaled (a turn with a regenerated tool call takes several)
@@ -162,7 +194,7 @@ class Session:
 
     @property
     def cached_ids(self) -> list[int]:
-        """The token ids the KV cache holds."""
+        """The token ids the KV cache holds (with images: a prompt key, each image's run a negative sentinel)."""
         return self.slot.ids
 
     def reset(self) -> None:
@@ -172,15 +204,34 @@ class Session:
         self.cache.truncate(0)
 
     def render(self) -> list[int]:
-        return self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
-                                                  enable_thinking=self.think)
+        """The conversation's prompt: its token ids, or with images its prompt key (vision/prompt.py)."""
+        return self._render()[0]
 
-    def ask(self, content: str, **kw) -> Reply:
+    def _render(self) -> tuple[list[int], dict]:
+        vision = vision_for(self.model) if has_images(self.messages) else None
+        return render_prompt(self.tokenizer, vision, self.messages, tools=self.tools, add_generation_prompt=True,
+                             enable_thinking=self.think)
+
+    def _with_images(self, message: dict) -> dict:
+        """The message with its image parts decoded (each image once, errors before any model work)."""
+        content = message.get("content")
+        if isinstance(content, list) and has_images([message]):
+            return {**message, "content": prepare_parts(content, vision_for(self.model))}
+        return message
+
+    def ask(self, content, images=None, **kw) -> Reply:
         """A user turn: render, reuse the cached prefix, generate the model's reply. A turn that fails (e.g. the
-        conversation no longer fits the cache) leaves the conversation as it was before it. Keywords: `settings` (a
-        GenerationSettings; default the model's), any GenerationSettings field as an override on top of it, and
-        callbacks `on_step(StepEvent)`, `on_block(BlockEvent)`, `on_event(event)` (every event of events.py)."""
-        return self._turn({"role": "user", "content": content}, kw)
+        conversation no longer fits the cache) leaves the conversation as it was before it. `content`: text, or a
+        list of content parts ({"type": "text", "text": ...}, {"type": "image", "image": a path, bytes or a PIL
+        image}); `images`: images to put before the text. Keywords: `settings` (a GenerationSettings; default the
+        model's), any GenerationSettings field as an override on top of it, and callbacks `on_step(StepEvent)`,
+        `on_block(BlockEvent)`, `on_event(event)` (every event of events.py)."""
+        if images is not None:
+            if not isinstance(images, (list, tuple)):
+                images = [images]
+            parts = content if isinstance(content, list) else ([{"type": "text", "text": content}] if content else [])
+            content = [{"type": "image", "image": x} for x in images] + parts
+        return self._turn(self._with_images({"role": "user", "content": content}), kw)
 
     def _turn(self, message: dict, kw) -> Reply:
         self.messages.append(message)
@@ -191,7 +242,7 @@ class Session:
             raise
 
     def _generate_turn(self, *, on_step=None, on_block=None, on_event=None, settings=None, **overrides) -> Reply:
-        ids = self.render()
+        ids, images = self._render()
         keep = reuse_prefix(self.cache, self.slot.ids, ids)
         new = ids[keep:]
 
@@ -206,7 +257,7 @@ class Session:
         settings = settings_for_call(getattr(self.model, "generation_config", None), settings, overrides)
         end = run_turn(self.model, self.slot, keep, new, settings,
                        tool_retries=self.tool_validate if self.tools is not None else 0, log=self.log,
-                       next_gen=lambda: next(self._gens), on_event=relay)
+                       next_gen=lambda: next(self._gens), on_event=relay, images=images)
         if isinstance(end, ErrorEvent):
             raise end.error
         result = end.result
@@ -231,5 +282,5 @@ def chat(model, messages: list[dict], *, think: bool = False, tools=None, **over
     if not messages or messages[-1].get("role") != "user":
         raise InputError("chat: messages must end with a user message")
     session = Session(model, think=think, tools=tools)
-    session.messages = [dict(m) for m in messages[:-1]]
+    session.messages = [session._with_images(dict(m)) for m in messages[:-1]]
     return session.ask(messages[-1]["content"], **overrides).answer

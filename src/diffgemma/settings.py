@@ -1,6 +1,6 @@
 """GenerationSettings: every knob of the generation contract, typed, validated, with its default.
 
-docs/ARCHITECTURE.md ('The generation contract') defines the loop; each divergence from transformers there is
+docs/ARCHITECTURE.md ('Generation contract') defines the loop; each divergence from transformers there is
 a named field here rather than a scattered `if`. Values are layered, later layers winning:
 
     field defaults  <-  the model's generation_config.json  <-  the "hf" preset (when semantics="hf")
@@ -32,10 +32,10 @@ ENV_PREFIX = "DIFFGEMMA_"
 # that is not imported before resolve() runs cannot register in time).
 _FOREIGN_ENV_VARS: set[str] = {
     "DIFFGEMMA_NO_TRITON",  # ops/_backend.py: force the torch path on CUDA
-    "DIFFGEMMA_HF_HOME",  # quant/overlay.py: Hugging Face cache root for overlay packs
-    "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_stream.py: bf16 expert GEMM at denoise, "triton" or "cutlass"
-    "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_packed.py: packed experts at prefill, "dequant" or "kernel"
-    "DIFFGEMMA_Q4_LAYOUT",  # ops/moe_q4.py: q4 expert stacks on CUDA, "q4-tiles" or "natural"
+    "DIFFGEMMA_HF_HOME",  # quant/externals.py: Hugging Face cache root for overlay packs
+    "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_paths.py: bf16 expert GEMM at denoise, "triton" or "cutlass"
+    "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_paths.py: packed experts at prefill, "dequant" or "kernel"
+    "DIFFGEMMA_Q4_LAYOUT",  # ops/q4_tiles.py: q4 expert stacks on CUDA, "q4-tiles" or "natural"
     "DIFFGEMMA_API_KEY",  # server/commands.py: the key `serve` asks clients for (--api-key)
 }
 
@@ -57,7 +57,7 @@ class GenerationSettings:
     stability_threshold: int = 1  # confident stop: argmax equal to the last N steps' (0 = always stable)
     confidence_threshold: float = 0.005  # confident stop: mean canvas entropy below this
     max_new_tokens: int = 256  # honoured exactly
-    # --- contract divergences (docs/ARCHITECTURE.md, 'The generation contract') -----------------------
+    # --- contract divergences (docs/ARCHITECTURE.md, 'Generation contract') ----------------------------
     commit: str = "argmax"  # token at accepted positions: "argmax" or "sample" (tempered categorical)
     sc_seed: bool = True  # first denoise step self-conditions on the canvas's own embedding
     # "sparse" (survivor gather) or "exact" (dense probs @ embedding). Sparse is the default: at the real

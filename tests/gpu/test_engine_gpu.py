@@ -173,7 +173,7 @@ def test_router_side_stream_gives_the_same_bits(monkeypatch):
     for overlap in (True, False):
         if not overlap:
             monkeypatch.setattr(eng.forward, "_router_stream", lambda: None)
-        eng._graphs.clear()
+        eng.clear_graphs()
         cache = eng.new_cache(1024)
         eng.prefill(cache, prompt)
         eng.use_graphs = True
@@ -305,12 +305,12 @@ def test_denoise_graphs_share_one_pool_and_replay_in_any_order():
     # every graph dies with its cache; a capture after that must not reopen the released pool
     eng.use_graphs = True
     del short, long, cases
-    eng._graphs.clear()
+    eng.clear_graphs()
     again = eng.new_cache(1024 + 64)
     eng.prefill(again, torch.randint(0, V, (300,), device=DEV))
     eng.denoise(again, ids)
     assert eng.graph_error is None, eng.graph_error
-    eng._graphs.clear()  # and the same with the cache still alive (what the benchmarks do)
+    eng.clear_graphs()  # and the same with the cache still alive (what the benchmarks do)
     eng.denoise(again, ids)
     assert eng.graph_error is None, eng.graph_error
 
@@ -414,7 +414,7 @@ def test_a_forward_launched_under_a_device_condition_runs_only_when_told():
     assert launches == ["guarded", "guarded", "plain", "plain", "guarded"]
     # plain graphs (guarded_graphs off at capture): go= only stages, and the call launches
     eng.guarded_graphs = False
-    eng._graphs.clear()
+    eng.clear_graphs()
     plain(ids, sc)
     assert next(iter(eng._graphs[cache].values())).guard is None
     assert not eng.stage_denoise(cache, ids, sc_embeds=sc, go=torch.ones((), dtype=torch.bool, device=DEV))

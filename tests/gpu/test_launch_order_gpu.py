@@ -31,7 +31,7 @@ def test_launch_order_leaves_the_cache_and_logits_unchanged(use_graphs):
     for order in (True, False):
         eng.launch_order = order
         eng.use_graphs = use_graphs
-        eng._graphs.clear()
+        eng.clear_graphs()
         cache = eng.new_cache(1024)
         eng.prefill(cache, prompt)
         out[order] = (cache.keys[-1].clone(), cache.values[-1].clone(), eng.denoise(cache, ids),

@@ -262,7 +262,7 @@ def test_engine_on_packed_weights_matches_reference(experts, monkeypatch):
         m.setattr(forward_module, "expert_ffn", functools.partial(moe.expert_ffn, f16_operands=False))
         finish = forward_module.attn_finish
         m.setattr(forward_module, "attn_finish", lambda *a, moe_f16, **k: finish(*a, moe_f16=False, **k))
-        eng._graphs.clear()
+        eng.clear_graphs()
         assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), g)
         eng.use_graphs = False
         eager = eng.denoise(ec, canvas, sc_logits=sc)

@@ -11,6 +11,11 @@ serves every step at contexts up to the bucket. The bucket's padded key rows are
 the kernel). The graph ends at the raw logits: `denoise_raw` returns them, `denoise` softcaps them into a fresh f32
 tensor. Each graph also gets a guarded twin (model/graph_guard.py: the same graph inside a CUDA graph IF node), which
 `stage_denoise(go=)` launches under a device flag (docs/ARCHITECTURE.md, 'Overlap').
+
+A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`prefill_pad`: the canvas, or the
+smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
+number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
+such prefill. A longer one runs eagerly in `prefill_chunk` chunks.
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, cache_tokens
 from ..errors import InputError
 from ..ops._backend import use_triton
 from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap
 from .denoiser import StagedDenoiser, one_cache
 from .engine_cache import EngineKVCache
-from .engine_graph import DenoiseGraph
+from .engine_graph import DenoiseGraph, PrefillGraph
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
 from .graph_guard import GuardedGraph, guard_support
@@ -66,7 +71,6 @@ class Engine:
         self.w = weights
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_dtype = kv_dtype
         self.generation_config = generation_config or {}
         self.path = path
         self.tokenizer = tokenizer
@@ -78,6 +82,8 @@ class Engine:
         # cache -> {graph key: DenoiseGraph}. Weakly keyed: a graph reads its cache's buffers, so it must die with that
         # cache; keying by id(cache) would let a new cache at a recycled address replay a graph over freed memory.
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # cache -> {(padded length, key rows, attention impl): PrefillGraph}: the padded prefills' graphs, likewise
+        self._prefill_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # One memory pool for every denoise graph: a private pool per graph would keep each graph's intermediates for
         # as long as it lives (one set per context bucket). Sharing is safe: graphs replay one at a time on one
         # stream, and each replay's output is read right after that replay, before another graph may overwrite it.
@@ -95,11 +101,21 @@ class Engine:
         """New choices apply to graphs captured from now on (a graph keeps the form it was captured with)."""
         self._options = self.forward.options = options
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the caches new_cache makes (the forward owns it; tests may switch it to f32)."""
+        return self.forward.kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype) -> None:
+        self.forward.kv_dtype = dtype
+
     launch_order = _option("launch_order")
     sliding_live_window = _option("sliding_live_window")
     attn_impl = _option("attn_impl")
     canvas_impls = _option("canvas_impls")
     prefill_chunk = _option("prefill_chunk")
+    padded_prefill = _option("padded_prefill")
     guarded_graphs = _option("guarded_graphs")
 
     @classmethod
@@ -119,8 +135,9 @@ class Engine:
     def logit_softcap(self) -> float:
         return self.config.final_logit_softcapping
 
-    def new_cache(self, max_tokens: int = 8192, rewind_slack: int | None = None) -> EngineKVCache:
-        return self.forward.new_cache(max_tokens, rewind_slack)
+    def new_cache(self, max_tokens: int | None = None, rewind_slack: int | None = None) -> EngineKVCache:
+        """A KV cache of max_tokens (default: 8192, or the model's context where smaller; more is refused)."""
+        return self.forward.new_cache(cache_tokens(self.config, max_tokens), rewind_slack)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.forward.embed(ids)
@@ -136,7 +153,74 @@ class Engine:
     def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
         ids = self._check_ids(ids, "prefill ids", check_range=True)
         cache.check_room(len(ids))
-        self.forward.prefill(cache, ids)
+        pad = self.prefill_pad(cache, len(ids))
+        if pad is None:
+            self.forward.prefill(cache, ids)
+            return
+        if self.use_graphs and self.device.type == "cuda":
+            try:
+                self._prefill_graphed(cache, ids, pad)
+                return
+            except Exception as e:  # never wrong, only slower: fall back to eager and say why
+                self.use_graphs = False
+                self.graph_error = f"{type(e).__name__}: {e}"
+                warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
+        n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
+        self.forward.prefill_padded(cache, self._padded_ids(ids, pad), n_real, self._prefill_key_rows(cache, pad))
+        cache.length += len(ids)
+
+    def prefill_pad(self, cache: EngineKVCache, n: int) -> int | None:
+        """The padded length a prefill of `n` tokens runs at now (options.padded_prefill), or None: unpadded. The
+        smallest of the canvas and `prefill_pads` that holds n, fits the sliding ring, and whose rows past the
+        cache's length still fit its full layers."""
+        padded = self.options.padded_prefill
+        if padded is None:
+            padded = self.device.type == "cuda"
+        if not padded:
+            return None
+        for pad in sorted({cache.canvas, *self.options.prefill_pads}):
+            if n <= pad <= cache.ring and cache.length + pad <= cache.max_tokens + cache.canvas:
+                return pad
+        return None
+
+    def _prefill_key_rows(self, cache: EngineKVCache, pad: int) -> int:
+        """Full-layer cache rows a padded prefill reads: the context's bucket and the chunk, within the buffer."""
+        return min(self.context_bucket(cache) + pad, cache.max_tokens + cache.canvas)
+
+    def _padded_ids(self, ids: torch.Tensor, pad: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.zeros(pad, dtype=torch.long, device=self.device) if out is None else out
+        out[: len(ids)].copy_(ids)
+        return out
+
+    def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
+        key_rows = self._prefill_key_rows(cache, pad)
+        key = (pad, key_rows, self.options.attn_impl)
+        graphs = self._prefill_graphs.setdefault(cache, {})
+        entry = graphs.get(key)
+        if entry is None:
+            entry = graphs[key] = self._capture_prefill(cache, pad, key_rows)
+        self._padded_ids(ids, pad, entry.ids)
+        entry.n_real.fill_(len(ids))
+        entry.replay()
+        cache.length += len(ids)
+
+    def _capture_prefill(self, cache: EngineKVCache, pad: int, key_rows: int) -> PrefillGraph:
+        """A padded prefill's graph over static ids [pad] and a real-row count. Warmed up
+        and captured with no real row, so neither writes anything a read can see (pad rows leave the ring as it
+        was and the length where it was; full-layer rows past the length are scratch)."""
+        ids_buf = torch.zeros(pad, dtype=torch.long, device=self.device)
+        n_buf = torch.zeros((), dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._fresh_pool_if_dead()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
+        return PrefillGraph(graph, ids_buf, n_buf)
 
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
@@ -262,10 +346,7 @@ class Engine:
             for _ in range(2):
                 self.forward.denoise(cache, ids_buf, mode, sc_buf, key_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if not any(self._graphs.values()):
-            # A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
-            # capturing into that dead handle again trips its internal assert (use_count > 0).
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        self._fresh_pool_if_dead()
         guarded = self.options.guarded_graphs and self._guard_ok()
         graph = torch.cuda.CUDAGraph(keep_graph=guarded)  # a guarded twin clones the kept cudaGraph_t
         with torch.cuda.graph(graph, pool=self._graph_pool):
@@ -279,6 +360,17 @@ class Engine:
                 self.guard_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"diffgemma engine: no guarded denoise graph ({self.guard_error})")
         return DenoiseGraph(graph, ids_buf, sc_buf, out, guard)
+
+    def _fresh_pool_if_dead(self) -> None:
+        """A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
+        capturing into that dead handle again trips its internal assert (use_count > 0)."""
+        if not any(self._graphs.values()) and not any(self._prefill_graphs.values()):
+            self._graph_pool = torch.cuda.graph_pool_handle()
+
+    def clear_graphs(self) -> None:
+        """Drop every captured graph (denoise and prefill), e.g. after patching what a graph captured."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
 
     def _guard_ok(self) -> bool:
         if self.guard_error is None:

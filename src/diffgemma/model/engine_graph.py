@@ -24,3 +24,16 @@ class DenoiseGraph:
     def launch_if(self, go: torch.Tensor) -> None:
         self.guard.flag.copy_(go)
         self.guard.launch()
+
+
+class PrefillGraph:
+    """A captured padded prefill (Forward.prefill_padded): the torch graph and its static inputs, the padded ids and
+    the real-row count (an int64 device scalar). It has no output: it writes the cache."""
+
+    __slots__ = ("graph", "ids", "n_real")
+
+    def __init__(self, graph, ids, n_real):
+        self.graph, self.ids, self.n_real = graph, ids, n_real
+
+    def replay(self) -> None:
+        self.graph.replay()

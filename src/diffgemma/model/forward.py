@@ -124,6 +124,64 @@ class Forward:
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
         cache.advance(pos, P + n)
 
+    def prefill_padded(self, cache: EngineKVCache, ids: torch.Tensor, n_real: torch.Tensor, key_rows: int) -> None:
+        """The prefill of the first `n_real` (an int64 device scalar) of `ids` (N rows, the rest padding), described
+        by device tensors alone (cache.length_t, cache.slot_pos, n_real), so one CUDA graph per (N, key_rows) serves
+        every call. Needs N <= cache.ring and cache.length + N <= the full layers' rows (Engine.prefill_pad checks).
+
+        Pad rows come after every real row, so causal attention keeps them out of the real rows' results. Their K/V
+        land in full-layer rows past the cache's length (the denoise scratch, overwritten by the next write) and, on
+        sliding layers, over their ring slot's own contents (written back unchanged); slot_pos and length_t advance
+        by n_real. The host's `cache.length` is the caller's to advance. key_rows: the full-layer cache rows the
+        attention may read (>= cache.length + N; rows past a query's position are masked).
+
+        Sliding attention takes positions shifted by ring - length (the ring's positions stay >= 0; the kernel's
+        base position is then the host constant `ring`): masks depend on position differences only."""
+        cfg, W = self.config, self.config.sliding_window
+        N, R = len(ids), cache.ring
+        P, sp = cache.length_t, cache.slot_pos
+        ar = self._canvas_rows(N, R)[0]
+        pos = P + ar
+        real = ar < n_real
+        end = P + n_real
+        slots = torch.remainder(pos, R)  # distinct (N <= R)
+        rel_ring = torch.where(sp >= 0, sp - P + R, torch.full_like(sp, -1))
+        slide_kpos = torch.cat([rel_ring, R + ar])
+        slide_qpos = R + ar
+        full_kpos = self._rows_arange(key_rows)
+
+        def keep_pad(new, old):  # real rows' K/V, and the pad rows' slots as they were
+            return torch.where(real[None, :, None], new, old)
+
+        def attend(li, qkv, need_out):
+            K, V = cache.keys[li], cache.values[li]
+            if cfg.layers[li].is_sliding:
+                q, kv = self._qkv(li, qkv, pos, dense_kv=True)
+                Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+                o = attention(q, Kx, Vx, slide_kpos, R + N, qpos=slide_qpos, window=W, causal=True,
+                              out_dtype=self.dtype, impl=self._attn_impl(True, True), n_ring=R, base_pos=R)
+                K.index_copy_(1, slots, keep_pad(kv[0], K[:, slots]))
+                V.index_copy_(1, slots, keep_pad(kv[1], V[:, slots]))
+                return o
+            q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
+            if not need_out:
+                return None
+            return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
+                             out_dtype=self.dtype, impl=self._attn_impl(False, True))
+
+        x = self.embed(ids)
+        self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
+        sp.index_copy_(0, slots, torch.where(real, pos, sp[slots]))
+        cache.length_t.copy_(end)
+
+    def _rows_arange(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, made once per n: a constant a graph reads."""
+        key = ("rows", n)
+        rows = self._canvas_rows_cache.get(key)
+        if rows is None:
+            rows = self._canvas_rows_cache[key] = torch.arange(n, device=self.device)
+        return rows
+
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
         return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)

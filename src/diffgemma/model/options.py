@@ -2,7 +2,7 @@
 
 None of them changes a token: each pair of forms computes the same bits (or, for `attn_impl`, the same math), and
 the tests compare them. The defaults are the measured fastest forms; the others stay because a test uses them as the
-twin of a default (docs/ARCHITECTURE.md, 'Verification').
+twin of a default (docs/ARCHITECTURE.md, 'Verification chain').
 """
 
 from __future__ import annotations
@@ -37,3 +37,10 @@ class EngineOptions:
     sliding_live_window: bool = True
     # Prompt tokens per prefill chunk.
     prefill_chunk: int = 8192
+    # Short prefills (a block's commit, a chat turn, a short prompt) run padded to a fixed length (the canvas, or the
+    # smallest of `prefill_pads` that holds them) with the context read from device tensors, as one CUDA graph per
+    # (cache, padded length, context bucket) (Forward.prefill_padded). None: on CUDA. True off CUDA (or with graphs
+    # off): the same padded code, eagerly (the twin the tests compare). False: the unpadded eager prefill everywhere.
+    padded_prefill: bool | None = None
+    # Padded lengths above the canvas for short prefills (each needs length <= the cache's sliding ring).
+    prefill_pads: tuple[int, ...] = (512, 1024)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import DECODER, ENCODER_LAYERS
-from ..config import LayerConfig, ModelConfig
+from ..config import LayerConfig, ModelConfig, cache_tokens
 from ..errors import InputError
 from .denoiser import Denoiser
 from .kv_cache import ReferenceKVCache
@@ -155,8 +155,9 @@ class ReferenceModel:
 
     # -- public API ------------------------------------------------------------------------
 
-    def new_cache(self, max_tokens: int = 8192) -> ReferenceKVCache:
-        return ReferenceKVCache(self.config, max_tokens, self.dtype, self.device)
+    def new_cache(self, max_tokens: int | None = None) -> ReferenceKVCache:
+        """A KV cache of max_tokens (default: 8192, or the model's context where smaller; more is refused)."""
+        return ReferenceKVCache(self.config, cache_tokens(self.config, max_tokens), self.dtype, self.device)
 
     def context_buckets(self, cache: ReferenceKVCache) -> list[int]:
         """One bucket: the reference captures nothing per context length."""

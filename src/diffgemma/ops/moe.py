@@ -69,7 +69,8 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (ops/moe_paths.takes_f16_operand); gelu·up hands the down GEMM
-    its input the same way when that GEMM takes it, unless f16_operands is False (the engine's A/B knob). The
+    its input the same way when that GEMM takes it, unless f16_operands is False (the ops-level twin switch the tests and bench_pack use; the engine
+    always passes True). The
     results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
     kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B)."""
     out_dtype = out_dtype or x.dtype

@@ -1,4 +1,4 @@
-"""The entropy-bound accept mask (ARCHITECTURE.md §6.3).
+"""The entropy-bound accept mask (docs/ARCHITECTURE.md, 'Generation contract': `entropy_bound`).
 
 Sort positions by ascending entropy and accept the k lowest while
     sum(H_1..H_k) - max(H_1..H_k) <= bound        (= the prefix sum BEFORE position k, since sorted)

@@ -1,6 +1,6 @@
 """The canvas RNG: the contract's 64-bit LCG, and the maps from its draws to token ids.
 
-ARCHITECTURE.md §2.1: state = state * 6966169279 + 1039523323 (mod 2**64), a draw is the HIGH 32 bits
+docs/ARCHITECTURE.md, 'Generation contract' (`seed`): state = state * 6966169279 + 1039523323 (mod 2**64), a draw is the HIGH 32 bits
 of the new state, and a generator seeded with `seed` starts at state = seed + 1. Being a fixed integer
 recurrence it gives identical noise on every device and in every process, unlike torch's generators.
 
@@ -136,8 +136,8 @@ class DeviceLcg:
         states = a * self._state + c
         # In place, never a fresh tensor: generate draws on two streams (the canvas on the main one, the noise on its
         # side stream), and a replaced state would go back to the stream that allocated it while the other stream's
-        # read of it is still queued; that stream's next allocation could then overwrite it first (seen: seeded
-        # runs with CUDA graphs that differed from run to run, bench/RESULTS.md round 25).
+        # read of it is still queued; that stream's next allocation could then overwrite it first, and seeded runs
+        # would differ (docs/ARCHITECTURE.md, 'Overlap').
         self._state.copy_(states[-1])
         return (states >> 32) & 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""The linear temperature schedule (ARCHITECTURE.md §6.1).
+"""The linear temperature schedule (docs/ARCHITECTURE.md, 'Generation contract': `t_min`, `t_max`).
 
 T = t_min + (t_max - t_min) * cur / max_steps, where `cur` counts DOWN from max_steps to 1: the first
 step runs at t_max, the last at t_min + (t_max - t_min) / max_steps. The temperature divides the

@@ -1,4 +1,4 @@
-"""Self-conditioning soft embeddings (ARCHITECTURE.md §5).
+"""Self-conditioning soft embeddings (docs/ARCHITECTURE.md, 'Self-conditioning').
 
 soft_embed = softmax(sc_logits) @ embedding * sqrt(hidden), where sc_logits are the previous step's
 logits already divided by that step's temperature.
@@ -23,7 +23,7 @@ rows, survivors = tokens per row within 10 nats of the max):
 2048 survivors/row made sparse 3.4x slower than exact.) So GenerationSettings.sc_mode defaults to
 "sparse": it wins where it matters (the real vocabulary) and costs well under a millisecond on tiny
 models. On the H200 at full size: the gather of 8 survivors a row ~0.26 ms (ops/sc_gather.py), the exact
-product with its softmax inside the graph 0.65-0.88 ms (bench/RESULTS.md rounds 9 and 18).
+product with its softmax inside the graph 0.65-0.88 ms (bench/bench_engine.py times the step both ways).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class SparsePlan:
     gather_bytes_limit = 256 * 2**20
     # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
     # held its rows as bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context
-    # (bench/probe_memory.py, H200). Chunks keep the same adds in the same order. On CUDA the segment kernel
+    # (bench/probes/probe_memory.py, H200). Chunks keep the same adds in the same order. On CUDA the segment kernel
     # (ops/sc_gather.py) reads the embedding rows in place: no gathered copy, and the same sum on every run.
     gather_chunk_bytes = 32 * 2**20
 
@@ -239,8 +239,7 @@ class SparsePlan:
         counts = self.row_counts.to(torch.int64)
         cut = (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
         # in the row counts' own dtype, as the gather after the read passes them: one compiled variant of the gather
-        # kernels for both paths, not two (each first compile takes ~0.1 s mid-run on a fresh Triton cache,
-        # bench/RESULTS.md round 25)
+        # kernels for both paths, not two (each first compile takes ~0.1 s mid-run on a fresh Triton cache)
         return cut.to(self.row_counts.dtype)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Early-stop rules for one block's denoising loop (ARCHITECTURE.md §6.6).
+"""Early-stop rules for one block's denoising loop (docs/ARCHITECTURE.md, 'Generation contract').
 
 After every step the loop asks `StopRules.update(...)` whether to stop, and why:
 

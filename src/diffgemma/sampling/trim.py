@@ -1,4 +1,4 @@
-"""Commit-time confidence trim, dup tier (ARCHITECTURE.md §9 #11).
+"""Commit-time confidence trim, dup tier (docs/ARCHITECTURE.md, 'Generation contract': `confidence_trim`).
 
 A proposed block is cut at the first answer-region row that is BOTH unsure (p_max < tau) and a copy
 of a neighbour's argmax: an unresolved row tends to copy its neighbour, so instead of committing the

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from ..reply import reply_parts
-from . import handlers, structured
+from ..vision.prompt import has_images, render_prompt, vision_for
+from . import handlers, images, structured
 from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
@@ -32,19 +33,20 @@ POLL_S = 0.25  # how often a waiting non-streaming handler checks that its clien
 
 
 def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
-               limits=None, fresh_seed: bool = False):
+               limits=None, fresh_seed: bool = False, image_limits=None):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
     set, every request but /health must carry `Authorization: Bearer <api_key>` (a 401 otherwise). limits: the
     bounds on a request's `diffgemma` settings (openai_fields.Limits; None: the model's canvas_length only).
     fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`
-    field and journaled in the op-log), else the server's."""
+    field and journaled in the op-log), else the server's. image_limits: what a request's image_url parts may be
+    (images.ImageLimits; None: its defaults, URLs refused)."""
     app = FastAPI(title="diffgemma", version="1")
     created = int(time.time())
     model_config = getattr(getattr(worker, "model", None), "config", None)
     policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
-                    fresh_seed=fresh_seed)
+                    fresh_seed=fresh_seed, images=image_limits)
     handlers.install(app)
 
     if api_key:
@@ -83,11 +85,17 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     async def chat_completions(request: Request):
         req = parse_chat_request(await _json(request), model_id, base_settings, policy)
         fmt, forced = req.response_format, req.tool_choice in ("required", "function")
-        messages = req.messages if fmt is None else structured.with_instruction(req.messages, fmt)
+        messages, pictures = req.messages, {}
+        if has_images(messages):  # decoded here: a bad image is the request's 400, before it is queued
+            images.count_images(messages, image_limits)
+            messages = images.prepare(getattr(worker, "model", None), messages, image_limits)
+        messages = messages if fmt is None else structured.with_instruction(messages, fmt)
         prefix = tokenizer.encode(structured.forced_call_text(req.forced_name)) if forced else []
         try:
-            ids = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True,
-                                                enable_thinking=req.think) + prefix
+            vision = vision_for(worker.model) if has_images(messages) else None
+            ids, pictures = render_prompt(tokenizer, vision, messages, tools=req.tools, add_generation_prompt=True,
+                                          enable_thinking=req.think)
+            ids = ids + prefix
         except DiffgemmaError as e:
             raise RequestError(400, str(e), "messages") from None
         except Exception as e:  # the template's own errors (a missing field, a wrong type)
@@ -97,7 +105,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 
         def submit(settings):
             try:
-                return worker.submit(ids, settings, retries)
+                return worker.submit(ids, settings, retries, **({"images": pictures} if pictures else {}))
             except DiffgemmaError as e:
                 raise RequestError(400, str(e), "messages") from None
 

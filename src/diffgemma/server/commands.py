@@ -34,11 +34,18 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="before serving, compile the kernels and capture every slot's denoise graphs at each context "
                         "bucket, so the first requests do not wait for it (auto: on CUDA only; default auto)")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image_url parts (at most --max-image-mb, 10 s, no redirects); by default only "
+                        "data: URLs are taken and a URL is refused with 400")
+    s.add_argument("--max-images", type=int, default=8, help="images per request; more is refused with 400 (default 8)")
+    s.add_argument("--max-image-mb", type=float, default=20.0,
+                   help="bytes per image, in MB; more is refused with 400 (default 20)")
     options.add_tool_validate_flag(s)
     s.set_defaults(func=_run_serve)
 
     r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
-    r.add_argument("log", type=Path, help="an ops-*.jsonl file written by serve, ask or chat with --log-dir")
+    r.add_argument("log", type=Path, nargs="+",
+                   help="ops-*.jsonl files written by serve, ask or chat with --log-dir, or folders of them")
     r.add_argument("--model", default=None, help="model directory (default: the one the log names)")
     r.add_argument("--device", default=None, help="device (default: the one the log names)")
     r.set_defaults(func=_run_replay)
@@ -57,12 +64,19 @@ def _run_serve(args) -> int:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key: empty; give the key clients must send (or leave the flag out for none)")
+    from .images import ImageLimits
     from .openai_fields import Limits
 
     try:
         limits = Limits().replace(args.limits)
     except ValueError as e:
         raise InputError(str(e)) from None
+    if args.max_images < 0:
+        raise InputError(f"--max-images {args.max_images}: expected a number >= 0")
+    if not args.max_image_mb > 0:
+        raise InputError(f"--max-image-mb {args.max_image_mb}: expected a positive number")
+    image_limits = ImageLimits(max_bytes=int(args.max_image_mb * 1024 * 1024), max_images=args.max_images,
+                               allow_urls=args.allow_image_urls)
     options.validate_early(args)
     try:
         import fastapi  # noqa: F401
@@ -85,7 +99,7 @@ def _run_serve(args) -> int:
         or "DIFFGEMMA_SEED" in os.environ
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
                  slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
-                 warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed)
+                 warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed, image_limits=image_limits)
 
 
 def listen(host: str, port: int):
@@ -109,7 +123,7 @@ def listen(host: str, port: int):
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
-          fresh_seed: bool = False) -> int:
+          fresh_seed: bool = False, image_limits=None) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -129,11 +143,14 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
             seconds = worker.warm_up(settings, progress=lambda m: print(f"  warm-up {m}", file=sys.stderr))
             print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
         app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key,
-                         limits=limits, fresh_seed=fresh_seed)
+                         limits=limits, fresh_seed=fresh_seed, image_limits=image_limits)
         print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: for a server, a normal stop
+            pass
     finally:
         sock.close()
         worker.close()
@@ -143,15 +160,6 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
 
 
 def _run_replay(args) -> int:
-    from .. import oplog
-    from ..loader import load
-    from ..replay import replay
+    from ..replay import run_logs
 
-    start = oplog.read(args.log)[0]
-    model = load(args.model or start.get("model"), device=args.device or start.get("device") or "cpu")
-    report = replay(args.log, model)
-    for line in report.problems:
-        print(line)
-    verdict = "identical" if report.ok else f"{len(report.problems)} generation(s) differ"
-    print(f"replay: {report.generations} generations, {report.events} logged events: {verdict}")
-    return 0 if report.ok else 1
+    return run_logs(args.log, model_path=args.model, device=args.device)

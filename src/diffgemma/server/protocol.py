@@ -21,6 +21,7 @@ from ..reply import tool_result_value
 from ..settings import GenerationSettings
 from . import openai_fields
 from .errors import RequestError, error_body  # noqa: F401 (re-exported: callers import them from here)
+from .images import ImageLimits, user_content
 from .openai_fields import Limits
 from .structured import check_tools_schemas, parse_response_format
 
@@ -36,6 +37,7 @@ class Policy:
     limits: Limits | None = None
     model_canvas: int | None = None  # the model's canvas_length: canvas_length's limit unless limits give one
     fresh_seed: bool = False
+    images: ImageLimits | None = None  # what a request's image_url parts may be (images.py; None: the defaults)
 
 
 @dataclass
@@ -75,7 +77,8 @@ def _text(content, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _bad(f"{where}.content[{i}]: only text parts are supported, got {kind!r}", where)
+                raise _bad(f"{where}.content[{i}]: only text parts are supported here (images: image_url parts of "
+                           f"user messages), got {kind!r}", where)
             out.append(part["text"])
         return "".join(out)
     raise _bad(f"{where}.content: expected a string or a list of text parts", where)
@@ -97,7 +100,7 @@ def _tool_content(content, where: str):
     return tool_result_value(_text(content, where))
 
 
-def convert_messages(messages) -> list[dict]:
+def convert_messages(messages, images: ImageLimits | None = None) -> list[dict]:
     """OpenAI messages -> the chat template's: assistant tool calls with their arguments as objects, tool results
     named after the call they answer (the template writes `response:NAME{...}`)."""
     if not isinstance(messages, list) or not messages:
@@ -111,7 +114,7 @@ def convert_messages(messages) -> list[dict]:
         if role in ("system", "developer"):
             out.append({"role": "system", "content": _text(m.get("content"), where)})
         elif role == "user":
-            out.append({"role": "user", "content": _text(m.get("content"), where)})
+            out.append({"role": "user", "content": user_content(m.get("content"), where, images, _text)})
         elif role == "assistant":
             msg = {"role": "assistant", "content": _text(m.get("content"), where)}
             calls = m.get("tool_calls") or []
@@ -259,8 +262,9 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings, policy: Po
             raise _bad(f"reasoning_effort {effort!r} asks for thinking {'on' if by_effort else 'off'} but "
                        f"chat_template_kwargs.enable_thinking is {think}", "reasoning_effort")
         think = by_effort
-    return ChatRequest(messages=convert_messages(body.get("messages")), tools=tools, think=bool(think), stream=stream,
-                       include_usage=include_usage, settings=settings, tool_choice=tool_choice, forced_name=forced,
+    messages = convert_messages(body.get("messages"), policy.images if policy else None)
+    return ChatRequest(messages=messages, tools=tools, think=bool(think), stream=stream, include_usage=include_usage,
+                       settings=settings, tool_choice=tool_choice, forced_name=forced,
                        parallel_tool_calls=parallel, response_format=fmt)
 
 

@@ -17,6 +17,7 @@ import itertools
 import queue
 import threading
 
+from ..config import cache_tokens
 from ..errors import InputError
 from ..events import CancelledEvent, ErrorEvent, StepEvent
 from ..session import run_turn
@@ -29,8 +30,9 @@ class Job:
     followed the tokens it keeps), then one of DoneEvent, CancelledEvent, ErrorEvent. A job cancelled before it
     started, or failing outside the generation, gets only the CancelledEvent or ErrorEvent."""
 
-    def __init__(self, ids: list[int], settings, tool_retries: int = 0):
+    def __init__(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None):
         self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
+        self.images = images  # a prompt key's images (vision/prompt.py), or None
         self.events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
 
@@ -71,11 +73,10 @@ class _Call:
 
 
 class Worker:
-    def __init__(self, model, *, slots: int = 2, max_tokens: int = 8192, log=None):
+    def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None):
         if not isinstance(slots, int) or slots < 1:
             raise InputError(f"slots: expected a positive integer, got {slots!r}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InputError(f"max_tokens: expected a positive integer, got {max_tokens!r}")
+        max_tokens = cache_tokens(model.config, max_tokens)  # the one rule for a cache's size
         self.model, self.max_tokens, self.log = model, max_tokens, log
         self.slots: list[Slot | None] = [None] * slots  # each cache is made on first use
         self._gens = itertools.count()
@@ -84,9 +85,10 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], settings, tool_retries: int = 0) -> Job:
+    def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None) -> Job:
         """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit. tool_retries:
-        regenerate a malformed tool call up to this many times (session.run_turn)."""
+        regenerate a malformed tool call up to this many times (session.run_turn). images: with a prompt key
+        (vision/prompt.py), its images."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
@@ -94,7 +96,7 @@ class Worker:
             raise InputError(f"the prompt ({len(ids)} tokens) plus max_tokens ({settings.max_new_tokens}) is {need} "
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
-        job = Job(list(ids), settings, tool_retries)
+        job = Job(list(ids), settings, tool_retries, images)
         self._queue.put(job)
         return job
 
@@ -166,4 +168,4 @@ class Worker:
         keep = reuse_prefix(slot.cache, slot.ids, job.ids)
         run_turn(self.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries, log=self.log,
                  next_gen=lambda: next(self._gens), slot_index=i, should_stop=lambda blocks: job.cancelled,
-                 on_event=job.put)
+                 on_event=job.put, images=job.images)

@@ -1,0 +1,158 @@
+"""OpenAI `image_url` content parts -> image parts the chat takes, with the server's limits.
+
+A part is `{"type": "image_url", "image_url": {"url": URL}}` (or the URL as a plain string). `data:` URLs
+with base64 PNG, JPEG or WebP are decoded here; http(s) URLs are refused unless the server runs with
+`--allow-image-urls`, and are then fetched with a byte cap and a total timeout (redirects not followed; the
+operator who allows URLs lets clients make the server fetch any address it can reach). Every
+problem is a 400 naming the part (`messages[1].content[2]: ...`): a bad data URL, another media type, too
+many bytes, too many images in the request, or an image PIL cannot decode or that is too large once decoded
+(those last ones when the image is prepared, vision/preprocess.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+from ..vision.preprocess import MAX_IMAGE_PIXELS
+from .errors import RequestError
+
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the server accepts of a request's images."""
+
+    max_bytes: int = 20 * 1024 * 1024  # per image, decoded from base64 (or fetched)
+    max_images: int = 8  # per request, over all its messages
+    max_pixels: int = MAX_IMAGE_PIXELS  # width x height as the file declares it
+    allow_urls: bool = False  # fetch http(s) URLs
+    url_timeout_s: float = 10.0
+
+
+def _bad(message: str, where: str) -> RequestError:
+    return RequestError(400, f"{where}: {message}", "messages")
+
+
+def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
+    m = _DATA_URL.fullmatch(url)
+    if m is None:
+        raise _bad("not a base64 data URL (expected data:image/png;base64,...)", where)
+    media = (m.group("type") or "").lower()
+    if media not in MEDIA_TYPES:
+        raise _bad(f"media type {media or 'none'!r}; expected image/png, image/jpeg or image/webp", where)
+    text = re.sub(r"\s+", "", m.group("data"))
+    if len(text) * 3 // 4 > limits.max_bytes + 3:
+        raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad("the data URL's base64 does not decode", where) from None
+    if not data:
+        raise _bad("the data URL holds no bytes", where)
+    if len(data) > limits.max_bytes:
+        raise _bad(f"the image is {len(data)} bytes, over this server's limit of {limits.max_bytes} bytes", where)
+    return data
+
+
+def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
+    """GET an http(s) image with the byte cap and the timeout; no redirects, no other schemes."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + limits.url_timeout_s
+    try:
+        with httpx.Client(timeout=limits.url_timeout_s, follow_redirects=False) as client:
+            with client.stream("GET", url) as r:
+                if r.status_code != 200:
+                    raise _bad(f"fetching {url!r} gave HTTP {r.status_code}", where)
+                declared = r.headers.get("content-length")
+                if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
+                    raise _bad(f"{url!r} is {declared} bytes, over this server's limit of {limits.max_bytes}", where)
+                data = bytearray()
+                for piece in r.iter_bytes():
+                    data += piece
+                    if len(data) > limits.max_bytes:
+                        raise _bad(f"{url!r} is over this server's limit of {limits.max_bytes} bytes", where)
+                    if time.monotonic() > deadline:
+                        raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where)
+    except httpx.HTTPError as e:
+        raise _bad(f"cannot fetch {url!r} ({type(e).__name__}: {e})", where) from None
+    if not data:
+        raise _bad(f"{url!r} returned no bytes", where)
+    return bytes(data)
+
+
+def image_part(part: dict, where: str, limits: ImageLimits) -> dict:
+    """An OpenAI image_url part -> {"type": "image", "image": bytes}."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise _bad("an image_url part needs {'image_url': {'url': 'data:image/png;base64,...'}}", where)
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        data = decode_data_url(url, where, limits)
+    elif scheme in ("http", "https"):
+        if not limits.allow_urls:
+            raise _bad("this server does not fetch image URLs; send the image as a data URL "
+                       "(data:image/png;base64,...), or start the server with --allow-image-urls", where)
+        data = fetch_url(url, where, limits)
+    else:
+        raise _bad(f"URL scheme {scheme!r}; expected a data: URL (or http(s) with --allow-image-urls)", where)
+    return {"type": "image", "image": data}
+
+
+def user_content(content, where: str, limits: ImageLimits | None, text) -> str | list:
+    """A user message's content: text as `text(content, where)` makes it, or, with image_url parts, a list of
+    text and image parts."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)):
+        return text(content, where)
+    limits = limits or ImageLimits()
+    out = []
+    for i, part in enumerate(content):
+        here = f"{where}.content[{i}]"
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            out.append(image_part(part, here, limits))
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _bad(f"expected a text or an image_url part, got {kind!r}", here)
+    return out
+
+
+def count_images(messages, limits: ImageLimits | None) -> int:
+    limits = limits or ImageLimits()
+    n = sum(1 for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") == "image")
+    if n > limits.max_images:
+        raise RequestError(400, f"messages: {n} images, over this server's limit of {limits.max_images} per request",
+                           "messages")
+    return n
+
+
+def prepare(model, messages: list[dict], limits: ImageLimits | None) -> list[dict]:
+    """Decode every image of the request (each a 400 naming its message part): the messages the Session takes."""
+    from ..errors import InputError
+    from ..vision.prompt import prepare_parts, vision_for
+
+    limits = limits or ImageLimits()
+    try:
+        vision = vision_for(model)
+    except InputError as e:
+        raise RequestError(400, f"messages: {e}", "messages") from None
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list):
+            try:
+                m = {**m, "content": prepare_parts(m["content"], vision, f"messages[{i}].content",
+                                                   max_pixels=limits.max_pixels)}
+            except InputError as e:
+                raise RequestError(400, str(e), "messages") from None
+        out.append(m)
+    return out

@@ -1,0 +1,105 @@
+"""GPU checks for the graphed commit prefill (Engine.prefill through Forward.prefill_padded; skips without CUDA).
+
+- The graphed padded prefill computes the eager padded prefill's bits (the same kernels at the same shapes).
+- Against the unpadded eager prefill (the twin): the same cache bits for a full block (the same GEMM shapes; the
+  attention only sees more masked keys), bf16-close for a shorter one; the same next denoise logits.
+- One graph per (padded length, context bucket) serves every commit in that bucket.
+- Seeded generate gives the unpadded eager commit's tokens when every commit is a full block.
+"""
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.generation import generate  # noqa: E402
+from diffgemma.model.engine import build_engine  # noqa: E402
+from diffgemma.settings import GenerationSettings  # noqa: E402
+
+from bench.fixtures import RandomSource  # noqa: E402
+from tiny_checkpoints import MID  # noqa: E402
+
+DEV = "cuda"
+CANVAS = 64
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": CANVAS,
+                                 "text_config": dict(MID, model_type="diffusion_gemma_text")})
+    return build_engine(cfg, RandomSource(cfg, DEV, torch.bfloat16, seed=random.getrandbits(31), std=0.05), DEV,
+                        torch.bfloat16, prefill_chunk=256)
+
+
+def cache_state(cache):
+    return cache.length, int(cache.length_t), cache.slot_pos.clone(), [t.clone() for t in cache.live_kv()]
+
+
+def commit(engine, cache, ids, padded, graphs=True):
+    old = engine.options, engine.use_graphs
+    engine.padded_prefill, engine.use_graphs = padded, graphs
+    try:
+        engine.prefill(cache, ids)
+    finally:
+        engine.options, engine.use_graphs = old
+    torch.cuda.synchronize()
+
+
+def prefilled(engine, prompt, max_tokens=2048):
+    cache = engine.new_cache(max_tokens)
+    commit(engine, cache, prompt, padded=False)
+    return cache
+
+
+@pytest.mark.parametrize("k", [CANVAS, 17, 1])
+def test_graphed_commit_is_the_eager_commit(engine, k):
+    V = engine.config.vocab_size
+    prompt = torch.randint(0, V, (300,), device=DEV)  # past the sliding window: the ring has wrapped
+    caches = {m: prefilled(engine, prompt) for m in ("graphed", "padded_eager", "unpadded")}
+    for b in range(4):  # several commits in one context bucket: one graph replayed
+        ids = torch.randint(0, V, (k,), device=DEV)
+        commit(engine, caches["graphed"], ids, padded=True)
+        commit(engine, caches["padded_eager"], ids, padded=True, graphs=False)
+        commit(engine, caches["unpadded"], ids, padded=False)
+        g, e, u = (cache_state(caches[m]) for m in ("graphed", "padded_eager", "unpadded"))
+        assert g[:2] == e[:2] == u[:2] == (300 + (b + 1) * k,) * 2
+        assert torch.equal(g[2], e[2]) and torch.equal(g[2], u[2]), "ring slot positions differ"
+        for i, (x, y, z) in enumerate(zip(g[3], e[3], u[3])):
+            assert torch.equal(x, y), f"block {b}: graphed and eager padded commit differ in live K/V {i}"
+            if k == CANVAS:
+                assert torch.equal(x, z), f"block {b}: a full block's commit differs from the unpadded one ({i})"
+            else:
+                err = (x.float() - z.float()).abs().max().item()
+                assert err <= 0.05 * max(1.0, z.float().abs().max().item()), f"block {b}: K/V {i} off by {err:.3g}"
+    keys = list(engine._prefill_graphs[caches["graphed"]])
+    assert keys == [(CANVAS, keys[0][1], engine.options.attn_impl)], keys
+    canvas = torch.randint(0, V, (CANVAS,), device=DEV)
+    lg, lu = (engine.denoise(caches[m], canvas).float().clone() for m in ("graphed", "unpadded"))
+    if k == CANVAS:
+        assert torch.equal(lg, lu)
+    else:
+        assert (lg - lu).abs().max().item() <= 0.5  # softcapped logits (cap 30) after bf16-rounded K/V
+
+
+def test_seeded_generate_tokens_match_the_eager_commit(engine):
+    V = engine.config.vocab_size
+    s = GenerationSettings.resolve({}, env={}, overrides=dict(max_denoising_steps=8, max_new_tokens=4 * CANVAS,
+                                                               confidence_trim=0.0, stop_ids=[],
+                                                               seed=random.getrandbits(32)))
+    prompt = torch.randint(0, V, (CANVAS,), device=DEV)  # a prompt of the pad's length: full blocks throughout
+    runs = {}
+    for padded in (False, True):
+        old = engine.options
+        engine.padded_prefill = padded
+        try:
+            cache = engine.new_cache(1024)
+            r = generate(engine, prompt, settings=s, cache=cache)
+            runs[padded] = (r.tokens, cache.fingerprint())
+        finally:
+            engine.options = old
+    assert len(runs[True][0]) == 4 * CANVAS
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]  # the caches too, bit for bit
