@@ -92,6 +92,28 @@ def test_batched_logits_are_bitwise_the_solo_logits(tiny, B):
         assert torch.equal(stacked[i], tiny.denoise(caches[i], same[i]))
 
 
+def test_random_batches_are_bitwise_the_solo_logits(tiny):
+    """Random batches: 1-5 requests, contexts 0-30 (empty caches, inside and past the window), canvases of 1-20
+    ids, each with SC logits, SC embeddings or none."""
+    V, H = tiny.config.vocab_size, tiny.config.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        B = int(torch.randint(1, 6, (1,), generator=gen))
+        caches, canvases, lg, em = [], [], [], []
+        for _ in range(B):
+            n, C, kind = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((0, 31), (1, 21), (0, 3)))
+            cache = tiny.new_cache(n + 32)
+            if n:
+                tiny.prefill(cache, torch.randint(0, V, (n,), generator=gen))
+            caches.append(cache)
+            canvases.append(torch.randint(0, V, (C,), generator=gen))
+            lg.append(torch.randn(C, V, generator=gen) * 3 if kind == 1 else None)
+            em.append(torch.randn(C, H, generator=gen) if kind == 2 else None)
+        batched = tiny.denoise_batch(caches, canvases, sc_logits=lg, sc_embeds=em)
+        for i in range(B):
+            assert torch.equal(batched[i], tiny.denoise(caches[i], canvases[i], sc_logits=lg[i], sc_embeds=em[i]))
+
+
 def test_batched_demo_logits_are_bitwise_the_solo_logits(demo):
     V = demo.config.vocab_size
     caches = [_cache(demo, n, 80) for n in (3, 40, 17)]
