@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, SettingsError
-from ..settings import GenerationSettings  # noqa: F401
+from ..settings import GenerationSettings
 from ..settings import parse_overrides as parse_set_items  # the parser --set uses
 
 _ARM_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
@@ -100,12 +100,16 @@ def parse_campaign(data: Any, origin: str = "arms") -> Campaign:
     return campaign
 
 
+def read_json(path: Path, flag: str) -> Any:
+    """The JSON a command-line file flag names, or a one-line InputError naming the flag and the file."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{flag} {path}: not valid JSON ({e})") from None
+
+
 def load_campaign(path: str | Path) -> Campaign:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise InputError(f"--arms {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"--arms {path}: not valid JSON ({e})") from None
-    return parse_campaign(data, f"--arms {path}")
+    return parse_campaign(read_json(path, "--arms"), f"--arms {path}")

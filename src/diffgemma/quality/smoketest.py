@@ -8,12 +8,11 @@ aggregate judges changes that reshuffle trajectories, where one seed's flips are
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
-from .arms import Campaign, parse_campaign
+from .arms import Campaign, parse_campaign, read_json
 from .batteries import SHIPPED, Battery, load_battery
 
 DEFAULT_SPEC = SHIPPED / "smoketest.gate.json"
@@ -29,12 +28,7 @@ class Spec:
 
 def load_spec(path: str | Path | None = None) -> Spec:
     path = Path(path) if path else DEFAULT_SPEC
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise InputError(f"--spec {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"--spec {path}: not valid JSON ({e})") from None
+    data = read_json(path, "--spec")
     origin = f"smoketest spec {path}"
     if not isinstance(data, dict):
         raise InputError(f"{origin}: expected a JSON object")
