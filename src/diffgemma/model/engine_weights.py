@@ -13,7 +13,7 @@ Norm weights stay in the activation dtype; experts stay [E, 2F, H] / [E, H, F] a
 
 Packs (quant/): a source that says a tensor's `kind` is quantized hands out its record bytes. Expert
 stacks in q4 / q5 / q6 / nvfp4 and the SC MLP in q8 then stay packed on the device
-(ops.moe_packed.PackedWeight): each record is copied from the memory-mapped blob straight to the
+(ops.packed_weight.PackedWeight): each record is copied from the memory-mapped blob straight to the
 device, no bf16 copy is made, and the GEMMs dequantize on the fly. The SC gate and up records are
 concatenated row-wise (q8 is per-row, so that is lossless). Any other quantized tensor is
 dequantized once at load to `dtype`, as before.
@@ -28,8 +28,8 @@ import torch
 
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
-from ..ops import moe_q4
-from ..ops.moe_packed import EXPERT_FORMATS, PackedWeight
+from ..ops import q4_tiles
+from ..ops.packed_weight import EXPERT_FORMATS, PackedWeight
 from ..ops.route import router_pieces
 
 _NORMS = {
@@ -114,9 +114,9 @@ def upload_record(source, name, device) -> torch.Tensor:
 def _packed(source, name, device) -> PackedWeight:
     fmt, shape = tensor_kind(source, name), source.shape(name)
     pw = PackedWeight.from_record(fmt, shape, upload_record(source, name, device))
-    if moe_q4.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/moe_q4.py);
+    if q4_tiles.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/q4_tiles.py);
         # gate ‖ up in the glu tile order, so the GEMM makes gelu·up in its epilogue
-        pw = moe_q4.to_tile_layout(pw, glu=name.endswith("gate_up_proj"))
+        pw = q4_tiles.to_tile_layout(pw, glu=name.endswith("gate_up_proj"))
     return pw
 
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..ops import moe_packed
+from ..ops import moe_paths
+from ..ops.packed_weight import PackedWeight
+from ..ops.q8_linear import linear
 from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
 from ..ops.gelu_mul import gelu_mul
@@ -90,7 +92,7 @@ class Forward:
             self._prefill_chunk(cache, ids[s: s + chunk])
         if self._dequantizes_in_prefill(min(len(ids), chunk)):
             # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at full
-            # size; ops/moe_packed.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
+            # size; ops/moe_paths.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
             torch.cuda.empty_cache()
 
     def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
@@ -184,8 +186,8 @@ class Forward:
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config
-        return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, moe_packed.PackedWeight)
-                and moe_packed.dequantizes_for(chunk * cfg.top_k_experts / cfg.num_experts))
+        return (self.device.type == "cuda" and isinstance(self.w.layers[0].experts_gu, PackedWeight)
+                and moe_paths.dequantizes_for(chunk * cfg.top_k_experts / cfg.num_experts))
 
     # ------------------------------------------------------------------ denoise (bidirectional canvas, read-only cache)
 
@@ -234,7 +236,7 @@ class Forward:
 
     def _sc_mlp(self, s):
         """The self-conditioning MLP (gate||up, gelu.up, down); plain or packed q8 weights."""
-        return moe_packed.linear(gelu_mul(moe_packed.linear(s, self.w.sc_gu)), self.w.sc_down)
+        return linear(gelu_mul(linear(s, self.w.sc_gu)), self.w.sc_down)
 
     def _canvas_rows(self, C: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(arange(C), R + arange(C)) on the device, made once per shape: constants a graph reads."""
@@ -291,7 +293,7 @@ class Forward:
             return None, None
         a = o @ lw.o.T
         # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
-        moe_f16 = moe_packed.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
+        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
         side = self._router_stream() if len(h) <= OVERLAP_ROWS else None
