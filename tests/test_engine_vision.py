@@ -153,8 +153,9 @@ def test_bad_image_inputs_are_one_line_errors(ckpt):
 
 
 def test_hf_preset_generate_with_an_image_engine_equals_reference(tmp_path):
-    """Session with an image, hf semantics, seeded: the engine (f32, f32 KV) gives the reference's tokens. Every
-    expert routed and the SC MLP damped, so f32 re-association cannot flip a routing choice."""
+    """A Session with images, hf semantics, seeded: the engine (f32, f32 KV) gives the reference's tokens, turn by
+    turn (a second image after the first turn, whose KV is reused). Every expert routed and the SC MLP damped, so f32
+    re-association cannot flip a routing choice."""
     from diffgemma.session import Session
     from diffgemma.settings import GenerationSettings
     from test_hf_generate_parity import KNOBS, STOP_IDS
@@ -171,12 +172,16 @@ def test_hf_preset_generate_with_an_image_engine_equals_reference(tmp_path):
     ref = diffgemma.load(tmp_path, engine="reference")
     eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32)
     content = [{"type": "image", "image": random_image(30, 41, seed=3)}, {"type": "text", "text": "Say"}]
+    other = [{"type": "image", "image": random_image(41, 30, seed=4)}, {"type": "text", "text": "And"}]
     replies = []
-    for seed in (3, 4):
+    for seed in (3, 7):
         settings = GenerationSettings.resolve({}, env={}, overrides=dict(
             semantics="hf", seed=seed, max_new_tokens=16, stop_ids=STOP_IDS, **KNOBS["max_steps"]))
-        want = Session(ref).ask(content, settings=settings).result.tokens
-        got = Session(eng).ask(content, settings=settings).result.tokens
-        assert got == want, f"seed {seed}"
-        replies.append(want)
-    assert sum(map(len, replies)) >= 8
+        # a conversation: an image, then another image on top of the first turn (its KV reused)
+        sessions = Session(ref), Session(eng)
+        for turn in (content, other):
+            want, got = (s.ask(turn, settings=settings).result.tokens for s in sessions)
+            assert got == want, f"seed {seed}, turn {turn!r}"
+            replies.append(want)
+        assert sessions[1].cached_ids == sessions[0].cached_ids and min(sessions[0].cached_ids) < 0  # same keys
+    assert sum(map(len, replies)) >= 24 and replies[0] != replies[1]
