@@ -37,7 +37,8 @@ VISION = dict(model_type="gemma4_vision", hidden_size=1152, intermediate_size=43
 TOKENS = dict(boi_token_id=255_999, eoi_token_id=258_882, image_token_id=258_880)
 # --tiny: a small text model and tower with the same code paths (sliding + full layers, GQA, pooling 3)
 TINY_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=64,
+                 num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                 sliding_window=64,
                  layer_types=[S, FULL, S, FULL], num_experts=8, top_k_experts=2, moe_intermediate_size=32,
                  final_logit_softcapping=30.0, max_position_embeddings=4096)
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -145,7 +146,8 @@ def run(args) -> dict:
     files = [image_bytes(h, w, seed=i) for i in range(args.images)]
     prepared = [prepare_image(f, vcfg.processing) for f in files]
     g = torch.Generator().manual_seed(0)
-    text = lambda n: torch.randint(0, vcfg.boi_token_id if args.tiny else 200_000, (n,), generator=g).tolist()  # noqa: E731
+    top = vcfg.boi_token_id if args.tiny else 200_000  # ordinary text ids, below the special ones
+    text = lambda n: torch.randint(0, top, (n,), generator=g).tolist()  # noqa: E731
     ids = text(args.text)
     for im in prepared:
         ids += image_placeholder(im.num_soft_tokens, vcfg) + text(args.text)

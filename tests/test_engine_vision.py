@@ -46,7 +46,8 @@ def image_prompt(ref, tower, n_images, seed=0):
     gen = torch.Generator().manual_seed(seed)
     parts = [torch.randint(0, V - 3, (5,), generator=gen)]
     for i, im in enumerate(prepared):
-        parts += [torch.tensor(image_placeholder(im.num_soft_tokens, cfg)), torch.randint(0, V - 3, (4 + i,), generator=gen)]
+        parts += [torch.tensor(image_placeholder(im.num_soft_tokens, cfg)),
+                  torch.randint(0, V - 3, (4 + i,), generator=gen)]
     ids = torch.cat(parts)
     embeds = merge_image_embeddings(ref.embed(ids), ids, tower.encode(prepared), cfg)
     return ids, embeds, image_groups(ids, cfg)

@@ -3,9 +3,9 @@
 Covers: preprocessing identical to transformers' Gemma-4 image processor (bit for bit, several sizes and
 modes, path / bytes / PIL input); vision features (tower + projector) within 1e-4 in float32; the
 denoise logits after a prefill with one and two images within the text parity bound (1e-3) in
-float32, which checks the merge and the bidirectional image rule, and within 1e-4 of a float64 forward; bad images, bad configs and a
-checkpoint missing a tower tensor failing with one clear error and nothing loaded; the tower read from
-a quantized pack.
+float32, which checks the merge and the bidirectional image rule, and within 1e-4 of a float64
+forward; bad images, bad configs and a checkpoint missing a tower tensor failing with one clear error
+and nothing loaded; the tower read from a quantized pack.
 """
 
 import io
