@@ -163,8 +163,18 @@ class Engine:
         return BatchDenoiser(self, caches)
 
     @torch.no_grad()
-    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                image_groups: torch.Tensor | None = None) -> None:
+        """Append `ids` to the cache. Images (both optional, as ReferenceModel.prefill; diffgemma.vision.merge):
+        `embeds` [T, hidden] replaces embed(ids) as the layer-0 input; `image_groups` [T] gives each row its image's
+        index or -1, and rows of one image also attend to each other both ways. Such a prefill runs eagerly, with
+        its image rows in one chunk."""
         ids = self._check_ids(ids, "prefill ids", check_range=True)
+        if embeds is not None or image_groups is not None:
+            embeds, image_groups = self._check_image_inputs(len(ids), embeds, image_groups)
+            cache.check_room(len(ids))
+            self.forward.prefill(cache, ids, embeds, image_groups)
+            return
         cache.check_room(len(ids))
         pad = self.prefill_pad(cache, len(ids))
         if pad is None:
@@ -181,6 +191,27 @@ class Engine:
         n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
         self.forward.prefill_padded(cache, self._padded_ids(ids, pad), n_real, self._prefill_key_rows(cache, pad))
         cache.length += len(ids)
+
+    def _check_image_inputs(self, T: int, embeds, groups):
+        """prefill's embeds / image_groups, checked and on the device (embeds in the model's dtype)."""
+        H = self.config.hidden_size
+        if embeds is not None:
+            if (not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (T, H)
+                    or not embeds.is_floating_point()):
+                got = (f"{list(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor)
+                       else type(embeds).__name__)
+                raise InputError(f"prefill: embeds is {got}, expected a floating [{T}, {H}] tensor")
+            embeds = embeds.to(self.device, self.dtype)
+        if groups is not None:
+            if (not isinstance(groups, torch.Tensor) or tuple(groups.shape) != (T,)
+                    or groups.dtype not in (torch.int64, torch.int32)):
+                got = (f"{list(groups.shape)} {groups.dtype}" if isinstance(groups, torch.Tensor)
+                       else type(groups).__name__)
+                raise InputError(f"prefill: image_groups is {got}, expected a [{T}] integer tensor (image index or -1)")
+            groups = groups.to(self.device, torch.long)
+            if bool((groups < -1).any()):
+                raise InputError(f"prefill: image_groups holds {int(groups.min())}; expected image indices >= 0 or -1")
+        return embeds, groups
 
     def prefill_pad(self, cache: EngineKVCache, n: int) -> int | None:
         """The padded length a prefill of `n` tokens runs at now (options.padded_prefill), or None: unpadded. The

@@ -86,17 +86,43 @@ class Forward:
     # ------------------------------------------------------------------ prefill (causal, writes the cache)
 
     @torch.no_grad()
-    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
-        """ids: checked, on the device. Writes their K/V into the cache, a chunk at a time."""
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                groups: torch.Tensor | None = None) -> None:
+        """ids: checked, on the device. Writes their K/V into the cache, a chunk at a time. embeds [n, hidden] (the
+        layer-0 input in place of embed(ids)) and groups [n] (each row's image or -1: rows of one image also attend
+        to each other both ways): checked, on the device, or None. A chunk never splits an image."""
         chunk = self.options.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            self._prefill_chunk(cache, ids[s: s + chunk])
+        for s, e in self._chunks(len(ids), chunk, groups):
+            self._prefill_chunk(cache, ids[s: e], None if embeds is None else embeds[s: e],
+                                None if groups is None else groups[s: e])
         if self._dequantizes_in_prefill(min(len(ids), chunk)):
             # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at full
             # size; ops/moe_paths.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
             torch.cuda.empty_cache()
 
-    def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+    @staticmethod
+    def _chunks(n: int, chunk: int, groups: torch.Tensor | None) -> list[tuple[int, int]]:
+        """[start, end) prefill chunks of at most `chunk` rows, except that no chunk ends inside an image (the rows of
+        one group id, from its first row to its last): that chunk ends before the image, or after it where the image
+        starts the chunk (then it is longer than `chunk`)."""
+        span = {}
+        if groups is not None:
+            for i, g in enumerate(groups.tolist()):
+                if g >= 0:
+                    span[g] = (span.get(g, (i, i))[0], i + 1)
+        inside = sorted(span.values())
+        out, s = [], 0
+        while s < n:
+            e = min(s + chunk, n)
+            for a, b in inside:
+                if a < e < b:
+                    e = a if a > s else b
+                    break
+            out.append((s, e))
+            s = e
+        return out
+
+    def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor, embeds=None, groups=None) -> None:
         cfg, W, dev = self.config, self.config.sliding_window, self.device
         P, n, R = cache.length, len(ids), cache.ring
         pos = torch.arange(P, P + n, device=dev)
@@ -104,6 +130,11 @@ class Forward:
         slide_kpos = torch.cat([cache.slot_pos, pos])  # the ring before this chunk, then the chunk itself
         ring_slots = cache.ring_slots(pos, P + n)
         tail = max(0, n - R)  # the first `tail` chunk positions are overwritten within the chunk
+        # The image overlay (torch attention): each query's image, and each key's (cached rows are never in one)
+        slide_groups = full_groups = None
+        if groups is not None and bool((groups >= 0).any()):
+            slide_groups = (groups, torch.cat([groups.new_full((R,), -1), groups]))
+            full_groups = (groups, torch.cat([groups.new_full((P,), -1), groups]))
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
@@ -113,7 +144,7 @@ class Forward:
                 q, kv = self._qkv(li, qkv, pos, dense_kv=True)
                 Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P)
+                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P, groups=slide_groups)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -121,9 +152,9 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self._attn_impl(False, True))
+                             impl=self._attn_impl(False, True), groups=full_groups)
 
-        x = self.embed(ids)  # no SC norm on the encoder pass
+        x = self.embed(ids) if embeds is None else embeds  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
         cache.advance(pos, P + n)
 
