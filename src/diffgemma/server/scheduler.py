@@ -129,18 +129,6 @@ class Scheduler:
                 self._fail(r, e)
             self.running = []
 
-    def close(self) -> None:
-        """Stop every request (the server is shutting down): each gets a CancelledEvent."""
-        for r in self.running:
-            r.steps.close()
-            r.job.put(CancelledEvent())
-        self.running = []
-        while self.pending:
-            item = self.pending.popleft()
-            if isinstance(item, Job):
-                self.worker.left_queue(item)
-                item.put(CancelledEvent())
-
     # -- the round's parts ---------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
