@@ -86,7 +86,8 @@ def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, 
                      images: dict | None = None, prefill_chunk: int | None = None, stop_prefill=lambda: False):
     """The one way a conversation's reply is generated (Session, the server's scheduler, replay), as a coroutine:
     `slot` already rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. It yields
-    `Forward` asks (generation.Forward: answered with send(logits)) and, with `prefill_chunk`, a `Prefill` ask before
+    `Forward` asks (generation.Forward: answered with send(logits), or with send(None) to withdraw the request: it
+    is cancelled there, as by should_stop) and, with `prefill_chunk`, a `Prefill` ask before
     each chunk of that many prompt tokens (answered with send(None)); it returns its last event.
     Every event (events.py) goes to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent,
     CancelledEvent or ErrorEvent (the cache is then emptied). `should_stop(blocks)` is asked after every step and
@@ -142,6 +143,11 @@ def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, 
             logits = None
             if isinstance(event, Forward):
                 logits = yield event
+                if logits is None:  # withdrawn by its driver (its client left): it stops before this step
+                    steps.close()
+                    kept = rewind(slot.cache, len(full))
+                    slot.ids = full[:kept]
+                    return emit(CancelledEvent(blocks=blocks, kept=kept))
                 continue
             if isinstance(event, DoneEvent):
                 slot.ids = full + list(event.result.tokens)

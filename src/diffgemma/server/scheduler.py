@@ -12,7 +12,8 @@ stop rules, commits, tool-call regeneration, the op-log). A round:
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
             and runs on to its next ask; a request whose turn is over leaves at once, freeing its slot
 
-A request cancelled by its client stops at its next step (or prompt chunk); the others are not touched. The
+A request cancelled by its client stops before its next step (its forward withdrawn) or prompt chunk; the others
+are not touched. The
 forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma replay` runs the logged
 generations one after another).
 """
@@ -126,6 +127,7 @@ class Scheduler:
             self._denoise()
         except Exception as e:  # a bug here must not kill the thread every request waits on
             for r in self.running:
+                r.steps.close()
                 self._fail(r, e)
             self.running = []
 
@@ -179,6 +181,8 @@ class Scheduler:
                 self._advance(r, None)
 
     def _denoise(self) -> None:
+        for r in [r for r in self.running if r.job.cancelled and isinstance(r.ask, Forward)]:
+            self._advance(r, None)  # a forward withdrawn: the request stops before its step, nothing computed
         asking = [r for r in self.running if isinstance(r.ask, Forward)]
         if not asking:
             return
