@@ -12,6 +12,8 @@ every lane its own cache holding a 1k prompt:
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
            generate_batch's tokens vs generate's per request (share identical), per batch_paths
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
+  demo     the embedded demo model (real weights, its own engine): 8 chat prompts' tokens alone vs through
+           generate_batch at max_batch 2 / 4 / 8: the share of requests token-identical
 Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
 """
 
@@ -141,6 +143,30 @@ def section_invariance(eng, cfg, B, ctx):
     return out
 
 
+def section_demo(dev, batches):
+    import diffgemma
+    from diffgemma.session import Session
+
+    eng = diffgemma.load(None, device=dev)
+    questions = ["Name a colour.", "What is 2+2?", "Say hi.", "Count to five.", "What is the capital of France?",
+                 "Write a haiku about rain.", "List three fruits.", "Is ice cold?"]
+    prompts = []
+    for q in questions:
+        s = Session(eng, max_tokens=64)
+        s.messages.append({"role": "user", "content": q})
+        prompts.append(s.render())
+    kw = dict(max_new_tokens=64)
+    alone = [generate(eng, p, seed=i, **kw).tokens for i, p in enumerate(prompts)]
+    out = {}
+    for B in batches:
+        if B < 2:
+            continue
+        got = generate_batch(eng, prompts, seeds=list(range(len(prompts))), max_batch=B, **kw)
+        out[B] = f"{sum(g.tokens == a for g, a in zip(got, alone))}/{len(prompts)}"
+        log(f"  demo: max_batch {B}: requests token-identical {out[B]}")
+    return out
+
+
 def section_memory(eng, cfg, B, ctx):
     dev = eng.device
     if dev.type != "cuda":
@@ -164,7 +190,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--sections", default="forward,steps,invariance,memory")
+    ap.add_argument("--sections", default="forward,steps,invariance,memory,demo")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
@@ -189,6 +215,11 @@ def main():
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
 
+    if "demo" in sections:
+        t = time.time()
+        res["demo"] = section_demo(dev, batches)
+        log(f"[demo] {time.time() - t:.1f}s")
+        dump()
     for kind in kinds:
         t = time.time()
         eng = build(kind, cfg, dev, a.tiny)

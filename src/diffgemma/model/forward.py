@@ -255,7 +255,7 @@ class Forward:
         def attend(li, qkv, need_out):
             return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
 
-        self._path_rows = max(lens) if self.options.batch_paths == "lane" else None
+        self._path_rows = max(lens) if self.options.batch_paths == "lane" else None  # lanes of one length: its own
         try:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         finally:
