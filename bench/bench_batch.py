@@ -6,7 +6,7 @@
 Per engine kind (bf16: RandomSource; q4: RandomPackSource, q4 experts and a q8 SC MLP), balanced expert routing,
 every lane its own cache holding a 1k prompt:
   forward  the batched denoise forward alone (graph replay; B=1 is the solo graphed denoise generate runs), median
-           ms and canvas rows/s, and the ratio to B=1 measured in the same run, for batch_paths "lane" and "total"
+           ms and canvas rows/s, and the ratio to B=1 measured in the same run, per batch_paths form
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
            included): aggregate canvas rows/s against B=1 through the same call
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
@@ -36,8 +36,10 @@ from diffgemma.batch import generate_batch
 from diffgemma.config import ModelConfig
 from diffgemma.generation import generate
 from diffgemma.loader import embedded_model_path
+from diffgemma.model.options import BATCH_PATHS
 
 STEPS = 16
+PATHS = BATCH_PATHS  # EngineOptions.batch_paths' forms
 
 
 def median(xs):
@@ -74,7 +76,7 @@ def section_forward(eng, cfg, batches, ctx, reps):
     dev, C = eng.device, cfg.canvas_length
     out = {}
     caches, canvases, scs = lanes(eng, cfg, max(batches), ctx)
-    for paths in ("lane", "total"):
+    for paths in PATHS:
         eng.options = replace(eng.options, batch_paths=paths)
         eng.clear_graphs()
         r = out[paths] = {}
@@ -91,8 +93,9 @@ def section_forward(eng, cfg, batches, ctx, reps):
     return out
 
 
-def section_steps(eng, cfg, batches, ctx, reps):
+def section_steps(eng, cfg, batches, ctx, reps, paths):
     dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    eng.options = replace(eng.options, batch_paths=paths)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, V, (ctx,), generator=gen).tolist() for _ in range(max(batches))]
     s = fixed_steps(C, 1)
@@ -113,8 +116,9 @@ def section_steps(eng, cfg, batches, ctx, reps):
         den = statistics.median(walls) - sum(r.timings["prefill_s"] for r in res)
         out[B] = {"wall_s": round(statistics.median(walls), 4), "rows_s": round(B * C * STEPS / den, 1)}
         out[B]["vs_b1"] = round(out[B]["rows_s"] / out[batches[0]]["rows_s"], 3)
-        log(f"  steps B={B}: {out[B]}")
+        log(f"  steps [{paths}] B={B}: {out[B]}")
         eng.clear_graphs()
+    eng.options = replace(eng.options, batch_paths="lane")
     return out
 
 
@@ -127,9 +131,10 @@ def section_invariance(eng, cfg, B, ctx):
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (ctx, 37, ctx // 2, 300, ctx, 5, 700, 90)[:B]]
     s = fixed_steps(C, 2)
     alone = [generate(eng, p, settings=s, seed=i).tokens for i, p in enumerate(prompts)]
-    for paths in ("lane", "total"):
+    for paths in PATHS:
         eng.options = replace(eng.options, batch_paths=paths)
         eng.clear_graphs()
+        eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)  # a batch's first round runs eagerly; this one replays
         got = eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)
         same = sum(torch.equal(g, x) for g, x in zip(got, solo))
         worst = max(((g.float() - x.float()).norm() / x.float().norm()).item() for g, x in zip(got, solo))
@@ -192,6 +197,7 @@ def main():
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--sections", default="forward,steps,invariance,memory,demo")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--paths", default="lane", choices=BATCH_PATHS, help="batch_paths for the steps section")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
@@ -227,7 +233,7 @@ def main():
         log(f"[{kind}] built in {time.time() - t:.1f}s")
         r = res[kind] = {}
         jobs = (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
-                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps)),
+                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
                 ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
                 ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx) if kind == "q4" else None))
         for name, fn in jobs:
@@ -256,10 +262,10 @@ def main():
     log("|---|---|" + "---|" * (len(batches) + 1))
     for kind in kinds:
         r = res.get(kind, {})
-        for paths in ("lane", "total"):
+        for paths in PATHS:
             f = r.get("forward", {}).get(paths, {})
             cells = [f"{f[b]['rows_s']} ({f[b]['vs_b1']})" if b in f else "-" for b in batches]
-            st = r.get("steps", {}) if paths == "lane" else {}
+            st = r.get("steps", {}) if paths == a.paths else {}
             steps = "/".join(str(st[b]["vs_b1"]) if b in st else "-" for b in batches)
             log(f"| {kind} | {paths} | " + " | ".join(cells) + f" | {steps} |")
 

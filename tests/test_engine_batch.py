@@ -52,7 +52,7 @@ def _lanes(eng, gen):
     return lanes
 
 
-@pytest.mark.parametrize("paths", ["lane", "total"])
+@pytest.mark.parametrize("paths", ["lane", "wide", "total"])
 def test_each_lane_gets_its_solo_logits(ref, paths):
     eng = _engine(ref, batch_paths=paths)
     lanes = _lanes(eng, _gen())
@@ -92,13 +92,14 @@ def test_a_batched_forward_reads_no_other_lane(ref):
 
 
 def test_lane_paths_choose_kernels_by_one_lanes_rows(ref, monkeypatch):
-    """batch_paths "lane": every kernel-path decision of a batched forward sees one lane's rows; "total": all rows."""
+    """batch_paths "lane": every kernel-path decision of a batched forward sees one lane's rows; "total" and (for a
+    plain expert stack) "wide": all rows."""
     seen = []
     real = forward_mod.moe_paths.takes_f16_operand
     monkeypatch.setattr(forward_mod.moe_paths, "takes_f16_operand",
                         lambda w, routes, x: seen.append(routes) or real(w, routes, x))
     k, C = ref.config.top_k_experts, ref.config.canvas_length
-    for paths, want in (("lane", C * k), ("total", 3 * C * k)):
+    for paths, want in (("lane", C * k), ("wide", 3 * C * k), ("total", 3 * C * k)):
         eng = _engine(ref, batch_paths=paths)
         caches = [eng.new_cache(64) for _ in range(3)]
         for c in caches:

@@ -51,7 +51,7 @@ def lanes(eng, n, gen):
     return out
 
 
-@pytest.mark.parametrize("paths", ["lane", "total"])
+@pytest.mark.parametrize("paths", ["lane", "wide", "total"])
 def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
     eng = make_engine(*shapes, batch_paths=paths)
     gen = torch.Generator().manual_seed(random.getrandbits(31))
