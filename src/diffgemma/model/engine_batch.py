@@ -91,16 +91,15 @@ class BatchGraphs:
         return entry.out
 
     def _capture(self, caches, ids, lens, key_rows, sc_rows, has) -> BatchGraph:
-        """Warmed up on a side stream (it writes only the caches' canvas scratch rows), then captured into the
-        engine's shared graph pool."""
+        """Warmed up once on a side stream (it writes only the caches' canvas scratch rows; the same batch ran eagerly
+        the round before, so its kernels are compiled), then captured into the engine's shared graph pool."""
         eng = self.engine
         fwd, dev = eng.forward, eng.device
         ids_buf, sc_buf, has_buf = ids.clone(), sc_rows.clone(), has.clone()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
+            fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
         torch.cuda.current_stream(dev).wait_stream(stream)
         eng._fresh_pool_if_dead()
         graph = torch.cuda.CUDAGraph()
