@@ -78,7 +78,9 @@ def test_segment_embed_refuses_mismatched_survivor_lists():
 
 def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, monkeypatch):
     """SparsePlan's gather on the fused data flow with the kernels on (interpreted) equals the same plan with
-    the torch twins, bit for bit: same survivors, same order, same adds."""
+    the torch twins: the same survivors per row, and sums within one bf16 rounding (the row statistics come from
+    the interpreted kernel's exp / log, which numpy computes, not torch: an f32 weight may differ in its last bit,
+    and about one seed in twenty then rounds a sum to the neighbouring bf16 value)."""
     vocab, hidden = 300, 24
     x = torch.randn(6, vocab) * 3
     x[:, :4] += 12.0  # peaked rows: a few survivors each
@@ -92,7 +94,9 @@ def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, mo
     kernels = SparsePlan(StepStats(x, temp, fused=True), 4.0)
     assert int(kernels.count) == n and 6 <= n < vocab
     assert int(kernels.row_counts.max()) <= sc_gather.CHUNK  # one chunk a row: the same adds as index_add_
-    assert torch.equal(kernels.soft_embed(n, emb, 3.0), want)
+    assert torch.equal(kernels.row_counts.long(), plain.row_counts.long())
+    got = kernels.soft_embed(n, emb, 3.0).float()
+    assert ((got - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()  # one bf16 ulp
 
 
 def test_sparse_plan_gather_ahead_at_the_cap_is_the_gather_after_the_read(interpret, monkeypatch):

@@ -35,6 +35,7 @@ from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache
 from .engine_batch import BatchGraphs, check_batch
 from .engine_graph import DenoiseGraph, PrefillGraph
+from .engine_inputs import check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
 from .graph_guard import GuardedGraph, guard_support
@@ -169,9 +170,9 @@ class Engine:
         `embeds` [T, hidden] replaces embed(ids) as the layer-0 input; `image_groups` [T] gives each row its image's
         index or -1, and rows of one image also attend to each other both ways. Such a prefill runs eagerly, with
         its image rows in one chunk."""
-        ids = self._check_ids(ids, "prefill ids", check_range=True)
+        ids = check_ids(self, ids, "prefill ids", check_range=True)
         if embeds is not None or image_groups is not None:
-            embeds, image_groups = self._check_image_inputs(len(ids), embeds, image_groups)
+            embeds, image_groups = check_image_inputs(self, len(ids), embeds, image_groups)
             cache.check_room(len(ids))
             self.forward.prefill(cache, ids, embeds, image_groups)
             return
@@ -180,38 +181,11 @@ class Engine:
         if pad is None:
             self.forward.prefill(cache, ids)
             return
-        if self.use_graphs and self.device.type == "cuda":
-            try:
-                self._prefill_graphed(cache, ids, pad)
-                return
-            except Exception as e:  # never wrong, only slower: fall back to eager and say why
-                self.use_graphs = False
-                self.graph_error = f"{type(e).__name__}: {e}"
-                warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
+        if self._on_graphs(lambda: self._prefill_graphed(cache, ids, pad) or True):
+            return
         n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
         self.forward.prefill_padded(cache, self._padded_ids(ids, pad), n_real, self._prefill_key_rows(cache, pad))
         cache.length += len(ids)
-
-    def _check_image_inputs(self, T: int, embeds, groups):
-        """prefill's embeds / image_groups, checked and on the device (embeds in the model's dtype)."""
-        H = self.config.hidden_size
-        if embeds is not None:
-            if (not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (T, H)
-                    or not embeds.is_floating_point()):
-                got = (f"{list(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor)
-                       else type(embeds).__name__)
-                raise InputError(f"prefill: embeds is {got}, expected a floating [{T}, {H}] tensor")
-            embeds = embeds.to(self.device, self.dtype)
-        if groups is not None:
-            if (not isinstance(groups, torch.Tensor) or tuple(groups.shape) != (T,)
-                    or groups.dtype not in (torch.int64, torch.int32)):
-                got = (f"{list(groups.shape)} {groups.dtype}" if isinstance(groups, torch.Tensor)
-                       else type(groups).__name__)
-                raise InputError(f"prefill: image_groups is {got}, expected a [{T}] integer tensor (image index or -1)")
-            groups = groups.to(self.device, torch.long)
-            if bool((groups < -1).any()):
-                raise InputError(f"prefill: image_groups holds {int(groups.min())}; expected image indices >= 0 or -1")
-        return embeds, groups
 
     def prefill_pad(self, cache: EngineKVCache, n: int) -> int | None:
         """The padded length a prefill of `n` tokens runs at now (options.padded_prefill), or None: unpadded. The
@@ -293,7 +267,7 @@ class Engine:
             return self._denoise_checked(cache, canvas_ids, sc_logits, sc_embeds)
 
     def _denoise_checked(self, cache, canvas_ids, sc_logits, sc_embeds) -> torch.Tensor:
-        ids = self._check_ids(canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
+        ids = check_ids(self, canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
         C, V, H = len(ids), self.config.vocab_size, self.config.hidden_size
         if C > cache.canvas:
             raise InputError(f"denoise: canvas of {C} tokens exceeds the cache's canvas scratch ({cache.canvas})")
@@ -305,14 +279,21 @@ class Engine:
             raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {H}]")
         mode = "logits" if sc_logits is not None else "embeds" if sc_embeds is not None else "none"
         sc = sc_logits if sc_logits is not None else sc_embeds
-        if self.use_graphs and self.device.type == "cuda":
-            try:
-                return self._denoise_graphed(cache, ids, mode, sc)
-            except Exception as e:  # never wrong, only slower: fall back to eager and say why
-                self.use_graphs = False
-                self.graph_error = f"{type(e).__name__}: {e}"
-                warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
-        return self.forward.denoise(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
+        out = self._on_graphs(lambda: self._denoise_graphed(cache, ids, mode, sc))
+        return out if out is not None else self.forward.denoise(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
+
+    def _on_graphs(self, run):
+        """run() where graphs are on (CUDA), else None. A capture that fails is never wrong, only slower: graphs go off
+        for this engine, with a warning saying why, and the caller runs eagerly (None)."""
+        if not (self.use_graphs and self.device.type == "cuda"):
+            return None
+        try:
+            return run()
+        except Exception as e:
+            self.use_graphs = False
+            self.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
+            return None
 
     # ------------------------------------------------------------------ batched denoise
 
@@ -327,34 +308,12 @@ class Engine:
         """denoise_batch's logits before the softcap, in the model's dtype. With graphs they are views of the batch
         graph's output buffer: valid until this engine's next batched denoise over the same caches."""
         self._staged = self._ahead = None  # a staged solo forward is not this one
-        caches, ids, lens, sc = check_batch(self, caches, canvases, sc_logits, sc_embeds)
+        caches, ids, lens, sc_rows, has = check_batch(self, caches, canvases, sc_logits, sc_embeds)
         key_rows = [self._key_rows(c, C) for c, C in zip(caches, lens)]
-        H, dev = self.config.hidden_size, self.device
-        has = torch.cat([torch.full((C,), s is not None, dtype=torch.bool, device=dev) for C, s in zip(lens, sc)])
-        sc_rows = torch.cat([torch.zeros(C, H, dtype=self.dtype, device=dev) if s is None else s.to(dev, self.dtype)
-                             for C, s in zip(lens, sc)])
-        out = None
-        if self.use_graphs and self.device.type == "cuda":
-            try:
-                out = self._batch_graphs.run(caches, ids, lens, key_rows, sc_rows, has)
-            except Exception as e:  # never wrong, only slower: fall back to eager and say why
-                self.use_graphs = False
-                self.graph_error = f"{type(e).__name__}: {e}"
-                warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
+        out = self._on_graphs(lambda: self._batch_graphs.run(caches, ids, lens, key_rows, sc_rows, has))
         if out is None:
             out = self.forward.denoise_batch(caches, ids, sc_rows, has, lens, key_rows)
         return list(out.split(lens))
-
-    def _check_ids(self, ids, what: str, check_range: bool) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids, dtype=torch.long)
-        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32) or len(ids) == 0:
-            raise InputError(f"{what}: expected a non-empty 1-D integer tensor, got shape {list(ids.shape)} "
-                             f"dtype {ids.dtype}")
-        if check_range and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise InputError(f"{what}: ids must be in [0, {self.config.vocab_size}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
-        return ids.to(self.device, torch.long)
 
     # ------------------------------------------------------------------ context buckets
 

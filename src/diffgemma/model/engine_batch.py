@@ -16,11 +16,13 @@ import torch
 
 from ..errors import InputError
 from .engine_graph import BatchGraph
+from .engine_inputs import check_ids
 
 
 def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
-    """-> (caches, the ids concatenated, each lane's length, each lane's SC embedding or None), checked; a lane with
-    SC logits gets their soft embedding (Forward.sc_logits_embeds: the ops its solo 'logits' mode runs)."""
+    """-> (caches, the ids concatenated, each lane's length, the SC rows [rows, H], whether a row has an SC signal
+    [rows]), checked. A lane with SC logits gets their soft embedding (Forward.sc_logits_embeds: the ops its solo
+    'logits' mode runs); a lane without an SC signal zero rows."""
     caches = list(caches)
     B, V, H = len(caches), engine.config.vocab_size, engine.config.hidden_size
     if not 1 <= B <= engine.max_batch:
@@ -35,7 +37,7 @@ def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
         raise InputError(f"denoise_batch: sc_logits / sc_embeds need one entry per cache ({B})")
     ids, lens, sc = [], [], []
     for b, (cache, c, lg, em) in enumerate(zip(caches, canvases, sc_logits, sc_embeds)):
-        c = engine._check_ids(c, f"canvas {b} ids", check_range=not (isinstance(c, torch.Tensor) and c.is_cuda))
+        c = check_ids(engine, c, f"canvas {b} ids", check_range=not (isinstance(c, torch.Tensor) and c.is_cuda))
         C = len(c)
         if C > cache.canvas:
             raise InputError(f"denoise_batch: canvas {b} of {C} tokens exceeds its cache's canvas scratch "
@@ -49,7 +51,11 @@ def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
         ids.append(c)
         lens.append(C)
         sc.append(engine.forward.sc_logits_embeds(lg.to(engine.device)) if lg is not None else em)
-    return caches, torch.cat(ids), lens, sc
+    dev, dtype = engine.device, engine.dtype
+    has = torch.cat([torch.full((C,), s is not None, dtype=torch.bool, device=dev) for C, s in zip(lens, sc)])
+    rows = torch.cat([torch.zeros(C, H, dtype=dtype, device=dev) if s is None else s.to(dev, dtype)
+                      for C, s in zip(lens, sc)])
+    return caches, torch.cat(ids), lens, rows, has
 
 
 class BatchGraphs:

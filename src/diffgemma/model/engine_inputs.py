@@ -1,0 +1,43 @@
+"""The engine's checks of what a caller hands it: ids, and a prefill's image embeddings and groups. Each bad input is
+one InputError naming it and what was expected, raised before anything is written."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+
+
+def check_ids(engine, ids, what: str, check_range: bool) -> torch.Tensor:
+    """A 1-D non-empty integer tensor of ids (in range where check_range), on the engine's device as int64."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32) or len(ids) == 0:
+        raise InputError(f"{what}: expected a non-empty 1-D integer tensor, got shape {list(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    if check_range and (int(ids.min()) < 0 or int(ids.max()) >= engine.config.vocab_size):
+        raise InputError(f"{what}: ids must be in [0, {engine.config.vocab_size}), got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    return ids.to(engine.device, torch.long)
+
+
+def check_image_inputs(engine, T: int, embeds, groups):
+    """prefill's embeds / image_groups, checked and on the device (embeds in the model's dtype)."""
+    H = engine.config.hidden_size
+    if embeds is not None:
+        if (not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (T, H)
+                or not embeds.is_floating_point()):
+            got = (f"{list(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor)
+                   else type(embeds).__name__)
+            raise InputError(f"prefill: embeds is {got}, expected a floating [{T}, {H}] tensor")
+        embeds = embeds.to(engine.device, engine.dtype)
+    if groups is not None:
+        if (not isinstance(groups, torch.Tensor) or tuple(groups.shape) != (T,)
+                or groups.dtype not in (torch.int64, torch.int32)):
+            got = (f"{list(groups.shape)} {groups.dtype}" if isinstance(groups, torch.Tensor)
+                   else type(groups).__name__)
+            raise InputError(f"prefill: image_groups is {got}, expected a [{T}] integer tensor (image index or -1)")
+        groups = groups.to(engine.device, torch.long)
+        if bool((groups < -1).any()):
+            raise InputError(f"prefill: image_groups holds {int(groups.min())}; expected image indices >= 0 or -1")
+    return embeds, groups
