@@ -1,0 +1,203 @@
+"""The ranks of one expert-parallel run: their process groups, the collectives the model makes, and the watchdog.
+
+Two process groups (docs/ARCHITECTURE.md, 'Several GPUs'):
+  data     the default group: NCCL on GPUs (one device per rank), gloo on the CPU. The forward's all-reduce and the
+           calls' tensor inputs; its timeout (`timeout_s`) bounds every collective of a forward or a call
+  control  gloo, on the host: rank 0's call headers and the start-up barrier. Rank 0 may be idle for hours (a server
+           between requests, a load), so its timeout is long; a rank that dies closes its sockets, which gloo reports
+           at once, so no wait on it outlives a dead peer
+
+Any collective that fails (a dead peer, a timeout) raises ParallelError, naming the rank and the collective. The
+launcher's watchdog (`Watchdog`) ends a run whose ranks died while a collective is blocked inside NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+
+DEFAULT_TIMEOUT_S = 120.0  # a collective of a call: far above a step or a prefill, short enough to end a dead run
+IDLE_TIMEOUT = timedelta(days=30)  # the control group's: rank 0 may be idle or loading for this long
+HEADER = 8  # int64 words of a call's header (parallel/engine.py fills them)
+EXIT_FAILED = 3  # the exit status of a run its ranks ended
+
+
+class ParallelError(RuntimeError):
+    """A rank died or a collective timed out: the run cannot go on (its ranks hold disjoint experts)."""
+
+
+@dataclass
+class Group:
+    """This process's place among `size` ranks. size 1: no process group at all and every collective a no-op, so the
+    single-GPU path runs the same code."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    control: object | None = None  # the gloo group of the call headers (None with one rank)
+    live: bool = False  # every rank has loaded its engine and none has failed (the lead then ends them with a call)
+    on_failure: object = None  # called with the message when a collective of rank 0's model fails (the CLI: fatal)
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ collectives (no-ops on one rank)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place (graph-capturable on NCCL)."""
+        if self.size > 1:
+            self._call("all-reduce", dist.all_reduce, t)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype on every rank), on the data group."""
+        if self.size > 1:
+            self._call("broadcast", dist.broadcast, t, 0)
+        return t
+
+    def header(self, values: list[int] | None = None) -> list[int]:
+        """Rank 0 sends up to HEADER ints, every other rank receives them (control group, host)."""
+        t = torch.zeros(HEADER, dtype=torch.int64)
+        if values is not None:
+            t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        if self.size > 1:
+            self._call("call header", dist.broadcast, t, 0, group=self.control)
+        return t.tolist()
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's picklable `obj` on every rank (control group)."""
+        box = [obj]
+        if self.size > 1:
+            self._call("broadcast", dist.broadcast_object_list, box, 0, group=self.control)
+        return box[0]
+
+    def barrier(self, what: str) -> None:
+        """Every rank reaches this point (control group: a load may take long on one of them)."""
+        if self.size > 1:
+            self._call(what, dist.barrier, group=self.control)
+
+    def _call(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except (RuntimeError, ValueError) as e:  # gloo / NCCL errors are RuntimeErrors (DistBackendError, timeouts)
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ParallelError(f"rank {self.rank} of {self.size}: {what} failed, another rank died or stopped "
+                                f"answering ({detail[:200]})") from None
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_group(rank: int, size: int, device, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+    """Join the run's process groups as `rank` of `size` (size 1: none). NCCL on a CUDA device, gloo on the CPU. The
+    NCCL communicator is set up here, by a first all-reduce: a CUDA graph may capture collectives only after that."""
+    device = torch.device(device)
+    if size == 1:
+        return Group(0, 1, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except (RuntimeError, ValueError) as e:
+        raise ParallelError(f"rank {rank} of {size}: cannot join the other ranks ({str(e).splitlines()[0][:200]})") \
+            from None
+    group = Group(rank, size, device, control)
+    group.all_reduce(torch.zeros(1, device=device))
+    return group
+
+
+def timeout_s() -> float:
+    """A collective's timeout: DIFFGEMMA_DIST_TIMEOUT seconds, else DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get("DIFFGEMMA_DIST_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InputError(f"DIFFGEMMA_DIST_TIMEOUT={raw}: expected a positive number of seconds")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- --gpus
+
+def parse_gpus(text) -> int:
+    """`--gpus` as given: a whole number >= 1, else an InputError."""
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise InputError(f"--gpus {text}: expected a whole number of GPUs >= 1")
+    return n
+
+
+def check_gpus(n: int, device_type: str, num_experts: int) -> None:
+    """Whether `n` ranks fit this machine (CUDA: one visible GPU each; CPU: processes) and split the experts evenly."""
+    if device_type == "cuda" and n > torch.cuda.device_count():
+        raise InputError(f"--gpus {n}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+    if num_experts % n:
+        raise InputError(f"--gpus {n}: the model's {num_experts} experts do not split evenly over {n} ranks")
+
+
+# ---------------------------------------------------------------------------------------------- failure
+
+def fatal(message: str) -> None:
+    """End this process now with one line on stderr: for a rank whose peers died (a thread may call it)."""
+    print(f"diffgemma: error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_FAILED)
+
+
+class Watchdog:
+    """A daemon thread that asks `probe()` every `interval` seconds and ends the process (`fatal`) with the message
+    it returns, if any. `stop()` before a normal shutdown, whose exits are not failures."""
+
+    def __init__(self, probe, interval: float = 0.2):
+        self.probe, self.interval = probe, interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="diffgemma-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            message = self.probe()
+            if message and not self._stopped.is_set():
+                fatal(message)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def parent_probe(rank: int):
+    """A follower's probe: its parent (rank 0, which spawned it) is gone."""
+    parent = os.getppid()
+
+    def probe():
+        if os.getppid() != parent:
+            return f"rank {rank}: rank 0 died; this rank stops"
+        return None
+
+    return probe
+
+
+def wait_for(predicate, seconds: float, step: float = 0.05) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
