@@ -95,6 +95,28 @@ def test_ranks_give_the_single_engine_logits_and_tokens(checkpoints, name, G):
     assert [p.exitcode for p in ranks.procs] == [0] * (G - 1)  # each follower left its loop at rank 0's end
 
 
+def test_ranks_on_a_q4_pack_read_their_records_and_match_the_engine(tmp_path):
+    """A q4 pack (experts packed, the SC MLP q8): each rank's expert records come cut out of the pack's blob."""
+    from diffgemma.quant.quantize import quantize
+    from tiny_checkpoints import PACKABLE
+
+    pack = str(quantize(save(build_model(PACKABLE, canvas_length=8), tmp_path / "ckpt"), tmp_path / "pack",
+                        profile="q4", progress=False))
+    single = diffgemma.load(pack, engine="fast", dtype=torch.float32)
+    ranks = launch.start(2, "cpu", launch.load_rank, (pack, torch.float32), start_method="fork", watch=False)
+    try:
+        lead = diffgemma.load(pack, dtype=torch.float32, group=ranks.group)
+        gu = lead.w.layers[1].experts_gu
+        assert isinstance(gu, PackedWeight) and gu.shape[0] == 2
+        assert torch.equal(gu.dequantize(), single.w.layers[1].experts_gu.dequantize()[:2])
+        case = inputs(single.config, seed=4)
+        for want, got in zip(calls(single, *case), calls(lead, *case)):
+            assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+        assert generate(lead, case[0], seed=1, **GEN).tokens == generate(single, case[0], seed=1, **GEN).tokens
+    finally:
+        ranks.stop()
+
+
 def test_one_rank_is_the_engine_bit_for_bit(checkpoints):
     path = checkpoints["gqa2_mixed"]
     engine = diffgemma.load(path, engine="fast")  # bf16, the engine's default

@@ -115,7 +115,9 @@ class LeadEngine(ExpertParallelEngine):
             self._fail(e)
 
     def _header(self, op: int, *values: int) -> None:
-        freed, self._freed[:] = list(self._freed), []
+        freed = []
+        while self._freed:  # pop: a cache's finalizer may append while this runs
+            freed.append(self._freed.pop())
         self.group.header([op, len(freed), *values])
         if freed:
             self.group.broadcast_object(freed)
