@@ -1,8 +1,10 @@
 """Expert parallel on the CPU (gloo): G ranks as processes of this machine, against the single-process engine.
 
 The pytest process is rank 0 (its LeadEngine is the model object); the followers are forked processes. The ranks'
-expert sums are added in another order than one process adds them, so the logits match within f32 rounding (on
-these tiny models often exactly); seeded generation gives the same tokens. One rank is the engine bit for bit.
+expert sums are added in another order than one process adds them, so the logits match within f32 rounding. With
+top-2 routing a token's two terms add up to the same f32 whatever their order, so the logits are the same and so are
+the seeded tokens, which the test asserts there; with top-3 a last-bit difference may, rarely, move a sampled token
+on these random models, so only the logits are compared. One rank is the engine bit for bit.
 Failure: a follower killed mid-run ends rank 0's next call with ParallelError within seconds, and `diffgemma chat
 --gpus 2` with its follower killed exits with one line; a follower whose rank 0 died leaves by itself.
 """
@@ -87,9 +89,11 @@ def test_ranks_give_the_single_engine_logits_and_tokens(checkpoints, name, G):
             err = (got - want).abs().max().item()
             # f32 rounding of a re-ordered sum (median 0 here); a wrong expert, route or weight is O(0.1-1)
             assert err <= 1e-4 * max(1.0, want.abs().max().item()), f"call {i}: max |Δlogits| = {err:.3g}"
-        prompt = case[0]
-        for seed in (1, 2):
-            assert generate(lead, prompt, seed=seed, **GEN).tokens == generate(single, prompt, seed=seed, **GEN).tokens
+        if single.config.top_k_experts == 2:  # a token's two expert terms add up the same in any order: same bits
+            prompt = case[0]
+            for seed in (1, 2):
+                assert (generate(lead, prompt, seed=seed, **GEN).tokens
+                        == generate(single, prompt, seed=seed, **GEN).tokens)
     finally:
         ranks.stop()
     assert [p.exitcode for p in ranks.procs] == [0] * (G - 1)  # each follower left its loop at rank 0's end
@@ -282,7 +286,7 @@ def test_shard_cuts_every_plane_of_a_packed_record(fmt):
     for p in planes(fmt, shape):
         want = full.planes[p.name] if p.name == "tscale" else full.planes[p.name][N:3 * N]
         assert torch.equal(got.planes[p.name], want), p.name
-    assert torch.equal(got.dequantize(), full.dequantize()[1:3])
+    torch.testing.assert_close(got.dequantize(), full.dequantize()[1:3], rtol=0, atol=0, equal_nan=True)  # random scales
 
 
 def test_local_sums_of_all_ranks_add_up_to_the_engines_moe(checkpoints):
