@@ -232,6 +232,12 @@ def test_bad_gpus_is_one_line_and_exit_2(gpus, needle, capsys):
     assert len(err) == 1 and needle in err[0] and f"--gpus {gpus}" in err[0]
 
 
+def test_a_bad_model_with_gpus_fails_before_any_rank_starts(tmp_path, capsys):
+    assert cli.main(["ask", "hi", "--device", "cpu", "--gpus", "2", "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such checkpoint directory" in err[0]
+
+
 def test_more_gpus_than_visible_is_refused(monkeypatch):
     from diffgemma.errors import InputError
     from diffgemma.parallel.group import check_gpus

@@ -180,6 +180,8 @@ def _torchrun_follower(group: Group, path) -> int:
 
 def _device_type(device: str) -> str:
     kind, _, index = str(device).partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise InputError(f"--device {device}: expected cpu, cuda, cuda:N or auto")  # options.check_device's words
     if index:
         raise InputError(f"--device {device}: with several ranks rank r uses cuda:r; choose the GPUs with "
                          "CUDA_VISIBLE_DEVICES and pass --device cuda")
@@ -191,11 +193,14 @@ def _device_type(device: str) -> str:
 
 
 def _num_experts(path) -> int:
+    """The checkpoint's expert count, read before any rank starts (a bad path fails here, as the load would)."""
     from ..config import ModelConfig
+    from ..errors import CheckpointError
     from ..loader import resolve_path
 
-    config = resolve_path(path) / "config.json"
-    if not config.is_file():  # the command's own load names the problem
-        return 1
-    return ModelConfig.from_file(config).num_experts
+    directory = resolve_path(path)
+    if not directory.is_dir():
+        what = "expected a checkpoint directory, got a file" if directory.exists() else "no such checkpoint directory"
+        raise CheckpointError(f"{directory}: {what}")
+    return ModelConfig.from_file(directory / "config.json").num_experts
 
