@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -104,19 +105,26 @@ def _children_probe(procs):
 
 
 def _follower_main(rank, size, device, init_method, timeout, build, build_args, watch) -> None:
-    """A spawned follower: join, build the engine, follow rank 0 until it ends the run; any failure ends this process
-    with one line naming the rank."""
+    """A spawned follower: join, build the engine, follow rank 0 until it ends the run. Ctrl-C reaches the terminal's
+    whole process group; rank 0 alone answers it (by ending the run), so a follower ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if watch:
         Watchdog(parent_probe(rank))
+    _follow_or_die(rank, lambda: init_group(rank, size, device, init_method, timeout), build, build_args)
+
+
+def _follow_or_die(rank: int, join, build, build_args) -> None:
+    """join() the run, build this rank's engine, follow; any failure ends this process with one line naming the rank
+    (a follower has no caller to hand an error to)."""
     try:
-        group = init_group(rank, size, device, init_method, timeout)
+        group = join()
         follow(build(group, *build_args), group)
         group.close()
     except ParallelError as e:
         fatal(str(e))
     except DiffgemmaError as e:
         fatal(f"rank {rank}: {e}")
-    except BaseException as e:  # noqa: BLE001  (a follower has no caller to hand it to)
+    except BaseException as e:  # noqa: BLE001
         fatal(f"rank {rank}: {type(e).__name__}: {e}")
 
 
@@ -152,10 +160,11 @@ def run(args, handler) -> int:
     else:
         rank = int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_RANK", rank))
-        group = init_group(rank, world, rank_device(device_type, local), "env://", timeout_s())
+        join = lambda: init_group(rank, world, rank_device(device_type, local), "env://", timeout_s())  # noqa: E731
         if rank != 0:
-            return _torchrun_follower(group, args.model)
-        ranks = Ranks(group)
+            _follow_or_die(rank, join, load_rank, (args.model,))
+            return 0
+        ranks = Ranks(join())
     ranks.group.on_failure = fatal
     args.parallel_group = ranks.group
     try:
@@ -165,17 +174,6 @@ def run(args, handler) -> int:
         return EXIT_FAILED
     finally:
         ranks.stop()
-
-
-def _torchrun_follower(group: Group, path) -> int:
-    try:
-        follow(load_rank(group, path), group)
-    except ParallelError as e:
-        fatal(str(e))
-    except DiffgemmaError as e:
-        fatal(f"rank {group.rank}: {e}")
-    group.close()
-    return 0
 
 
 def _device_type(device: str) -> str:
