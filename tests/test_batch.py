@@ -5,7 +5,7 @@
 - rows_matmul: a row's result does not depend on the rows around it.
 - The loop: generate_batch gives each request exactly what generate gives it alone (tokens, steps per block, stop
   reasons, block ends), with per-request seeds and settings, requests leaving when done and queued ones joining.
-- A model that denoises one canvas per forward (the engine) refuses several caches and is stepped one at a time.
+- The engine's batched forward: tests/test_engine_batch.py.
 - `diffgemma ask --batch-file`: one JSON line per request; a bad line fails before the model loads.
 """
 
@@ -228,19 +228,6 @@ def test_generate_batch_checks_every_request_before_running_any(tiny):
     with pytest.raises(InputError, match="max_batch must be a positive integer"):
         generate_batch(tiny, PROMPTS[:2], max_batch=0)
     assert generate_batch(tiny, []) == []
-
-
-def test_a_one_canvas_model_refuses_several_caches_and_is_stepped_one_request_at_a_time(tiny):
-    from diffgemma.model.engine import Engine
-
-    eng = Engine.from_reference(tiny, dtype=torch.float32)
-    caches = [eng.new_cache(64), eng.new_cache(64)]
-    with pytest.raises(InputError, match="one canvas per forward, got 2 caches"):
-        eng.denoiser(caches)
-    kw = dict(max_new_tokens=12, max_denoising_steps=4)
-    batched = generate_batch(eng, PROMPTS[:2], seeds=[1, 2], **kw)
-    solo = [generate(eng, p, seed=s, **kw) for p, s in zip(PROMPTS[:2], [1, 2])]
-    assert [_result(r) for r in batched] == [_result(r) for r in solo]
 
 
 # ----------------------------------------------------------------------------------- the CLI

@@ -454,7 +454,7 @@ def _settings(model, **extra):
     return GenerationSettings.resolve(model.generation_config, env={}, overrides=base)
 
 
-def _host_sync_block(model, cache, s, rng, length, block, attempt):
+def _host_sync_block(model, cache, s, rng, length, block, attempt, batched=False):
     """The step loop as it was before the one-sync rewrite (host floats, torch.equal stops): the twin."""
     device = model.embedding.device
     vocab = model.config.vocab_size

@@ -1,6 +1,6 @@
 """Expert parallel on the CPU (gloo): G ranks as processes of this machine, against the single-process engine.
 
-The pytest process is rank 0 (its LeadEngine is the model object); the followers are forked processes. The ranks'
+The pytest process is rank 0 (its LeadEngine is the model object); the followers are processes it starts. The ranks'
 expert sums are added in another order than one process adds them, so the logits match within f32 rounding. With
 top-2 routing a token's two terms add up to the same f32 whatever their order, so the logits are the same and so are
 the seeded tokens, which the test asserts there; with top-3 a last-bit difference may, rarely, move a sampled token
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,9 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = dict(max_new_tokens=8, max_denoising_steps=6)  # one block of a few steps: the ranks' calls, not the sampler
+# followers forked from a clean server process (a plain fork of this one would inherit gloo's loop of an earlier run
+# without its thread), and a fault fails a test within a minute instead of hanging it
+RANKS = dict(start_method="forkserver", watch=False, timeout=60, idle_timeout=timedelta(seconds=60))
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,8 @@ def checkpoints(tmp_path_factory):
 
 
 def calls(model, prompt, canvas, sc):
-    """A run's kinds of calls: prefills, denoises (no SC, SC logits, SC embeds), a rewind, a second cache and a
-    dropped one, a KV dtype change (a setting the followers must mirror)."""
+    """A run's kinds of calls: prefills (one with image embeddings), denoises (no SC, SC logits, SC embeds, batched), a
+    rewind, a second cache and a dropped one, a KV dtype change (a setting the followers must mirror)."""
     model.kv_dtype = torch.float32
     dropped = model.new_cache(64)
     model.prefill(dropped, prompt[:3])
@@ -65,6 +69,9 @@ def calls(model, prompt, canvas, sc):
     other = model.new_cache(64)
     model.prefill(other, canvas)
     out.append(model.denoise(other, prompt[:8]))
+    # an image prompt's prefill (its rows' embeddings given, one image's rows attending both ways), a batched denoise
+    model.prefill(other, prompt[:5], embeds=model.embed(prompt[:5]) * 0.5, image_groups=torch.tensor([-1, 0, 0, 0, -1]))
+    out.extend(model.denoise_batch([cache, other], [canvas, prompt[:8]], sc_logits=[sc, None]))
     return out
 
 
@@ -79,7 +86,7 @@ def inputs(config, seed=0):
 def test_ranks_give_the_single_engine_logits_and_tokens(checkpoints, name, G):
     path = checkpoints[name]
     single = diffgemma.load(path, engine="fast", dtype=torch.float32)
-    ranks = launch.start(G, "cpu", launch.load_rank, (path, torch.float32), start_method="fork", watch=False)
+    ranks = launch.start(G, "cpu", launch.load_rank, (path, torch.float32), **RANKS)
     try:
         lead = diffgemma.load(path, dtype=torch.float32, group=ranks.group)
         assert isinstance(lead, LeadEngine) and lead.forward.count == single.config.num_experts // G
@@ -107,7 +114,7 @@ def test_ranks_on_a_q4_pack_read_their_records_and_match_the_engine(tmp_path):
     pack = str(quantize(save(build_model(PACKABLE, canvas_length=8), tmp_path / "ckpt"), tmp_path / "pack",
                         profile="q4", progress=False))
     single = diffgemma.load(pack, engine="fast", dtype=torch.float32)
-    ranks = launch.start(2, "cpu", launch.load_rank, (pack, torch.float32), start_method="fork", watch=False)
+    ranks = launch.start(2, "cpu", launch.load_rank, (pack, torch.float32), **RANKS)
     try:
         lead = diffgemma.load(pack, dtype=torch.float32, group=ranks.group)
         gu = lead.w.layers[1].experts_gu
@@ -135,7 +142,7 @@ def test_one_rank_is_the_engine_bit_for_bit(checkpoints):
 
 def test_a_killed_follower_ends_rank_0s_next_call(checkpoints):
     path = checkpoints["gqa2_mixed"]
-    ranks = launch.start(2, "cpu", launch.load_rank, (path, torch.float32), start_method="fork", watch=False)
+    ranks = launch.start(2, "cpu", launch.load_rank, (path, torch.float32), **RANKS)
     try:
         lead = diffgemma.load(path, dtype=torch.float32, group=ranks.group)
         prompt, canvas, _ = inputs(lead.config)

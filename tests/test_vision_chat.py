@@ -237,12 +237,12 @@ def test_chat_takes_images_in_any_message(model):
     assert s.ask("c", max_new_tokens=4, seed=2).answer == answer
 
 
-def test_images_on_a_model_without_a_tower_or_on_the_fast_engine_are_refused(model):
+def test_images_on_a_model_without_a_tower_or_without_embeds_are_refused(model):
     demo = diffgemma.load()
     with pytest.raises(InputError, match="cannot take images"):
         Session(demo).ask([{"type": "image", "image": random_image(8, 8, 1)}, {"type": "text", "text": "a"}])
 
-    class NoEmbeds:  # a model whose prefill takes no embeds, like the fast engine's today
+    class NoEmbeds:  # a model whose prefill takes no embeds
         path, embedding = model.path, model.embedding
 
         def prefill(self, cache, ids):
@@ -250,7 +250,7 @@ def test_images_on_a_model_without_a_tower_or_on_the_fast_engine_are_refused(mod
 
     from diffgemma.vision.prompt import Vision
 
-    with pytest.raises(InputError, match="engine='reference'"):
+    with pytest.raises(InputError, match="takes no image embeddings"):
         Vision(NoEmbeds())
 
 

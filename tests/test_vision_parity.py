@@ -3,9 +3,9 @@
 Covers: preprocessing identical to transformers' Gemma-4 image processor (bit for bit, several sizes and
 modes, path / bytes / PIL input); vision features (tower + projector) within 1e-4 in float32; the
 denoise logits after a prefill with one and two images within the text parity bound (1e-3) in
-float32, which checks the merge and the bidirectional image rule; bad images, bad configs and a
-checkpoint missing a tower tensor failing with one clear error and nothing loaded; the tower read from
-a quantized pack.
+float32, which checks the merge and the bidirectional image rule, and within 1e-4 of a float64
+forward; bad images, bad configs and a checkpoint missing a tower tensor failing with one clear error
+and nothing loaded; the tower read from a quantized pack.
 """
 
 import io
@@ -28,12 +28,16 @@ from tiny_vision import VISION_CONFIGS, build_model, image_processor, random_ima
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 # Features are O(1-5); f32 reassociation (rsqrt vs pow, pooled mean vs one-hot matmul, no padding rows)
-# puts both transformers and this tower ~1e-5 from a float64 forward. The text model amplifies that
-# ~10x in the logits (7e-5 to 1.4e-4 over the seeds tried), so logits keep the text parity tests'
-# f32 bound. A forgotten norm, scale, position or mask rule costs O(0.1-1). (No float64 oracle:
-# transformers pools, standardizes and routes in float32 even in float64 mode.)
+# puts both transformers and this tower ~1e-5 from a float64 forward, stage by stage (patch embedding
+# 6e-7, each encoder layer 1-3e-5, pooled 3e-5 ours / 5e-5 transformers). The text model amplifies
+# that ~10x in the logits: against this model's own float64 forward (tower and text model in f64)
+# our f32 logits are within 1e-5 to 6e-5 (TOL_LOGITS_F64), transformers' f32 logits within 1.5e-5 to
+# 1.3e-4, so the two f32 results differ by up to 1.4e-4 and keep the text parity tests' f32 bound
+# (TOL_LOGITS). A forgotten norm, scale, position or mask rule costs O(0.1-1). (transformers is no
+# float64 oracle: it pools, standardizes and routes in float32 even in float64 mode.)
 TOL_FEATURES = 1e-4
 TOL_LOGITS = 1e-3
+TOL_LOGITS_F64 = 1e-4
 
 # (height, width): downscaled, thin (one tile high), upscaled, odd aspect.
 SIZES = [(50, 37), (200, 30), (8, 8), (61, 90)]
@@ -202,6 +206,25 @@ def test_logits_after_image_prefill_match_transformers(ckpt, n_images):
     model.prefill(cache, canvas)
     err2 = (model.denoise(cache, canvas2) - expected2).abs().max().item()
     assert err2 <= TOL_LOGITS, f"block 2: max |Δlogits| = {err2:.3g}"
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_f32_logits_after_image_prefill_within_1e4_of_float64(ckpt, n_images):
+    """The issue's 1e-4 logits bar, against the exact answer: this model's float64 forward (tower and text model in
+    float64; test above: the same math as transformers') is within 1e-4 of the float32 one."""
+    _, _, path, tower = ckpt
+    m32, m64 = diffgemma.load(path), diffgemma.load(path, dtype=torch.float64)
+    t64 = VisionTower.from_checkpoint(path, dtype=torch.float64)
+    V, C = m32.config.vocab_size, m32.config.canvas_length
+    prepared = prepare_images([random_image(h, w, seed=20 + i) for i, (h, w) in enumerate(SIZES[:n_images])],
+                              tower.config.processing)
+    ids = prompt_with_images(prepared, tower.config, V, seed=n_images)
+    canvas = torch.randint(0, V, (C,), generator=torch.Generator().manual_seed(3))
+    got, _ = our_logits(m32, tower, ids, prepared, canvas)
+    exact, _ = our_logits(m64, t64, ids, prepared, canvas)
+    assert exact.dtype == torch.float32  # softcapped logits come back in f32; the forward ran in f64
+    err = (got - exact).abs().max().item()
+    assert err <= TOL_LOGITS_F64, f"max |Δlogits| vs float64 = {err:.3g}"
 
 
 def test_prefill_without_image_arguments_is_unchanged(ckpt):

@@ -13,8 +13,9 @@ which requests step together:
 
 A request whose block converges does not wait for the others: its next block's canvas is in the next round. The
 forward is batch invariant (docs/ARCHITECTURE.md, 'Batching'), so every request gets exactly the tokens, steps and
-stop reasons `generate` gives it alone. A model that denoises one canvas per forward (max_batch 1: the CUDA engine for
-now) runs the requests one after another through the same scheduler.
+stop reasons `generate` gives it alone. A model that denoises one canvas per forward (max_batch 1) runs the requests one
+after another through the same scheduler. On the CUDA engine invariance is measured, not guaranteed (its kernels'
+reductions may follow the batch's row count: docs/ARCHITECTURE.md, 'Batching').
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def generate_batch(
         while queue or running:
             while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
                 i = queue.popleft()
-                running[i] = generate_steps(model, inputs[i], settings=resolved[i])
+                running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1)
                 advance(i, None)
             order = sorted(asks)
             forwards = [asks.pop(i) for i in order]

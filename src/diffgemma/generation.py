@@ -169,12 +169,15 @@ def generate_steps(
     *,
     settings: GenerationSettings | None = None,
     cache=None,
+    batched: bool = False,
     **overrides: Any,
 ) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward, torch.Tensor | None, None]:
     """One request's generation as a coroutine: it yields StepEvent, BlockEvent, a final DoneEvent and, where a step
     needs the model, a Forward, which the driver answers by send()ing that forward's logits ([C, V], as the request's
     denoiser returns them). Everything else of the algorithm (sampler, SC, stop rules, re-rolls, commits, the cache)
-    is the request's own, so one request gives the same tokens alone (generate_stream) or batched (batch.py)."""
+    is the request's own, so one request gives the same tokens alone (generate_stream) or batched (batch.py).
+    batched: a scheduler may answer its forwards together with other requests' (batch.py, the server): the step then
+    neither runs its next forward ahead nor lends the model's logits scratch, which are one request's devices."""
     s = resolve_settings(model, settings, overrides)
     cfg = model.config
     vocab = cfg.vocab_size
@@ -224,7 +227,7 @@ def generate_steps(
             length = canvas_len if attempt == 0 else max(canvas_len >> attempt, canvas_len >> 2, 1)
             rng = hf_rng if hf else DeviceLcg(block_seed(s.seed, block, attempt), device)
             t = time.perf_counter()
-            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt)
+            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt, batched)
             timings["denoise_s"] += time.perf_counter() - t
             forwards += proposal.steps
             # one read per attempt: committed ids (+ argmax and max probs for the trim)
@@ -304,7 +307,7 @@ def generate_steps(
 
 
 def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int,
-                   attempt: int):
+                   attempt: int, batched: bool = False):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
     Per step everything stays on the model's device; the denoiser's read_status is the only host read.
@@ -316,6 +319,8 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
     steps_total = s.max_denoising_steps
     stops = DeviceStopRules.from_settings(s, cfg.pad_token_id, vocab)
     den = model.denoiser([cache])
+    if batched:
+        den.run_ahead = False
 
     with den.bookkeeping(join=True):  # born where the bookkeeping reads and replaces them (model/denoiser.SideStream)
         canvas = rng.randint(length, vocab, device)
@@ -356,7 +361,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         if sparse_sc and step < steps_total:
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
-                              scratch=den.scratch(), sparse_ahead=den.run_ahead)
+                              scratch=None if batched else den.scratch(), sparse_ahead=den.run_ahead)
         status = den.read_status(code, mean_h, plan, canvas)  # the step's one host read
         reason = REASONS[status.code]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,

@@ -215,12 +215,19 @@ class StagedDenoiser(Denoiser):
                            "of the same status")
 
 
-def one_cache(caches):
-    """The cache of `caches`: a cache, or a sequence holding one (a model that denoises one canvas per forward)."""
-    if not isinstance(caches, (list, tuple)):
-        return caches
-    if len(caches) != 1:
-        raise InputError(f"denoiser: this model denoises one canvas per forward, got {len(caches)} caches (batched "
-                         "denoising runs on the reference model; generate_batch steps such a model one request at a "
-                         "time)")
-    return caches[0]
+class BatchDenoiser(Denoiser):
+    """The engine's batched forward over several caches (Engine.denoise_batch): each lane's logits in the form its own
+    request's StagedDenoiser hands the sampler (raw with options.softcap_in_sampler). Only forward() is batched; each
+    request's bookkeeping and status read stay on its own one-cache denoiser (docs/ARCHITECTURE.md, 'Batching')."""
+
+    def __init__(self, engine, caches):
+        super().__init__(engine, caches)
+        if len(self.caches) > engine.max_batch:
+            raise InputError(f"denoiser: {len(self.caches)} caches exceed this engine's max_batch ({engine.max_batch})")
+        self.raw = engine.options.softcap_in_sampler
+        self.cap = engine.logit_softcap if self.raw else None
+
+    def forward(self, canvas, sc_logits=None, sc_embeds=None):
+        call = self.model.denoise_batch_raw if self.raw else self.model.denoise_batch
+        logits = call(self.caches, list(canvas), sc_logits=sc_logits, sc_embeds=sc_embeds)
+        return torch.stack(logits) if isinstance(canvas, torch.Tensor) else logits

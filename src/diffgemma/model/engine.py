@@ -31,8 +31,9 @@ from ..errors import InputError
 from ..ops._backend import use_triton
 from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap
-from .denoiser import StagedDenoiser, one_cache
+from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache
+from .engine_batch import BatchGraphs, check_batch
 from .engine_graph import DenoiseGraph, PrefillGraph
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
@@ -40,6 +41,7 @@ from .graph_guard import GuardedGraph, guard_support
 from .options import EngineOptions
 
 _BUCKET0 = 1024  # smallest context bucket for graphed denoise; buckets double from here
+_BATCH_GRAPHS = 4  # batched denoise graphs kept (least recently used dropped first): each holds its [rows, V] logits
 
 
 def build_engine(config: ModelConfig, tensor_source, device, dtype=torch.bfloat16, **kw) -> "Engine":
@@ -64,7 +66,7 @@ class Engine:
             option_kw["graphs"] = option_kw.pop("use_graphs")
         try:
             options = replace(options or EngineOptions(), **option_kw)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise InputError(f"Engine: {e}") from None
         self.forward = Forward(config, weights, device=device, dtype=dtype, kv_dtype=kv_dtype, options=options)
         self.config = config
@@ -88,6 +90,7 @@ class Engine:
         # as long as it lives (one set per context bucket). Sharing is safe: graphs replay one at a time on one
         # stream, and each replay's output is read right after that replay, before another graph may overwrite it.
         self._graph_pool = None
+        self._batch_graphs = BatchGraphs(self, _BATCH_GRAPHS)  # the batched denoise's graphs (model/engine_batch.py)
         self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
         self._staged = None  # stage_denoise's (graph entry, key, ids, ids version, sc, sc version) until the next call
         self._ahead = None  # the same for a forward stage_denoise(go=) launched, until the call that takes it
@@ -145,13 +148,33 @@ class Engine:
     def soft_embed(self, probs: torch.Tensor) -> torch.Tensor:
         return self.forward.soft_embed(probs)
 
-    def denoiser(self, caches) -> StagedDenoiser:
-        """The step's device side for `caches` (one cache for now: batched denoising comes later)."""
-        return StagedDenoiser(self, one_cache(caches))
+    @property
+    def max_batch(self) -> int:
+        """Canvases one denoise forward takes (options.max_batch): the batch scheduler's cap."""
+        return self.options.max_batch
+
+    def denoiser(self, caches):
+        """The step's device side for one cache (a cache, or a sequence of one), or a batched forward over several
+        (at most max_batch, each a different cache)."""
+        if not isinstance(caches, (list, tuple)):
+            return StagedDenoiser(self, caches)
+        if len(caches) == 1:
+            return StagedDenoiser(self, caches[0])
+        return BatchDenoiser(self, caches)
 
     @torch.no_grad()
-    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                image_groups: torch.Tensor | None = None) -> None:
+        """Append `ids` to the cache. Images (both optional, as ReferenceModel.prefill; diffgemma.vision.merge):
+        `embeds` [T, hidden] replaces embed(ids) as the layer-0 input; `image_groups` [T] gives each row its image's
+        index or -1, and rows of one image also attend to each other both ways. Such a prefill runs eagerly, with
+        its image rows in one chunk."""
         ids = self._check_ids(ids, "prefill ids", check_range=True)
+        if embeds is not None or image_groups is not None:
+            embeds, image_groups = self._check_image_inputs(len(ids), embeds, image_groups)
+            cache.check_room(len(ids))
+            self.forward.prefill(cache, ids, embeds, image_groups)
+            return
         cache.check_room(len(ids))
         pad = self.prefill_pad(cache, len(ids))
         if pad is None:
@@ -168,6 +191,27 @@ class Engine:
         n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
         self.forward.prefill_padded(cache, self._padded_ids(ids, pad), n_real, self._prefill_key_rows(cache, pad))
         cache.length += len(ids)
+
+    def _check_image_inputs(self, T: int, embeds, groups):
+        """prefill's embeds / image_groups, checked and on the device (embeds in the model's dtype)."""
+        H = self.config.hidden_size
+        if embeds is not None:
+            if (not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (T, H)
+                    or not embeds.is_floating_point()):
+                got = (f"{list(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor)
+                       else type(embeds).__name__)
+                raise InputError(f"prefill: embeds is {got}, expected a floating [{T}, {H}] tensor")
+            embeds = embeds.to(self.device, self.dtype)
+        if groups is not None:
+            if (not isinstance(groups, torch.Tensor) or tuple(groups.shape) != (T,)
+                    or groups.dtype not in (torch.int64, torch.int32)):
+                got = (f"{list(groups.shape)} {groups.dtype}" if isinstance(groups, torch.Tensor)
+                       else type(groups).__name__)
+                raise InputError(f"prefill: image_groups is {got}, expected a [{T}] integer tensor (image index or -1)")
+            groups = groups.to(self.device, torch.long)
+            if bool((groups < -1).any()):
+                raise InputError(f"prefill: image_groups holds {int(groups.min())}; expected image indices >= 0 or -1")
+        return embeds, groups
 
     def prefill_pad(self, cache: EngineKVCache, n: int) -> int | None:
         """The padded length a prefill of `n` tokens runs at now (options.padded_prefill), or None: unpadded. The
@@ -270,6 +314,37 @@ class Engine:
                 warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
         return self.forward.denoise(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
 
+    # ------------------------------------------------------------------ batched denoise
+
+    @torch.no_grad()
+    def denoise_batch(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
+        """B canvases, each against its own cache, in one forward -> B softcapped f32 logits [C_i, V] (the batched
+        `denoise`; model/protocol). sc_logits / sc_embeds: None or B entries, each None or that request's."""
+        return [softcap(x, self.logit_softcap) for x in self.denoise_batch_raw(caches, canvases, sc_logits, sc_embeds)]
+
+    @torch.no_grad()
+    def denoise_batch_raw(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
+        """denoise_batch's logits before the softcap, in the model's dtype. With graphs they are views of the batch
+        graph's output buffer: valid until this engine's next batched denoise over the same caches."""
+        self._staged = self._ahead = None  # a staged solo forward is not this one
+        caches, ids, lens, sc = check_batch(self, caches, canvases, sc_logits, sc_embeds)
+        key_rows = [self._key_rows(c, C) for c, C in zip(caches, lens)]
+        H, dev = self.config.hidden_size, self.device
+        has = torch.cat([torch.full((C,), s is not None, dtype=torch.bool, device=dev) for C, s in zip(lens, sc)])
+        sc_rows = torch.cat([torch.zeros(C, H, dtype=self.dtype, device=dev) if s is None else s.to(dev, self.dtype)
+                             for C, s in zip(lens, sc)])
+        out = None
+        if self.use_graphs and self.device.type == "cuda":
+            try:
+                out = self._batch_graphs.run(caches, ids, lens, key_rows, sc_rows, has)
+            except Exception as e:  # never wrong, only slower: fall back to eager and say why
+                self.use_graphs = False
+                self.graph_error = f"{type(e).__name__}: {e}"
+                warnings.warn(f"diffgemma engine: CUDA graph capture failed, running eager ({self.graph_error})")
+        if out is None:
+            out = self.forward.denoise_batch(caches, ids, sc_rows, has, lens, key_rows)
+        return list(out.split(lens))
+
     def _check_ids(self, ids, what: str, check_range: bool) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             ids = torch.as_tensor(ids, dtype=torch.long)
@@ -364,13 +439,14 @@ class Engine:
     def _fresh_pool_if_dead(self) -> None:
         """A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
         capturing into that dead handle again trips its internal assert (use_count > 0)."""
-        if not any(self._graphs.values()) and not any(self._prefill_graphs.values()):
+        if not any(self._graphs.values()) and not any(self._prefill_graphs.values()) and not self._batch_graphs.graphs:
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     def clear_graphs(self) -> None:
         """Drop every captured graph (denoise and prefill), e.g. after patching what a graph captured."""
         self._graphs.clear()
         self._prefill_graphs.clear()
+        self._batch_graphs.clear()
 
     def _guard_ok(self) -> bool:
         if self.guard_error is None:

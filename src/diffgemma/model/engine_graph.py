@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .graph_guard import GuardedGraph
@@ -34,6 +36,27 @@ class PrefillGraph:
 
     def __init__(self, graph, ids, n_real):
         self.graph, self.ids, self.n_real = graph, ids, n_real
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class BatchGraph:
+    """A captured batched denoise (Forward.denoise_batch) over fixed caches: the torch graph, weak references to its
+    caches (it reads their buffers, so it is only replayed while every one is alive and the same object), its static
+    inputs (ids, SC rows, SC row flags) and its output (raw logits of every lane's rows)."""
+
+    __slots__ = ("graph", "caches", "ids", "sc", "has", "out")
+
+    def __init__(self, graph, caches, ids, sc, has, out):
+        self.graph, self.ids, self.sc, self.has, self.out = graph, ids, sc, has, out
+        self.caches = [weakref.ref(c) for c in caches]
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.caches)
+
+    def serves(self, caches) -> bool:
+        return len(caches) == len(self.caches) and all(r() is c for r, c in zip(self.caches, caches))
 
     def replay(self) -> None:
         self.graph.replay()

@@ -68,6 +68,7 @@ class Forward:
         self.options = options or EngineOptions()
         self._side_stream = None  # the router chain's (CUDA)
         self._canvas_rows_cache: dict = {}
+        self._path_rows: int | None = None  # during a batched denoise with options.batch_paths "lane": a lane's rows
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -85,17 +86,43 @@ class Forward:
     # ------------------------------------------------------------------ prefill (causal, writes the cache)
 
     @torch.no_grad()
-    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
-        """ids: checked, on the device. Writes their K/V into the cache, a chunk at a time."""
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                groups: torch.Tensor | None = None) -> None:
+        """ids: checked, on the device. Writes their K/V into the cache, a chunk at a time. embeds [n, hidden] (the
+        layer-0 input in place of embed(ids)) and groups [n] (each row's image or -1: rows of one image also attend
+        to each other both ways): checked, on the device, or None. A chunk never splits an image."""
         chunk = self.options.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            self._prefill_chunk(cache, ids[s: s + chunk])
+        for s, e in self._chunks(len(ids), chunk, groups):
+            self._prefill_chunk(cache, ids[s: e], None if embeds is None else embeds[s: e],
+                                None if groups is None else groups[s: e])
         if self._dequantizes_in_prefill(min(len(ids), chunk)):
             # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at full
             # size; ops/moe_paths.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
             torch.cuda.empty_cache()
 
-    def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+    @staticmethod
+    def _chunks(n: int, chunk: int, groups: torch.Tensor | None) -> list[tuple[int, int]]:
+        """[start, end) prefill chunks of at most `chunk` rows, except that no chunk ends inside an image (the rows of
+        one group id, from its first row to its last): that chunk ends before the image, or after it where the image
+        starts the chunk (then it is longer than `chunk`)."""
+        span = {}
+        if groups is not None:
+            for i, g in enumerate(groups.tolist()):
+                if g >= 0:
+                    span[g] = (span.get(g, (i, i))[0], i + 1)
+        inside = sorted(span.values())
+        out, s = [], 0
+        while s < n:
+            e = min(s + chunk, n)
+            for a, b in inside:
+                if a < e < b:
+                    e = a if a > s else b
+                    break
+            out.append((s, e))
+            s = e
+        return out
+
+    def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor, embeds=None, groups=None) -> None:
         cfg, W, dev = self.config, self.config.sliding_window, self.device
         P, n, R = cache.length, len(ids), cache.ring
         pos = torch.arange(P, P + n, device=dev)
@@ -103,6 +130,11 @@ class Forward:
         slide_kpos = torch.cat([cache.slot_pos, pos])  # the ring before this chunk, then the chunk itself
         ring_slots = cache.ring_slots(pos, P + n)
         tail = max(0, n - R)  # the first `tail` chunk positions are overwritten within the chunk
+        # The image overlay (torch attention): each query's image, and each key's (cached rows are never in one)
+        slide_groups = full_groups = None
+        if groups is not None and bool((groups >= 0).any()):
+            slide_groups = (groups, torch.cat([groups.new_full((R,), -1), groups]))
+            full_groups = (groups, torch.cat([groups.new_full((P,), -1), groups]))
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
@@ -112,7 +144,7 @@ class Forward:
                 q, kv = self._qkv(li, qkv, pos, dense_kv=True)
                 Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P)
+                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P, groups=slide_groups)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -120,9 +152,9 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self._attn_impl(False, True))
+                             impl=self._attn_impl(False, True), groups=full_groups)
 
-        x = self.embed(ids)  # no SC norm on the encoder pass
+        x = self.embed(ids) if embeds is None else embeds  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
         cache.advance(pos, P + n)
 
@@ -195,18 +227,62 @@ class Forward:
         """One denoise forward -> the logits before the softcap, [C, V] in the model's dtype. mode: 'none' / 'logits'
         / 'embeds' (what `sc` is). key_rows: rows of each full-attention cache the canvas reads (>= cache.length + C;
         rows past that are masked)."""
-        cfg, eps, W = self.config, self.config.rms_norm_eps, self.config.sliding_window
-        C, L, R = len(ids), cache.length_t, cache.ring
+        x, h = self._canvas_input(ids, mode, sc)
+        attend = self._canvas_attention(cache, len(ids), key_rows)
+        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
+        return h @ self.w.embed.T
+
+    def denoise_batch(self, caches, ids, sc, has_sc, lens, key_rows) -> torch.Tensor:
+        """B canvases, each against its own cache, in one forward -> raw logits [sum(lens), V] (lane b's rows follow
+        lane a's). ids: the canvases' ids, concatenated; lens: each lane's canvas length; key_rows: each lane's, as in
+        denoise. sc: [rows, H] SC embeddings in the model's dtype (any finite value on a lane without one); has_sc:
+        [rows] bool, whether a row's lane self-conditions (a lane that had SC logits passes their soft embedding,
+        `sc_logits_embeds`).
+
+        The projections, router, experts and lm_head run over all lanes' rows at once (one weight read); each row's
+        input is what denoise computes for it alone (both input paths run, a select per row keeps its own), and each
+        lane attends to its own cache only (docs/ARCHITECTURE.md, 'Batching')."""
+        x_sc, h_sc = self._canvas_input(ids, "embeds", sc)
+        x0, h0 = self._canvas_input(ids, "none", None)
+        h0 = rms_norm(x0, self.w.layers[0].input_norm, self.config.rms_norm_eps)
+        pick = has_sc[:, None]
+        x, h = torch.where(pick, x_sc, x0), torch.where(pick, h_sc, h0)
+        lanes, lo = [], 0
+        for cache, C, rows in zip(caches, lens, key_rows):
+            lanes.append((lo, lo + C, self._canvas_attention(cache, C, rows)))
+            lo += C
+
+        def attend(li, qkv, need_out):
+            return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
+
+        self._path_rows = max(lens) if self.options.batch_paths == "lane" else None
+        try:
+            h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
+        finally:
+            self._path_rows = None
+        return h @ self.w.embed.T
+
+    def sc_logits_embeds(self, sc_logits: torch.Tensor) -> torch.Tensor:
+        """SC logits -> their soft embedding, by the same ops denoise's 'logits' mode runs (so a batched lane fed
+        this gets the bits that mode gives)."""
+        return self.soft_embed(self._sc_probs(sc_logits))
+
+    def _canvas_input(self, ids, mode: str, sc):
+        """The canvas' embedding with its SC signal -> (x, the first layer's input norm of x, or None: not made)."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        if mode == "none":  # a zero SC signal goes through the SC MLP as exactly zero
+            return rms_norm(self.embed(ids), None, eps), None
+        s = self.sc_logits_embeds(sc) if mode == "logits" else sc.to(self.dtype)
+        s = self._sc_mlp(rms_norm(s, self.w.sc_pre_norm, eps))
+        return embed_sc_norms(ids, self.w.embed, cfg.embed_scale, s, self.w.layers[0].input_norm, eps, self.dtype)
+
+    def _canvas_attention(self, cache: EngineKVCache, C: int, key_rows: int):
+        """attend(li, qkv, need_out) for a canvas of C rows over `cache`: its K/V go to the cache's canvas scratch
+        rows, and it attends bidirectionally to the visible cache rows and itself."""
+        cfg, W = self.config, self.config.sliding_window
+        L, R = cache.length_t, cache.ring
         ar, ring_canvas_slots = self._canvas_rows(C, R)
         pos = L + ar
-        h = None
-        if mode != "none":
-            s = self.soft_embed(self._sc_probs(sc)) if mode == "logits" else sc.to(self.dtype)
-            s = self._sc_mlp(rms_norm(s, self.w.sc_pre_norm, eps))
-            x, h = embed_sc_norms(ids, self.w.embed, cfg.embed_scale, s, self.w.layers[0].input_norm, eps, self.dtype)
-        else:  # a zero SC signal goes through the SC MLP as exactly zero
-            x = rms_norm(self.embed(ids), None, eps)
-
         live = self.options.sliding_live_window
         slide_kpos = None if live else self._slide_kpos(cache, C)
         slide_kw = dict(window=W, n_ring=R, ring_length=L) if live else {}
@@ -223,8 +299,7 @@ class Forward:
             return attention(q, K, V, None, key_rows, out_dtype=self.dtype, impl=self._attn_impl(False, False),
                              nlive=nlive)
 
-        h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
-        return h @ self.w.embed.T
+        return attend
 
     def _sc_probs(self, sc: torch.Tensor) -> torch.Tensor:
         """softmax(sc_logits) for the SC soft embedding. On CUDA with f32 logits: the row-stats kernel's logsumexp,
@@ -292,11 +367,14 @@ class Forward:
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
         a = o @ lw.o.T
+        # the rows the kernel paths are chosen by: the tensor's, or in a batched denoise one lane's (batch_paths)
+        rows = self._path_rows or len(h)
+        path_routes = None if self._path_rows is None else rows * cfg.top_k_experts
         # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
-        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, len(h) * cfg.top_k_experts, h)
+        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, rows * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
-        side = self._router_stream() if len(h) <= OVERLAP_ROWS else None
+        side = self._router_stream() if rows <= OVERLAP_ROWS else None
         if side is None:
             dense = self._dense_mlp(lw, dense_in)
             weights, src, inv, offs, order = self._route(lw, router_in)
@@ -307,17 +385,18 @@ class Forward:
                 weights, src, inv, offs, order = self._route(lw, router_in)
             dense = self._dense_mlp(lw, dense_in)
             main.wait_stream(side)
-        return self._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next)
+        return self._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes)
 
-    def _moe(self, lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next):
+    def _moe(self, lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes):
         """The experts on their routes, then the layer's finish: the f32 weighted sum of the expert outputs, post
         norms, residual, layer scalar, next input norm. The expert-parallel forward (parallel/expert.py) overrides it."""
-        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype)
+        y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
+                       path_routes=path_routes)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, self.config.rms_norm_eps, w_next)
 
     def _dense_mlp(self, lw, dense_in):
-        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and len(dense_in) <= OVERLAP_ROWS else None
+        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and (self._path_rows or len(dense_in)) <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
             return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
 

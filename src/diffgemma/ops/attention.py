@@ -12,7 +12,9 @@ Scale is 1 (QK-norm folds it). Masks:
   bidirectional (denoise canvas): key j is visible iff kpos[j] >= 0 (the caller's per-key mask:
       live window slots, cache rows, the canvas itself);
   causal (prefill): kpos[j] >= 0 and qpos - window < kpos[j] <= qpos (window = a huge number
-      on full layers).
+      on full layers);
+  groups=(qgroup [n], kgroup [n_keys]) (prefill with images, twins only): also visible where
+      qgroup == kgroup >= 0 (the tokens of one image see each other both ways, whatever the window).
 GQA: the H/KV query heads of one KV head are folded into one row axis (row r = local head·n + t),
 so one program's K/V tile serves every head of its group. Key blocks with no visible key for any
 row of the program are skipped (the causal upper triangle, the window's far past, a CUDA graph's
@@ -40,16 +42,24 @@ from .attention_gemm import attention_gemm
 from .attention_tiles import attention_tiles
 
 
-def _mask(kpos, qpos, window, causal, rows):
+def _mask(kpos, qpos, window, causal, rows, groups=None):
     kp = kpos[None, :].long()
     if not causal:
         return (kp >= 0).expand(rows, -1)
     qp = qpos[:, None].long()
-    return (kp >= 0) & (kp <= qp) & (kp > qp - window)
+    m = (kp >= 0) & (kp <= qp) & (kp > qp - window)
+    if groups is not None:  # (this query block's groups, every key's group)
+        qg, kg = groups[0][:, None].long(), groups[1][None, :].long()
+        m = m | ((qg == kg) & (qg >= 0))
+    return m
+
+
+def _block_groups(groups, s, b, n_keys):
+    return None if groups is None else (groups[0][s: s + b], groups[1][:n_keys])
 
 
 def attention_ref(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
-                  q_block: int = 1024):
+                  q_block: int = 1024, groups=None):
     H, n, d = q.shape
     KV = k.shape[0]
     kf = k[:, :n_keys].float().repeat_interleave(H // KV, 0)
@@ -58,7 +68,8 @@ def attention_ref(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fal
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     for s in range(0, n, q_block):
         qb = q[:, s: s + q_block].float()
-        m = _mask(kpos[:n_keys], None if qpos is None else qpos[s: s + q_block], window, causal, qb.shape[1])
+        m = _mask(kpos[:n_keys], None if qpos is None else qpos[s: s + q_block], window, causal, qb.shape[1],
+                  _block_groups(groups, s, q_block, n_keys))
         sc = (qb @ kf.transpose(1, 2)).masked_fill(~m[None], float("-inf"))
         o = torch.softmax(sc, -1) @ vf  # [H, b, d]
         out[s: s + q_block] = o.transpose(0, 1).reshape(-1, H * d).to(out.dtype)
@@ -66,7 +77,7 @@ def attention_ref(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fal
 
 
 def attention_sdpa(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
-                   q_block: int = 2048):
+                   q_block: int = 2048, groups=None):
     H, n, d = q.shape
     KV = k.shape[0]
     K, V = k[:, :n_keys], v[:, :n_keys]
@@ -79,7 +90,8 @@ def attention_sdpa(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=Fa
         return out
     Kx, Vx = K.repeat_interleave(H // KV, 0)[None], V.repeat_interleave(H // KV, 0)[None]
     for s in range(0, n, q_block):
-        m = _mask(kpos[:n_keys], qpos[s: s + q_block], window, True, min(q_block, n - s))
+        m = _mask(kpos[:n_keys], qpos[s: s + q_block], window, True, min(q_block, n - s),
+                  _block_groups(groups, s, q_block, n_keys))
         o = F.scaled_dot_product_attention(q[None, :, s: s + q_block], Kx, Vx, attn_mask=m[None, None], scale=1.0)
         out[s: s + q_block] = o[0].transpose(0, 1).reshape(-1, H * d)
     return out
@@ -124,8 +136,9 @@ def _canvas_only_ok(q, causal: bool) -> bool:
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
-              n_ring=0, base_pos=0, nlive=None, ring_length=None):
+              n_ring=0, base_pos=0, nlive=None, ring_length=None, groups=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'.
+    groups: the image overlay of a causal call (module docstring); it runs on the torch twins (SDPA on CUDA).
     A kernel that fails outside graph capture is noted (with a warning, once) and the next in _FALLBACK runs
     from then on: never wrong, only slower. ring_length: a sliding canvas over the ring's live window (see
     attention_flash); the flash kernel visits only those keys, the other paths get its mask (ring_window_kpos)."""
@@ -133,6 +146,11 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     if ring_length is not None:  # refused here, not taken for a kernel failure below
         check_ring_length("attention", kpos, causal, nlive, n_ring, n_keys, window)
+    if groups is not None:
+        if not causal:
+            raise ValueError("attention: groups (the image overlay) is for causal prefill calls")
+        return (attention_sdpa if q.is_cuda else attention_ref)(q, k, v, kpos, n_keys, qpos=qpos, window=window,
+                                                                causal=True, out_dtype=out_dtype, groups=groups)
     if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal):  # the GEMM forms serve the canvas on CUDA only
         impl = None
     if impl is None:

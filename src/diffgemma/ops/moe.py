@@ -62,7 +62,8 @@ def experts_grouped(x, weights, experts, gate_up, down):
     return torch.einsum("tkh,tk->th", y.float(), weights.float())
 
 
-def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True, fuse_glu=True):
+def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16_operands=True, fuse_glu=True,
+               path_routes: int | None = None):
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
@@ -72,25 +73,32 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     its input the same way when that GEMM takes it, unless f16_operands is False (the ops-level twin switch the tests and bench_pack use; the engine
     always passes True). The
     results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
-    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B)."""
+    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B).
+    path_routes: the route count the kernel paths are chosen by (default: x's); a batched denoise passes one lane's,
+    so a lane takes the kernels it takes alone (docs/ARCHITECTURE.md, 'Batching')."""
     out_dtype = out_dtype or x.dtype
-    as_f16 = f16_operands and takes_f16_operand(down, route_count(x, src), x)
+    routes = route_count(x, src) if path_routes is None else path_routes
+    as_f16 = f16_operands and takes_f16_operand(down, routes, x)
     if fuse_glu:
-        h = grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True, glu_f16=as_f16)
+        h = grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, glu=True, glu_f16=as_f16,
+                       path_routes=path_routes)
     else:
-        h = gelu_mul(grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype), as_f16=as_f16)
-    return grouped_mm(h, down, offs, order=order, out_dtype=out_dtype)
+        h = gelu_mul(grouped_mm(x, gate_up, offs, src=src, order=order, out_dtype=out_dtype, path_routes=path_routes),
+                     as_f16=as_f16)
+    return grouped_mm(h, down, offs, order=order, out_dtype=out_dtype, path_routes=path_routes)
 
 
-def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
+def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False,
+               path_routes: int | None = None):
     """x @ W[g]^T per expert group: x grouped [M, K], or per token [T, K] with src [M] naming each route's row;
     W a plain [E, N, K] stack or a packed one; offs int32 [E] cumulative ends -> [M, N].
     order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
     out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
     and a path other than the q4-tiles kernel first turns x back into it (exact: it is a copy of bf16 values).
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
-    epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them)."""
-    routes = route_count(x, src)
+    epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
+    count the path (and the q4 kernel's row tile) is chosen by; default x's own."""
+    routes = route_count(x, src) if path_routes is None else path_routes
     path = expert_gemm_path(w, routes, x)
     if out_dtype is not None and x.dtype != out_dtype and path != "q4-tiles":
         x = x.to(out_dtype)

@@ -11,9 +11,10 @@
 
 With one rank nothing is sent and every method is the Engine's own: the single-GPU path, bit for bit.
 
-Calls handed over (op codes): a new cache, its truncation, a prefill (ids), a denoise (canvas ids, the SC input as
-embeddings: SC logits [C, V] are turned into embeddings on rank 0 first, by the forward's own ops, so [C, H] travels
-instead), new settings (EngineOptions, KV dtype, graphs on/off), the end of the run. A cache rank 0 drops is dropped
+Calls handed over (op codes): a new cache, its truncation, a prefill (ids, and an image prompt's embeddings and image
+groups), a denoise (canvas ids, the SC input as embeddings: SC logits [C, V] are turned into embeddings on rank 0
+first, by the forward's own ops, so [C, H] travels instead), a batched denoise (its lanes' caches, canvases and SC
+embeddings), new settings (EngineOptions, KV dtype, graphs on/off), the end of the run. A cache rank 0 drops is dropped
 on the other ranks with the next call. Staging and the run-ahead launch (model/denoiser.StagedDenoiser) are off with
 several ranks: a launch decided by a device flag on rank 0 could not be matched by the others.
 """
@@ -28,12 +29,13 @@ import torch
 from ..config import cache_tokens
 from ..errors import InputError
 from ..model.engine import Engine
+from ..model.engine_batch import check_batch
 from ..model.engine_cache import EngineKVCache
 from ..model.engine_weights import load_weights
 from .expert import ExpertParallelForward, ExpertShard, expert_share
 from .group import Group, ParallelError
 
-NEW_CACHE, TRUNCATE, PREFILL, DENOISE, SETTINGS, STOP = 1, 2, 3, 4, 5, 6
+NEW_CACHE, TRUNCATE, PREFILL, DENOISE, DENOISE_BATCH, SETTINGS, STOP = 1, 2, 3, 4, 5, 6, 7
 
 
 def shard_source(source, config, group: Group):
@@ -153,13 +155,18 @@ class LeadEngine(ExpertParallelEngine):
         return cache.bind(self, cid)
 
     @torch.no_grad()
-    def prefill(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+    def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
+                image_groups: torch.Tensor | None = None) -> None:
         if self.group.size > 1:
             ids = self._check_ids(ids, "prefill ids", check_range=True)
+            if embeds is not None or image_groups is not None:
+                embeds, image_groups = self._check_image_inputs(len(ids), embeds, image_groups)
             cache.check_room(len(ids))
-            self._send(PREFILL, self._cid(cache), len(ids))
-            self._payload(ids)
-        self._run(super().prefill, cache, ids)
+            self._send(PREFILL, self._cid(cache), len(ids), int(embeds is not None), int(image_groups is not None))
+            for t in (ids, embeds, image_groups):
+                if t is not None:
+                    self._payload(t)
+        self._run(super().prefill, cache, ids, embeds, image_groups)
 
     def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                     sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,6 +179,19 @@ class LeadEngine(ExpertParallelEngine):
             if sc is not None:
                 self._payload(sc)
             return self._run(super().denoise_raw, cache, ids, None, sc)
+
+    @torch.no_grad()
+    def denoise_batch_raw(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
+        if self.group.size == 1:
+            return super().denoise_batch_raw(caches, canvases, sc_logits, sc_embeds)
+        caches, ids, lens, sc = check_batch(self, caches, canvases, sc_logits, sc_embeds)
+        sc = [None if s is None else s.to(self.device, self.dtype) for s in sc]
+        cids = [self._cid(c) for c in caches]
+        self._send(DENOISE_BATCH, len(caches))
+        self._run(self.group.broadcast_object, (cids, lens, [s is not None for s in sc]))
+        for t in [ids] + [s for s in sc if s is not None]:
+            self._payload(t)
+        return self._run(super().denoise_batch_raw, caches, list(ids.split(lens)), None, sc)
 
     def stage_denoise(self, cache, canvas_ids, sc_embeds=None, go=None) -> bool:
         if self.group.size == 1:
@@ -203,7 +223,6 @@ class LeadEngine(ExpertParallelEngine):
             raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {V}]")
         if sc_embeds is not None and tuple(sc_embeds.shape) != (C, H):
             raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {H}]")
-        if sc_logits is not None:  # the forward's own first ops of an SC-logits call (Forward.denoise)
-            f = self.forward
-            return ids, f.soft_embed(f._sc_probs(sc_logits.to(self.device)))
+        if sc_logits is not None:  # the forward's own first ops of an SC-logits call (Forward.sc_logits_embeds)
+            return ids, self.forward.sc_logits_embeds(sc_logits.to(self.device))
         return ids, None if sc_embeds is None else sc_embeds.to(self.device, self.dtype)

@@ -114,18 +114,20 @@ class ExpertParallelForward(Forward):
         self.first, self.count = expert_share(config.num_experts, group.rank, group.size)
         self._ones: dict = {}
 
-    def _moe(self, lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next):
+    def _moe(self, lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes):
         if self.group.size == 1:
-            return super()._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next)
-        part = self.local_expert_sum(lw, moe_in, weights, src, inv, offs, order, x.dtype)
+            return super()._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes)
+        part = self.local_expert_sum(lw, moe_in, weights, src, inv, offs, order, x.dtype, path_routes)
         self.group.all_reduce(part)
         # the reduced sum through the same finish: the "un-permute" of one route per token with weight 1 is exact
         rows, ones = self._identity(len(x))
         return layer_finish_moe(x, dense, part, rows, ones, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, self.config.rms_norm_eps, w_next)
 
-    def local_expert_sum(self, lw, moe_in, weights, src, inv, offs, order, dtype) -> torch.Tensor:
-        """f32 [T, H]: Σ over this rank's routes of token t of weight · expert output (zero where it has none)."""
+    def local_expert_sum(self, lw, moe_in, weights, src, inv, offs, order, dtype, path_routes=None) -> torch.Tensor:
+        """f32 [T, H]: Σ over this rank's routes of token t of weight · expert output (zero where it has none).
+        path_routes: the route count the layer's kernel paths go by (None: all of them); the GEMMs here choose theirs
+        by this rank's share of it, the rows they get when the routing is balanced."""
         T, k = weights.shape
         M = src.numel()
         offs = offs.long()
@@ -134,8 +136,9 @@ class ExpertParallelForward(Forward):
         mine_src = src.index_select(0, torch.clamp(start + self._rows_arange(M), max=M - 1))
         mine_order = expert_order_ref(mine_offs) if order is not None else None
         # rows past this rank's last route are the GEMMs' scratch (never written): the sum below never reads them
+        share = max(1, (path_routes or M) // self.group.size)
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, mine_offs, src=mine_src, order=mine_order,
-                       out_dtype=dtype)
+                       out_dtype=dtype, path_routes=share)
         dest = inv.view(T, k) - start
         mine = (dest >= 0) & (dest < mine_offs[-1])
         dest = dest.clamp(0, M - 1)

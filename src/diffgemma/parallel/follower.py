@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DENOISE, NEW_CACHE, PREFILL, SETTINGS, STOP, TRUNCATE
+from .engine import DENOISE, DENOISE_BATCH, NEW_CACHE, PREFILL, SETTINGS, STOP, TRUNCATE
 from .group import Group
 
 
@@ -20,6 +20,10 @@ def follow(engine, group: Group) -> int:
     caches: dict[int, object] = {}
     calls = 0
     hidden = engine.config.hidden_size
+
+    def receive(*shape, dtype=torch.long):  # a call's tensor, from rank 0
+        return group.broadcast(torch.empty(shape, dtype=dtype, device=engine.device))
+
     while True:
         op, nfreed, *values = group.header()
         if nfreed:
@@ -37,15 +41,19 @@ def follow(engine, group: Group) -> int:
             cid, length = values[:2]
             caches[cid].truncate(length)
         elif op == PREFILL:
-            cid, n = values[:2]
-            ids = group.broadcast(torch.empty(n, dtype=torch.long, device=engine.device))
-            engine.prefill(caches[cid], ids)
+            cid, n, has_embeds, has_groups = values[:4]
+            ids = receive(n)
+            embeds = receive(n, hidden, dtype=engine.dtype) if has_embeds else None
+            groups = receive(n) if has_groups else None
+            engine.prefill(caches[cid], ids, embeds, groups)
         elif op == DENOISE:
             cid, n, has_sc = values[:3]
-            ids = group.broadcast(torch.empty(n, dtype=torch.long, device=engine.device))
-            sc = None
-            if has_sc:
-                sc = group.broadcast(torch.empty(n, hidden, dtype=engine.dtype, device=engine.device))
-            engine.denoise_raw(caches[cid], ids, sc_embeds=sc)
+            ids = receive(n)
+            engine.denoise_raw(caches[cid], ids, sc_embeds=receive(n, hidden, dtype=engine.dtype) if has_sc else None)
+        elif op == DENOISE_BATCH:
+            cids, lens, has_sc = group.broadcast_object()
+            ids = receive(sum(lens))
+            sc = [receive(n, hidden, dtype=engine.dtype) if has else None for n, has in zip(lens, has_sc)]
+            engine.denoise_batch_raw([caches[c] for c in cids], list(ids.split(lens)), sc_embeds=sc)
         else:
             raise RuntimeError(f"rank {group.rank}: unknown call {op} from rank 0")

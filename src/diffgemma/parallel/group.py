@@ -98,9 +98,11 @@ class Group:
             dist.destroy_process_group()
 
 
-def init_group(rank: int, size: int, device, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+def init_group(rank: int, size: int, device, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+               idle_timeout: timedelta = IDLE_TIMEOUT) -> Group:
     """Join the run's process groups as `rank` of `size` (size 1: none). NCCL on a CUDA device, gloo on the CPU. The
-    NCCL communicator is set up here, by a first all-reduce: a CUDA graph may capture collectives only after that."""
+    NCCL communicator is set up here, by a first all-reduce: a CUDA graph may capture collectives only after that.
+    idle_timeout: the control group's (the tests shorten it, so a fault fails them instead of hanging)."""
     device = torch.device(device)
     if size == 1:
         return Group(0, 1, device)
@@ -110,7 +112,7 @@ def init_group(rank: int, size: int, device, init_method: str, timeout_s: float 
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=idle_timeout)
     except (RuntimeError, ValueError) as e:
         raise ParallelError(f"rank {rank} of {size}: cannot join the other ranks ({str(e).splitlines()[0][:200]})") \
             from None

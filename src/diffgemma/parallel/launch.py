@@ -18,13 +18,14 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
 
 from ..errors import DiffgemmaError, InputError
 from .follower import follow
-from .group import (EXIT_FAILED, Group, ParallelError, Watchdog, check_gpus, fatal, init_group, parent_probe, parse_gpus,
+from .group import (EXIT_FAILED, IDLE_TIMEOUT, Group, ParallelError, Watchdog, check_gpus, fatal, init_group, parent_probe, parse_gpus,
                     timeout_s, wait_for)
 from .engine import STOP
 
@@ -68,27 +69,30 @@ class Ranks:
 
 
 def start(size: int, device_type: str, build, build_args: tuple = (), *, start_method: str = "spawn",
-          watch: bool = True, timeout: float | None = None) -> Ranks:
+          watch: bool = True, timeout: float | None = None, idle_timeout: timedelta = IDLE_TIMEOUT) -> Ranks:
     """Start ranks 1..size-1 as processes of this host and join them as rank 0. Each follower builds its engine with
     `build(group, *build_args)` (a module-level function: it is pickled), then follows. watch: end this process
     (`fatal`) as soon as a follower dies, wherever rank 0 is (the CLI); off, a dead follower shows as a ParallelError
-    at rank 0's next collective (the tests)."""
+    at rank 0's next collective (the tests). start_method: "spawn" (CUDA needs it), or "forkserver" (the tests: fast,
+    and unlike "fork" no child inherits a gloo loop its parent started). timeout / idle_timeout: init_group's."""
     timeout = timeout_s() if timeout is None else timeout
     if size == 1:
         return Ranks(init_group(0, 1, rank_device(device_type, 0), ""))
     store_dir = tempfile.mkdtemp(prefix="diffgemma-ranks-")
     init_method = f"file://{os.path.join(store_dir, 'store')}"
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":  # the server imports torch and the package once; each follower forks from it
+        ctx.set_forkserver_preload([__name__])
     procs = []
     for rank in range(1, size):
         p = ctx.Process(target=_follower_main, name=f"diffgemma-rank-{rank}", daemon=True,
-                        args=(rank, size, rank_device(device_type, rank), init_method, timeout, build, build_args,
-                              watch))
+                        args=(rank, size, rank_device(device_type, rank), init_method, timeout, idle_timeout, build,
+                              build_args, watch))
         p.start()
         procs.append(p)
     dog = Watchdog(_children_probe(procs)) if watch else None
     try:
-        group = init_group(0, size, rank_device(device_type, 0), init_method, timeout)
+        group = init_group(0, size, rank_device(device_type, 0), init_method, timeout, idle_timeout)
     except BaseException:
         Ranks(Group(0, size), procs, dog, store_dir).stop()
         raise
@@ -104,13 +108,14 @@ def _children_probe(procs):
     return probe
 
 
-def _follower_main(rank, size, device, init_method, timeout, build, build_args, watch) -> None:
+def _follower_main(rank, size, device, init_method, timeout, idle_timeout, build, build_args, watch) -> None:
     """A spawned follower: join, build the engine, follow rank 0 until it ends the run. Ctrl-C reaches the terminal's
     whole process group; rank 0 alone answers it (by ending the run), so a follower ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if watch:
         Watchdog(parent_probe(rank))
-    _follow_or_die(rank, lambda: init_group(rank, size, device, init_method, timeout), build, build_args)
+    _follow_or_die(rank, lambda: init_group(rank, size, device, init_method, timeout, idle_timeout), build,
+                   build_args)
 
 
 def _follow_or_die(rank: int, join, build, build_args) -> None:

@@ -180,11 +180,11 @@ class Vision:
         except ConfigError as e:
             raise InputError(f"{path}: this model cannot take images ({e})") from None
         if "embeds" not in inspect.signature(model.prefill).parameters:
-            raise InputError("images need the reference engine for now: load(..., engine='reference') "
-                             "(on the command line: --device cpu)")
+            raise InputError("this model's prefill takes no image embeddings (embeds=); it cannot take images")
+        # The tower computes in the text model's dtype on its device (bf16 on the fast engine's GPU; f32 or f64 for
+        # the reference and the CPU engine), its norms and softmax in at least f32.
         tower = VisionTower.from_checkpoint(path, device=model.embedding.device,
-                                            dtype=torch.float64 if model.embedding.dtype == torch.float64
-                                            else torch.float32)
+                                            dtype=getattr(model, "dtype", model.embedding.dtype))
         if not any(name in tower._source.keys() for name in expected_vision_tensors(cfg)):
             raise InputError(f"{path}: this model cannot take images (its checkpoint has no vision tower)")
         self.config = cfg

@@ -13,8 +13,9 @@ image patches [P, 3·p²] (pixels in [0, 1])
 The result is one text-space embedding per soft token, in the image's row-major pooled order.
 
 Weights are read from the checkpoint in its own layout (transformers' tensor names), only on the
-first image: a text-only session never touches them. All math runs in the dtype given (float32 by
-default); images are encoded one at a time, on their real patches only.
+first image: a text-only session never touches them. The GEMMs run in the dtype given (float32 by
+default; bf16 on the fast engine's GPU, where attention is torch's fused SDPA), norms, pooling and
+softmax in at least float32; images are encoded one at a time, on their real patches only.
 """
 
 from __future__ import annotations
@@ -67,10 +68,16 @@ def expected_vision_tensors(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------- building blocks
 
+def _work(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms and softmax compute in: at least float32 (a bf16 tower keeps only its GEMMs in bf16)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) · w (weight None = the no-scale variant)."""
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
+    """x / sqrt(mean(x²) + eps) · w (weight None = the no-scale variant), computed in at least float32."""
+    xf = x.to(_work(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.to(xf.dtype)).to(x.dtype)
 
 
 def rope_1d(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -167,10 +174,10 @@ class VisionTower:
 
     def _encode_one(self, img: PreparedImage) -> torch.Tensor:
         cfg, w, eps = self.config, self._w, self.config.rms_norm_eps
-        pixels = img.pixel_values.to(self.device, self.dtype)
+        pixels = img.pixel_values.to(self.device, _work(self.dtype))
         pos = img.positions.to(self.device)
         table = w[TOWER + "patch_embedder.position_embedding_table"]
-        x = (2 * (pixels - 0.5)) @ w[TOWER + "patch_embedder.input_proj.weight"].T
+        x = (2 * (pixels - 0.5)).to(self.dtype) @ w[TOWER + "patch_embedder.input_proj.weight"].T
         x = x + table[0][pos[:, 0]] + table[1][pos[:, 1]]
         inv_freq = self.inv_freq.to(self.device)
         for i in range(cfg.num_layers):
@@ -178,11 +185,11 @@ class VisionTower:
         # Pool k x k blocks of the row-major patch grid into one soft token each, row-major.
         rows, cols = img.grid
         k = cfg.pooling_kernel_size
-        h = x.view(rows // k, k, cols // k, k, -1).mean(dim=(1, 3)).reshape(-1, x.shape[-1])
+        h = x.to(_work(x.dtype)).view(rows // k, k, cols // k, k, -1).mean(dim=(1, 3)).reshape(-1, x.shape[-1])
         h = h * cfg.hidden_size**0.5
         if cfg.standardize:
-            h = (h - w[TOWER + "std_bias"]) * w[TOWER + "std_scale"]
-        return rms_norm(h, None, eps) @ w[PROJECTOR + "embedding_projection.weight"].T
+            h = (h - w[TOWER + "std_bias"].to(h.dtype)) * w[TOWER + "std_scale"].to(h.dtype)
+        return rms_norm(h, None, eps).to(self.dtype) @ w[PROJECTOR + "embedding_projection.weight"].T
 
     def _linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         w = self._w
@@ -206,8 +213,12 @@ class VisionTower:
         v = rms_norm(v, None, eps)
         groups = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k), dim=-1)  # scale 1: QK-norm folds it in
-        a = torch.einsum("hqk,khd->qhd", probs, v).reshape(P, -1)
+        if x.dtype in (torch.float32, torch.float64):
+            probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k), dim=-1)  # scale 1: QK-norm folds it in
+            a = torch.einsum("hqk,khd->qhd", probs, v).reshape(P, -1)
+        else:  # half precision: torch's fused attention (f32 softmax and accumulation), no [P, P] scores in memory
+            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=1.0)
+            a = a.transpose(0, 1).reshape(P, -1)
         x = x + rms_norm(self._linear(p + "self_attn.o_proj", a), w[p + "post_attention_layernorm.weight"], eps)
         h = rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], eps)
         m = F.gelu(self._linear(p + "mlp.gate_proj", h), approximate="tanh") * self._linear(p + "mlp.up_proj", h)

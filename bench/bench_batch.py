@@ -1,0 +1,237 @@
+"""Benchmark: the engine's batched denoise, full size, random weights, one process.
+
+    PYTHONPATH=src:. python -m bench.bench_batch [--kinds q4,bf16] [--batches 1,2,4,8] [--reps 10] [--json out.json]
+    PYTHONPATH=src:. python -m bench.bench_batch --tiny     # the demo model's shapes on the CPU: a dry run
+
+Per engine kind (bf16: RandomSource; q4: RandomPackSource, q4 experts and a q8 SC MLP), balanced expert routing,
+every lane its own cache holding a 1k prompt:
+  forward  the batched denoise forward alone (graph replay; B=1 is the solo graphed denoise generate runs), median
+           ms and canvas rows/s, and the ratio to B=1 measured in the same run, for batch_paths "lane" and "total"
+  steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
+           included): aggregate canvas rows/s against B=1 through the same call
+  invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
+           generate_batch's tokens vs generate's per request (share identical), per batch_paths
+  memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
+Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.balanced_routing import KINDS, routing
+from bench.bench_e2e import build, fixed_steps, log, sync
+from bench.bench_engine import CANVAS, TEXT
+from diffgemma.batch import generate_batch
+from diffgemma.config import ModelConfig
+from diffgemma.generation import generate
+from diffgemma.loader import embedded_model_path
+
+STEPS = 16
+
+
+def median(xs):
+    return round(statistics.median(xs), 3)
+
+
+def timed(dev, fn, reps):
+    out = []
+    for i in range(reps + 2):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        if i >= 2:
+            out.append((time.perf_counter() - t) * 1e3)
+    return median(out)
+
+
+def lanes(eng, cfg, B, ctx, seed=0):
+    dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    gen = torch.Generator().manual_seed(seed)
+    caches, canvases, scs = [], [], []
+    for _ in range(B):
+        cache = eng.new_cache(ctx + 2 * C)
+        eng.prefill(cache, torch.randint(0, V, (ctx,), generator=gen).to(dev))
+        canvas = torch.randint(0, V, (C,), generator=gen).to(dev)
+        caches.append(cache)
+        canvases.append(canvas)
+        scs.append(eng.embed(torch.randint(0, V, (C,), generator=gen).to(dev)))
+    return caches, canvases, scs
+
+
+def section_forward(eng, cfg, batches, ctx, reps):
+    dev, C = eng.device, cfg.canvas_length
+    out = {}
+    caches, canvases, scs = lanes(eng, cfg, max(batches), ctx)
+    for paths in ("lane", "total"):
+        eng.options = replace(eng.options, batch_paths=paths)
+        eng.clear_graphs()
+        r = out[paths] = {}
+        for B in batches:
+            if B == 1:
+                ms = timed(dev, lambda: eng.denoise_raw(caches[0], canvases[0], sc_embeds=scs[0]), reps)
+            else:
+                ms = timed(dev, lambda: eng.denoise_batch_raw(caches[:B], canvases[:B], sc_embeds=scs[:B]), reps)
+            r[B] = {"ms": ms, "rows_s": round(B * C / ms * 1e3, 1)}
+            r[B]["vs_b1"] = round(r[B]["rows_s"] / r[batches[0]]["rows_s"], 3)
+            log(f"  forward [{paths}] B={B}: {r[B]}")
+            eng.clear_graphs()  # each B's graphs go before the next B's: their logits buffers add up
+    eng.options = replace(eng.options, batch_paths="lane")
+    return out
+
+
+def section_steps(eng, cfg, batches, ctx, reps):
+    dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (ctx,), generator=gen).tolist() for _ in range(max(batches))]
+    s = fixed_steps(C, 1)
+    out = {}
+    for B in batches:
+        def run():
+            return generate_batch(eng, prompts[:B], seeds=list(range(B)), settings=s, max_batch=B)
+        walls = []
+        for i in range(max(2, reps // 3) + 1):
+            sync(dev)
+            t = time.perf_counter()
+            res = run()
+            sync(dev)
+            if i:
+                walls.append(time.perf_counter() - t)
+        assert all(r.forwards == STEPS for r in res), [r.forwards for r in res]
+        # the wall includes each request's 1k prefill; the denoise time is what the requests report
+        den = statistics.median(walls) - sum(r.timings["prefill_s"] for r in res)
+        out[B] = {"wall_s": round(statistics.median(walls), 4), "rows_s": round(B * C * STEPS / den, 1)}
+        out[B]["vs_b1"] = round(out[B]["rows_s"] / out[batches[0]]["rows_s"], 3)
+        log(f"  steps B={B}: {out[B]}")
+        eng.clear_graphs()
+    return out
+
+
+def section_invariance(eng, cfg, B, ctx):
+    V, C = cfg.vocab_size, cfg.canvas_length
+    out = {}
+    caches, canvases, scs = lanes(eng, cfg, B, ctx, seed=2)
+    solo = [eng.denoise_raw(c, x, sc_embeds=s).clone() for c, x, s in zip(caches, canvases, scs)]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (ctx, 37, ctx // 2, 300, ctx, 5, 700, 90)[:B]]
+    s = fixed_steps(C, 2)
+    alone = [generate(eng, p, settings=s, seed=i).tokens for i, p in enumerate(prompts)]
+    for paths in ("lane", "total"):
+        eng.options = replace(eng.options, batch_paths=paths)
+        eng.clear_graphs()
+        got = eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)
+        same = sum(torch.equal(g, x) for g, x in zip(got, solo))
+        worst = max(((g.float() - x.float()).norm() / x.float().norm()).item() for g, x in zip(got, solo))
+        batched = generate_batch(eng, prompts, seeds=list(range(B)), settings=s, max_batch=B)
+        tok_same = sum(b.tokens == a for b, a in zip(batched, alone))
+        out[paths] = {"lanes_bit_identical": f"{same}/{B}", "worst_rel": float(f"{worst:.3g}"),
+                      "requests_token_identical": f"{tok_same}/{B}"}
+        log(f"  invariance [{paths}] B={B}: {out[paths]}")
+    eng.options = replace(eng.options, batch_paths="lane")
+    eng.clear_graphs()
+    return out
+
+
+def section_memory(eng, cfg, B, ctx):
+    dev = eng.device
+    if dev.type != "cuda":
+        return {"skipped": "cpu"}
+    eng.clear_graphs()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    caches, canvases, scs = lanes(eng, cfg, B, ctx, seed=4)
+    eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)
+    sync(dev)
+    out = {"B": B, "ctx": ctx, "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
+           "reserved_gib": round(torch.cuda.memory_reserved(dev) / 2**30, 2)}
+    log(f"  memory: {out}")
+    del caches
+    eng.clear_graphs()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="q4,bf16")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--sections", default="forward,steps,invariance,memory")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--routing", default="balanced", choices=KINDS)
+    ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
+    a = ap.parse_args()
+    kinds = [k for k in a.kinds.split(",") if k]
+    batches = [int(b) for b in a.batches.split(",")]
+    sections = set(a.sections.split(","))
+    if a.tiny:
+        demo = json.loads((embedded_model_path() / "config.json").read_text())
+        tc = demo["text_config"]
+        text = dict(tc, vocab_size=4096, num_hidden_layers=2, layer_types=tc["layer_types"][-2:])
+        canvas, ctx, mem_ctx, dev = 8, 32, 64, torch.device("cpu")
+        a.reps = min(a.reps, 2)
+    else:
+        text, canvas, ctx, mem_ctx, dev = TEXT, CANVAS, 1024, 8192, torch.device("cuda")
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas})
+    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+                 "routing": a.routing, "tiny": a.tiny, "reps": a.reps, "ctx": ctx}
+
+    def dump():
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+
+    for kind in kinds:
+        t = time.time()
+        eng = build(kind, cfg, dev, a.tiny)
+        sync(dev)
+        log(f"[{kind}] built in {time.time() - t:.1f}s")
+        r = res[kind] = {}
+        jobs = (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
+                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps)),
+                ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
+                ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx) if kind == "q4" else None))
+        for name, fn in jobs:
+            if name not in sections:
+                continue
+            t = time.time()
+            try:
+                with routing(a.routing):
+                    value = fn()
+                if value is not None:
+                    r[name] = value
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            log(f"[{kind} {name}] {time.time() - t:.1f}s")
+            dump()
+        eng = None  # noqa: F841  (the weights go before the next kind's)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 (B="
+        + "/".join(map(str, batches)) + ") |")
+    log("|---|---|" + "---|" * (len(batches) + 1))
+    for kind in kinds:
+        r = res.get(kind, {})
+        for paths in ("lane", "total"):
+            f = r.get("forward", {}).get(paths, {})
+            cells = [f"{f[b]['rows_s']} ({f[b]['vs_b1']})" if b in f else "-" for b in batches]
+            st = r.get("steps", {}) if paths == "lane" else {}
+            steps = "/".join(str(st[b]["vs_b1"]) if b in st else "-" for b in batches)
+            log(f"| {kind} | {paths} | " + " | ".join(cells) + f" | {steps} |")
+
+
+if __name__ == "__main__":
+    main()

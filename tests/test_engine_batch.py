@@ -1,0 +1,172 @@
+"""The engine's batched denoise (Engine.denoise_batch; docs/ARCHITECTURE.md, 'Batching') on the CPU torch path.
+
+- Each lane's logits equal its solo denoise's: lanes over other contexts (past the sliding window and not), other
+  canvas lengths and each SC form (none / logits / embeds), in any order. f32 with an f32 KV cache; the CPU's GEMMs
+  over more rows may re-associate, so within f32 rounding (a wiring fault, e.g. a lane reading another's cache or
+  positions, is O(0.1-1)).
+- generate_batch on the engine gives each request the tokens generate gives it alone, on tiny checkpoints and the
+  demo model; a request that joins mid-way and one that leaves early included.
+- The kernel-path rule (batch_paths): "lane" chooses by one lane's rows, "total" by all rows; a bad value and bad
+  batched calls are one-line InputErrors.
+"""
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma import generate, generate_batch
+from diffgemma.errors import InputError
+from diffgemma.model import forward as forward_mod
+from diffgemma.model.engine import Engine
+from tiny_checkpoints import CONFIGS, build_model, save
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def ref(request, tmp_path_factory):
+    hf = build_model(CONFIGS[request.param], canvas_length=8)
+    return diffgemma.load(save(hf, tmp_path_factory.mktemp(request.param)))
+
+
+def _gen():
+    return torch.Generator().manual_seed(int(torch.randint(2**31, ())))  # from the test's seeded global generator
+
+
+def _engine(ref, **kw):
+    return Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32, **kw)
+
+
+def _lanes(eng, gen):
+    """Four lanes: contexts below and past the sliding window, canvas lengths C and C/2, each SC form."""
+    cfg = eng.config
+    V, C, W = cfg.vocab_size, cfg.canvas_length, cfg.sliding_window
+    lanes = []
+    for T, n, form in ((3, C, "none"), (3 * W + 1, C, "logits"), (W // 2 + 2, C // 2, "embeds"), (2 * W, C, "logits")):
+        cache = eng.new_cache(T + 4 * C)
+        eng.prefill(cache, torch.randint(0, V, (T,), generator=gen))
+        canvas = torch.randint(0, V, (n,), generator=gen)
+        lg = torch.randn(n, V, generator=gen) * 4 if form == "logits" else None
+        em = eng.soft_embed(torch.softmax(torch.randn(n, V, generator=gen), -1)) if form == "embeds" else None
+        lanes.append((cache, canvas, lg, em))
+    return lanes
+
+
+@pytest.mark.parametrize("paths", ["lane", "total"])
+def test_each_lane_gets_its_solo_logits(ref, paths):
+    eng = _engine(ref, batch_paths=paths)
+    lanes = _lanes(eng, _gen())
+    solo = [eng.denoise(c, x, sc_logits=lg, sc_embeds=em) for c, x, lg, em in lanes]
+    for order in ([0, 1, 2, 3], [3, 1, 0], [2, 0]):
+        pick = [lanes[i] for i in order]
+        out = eng.denoise_batch([p[0] for p in pick], [p[1] for p in pick], sc_logits=[p[2] for p in pick],
+                                sc_embeds=[p[3] for p in pick])
+        for i, got in zip(order, out):
+            assert got.shape == solo[i].shape and got.dtype == torch.float32
+            err = (got - solo[i]).abs().max().item()
+            assert err <= 1e-4, f"lane {i} in batch {order}: max |Δlogits| {err:.3g}"
+    # the raw form is the softcap's input, as denoise_raw
+    raw = eng.denoise_batch_raw([lanes[0][0], lanes[1][0]], [lanes[0][1], lanes[1][1]],
+                                sc_logits=[None, lanes[1][2]])
+    cap = eng.logit_softcap
+    assert (cap * torch.tanh(raw[1].float() / cap) - solo[1]).abs().max().item() <= 1e-4
+
+
+def test_a_batched_forward_reads_no_other_lane(ref):
+    """Changing one lane's canvas and cache moves no other lane's logits beyond f32 rounding (the experts' row groups
+    change with lane 1's routing, and the CPU's grouped GEMM may re-associate over them)."""
+    eng = _engine(ref)
+    gen = _gen()
+    lanes = _lanes(eng, gen)
+    caches, canvases = [p[0] for p in lanes], [p[1] for p in lanes]
+    sc = [p[2] for p in lanes]
+    em = [p[3] for p in lanes]
+    before = eng.denoise_batch(caches, canvases, sc_logits=sc, sc_embeds=em)
+    eng.prefill(caches[1], torch.randint(0, eng.config.vocab_size, (5,), generator=gen))
+    canvases[1] = torch.randint(0, eng.config.vocab_size, (len(canvases[1]),), generator=gen)
+    after = eng.denoise_batch(caches, canvases, sc_logits=sc, sc_embeds=em)
+    assert (before[1] - after[1]).abs().max().item() > 1e-2
+    for i in (0, 2, 3):
+        err = (before[i] - after[i]).abs().max().item()
+        assert err <= 1e-4, f"lane {i} moved by {err:.3g} when lane 1 changed"
+
+
+def test_lane_paths_choose_kernels_by_one_lanes_rows(ref, monkeypatch):
+    """batch_paths "lane": every kernel-path decision of a batched forward sees one lane's rows; "total": all rows."""
+    seen = []
+    real = forward_mod.moe_paths.takes_f16_operand
+    monkeypatch.setattr(forward_mod.moe_paths, "takes_f16_operand",
+                        lambda w, routes, x: seen.append(routes) or real(w, routes, x))
+    k, C = ref.config.top_k_experts, ref.config.canvas_length
+    for paths, want in (("lane", C * k), ("total", 3 * C * k)):
+        eng = _engine(ref, batch_paths=paths)
+        caches = [eng.new_cache(64) for _ in range(3)]
+        for c in caches:
+            eng.prefill(c, torch.tensor([2, 3, 4]))
+        seen.clear()
+        eng.denoise_batch(caches, [torch.arange(C)] * 3)
+        assert seen and set(seen) == {want}, (paths, set(seen))
+
+
+def test_bad_batched_calls_are_one_line_errors(ref):
+    eng = _engine(ref, max_batch=2)
+    C, V = eng.config.canvas_length, eng.config.vocab_size
+    a, b, c = (eng.new_cache(64) for _ in range(3))
+    for x in (a, b, c):
+        eng.prefill(x, torch.tensor([2, 3]))
+    ids = torch.arange(C)
+    cases = [
+        (lambda: eng.denoise_batch([a, b, c], [ids] * 3), "expected 1 to 2 caches"),
+        (lambda: eng.denoise_batch([a, a], [ids] * 2), "a cache appears twice"),
+        (lambda: eng.denoise_batch([a, b], [ids]), "one canvas per cache"),
+        (lambda: eng.denoise_batch([a, b], [ids, torch.arange(C + 1)]), "canvas 1 of"),
+        (lambda: eng.denoise_batch([a, b], [ids, ids], sc_logits=[None, torch.zeros(C, V + 1)]), "sc_logits 1"),
+        (lambda: eng.denoise_batch([a, b], [ids, ids], sc_embeds=[torch.zeros(C, 3), None]), "sc_embeds 0"),
+        (lambda: eng.denoise_batch([a, b], [ids, ids + V]), "canvas 1 ids: ids must be in"),
+        (lambda: eng.denoiser([a, b, c]), "exceed this engine's max_batch"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(InputError, match=msg) as e:
+            call()
+        assert "\n" not in str(e.value)
+    for bad in (dict(batch_paths="rows"), dict(max_batch=0)):
+        with pytest.raises(InputError, match="Engine: "):
+            _engine(ref, **bad)
+
+
+PROMPTS = [[2, 5, 9], [2, 7, 7, 7, 1, 4], [2, 11], [2, 3, 3, 8, 9, 10, 12]]
+
+
+def _result(r):
+    return r.tokens, r.steps_per_block, r.stop_reasons, r.block_ends, r.retries, r.stop_token
+
+
+def test_generate_batch_on_the_engine_joins_and_leaves(ref, monkeypatch):
+    """max_batch 3 over 4 requests with other budgets: rounds run 3 lanes, then fewer as requests leave, the fourth
+    joining when the first leaves; every request completes within its budget. (Tokens equal to generate's are checked
+    on the demo model below: these random tiny models amplify f32 re-association into other near-tie picks.)"""
+    eng = _engine(ref)
+    lanes = []
+    real = eng.denoise_batch_raw
+    monkeypatch.setattr(eng, "denoise_batch_raw", lambda caches, *a, **k: lanes.append(len(caches)) or real(caches, *a, **k))
+    budgets = [20, 20, 8, 20]
+    settings = [diffgemma.GenerationSettings.resolve({}, env={}, overrides=dict(max_new_tokens=n, max_denoising_steps=5))
+                for n in budgets]
+    events = []
+    results = generate_batch(eng, PROMPTS, seeds=[1, 2, 3, 4], settings=settings, max_batch=3,
+                             on_event=lambda i, e: events.append((i, type(e).__name__)))
+    assert max(lanes) == 3 and all(2 <= n <= 3 for n in lanes)
+    assert all(len(r.tokens) <= n and r.forwards >= 1 for r, n in zip(results, budgets))
+    first_done = next(i for i, kind in events if kind == "DoneEvent")
+    assert events.index((first_done, "DoneEvent")) < min(k for k, (i, _) in enumerate(events) if i == 3)
+
+
+def test_generate_batch_on_the_demo_engine_equals_generate():
+    demo = diffgemma.load()
+    eng = _engine(demo)
+    tok = demo.tokenizer
+    prompts = [tok.encode(p) for p in ("Name a colour.", "What is 2+2?", "Say hi.")]
+    kw = dict(max_new_tokens=16, max_denoising_steps=6)
+    batched = generate_batch(eng, prompts, seeds=[5, 6, 7], **kw)
+    solo = [generate(eng, p, seed=s, **kw) for p, s in zip(prompts, [5, 6, 7])]
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
