@@ -61,7 +61,8 @@ def test_two_gpus_graphed_with_nccl_match_the_engine():
             assert rel < 2e-2, rel
             assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
         got_tokens = generate(lead, prompt, seed=3, **GEN).tokens
-        same = next((i for i, (x, y) in enumerate(zip(tokens, got_tokens)) if x != y), min(len(tokens), len(got_tokens)))
+        same = next((i for i, (x, y) in enumerate(zip(tokens, got_tokens)) if x != y),
+                    min(len(tokens), len(got_tokens)))
         print(f"\n[parallel gpu] seeded tokens identical for {same} of {len(tokens)}")
     finally:
         ranks.stop()

@@ -24,10 +24,10 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import DiffgemmaError, InputError
-from .follower import follow
-from .group import (EXIT_FAILED, IDLE_TIMEOUT, Group, ParallelError, Watchdog, check_gpus, fatal, init_group, parent_probe, parse_gpus,
-                    timeout_s, wait_for)
 from .engine import STOP
+from .follower import follow
+from .group import (EXIT_FAILED, IDLE_TIMEOUT, Group, ParallelError, Watchdog, check_gpus, fatal, init_group,
+                    parent_probe, parse_gpus, timeout_s, wait_for)
 
 STOP_WAIT_S = 10.0  # how long rank 0 waits for the others to leave after the end of a run, before ending them
 
