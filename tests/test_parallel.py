@@ -162,6 +162,26 @@ def test_a_killed_follower_ends_rank_0s_next_call(checkpoints):
         ranks.stop()
 
 
+def test_a_collective_that_times_out_ends_rank_0s_call(checkpoints):
+    """A follower that stops answering (SIGSTOP: alive, silent) is a timeout of rank 0's next collective."""
+    path = checkpoints["gqa2_mixed"]
+    ranks = launch.start(2, "cpu", launch.load_rank, (path, torch.float32), **{**RANKS, "timeout": 2})
+    follower = ranks.procs[0].pid
+    try:
+        lead = diffgemma.load(path, dtype=torch.float32, group=ranks.group)
+        prompt, canvas, _ = inputs(lead.config)
+        cache = lead.new_cache(64)
+        lead.prefill(cache, prompt)
+        os.kill(follower, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(ParallelError, match="rank 0 of 2: .* failed, another rank died or stopped answering"):
+            lead.denoise(cache, canvas)
+        assert time.monotonic() - t < 10  # the 2 s timeout, not a hang
+    finally:
+        os.kill(follower, signal.SIGCONT)
+        ranks.stop()
+
+
 RANK0 = """
 import sys, time, torch, diffgemma
 from diffgemma.parallel import launch

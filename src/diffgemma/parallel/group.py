@@ -4,8 +4,8 @@ Two process groups (docs/ARCHITECTURE.md, 'Several GPUs'):
   data     the default group: NCCL on GPUs (one device per rank), gloo on the CPU. The forward's all-reduce and the
            calls' tensor inputs; its timeout (`timeout_s`) bounds every collective of a forward or a call
   control  gloo, on the host: rank 0's call headers and the start-up barrier. Rank 0 may be idle for hours (a server
-           between requests, a load), so its timeout is long; a rank that dies closes its sockets, which gloo reports
-           at once, so no wait on it outlives a dead peer
+           between requests, a load), so the other ranks wait on it that long; rank 0's own sends wait no longer than
+           a collective of a call. A rank that dies closes its sockets, which gloo reports at once
 
 Any collective that fails (a dead peer, a timeout) raises ParallelError, naming the rank and the collective. The
 launcher's watchdog (`Watchdog`) ends a run whose ranks died while a collective is blocked inside NCCL.
@@ -14,6 +14,7 @@ launcher's watchdog (`Watchdog`) ends a run whose ranks died while a collective 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from ..errors import InputError
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective of a call: far above a step or a prefill, short enough to end a dead run
 IDLE_TIMEOUT = timedelta(days=30)  # the control group's: rank 0 may be idle or loading for this long
+LOAD_TIMEOUT = timedelta(hours=1)  # the start-up barrier: every rank has loaded its share by then
 HEADER = 8  # int64 words of a call's header (parallel/engine.py fills them)
 EXIT_FAILED = 3  # the exit status of a run its ranks ended
 
@@ -46,6 +48,7 @@ class Group:
     control: object | None = None  # the gloo group of the call headers (None with one rank)
     live: bool = False  # every rank has loaded its engine and none has failed (the lead then ends them with a call)
     on_failure: object = None  # called with the message when a collective of rank 0's model fails (the CLI: fatal)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a collective of a call (the data group's timeout)
 
     @property
     def lead(self) -> bool:
@@ -69,21 +72,40 @@ class Group:
         t = torch.zeros(HEADER, dtype=torch.int64)
         if values is not None:
             t[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        if self.size > 1:
-            self._call("call header", dist.broadcast, t, 0, group=self.control)
+        self._control_broadcast(t, "call header")
         return t.tolist()
 
     def broadcast_object(self, obj=None):
-        """Rank 0's picklable `obj` on every rank (control group)."""
-        box = [obj]
-        if self.size > 1:
-            self._call("broadcast", dist.broadcast_object_list, box, 0, group=self.control)
-        return box[0]
+        """Rank 0's picklable `obj` on every rank (control group): its length, then its pickled bytes."""
+        if self.size == 1:
+            return obj
+        n = torch.zeros(1, dtype=torch.int64)
+        if self.lead:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            n[0] = data.numel()
+        self._control_broadcast(n, "broadcast")
+        if not self.lead:
+            data = torch.empty(int(n[0]), dtype=torch.uint8)
+        self._control_broadcast(data, "broadcast")
+        return obj if self.lead else pickle.loads(data.numpy().tobytes())
+
+    def _control_broadcast(self, t: torch.Tensor, what: str) -> None:
+        """On the control group. The others wait as long as rank 0 may be idle (its group timeout); rank 0's own send,
+        which gloo completes only once a receiver takes it, waits no longer than a collective of a call may."""
+        if self.size == 1:
+            return
+        if not self.lead:
+            self._call(what, dist.broadcast, t, 0, group=self.control)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timedelta(seconds=self.timeout_s)
+        self._call(what, lambda: self.control.broadcast([t], opts).wait())
 
     def barrier(self, what: str) -> None:
-        """Every rank reaches this point (control group: a load may take long on one of them)."""
+        """Every rank reaches this point, within LOAD_TIMEOUT (a load may take long on one of them); gloo's monitored
+        barrier names a rank that did not come."""
         if self.size > 1:
-            self._call(what, dist.barrier, group=self.control)
+            self._call(what, dist.monitored_barrier, group=self.control, timeout=LOAD_TIMEOUT, wait_all_ranks=True)
 
     def _call(self, what: str, fn, *args, **kw):
         try:
@@ -116,7 +138,7 @@ def init_group(rank: int, size: int, device, init_method: str, timeout_s: float 
     except (RuntimeError, ValueError) as e:
         raise ParallelError(f"rank {rank} of {size}: cannot join the other ranks ({str(e).splitlines()[0][:200]})") \
             from None
-    group = Group(rank, size, device, control)
+    group = Group(rank, size, device, control, timeout_s=timeout_s)
     group.all_reduce(torch.zeros(1, device=device))
     return group
 
