@@ -6,12 +6,14 @@
 Per engine kind (bf16: RandomSource; q4: RandomPackSource, q4 experts and a q8 SC MLP), balanced expert routing,
 every lane its own cache holding a 1k prompt:
   forward  the batched denoise forward alone (graph replay; B=1 is the solo graphed denoise generate runs), median
-           ms and canvas rows/s, and the ratio to B=1 measured in the same run, for batch_paths "lane" and "total"
+           ms and canvas rows/s, and the ratio to B=1 measured in the same run, per batch_paths form
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
            included): aggregate canvas rows/s against B=1 through the same call
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
            generate_batch's tokens vs generate's per request (share identical), per batch_paths
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
+  demo     the embedded demo model (real weights, its own engine): 8 chat prompts' tokens alone vs through
+           generate_batch at max_batch 2 / 4 / 8: the share of requests token-identical
 Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
 """
 
@@ -34,8 +36,10 @@ from diffgemma.batch import generate_batch
 from diffgemma.config import ModelConfig
 from diffgemma.generation import generate
 from diffgemma.loader import embedded_model_path
+from diffgemma.model.options import BATCH_PATHS
 
 STEPS = 16
+PATHS = BATCH_PATHS  # EngineOptions.batch_paths' forms
 
 
 def median(xs):
@@ -72,7 +76,7 @@ def section_forward(eng, cfg, batches, ctx, reps):
     dev, C = eng.device, cfg.canvas_length
     out = {}
     caches, canvases, scs = lanes(eng, cfg, max(batches), ctx)
-    for paths in ("lane", "total"):
+    for paths in PATHS:
         eng.options = replace(eng.options, batch_paths=paths)
         eng.clear_graphs()
         r = out[paths] = {}
@@ -89,8 +93,9 @@ def section_forward(eng, cfg, batches, ctx, reps):
     return out
 
 
-def section_steps(eng, cfg, batches, ctx, reps):
+def section_steps(eng, cfg, batches, ctx, reps, paths):
     dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    eng.options = replace(eng.options, batch_paths=paths)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, V, (ctx,), generator=gen).tolist() for _ in range(max(batches))]
     s = fixed_steps(C, 1)
@@ -111,8 +116,9 @@ def section_steps(eng, cfg, batches, ctx, reps):
         den = statistics.median(walls) - sum(r.timings["prefill_s"] for r in res)
         out[B] = {"wall_s": round(statistics.median(walls), 4), "rows_s": round(B * C * STEPS / den, 1)}
         out[B]["vs_b1"] = round(out[B]["rows_s"] / out[batches[0]]["rows_s"], 3)
-        log(f"  steps B={B}: {out[B]}")
+        log(f"  steps [{paths}] B={B}: {out[B]}")
         eng.clear_graphs()
+    eng.options = replace(eng.options, batch_paths="lane")
     return out
 
 
@@ -125,9 +131,10 @@ def section_invariance(eng, cfg, B, ctx):
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (ctx, 37, ctx // 2, 300, ctx, 5, 700, 90)[:B]]
     s = fixed_steps(C, 2)
     alone = [generate(eng, p, settings=s, seed=i).tokens for i, p in enumerate(prompts)]
-    for paths in ("lane", "total"):
+    for paths in PATHS:
         eng.options = replace(eng.options, batch_paths=paths)
         eng.clear_graphs()
+        eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)  # a batch's first round runs eagerly; this one replays
         got = eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)
         same = sum(torch.equal(g, x) for g, x in zip(got, solo))
         worst = max(((g.float() - x.float()).norm() / x.float().norm()).item() for g, x in zip(got, solo))
@@ -138,6 +145,30 @@ def section_invariance(eng, cfg, B, ctx):
         log(f"  invariance [{paths}] B={B}: {out[paths]}")
     eng.options = replace(eng.options, batch_paths="lane")
     eng.clear_graphs()
+    return out
+
+
+def section_demo(dev, batches):
+    import diffgemma
+    from diffgemma.session import Session
+
+    eng = diffgemma.load(None, device=dev)
+    questions = ["Name a colour.", "What is 2+2?", "Say hi.", "Count to five.", "What is the capital of France?",
+                 "Write a haiku about rain.", "List three fruits.", "Is ice cold?"]
+    prompts = []
+    for q in questions:
+        s = Session(eng, max_tokens=64)
+        s.messages.append({"role": "user", "content": q})
+        prompts.append(s.render())
+    kw = dict(max_new_tokens=64)
+    alone = [generate(eng, p, seed=i, **kw).tokens for i, p in enumerate(prompts)]
+    out = {}
+    for B in batches:
+        if B < 2:
+            continue
+        got = generate_batch(eng, prompts, seeds=list(range(len(prompts))), max_batch=B, **kw)
+        out[B] = f"{sum(g.tokens == a for g, a in zip(got, alone))}/{len(prompts)}"
+        log(f"  demo: max_batch {B}: requests token-identical {out[B]}")
     return out
 
 
@@ -164,8 +195,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--sections", default="forward,steps,invariance,memory")
+    ap.add_argument("--sections", default="forward,steps,invariance,memory,demo")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--paths", default="lane", choices=BATCH_PATHS, help="batch_paths for the steps section")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
@@ -189,6 +221,11 @@ def main():
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
 
+    if "demo" in sections:
+        t = time.time()
+        res["demo"] = section_demo(dev, batches)
+        log(f"[demo] {time.time() - t:.1f}s")
+        dump()
     for kind in kinds:
         t = time.time()
         eng = build(kind, cfg, dev, a.tiny)
@@ -196,7 +233,7 @@ def main():
         log(f"[{kind}] built in {time.time() - t:.1f}s")
         r = res[kind] = {}
         jobs = (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
-                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps)),
+                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
                 ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
                 ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx) if kind == "q4" else None))
         for name, fn in jobs:
@@ -225,10 +262,10 @@ def main():
     log("|---|---|" + "---|" * (len(batches) + 1))
     for kind in kinds:
         r = res.get(kind, {})
-        for paths in ("lane", "total"):
+        for paths in PATHS:
             f = r.get("forward", {}).get(paths, {})
             cells = [f"{f[b]['rows_s']} ({f[b]['vs_b1']})" if b in f else "-" for b in batches]
-            st = r.get("steps", {}) if paths == "lane" else {}
+            st = r.get("steps", {}) if paths == a.paths else {}
             steps = "/".join(str(st[b]["vs_b1"]) if b in st else "-" for b in batches)
             log(f"| {kind} | {paths} | " + " | ".join(cells) + f" | {steps} |")
 

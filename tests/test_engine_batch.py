@@ -52,7 +52,7 @@ def _lanes(eng, gen):
     return lanes
 
 
-@pytest.mark.parametrize("paths", ["lane", "total"])
+@pytest.mark.parametrize("paths", ["lane", "wide", "total"])
 def test_each_lane_gets_its_solo_logits(ref, paths):
     eng = _engine(ref, batch_paths=paths)
     lanes = _lanes(eng, _gen())
@@ -92,13 +92,14 @@ def test_a_batched_forward_reads_no_other_lane(ref):
 
 
 def test_lane_paths_choose_kernels_by_one_lanes_rows(ref, monkeypatch):
-    """batch_paths "lane": every kernel-path decision of a batched forward sees one lane's rows; "total": all rows."""
+    """batch_paths "lane": every kernel-path decision of a batched forward sees one lane's rows; "total" and (for a
+    plain expert stack) "wide": all rows."""
     seen = []
     real = forward_mod.moe_paths.takes_f16_operand
     monkeypatch.setattr(forward_mod.moe_paths, "takes_f16_operand",
                         lambda w, routes, x: seen.append(routes) or real(w, routes, x))
     k, C = ref.config.top_k_experts, ref.config.canvas_length
-    for paths, want in (("lane", C * k), ("total", 3 * C * k)):
+    for paths, want in (("lane", C * k), ("wide", 3 * C * k), ("total", 3 * C * k)):
         eng = _engine(ref, batch_paths=paths)
         caches = [eng.new_cache(64) for _ in range(3)]
         for c in caches:
@@ -170,3 +171,45 @@ def test_generate_batch_on_the_demo_engine_equals_generate():
     batched = generate_batch(eng, prompts, seeds=[5, 6, 7], **kw)
     solo = [generate(eng, p, seed=s, **kw) for p, s in zip(prompts, [5, 6, 7])]
     assert [_result(r) for r in batched] == [_result(r) for r in solo]
+
+
+def test_a_batch_is_captured_on_its_second_round_in_a_row(ref, monkeypatch):
+    """model/engine_batch.BatchGraphs: a batch seen once runs eagerly (None); the same caches and shapes the next
+    round capture; a replayed graph is kept, least recently used dropped past the bound, a dead cache's dropped."""
+    from diffgemma.model.engine_batch import BatchGraphs
+
+    eng = _engine(ref)
+    captured = []
+
+    class Fake:
+        def __init__(self, caches):
+            import weakref
+            self.refs = [weakref.ref(c) for c in caches]
+            self.ids, self.sc, self.has, self.out = torch.zeros(1), torch.zeros(1), torch.zeros(1), object()
+
+        def serves(self, caches):
+            return all(r() is c for r, c in zip(self.refs, caches))
+
+        def alive(self):
+            return all(r() is not None for r in self.refs)
+
+        def replay(self):
+            pass
+
+    graphs = BatchGraphs(eng, keep=2)
+    monkeypatch.setattr(graphs, "_capture", lambda caches, *a: captured.append(len(caches)) or Fake(caches))
+    a, b, c = (eng.new_cache(32) for _ in range(3))
+    z = torch.zeros(1)
+
+    def run(*caches):
+        return graphs.run(list(caches), z, [8] * len(caches), [16] * len(caches), z, z)
+
+    assert run(a, b) is None and not captured  # first round: eager
+    assert run(a, b) is not None and captured == [2]  # second in a row: captured
+    assert run(a, b, c) is None  # a new membership
+    assert run(a, b) is not None and captured == [2]  # the kept graph replays without a new capture
+    assert run(a, c) is None and run(a, c) is not None and captured == [2, 2]
+    assert len(graphs.graphs) == 2
+    run(b, c), run(b, c)  # a third graph: the least recently used (a, b) goes
+    assert len(graphs.graphs) == 2 and captured == [2, 2, 2]
+    assert run(a, b) is None

@@ -24,9 +24,9 @@ def demo():
 @pytest.fixture
 def seen(monkeypatch, demo):
     """Spies on the walk's ends -> {"built": settings options.generation_settings returned, "loop": the settings each
-    generate_stream call got, "bounds": the bound of each accept-rule call}."""
+    generate_steps call got, "bounds": the bound of each accept-rule call}."""
     seen = {"built": [], "loop": [], "bounds": []}
-    real_accept, real_stream, real_build = accept.accept_mask, session.generate_stream, options.generation_settings
+    real_accept, real_stream, real_build = accept.accept_mask, session.generate_steps, options.generation_settings
 
     def accept_spy(entropy, bound, **kw):
         seen["bounds"].append(bound)
@@ -44,7 +44,7 @@ def seen(monkeypatch, demo):
         seen["built"].append(real_build(model, args))
         return seen["built"][-1]
 
-    monkeypatch.setattr(session, "generate_stream", stream_spy)
+    monkeypatch.setattr(session, "generate_steps", stream_spy)
     monkeypatch.setattr(options, "generation_settings", build_spy)
     monkeypatch.setattr(options, "load_model", lambda args: demo)
     return seen

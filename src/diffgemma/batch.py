@@ -120,11 +120,24 @@ def _batch_limit(model, max_batch: int | None, n: int) -> int:
 
 def _forward(model, forwards: list[Forward]) -> list:
     """The round's forward: one request on its own denoiser (exactly generate's step), several in one batched
-    forward over their caches. Returns each request's logits, in order."""
+    forward over their caches, one per canvas length (a re-rolled block's shorter canvas steps apart: a batch's
+    kernels are chosen for one canvas length, the one every lane then has alone). Returns each request's logits,
+    in order."""
     if len(forwards) == 1:
         return [forwards[0].run()]
-    den = model.denoiser([f.cache for f in forwards])
-    logits = den.forward([f.canvas for f in forwards], sc_logits=[f.sc_logits for f in forwards],
-                         sc_embeds=[f.sc_embeds for f in forwards])
-    den.close()
-    return logits
+    groups: dict[int, list[int]] = {}
+    for k, f in enumerate(forwards):
+        groups.setdefault(len(f.canvas), []).append(k)
+    out: list = [None] * len(forwards)
+    for ks in groups.values():
+        group = [forwards[k] for k in ks]
+        if len(group) == 1:
+            logits = [group[0].run()]
+        else:
+            den = model.denoiser([f.cache for f in group])
+            logits = den.forward([f.canvas for f in group], sc_logits=[f.sc_logits for f in group],
+                                 sc_embeds=[f.sc_embeds for f in group])
+            den.close()
+        for k, x in zip(ks, logits):
+            out[k] = x
+    return out

@@ -10,14 +10,20 @@ same device (seeded generation is deterministic there). Records, one JSON object
       slot S's KV cache rewound to its first K tokens, then `prompt` (the rest of the rendered
       conversation) prefilled and a reply generated with `settings` (every GenerationSettings field); with
       images the prompt is a prompt key (vision/prompt.py) and the op has "images": {key: sha256}, the
-      bytes in <log>.images/<sha256> (vision/journal.py)
+      bytes in <log>.images/<sha256> (vision/journal.py); "prefill_chunk": N where the prompt was prefilled N tokens
+      at a time (the server's scheduler)
   {"event": "block", "gen": G, "block": B, "tokens": [...], "steps": n, "stop_reason": ..., "end": ...}
   {"event": "done", "gen": G, "tokens": [...], "stop_token": id|null}
   {"event": "cancelled", "gen": G, "blocks": n, "kept": K}   the client left after n blocks; the cache
-      was rewound to K tokens (the prompt, or 0 where the rewind was deeper than the sliding ring)
+      was rewound to K tokens (the prompt, or 0 where the rewind was deeper than the sliding ring; with blocks 0
+      and K short of the prompt: the client left while its prompt was prefilling, after K tokens of it)
   {"event": "cancelled", "gen": G, "blocks": n, "kept": 0, "interrupted": true}   Ctrl-C (KeyboardInterrupt)
       after n blocks; the cache was emptied
   {"event": "error", "gen": G, "error": "Type: message"}         the cache was emptied
+
+Generations that run together in the server's batch interleave their records: an event names its generation
+(`gen`), and a slot's generations never overlap (a slot serves one request at a time), so replaying the ops in log
+order, each to its end, reproduces every slot's history.
 
 Each line is written and flushed as it happens, so a crash leaves a readable prefix: every complete line is a
 record, a generation with no done / cancelled / error record is unfinished (the process died during it), and a
@@ -47,10 +53,13 @@ def header(model, slots: int, max_tokens: int) -> dict:
             "max_tokens": max_tokens}
 
 
-def generate_record(gen: int, slot: int, keep: int, prompt: list[int], settings) -> dict:
-    """The 'generate' op: slot `slot` rewound to `keep` tokens, then `prompt` generated from with `settings`."""
-    return {"op": "generate", "gen": gen, "slot": slot, "keep": keep, "prompt": list(prompt),
-            "settings": settings.as_dict()}
+def generate_record(gen: int, slot: int, keep: int, prompt: list[int], settings,
+                    prefill_chunk: int | None = None) -> dict:
+    """The 'generate' op: slot `slot` rewound to `keep` tokens, then `prompt` generated from with `settings` (its
+    prefill in chunks of `prefill_chunk` tokens, where the server's scheduler chunked it)."""
+    record = {"op": "generate", "gen": gen, "slot": slot, "keep": keep, "prompt": list(prompt),
+              "settings": settings.as_dict()}
+    return record if prefill_chunk is None else {**record, "prefill_chunk": prefill_chunk}
 
 
 def event_record(gen: int, event) -> dict | None:

@@ -1,9 +1,10 @@
 """`diffgemma replay OPS.jsonl...`: run logged sessions (`serve`, `ask` or `chat` with --log-dir) again and compare
 every event with the log.
 
-The same slots, rewinds, prompts and settings, in the logged order, through the same session.run_generation
-that wrote it; a cancelled generation stops after the same number of blocks, an interrupted one (Ctrl-C) is
-interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
+The same slots, rewinds, prompts, settings and prefill chunks, in the logged order of the ops (generations that ran
+batched together are replayed one after another: the forward is batch invariant), through the same
+session.generation_steps that wrote it; a cancelled generation stops after the same number of blocks (or prompt
+chunks), an interrupted one (Ctrl-C) is interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
 (or a different device / build, which the start record names).
 
 A log whose writer died (kill -9, a crash) is replayed as far as it goes: a torn last line is left out, and a
@@ -41,18 +42,27 @@ class ReplayReport:
 
 
 def _group(records: list[dict]):
-    """-> [(generate op, [its events])] in log order; events must follow their op."""
-    out = []
+    """-> [(generate op, [its events])] in the ops' log order; each event follows its op (generations that ran in
+    one batch interleave their events; an event names its generation)."""
+    out, by_gen = [], {}
     for n, rec in enumerate(records[1:], 2):
         if rec.get("op") == "generate":
-            out.append((rec, []))
+            gen = rec.get("gen")
+            if gen in by_gen and not _ended(by_gen[gen][1]):
+                raise InputError(f"record {n}: generation {gen!r} starts again before its end record")
+            by_gen[gen] = (rec, [])
+            out.append(by_gen[gen])
         elif "event" in rec:
-            if not out or rec.get("gen") != out[-1][0].get("gen"):
+            if rec.get("gen") not in by_gen:
                 raise InputError(f"record {n}: event of generation {rec.get('gen')!r} outside its generate op")
-            out[-1][1].append(rec)
+            by_gen[rec.get("gen")][1].append(rec)
         else:
             raise InputError(f"record {n}: unknown op {rec.get('op')!r}")
     return out
+
+
+def _ended(events: list[dict]) -> bool:
+    return bool(events) and events[-1].get("event") in oplog.END_EVENTS
 
 
 class _Interrupt(KeyboardInterrupt):
@@ -69,6 +79,7 @@ def replay(path, model) -> ReplayReport:
         try:
             slot_i, keep, prompt = int(op["slot"]), int(op["keep"]), list(op["prompt"])
             settings = GenerationSettings(**op["settings"])
+            chunk = None if op.get("prefill_chunk") is None else int(op["prefill_chunk"])
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"generation {gen}: malformed generate op ({type(e).__name__}: {e})") from None
         if slot_i not in slots:
@@ -90,7 +101,8 @@ def replay(path, model) -> ReplayReport:
                                   f"block(s)): " + (f"its {blocks} logged block(s) replayed, the rest skipped"
                                                     if blocks else "skipped"))
             if blocks:
-                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks, images=images)
+                got = _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=blocks, images=images,
+                           chunk=chunk)
                 got = got[:-1] if got and got[-1]["event"] == "cancelled" else got  # the stop is replay's own
                 report.events += len(logged)
                 report.problems += _diff(gen, logged, got)
@@ -103,11 +115,13 @@ def replay(path, model) -> ReplayReport:
                 report.problems.append(f"generation {gen}: interrupted after {end.get('blocks')!r} blocks, the log "
                                        f"holds {blocks}")
                 continue
+            prefilling = not interrupt and end.get("blocks") == 0 and isinstance(end.get("kept"), int) \
+                and end["kept"] < keep + len(prompt)  # the client left while its prompt was prefilling
             got = _run(model, slot, slot_i, keep, prompt, settings, gen,
                        stop_after=blocks if interrupt else end.get("blocks"), interrupt=interrupt,
-                       images=images)
+                       images=images, chunk=chunk, prefilled=end["kept"] if prefilling else None)
         else:
-            got = _run(model, slot, slot_i, keep, prompt, settings, gen, images=images)
+            got = _run(model, slot, slot_i, keep, prompt, settings, gen, images=images, chunk=chunk)
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)
@@ -115,9 +129,10 @@ def replay(path, model) -> ReplayReport:
 
 
 def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False,
-         images=None) -> list[dict]:
+         images=None, chunk=None, prefilled=None) -> list[dict]:
     """Generation `gen` run again -> its events as a log records them. stop_after: cancel (or with `interrupt`,
-    interrupt) it once that many blocks are committed. images: the op's images (vision/journal.py)."""
+    interrupt) it once that many blocks are committed. images: the op's images (vision/journal.py). chunk: the
+    prompt's prefill chunk size; prefilled: cancel it while it prefills, once its cache holds that many tokens."""
 
     def should_stop(blocks):
         if stop_after is None or blocks < stop_after:
@@ -129,7 +144,8 @@ def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, inte
     events: list = []
     try:
         run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i, should_stop=should_stop,
-                       on_event=events.append, images=images)
+                       on_event=events.append, images=images, prefill_chunk=chunk,
+                       stop_prefill=lambda: prefilled is not None and slot.cache.length >= prefilled)
     except _Interrupt:
         pass
     return [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]

@@ -2,8 +2,11 @@
 
 A Session renders the chat with the template, keeps its KV cache across turns (slots.py: only what the cache does
 not hold yet is prefilled) and splits each reply into thought, answer and tool calls (reply.py).
-`run_generation` / `run_turn` are shared by the Session, the server's worker and `diffgemma replay`: they pass on
-the events of `generate_stream` (events.py) and add their own, and journal each generation in the op-log.
+`generation_steps` / `run_turn_steps` are shared by the Session, the server's scheduler and `diffgemma replay`: each
+is one request as a coroutine of model asks (a denoise `Forward`, a prompt `Prefill` chunk) that passes on the events
+of generation.generate_steps (events.py), adds its own, and journals each generation in the op-log. `drive` runs one
+alone (run_generation, run_turn); the server's scheduler steps several together (docs/ARCHITECTURE.md,
+'Continuous batching').
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from . import oplog
 from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
-from .generation import generate_stream
+from .generation import Forward, _as_ids, generate_steps
 from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
 from .settings import settings_for_call
 from .slots import Slot, reuse_prefix, rewind
@@ -36,18 +39,67 @@ class Reply:
     tool_calls: list = field(default_factory=list)  # parsed <|tool_call> blocks (diffgemma.tool_calls.ToolCall)
 
 
-def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *, log=None, gen: int = 0,
-                   slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None,
-                   images: dict | None = None):
-    """The one way a conversation's reply is generated (Session, the server's worker, replay): `slot` already
-    rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. Every event (events.py) goes
-    to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent, CancelledEvent or ErrorEvent (the
-    cache is then emptied), which is also returned. `should_stop(blocks)` is asked after every step and block; True
-    cancels, rewinding the cache to the prompt. A KeyboardInterrupt (Ctrl-C) ends it with
-    CancelledEvent(interrupted=True), the cache emptied, and is raised again. With `log` (an oplog.OpLog) the op and
-    its events are journaled for `diffgemma replay`. A prompt with images is a prompt key (vision/prompt.py) and
-    `images` maps its keys to the images: the part up to the last image is prefilled here in one call, the text
-    after it by the loop."""
+@dataclass
+class Prefill:
+    """A generation's ask to prefill its next chunk of `tokens` prompt tokens, yielded by generation_steps when the
+    prompt is prefilled in chunks; the driver resumes it (send(None)) when its prefill budget allows, and the chunk
+    is prefilled then (the server's scheduler interleaves chunks with the running batch's denoise steps)."""
+
+    tokens: int
+
+
+def drive(steps):
+    """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward on the request's own denoiser,
+    each Prefill at once -> the coroutine's return value. An exception in a forward (Ctrl-C included) is thrown into
+    the coroutine, which journals it as it would one of its own."""
+    answer, thrown = None, None
+    try:
+        while True:
+            try:
+                ask = steps.send(answer) if thrown is None else steps.throw(thrown)
+            except StopIteration as stop:
+                return stop.value
+            answer, thrown = None, None
+            if isinstance(ask, Forward):
+                try:
+                    answer = ask.run()
+                except BaseException as e:  # noqa: B036 - handed to the coroutine, which passes it on
+                    thrown = e
+    finally:
+        steps.close()
+
+
+def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, **kw):
+    """The one way a conversation's reply is generated, run alone: generation_steps driven on the request's own
+    denoiser (drive). Same arguments and result as generation_steps."""
+    return drive(generation_steps(model, slot, keep, prompt, settings, **kw))
+
+
+def _chunks(ids, size: int | None):
+    if size is None or len(ids) <= size:
+        return [ids]
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, *, log=None, gen: int = 0,
+                     slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None,
+                     images: dict | None = None, prefill_chunk: int | None = None, stop_prefill=lambda: False,
+                     batched: bool = False):
+    """The one way a conversation's reply is generated (Session, the server's scheduler, replay), as a coroutine:
+    `slot` already rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. It yields
+    `Forward` asks (generation.Forward: answered with send(logits), or with send(None) to withdraw the request: it
+    is cancelled there, as by should_stop) and, with `prefill_chunk`, a `Prefill` ask before
+    each chunk of that many prompt tokens (answered with send(None)); it returns its last event. batched: a
+    scheduler may answer its forwards together with other requests' (generation.generate_steps(batched=)).
+    Every event (events.py) goes to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent,
+    CancelledEvent or ErrorEvent (the cache is then emptied). `should_stop(blocks)` is asked after every step and
+    block; True cancels, rewinding the cache to the prompt. `stop_prefill()` is asked before each prompt chunk after
+    the first; True cancels there, the cache keeping the chunks prefilled so far. A KeyboardInterrupt (Ctrl-C) ends
+    it with CancelledEvent(interrupted=True), the cache emptied, and is raised again. With `log` (an oplog.OpLog) the
+    op and its events are journaled for `diffgemma replay`. A prompt with images is a prompt key (vision/prompt.py)
+    and `images` maps its keys to the images: the part up to the last image is prefilled in one call, the text after
+    it as above. Prefilling in chunks is exact but not bitwise the same as in one call (other GEMM shapes), so the
+    op-log records the chunk size and replay uses it."""
 
     def emit(event):
         if log is not None and (record := oplog.event_record(gen, event)) is not None:
@@ -55,9 +107,11 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
         on_event(event)
         return event
 
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        raise InputError(f"prefill_chunk: expected a positive number of tokens, got {prefill_chunk!r}")
     with_images = any(t < 0 for t in prompt)
     if log is not None:
-        record = oplog.generate_record(gen, slot_index, keep, prompt, settings)
+        record = oplog.generate_record(gen, slot_index, keep, prompt, settings, prefill_chunk=prefill_chunk)
         if with_images:
             from .vision.journal import save_images
 
@@ -66,42 +120,69 @@ def run_generation(model, slot: Slot, keep: int, prompt: list[int], settings, *,
     full = slot.ids[:keep] + list(prompt)
     slot.ids = []  # unknown until the generation ends
     blocks = 0
-    stream = None
+    steps = None
     try:
-        tail, image_s = prompt, 0.0
+        tail, prefill_s = prompt, 0.0
         if with_images:
             t = time.perf_counter()
             tail = prefill_images(model, slot.cache, prompt, images or {})
-            image_s = time.perf_counter() - t
-        stream = generate_stream(model, tail, settings=settings, cache=slot.cache)
-        for event in stream:
+            prefill_s += time.perf_counter() - t
+        ids = _as_ids(tail, model.config.vocab_size, model.embedding.device)
+        for n, chunk in enumerate(_chunks(ids, prefill_chunk) if len(ids) else []):
+            if prefill_chunk is not None:
+                yield Prefill(len(chunk))
+                if n and stop_prefill():  # the client left while its prompt was prefilling
+                    kept = slot.cache.length
+                    slot.ids = full[:kept]
+                    return emit(CancelledEvent(blocks=0, kept=kept))
+            t = time.perf_counter()
+            model.prefill(slot.cache, chunk)
+            prefill_s += time.perf_counter() - t
+        steps = generate_steps(model, [], settings=settings, cache=slot.cache, batched=batched)
+        logits = None
+        while True:
+            event = steps.send(logits)
+            logits = None
+            if isinstance(event, Forward):
+                logits = yield event
+                if logits is None:  # withdrawn by its driver (its client left): it stops before this step
+                    steps.close()
+                    kept = rewind(slot.cache, len(full))
+                    slot.ids = full[:kept]
+                    return emit(CancelledEvent(blocks=blocks, kept=kept))
+                continue
             if isinstance(event, DoneEvent):
                 slot.ids = full + list(event.result.tokens)
-                if image_s:  # the images' prefill (tower included) is part of the prompt's
+                if prefill_s:  # the prompt's prefill (images' tower included) ran here, not in generate_steps
                     for k in ("prefill_s", "total_s"):
-                        event.result.timings[k] = event.result.timings.get(k, 0.0) + image_s
+                        event.result.timings[k] = event.result.timings.get(k, 0.0) + prefill_s
                 return emit(event)
             blocks += isinstance(event, BlockEvent)
             emit(event)
             if should_stop(blocks):
-                stream.close()
+                steps.close()
                 kept = rewind(slot.cache, len(full))
                 slot.ids = full[:kept]
                 return emit(CancelledEvent(blocks=blocks, kept=kept))
     except Exception as e:  # the cache may hold part of a prefill or a block: start it afresh
-        if stream is not None:
-            stream.close()
+        if steps is not None:
+            steps.close()
         rewind(slot.cache, 0)
         slot.ids = []
         return emit(ErrorEvent(e))
     except KeyboardInterrupt:  # Ctrl-C, anywhere in the loop: journaled as such (replay stops there too), passed on
-        if stream is not None:
-            stream.close()
+        if steps is not None:
+            steps.close()
         rewind(slot.cache, 0)  # it may have struck mid-write: start the cache afresh
         slot.ids = []
         emit(CancelledEvent(blocks=blocks, kept=0, interrupted=True))
         raise
-    raise AssertionError("generate_stream ended without a DoneEvent")  # pragma: no cover
+    except GeneratorExit:  # closed by its driver (a server shutting down): the cache state is unknown
+        if steps is not None:
+            steps.close()
+        rewind(slot.cache, 0)
+        slot.ids = []
+        raise
 
 
 def _combined(results: list, tokens: list[int], tokenizer) -> object:
@@ -126,17 +207,23 @@ def _combined(results: list, tokens: list[int], tokenizer) -> object:
         tool_retries=len(results) - 1)
 
 
-def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_retries: int = 0, log=None,
-             next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False, on_event=lambda event: None,
-             images: dict | None = None):
-    """A turn: StartEvent, then run_generation. With tool_retries > 0 a reply whose tool call does not parse is
-    regenerated from that call's opener (the text before it stays, so a stream never takes back what it sent), with
+def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, **kw):
+    """A turn run alone: run_turn_steps driven on the request's own denoiser (drive). Same arguments and result."""
+    return drive(run_turn_steps(model, slot, keep, prompt, settings, **kw))
+
+
+def run_turn_steps(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_retries: int = 0, log=None,
+                   next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False,
+                   on_event=lambda event: None, images: dict | None = None, prefill_chunk: int | None = None,
+                   stop_prefill=lambda: False, batched: bool = False):
+    """A turn, as a coroutine of Forward and Prefill asks (generation_steps): StartEvent, then generation_steps.
+    With tool_retries > 0 a reply whose tool call does not parse is regenerated from that call's opener (the text before it stays, so a stream never takes back what it sent), with
     the seed bumped by one each time, up to tool_retries times (the last attempt stands, parsed or not). Each
     regeneration is a generation of its own (its own op in the log, so `diffgemma replay` needs no notion of
     retries); between them a RetryEvent tells a consumer to drop what came after the tokens it keeps. The turn ends
     with one DoneEvent carrying the whole reply as one GenerationResult (tool_retries says how many regenerations it
-    took), or the CancelledEvent / ErrorEvent that stopped it; that last event is also returned. `images`: as
-    run_generation's."""
+    took), or the CancelledEvent / ErrorEvent that stopped it; that last event is also returned.
+    `images`, `prefill_chunk`, `stop_prefill`, `batched`: as generation_steps'."""
     tokenizer = getattr(model, "tokenizer", None)
     next_gen = next_gen or (lambda: 0)
     reply_start = keep + len(prompt)
@@ -149,8 +236,10 @@ def run_turn(model, slot: Slot, keep: int, prompt: list[int], settings, *, tool_
             on_event(event)
 
     while True:
-        end = run_generation(model, slot, keep, prompt, settings, log=log, gen=next_gen(), slot_index=slot_index,
-                             should_stop=should_stop, on_event=relay, images=images)
+        end = yield from generation_steps(model, slot, keep, prompt, settings, log=log, gen=next_gen(),
+                                          slot_index=slot_index, should_stop=should_stop, on_event=relay,
+                                          images=images, prefill_chunk=prefill_chunk, stop_prefill=stop_prefill,
+                                          batched=batched)
         if not isinstance(end, DoneEvent):  # cancelled or failed: already said
             return end
         results.append(end.result)

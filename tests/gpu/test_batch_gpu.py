@@ -51,13 +51,15 @@ def lanes(eng, n, gen):
     return out
 
 
-@pytest.mark.parametrize("paths", ["lane", "total"])
+@pytest.mark.parametrize("paths", ["lane", "wide", "total"])
 def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
     eng = make_engine(*shapes, batch_paths=paths)
     gen = torch.Generator().manual_seed(random.getrandbits(31))
     ls = lanes(eng, 4, gen)
     caches, canvases, sc = [x[0] for x in ls], [x[1] for x in ls], [x[2] for x in ls]
     solo = [eng.denoise_raw(c, x, sc_embeds=s).clone() for c, x, s in ls]
+    first = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
+    assert not eng._batch_graphs.graphs  # a batch seen once runs eagerly; the second round in a row captures
     graphed = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
     assert eng.graph_error is None and eng._batch_graphs.graphs
     again = eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)
@@ -67,6 +69,7 @@ def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
     for i in range(4):
         assert torch.equal(graphed[i], again[i]), f"lane {i}: a replay repeats its bits"
         assert torch.equal(graphed[i], eager[i]), f"lane {i}: graphed batch != eager batch"
+        assert torch.equal(first[i], eager[i]), f"lane {i}: the first (eager) round != eager batch"
         rel = ((graphed[i].float() - solo[i].float()).norm() / solo[i].float().norm()).item()
         assert rel < 2e-2, f"lane {i}: batched vs solo rel {rel:.3g}"
         identical += torch.equal(graphed[i], solo[i])

@@ -224,6 +224,8 @@ class BatchDenoiser(Denoiser):
         super().__init__(engine, caches)
         if len(self.caches) > engine.max_batch:
             raise InputError(f"denoiser: {len(self.caches)} caches exceed this engine's max_batch ({engine.max_batch})")
+        if len({id(c) for c in self.caches}) != len(self.caches):
+            raise InputError("denoiser: a cache appears twice; each lane needs its own cache")
         self.raw = engine.options.softcap_in_sampler
         self.cap = engine.logit_softcap if self.raw else None
 

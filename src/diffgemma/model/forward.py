@@ -68,7 +68,7 @@ class Forward:
         self.options = options or EngineOptions()
         self._side_stream = None  # the router chain's (CUDA)
         self._canvas_rows_cache: dict = {}
-        self._path_rows: int | None = None  # during a batched denoise with options.batch_paths "lane": a lane's rows
+        self._lane_rows: int | None = None  # during a batched denoise: one lane's rows (options.batch_paths)
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -255,11 +255,11 @@ class Forward:
         def attend(li, qkv, need_out):
             return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
 
-        self._path_rows = max(lens) if self.options.batch_paths == "lane" else None
+        self._lane_rows = max(lens)  # lanes of one length (batch.py groups them): each lane's own
         try:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         finally:
-            self._path_rows = None
+            self._lane_rows = None
         return h @ self.w.embed.T
 
     def sc_logits_embeds(self, sc_logits: torch.Tensor) -> torch.Tensor:
@@ -367,23 +367,21 @@ class Forward:
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
         a = o @ lw.o.T
-        # the rows the kernel paths are chosen by: the tensor's, or in a batched denoise one lane's (batch_paths)
-        rows = self._path_rows or len(h)
-        path_routes = None if self._path_rows is None else rows * cfg.top_k_experts
+        rows, path_routes = self._path_rows(lw, len(h))
         # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
-        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, rows * cfg.top_k_experts, h)
+        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, path_routes or len(h) * cfg.top_k_experts, h)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
                                                      lw.router_in_scale, eps, moe_f16=moe_f16)
         side = self._router_stream() if rows <= OVERLAP_ROWS else None
         if side is None:
-            dense = self._dense_mlp(lw, dense_in)
+            dense = self._dense_mlp(lw, dense_in, rows)
             weights, src, inv, offs, order = self._route(lw, router_in)
         else:  # fork: the router chain beside the dense MLP; join before the expert GEMMs read the plan
             main = torch.cuda.current_stream(self.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 weights, src, inv, offs, order = self._route(lw, router_in)
-            dense = self._dense_mlp(lw, dense_in)
+            dense = self._dense_mlp(lw, dense_in, rows)
             main.wait_stream(side)
         return self._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes)
 
@@ -395,8 +393,22 @@ class Forward:
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
                                 scalar, self.config.rms_norm_eps, w_next)
 
-    def _dense_mlp(self, lw, dense_in):
-        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and (self._path_rows or len(dense_in)) <= OVERLAP_ROWS else None
+    def _path_rows(self, lw, n: int) -> tuple[int, int | None]:
+        """-> (the rows the side stream and the dense MLP's carve-out are decided by, the route count the expert
+        GEMMs' path is chosen by or None: their own). Outside a batched denoise, and with batch_paths "total": n and
+        None. "lane": one lane's, as that request alone (docs/ARCHITECTURE.md, 'Batching'). "wide": n, except that a
+        packed expert stack keeps its kernel where n's routes would dequantize it (other bits, and slower there)."""
+        lane, mode, k = self._lane_rows, self.options.batch_paths, self.config.top_k_experts
+        if lane is None or mode == "total":
+            return n, None
+        if mode == "lane":
+            return lane, lane * k
+        dequant = isinstance(lw.experts_gu, PackedWeight) and moe_paths.dequantizes_for(n * k / self.config.num_experts)
+        return n, lane * k if dequant else n * k
+
+    def _dense_mlp(self, lw, dense_in, rows: int | None = None):
+        rows = len(dense_in) if rows is None else rows
+        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and rows <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
             return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 
+BATCH_PATHS = ("lane", "wide", "total")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # Denoise through CUDA graphs (None: on CUDA). A capture that fails turns them off for the engine, with a warning.
@@ -46,13 +49,14 @@ class EngineOptions:
     prefill_pads: tuple[int, ...] = (512, 1024)
     # Canvases one batched denoise forward takes at most (Engine.max_batch; the batch scheduler's cap).
     max_batch: int = 8
-    # What a batched denoise chooses its kernel paths by (expert GEMM path and row tile, the router's side stream and
-    # the dense MLP's SM carve-out): "lane" = one lane's rows, as that request alone would (batch invariance as far as
-    # the paths go); "total" = all rows (the paths tuned for that size; a lane's bits may then depend on the batch).
+    # What a batched denoise chooses its kernel paths by (the expert GEMM path, the router's side stream and the dense
+    # MLP's SM carve-out): "lane" = one lane's rows, as that request alone would (batch invariance as far as the paths
+    # go); "total" = all rows (the paths tuned for that size: a packed stack then dequantizes, other bits); "wide" =
+    # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows).
     batch_paths: str = "lane"
 
     def __post_init__(self):
-        if self.batch_paths not in ("lane", "total"):
-            raise ValueError(f"batch_paths: expected 'lane' or 'total', got {self.batch_paths!r}")
+        if self.batch_paths not in BATCH_PATHS:
+            raise ValueError(f"batch_paths: expected one of {', '.join(BATCH_PATHS)}, got {self.batch_paths!r}")
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
             raise ValueError(f"max_batch: expected a positive integer, got {self.max_batch!r}")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .gelu_mul import gelu_mul
 from .grouped import gelu_after, grouped_mm_torch, route_count, routed
 from . import moe_packed, moe_q4, moe_stream
-from .moe_paths import STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
+from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
 from .q4_tiles import LAYOUT
 from .route import route  # noqa: F401  (routing's torch twin, long imported from here)
 
@@ -97,7 +97,7 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
     and a path other than the q4-tiles kernel first turns x back into it (exact: it is a copy of bf16 values).
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
     epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
-    count the path (and the q4 kernel's row tile) is chosen by; default x's own."""
+    count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: q4_row_tile)."""
     routes = route_count(x, src) if path_routes is None else path_routes
     path = expert_gemm_path(w, routes, x)
     if out_dtype is not None and x.dtype != out_dtype and path != "q4-tiles":
@@ -114,11 +114,20 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
         return gelu_after(grouped_mm_torch(routed(x, src), dequantize_stack(w, x.dtype), offs), glu, glu_f16)
     if path == "q4-tiles":  # the epilogue makes gelu·up where the stack was laid for it
         fused = glu and w.glu
-        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=32 if routes <= STREAM_MAX_ROWS * w.shape[0] else 64,
+        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=q4_row_tile(route_count(x, src), w.shape[0]),
                                          order=order, out_dtype=out_dtype, glu=fused, glu_f16=fused and glu_f16)
         return out if fused else gelu_after(out, glu, glu_f16)
     return moe_packed.grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu,
                                                glu_f16=glu_f16)
+
+
+def q4_row_tile(routes: int, experts: int) -> int:
+    """The q4 kernel's rows a pass (BM) for `routes` rows over `experts`: 32 at denoise (~16 an expert), 64 up to
+    PREFILL_ROWS an expert, 128 above (a batched denoise over several canvases: fewer passes over the decoded
+    weights). By the actual rows, not the path's: the tile changes no bit of a row (measured on the H200 at full
+    size, bench/probes/probe_batch_paths.py), only the passes."""
+    per_expert = routes / experts
+    return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 
 
 def dequantize_stack(w, dtype=torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 /v1/models, /health.
 
 Handlers only translate: the request is checked and rendered here (protocol.py, the chat template), the
-worker thread runs the generation, and its events (events.py) become a response or server-sent events. A
-streaming client that disconnects cancels its generation between denoise steps (the next write fails). A
+worker thread runs the generation (in its continuous batch), and its events (events.py) become a response or
+server-sent events. A full queue is a 503 with Retry-After. A streaming client that disconnects cancels its
+generation at its next denoise step (the next write fails). A
 non-streaming handler polls `request.is_disconnected()`; where the ASGI server does not report a client that left
 once the body is in, the reply runs to its end and the slot's KV is kept for the conversation.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import queue
 import time
 
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
 from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message, reply_token_count
+from .worker import QueueFull
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
@@ -104,10 +105,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         retries = tool_validate if req.tools is not None else 0
 
         def submit(settings):
-            try:
-                return worker.submit(ids, settings, retries, **({"images": pictures} if pictures else {}))
-            except DiffgemmaError as e:
-                raise RequestError(400, str(e), "messages") from None
+            return _submit(worker, "messages", ids, settings, retries, **({"images": pictures} if pictures else {}))
 
         tools_on = req.tools is not None and req.tool_choice != "none"
         stops = req.settings.stop_strings
@@ -175,10 +173,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     async def completions(request: Request):
         req = parse_completion_request(await _json(request), model_id, base_settings, policy)
         ids = prompt_ids(tokenizer, req.prompt)
-        try:
-            job = worker.submit(ids, req.settings)
-        except DiffgemmaError as e:
-            raise RequestError(400, str(e), "prompt") from None
+        job = _submit(worker, "prompt", ids, req.settings)
         stops = req.settings.stop_strings
         extra = {"seed": req.settings.seed}
         if req.stream:
@@ -198,6 +193,17 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                     diffgemma=extra)
 
     return app
+
+
+def _submit(worker, param: str, *args, **kw):
+    """worker.submit, its refusals as HTTP errors: a request that cannot fit is a 400 naming `param`; a full queue a
+    503 with Retry-After."""
+    try:
+        return worker.submit(*args, **kw)
+    except QueueFull as e:
+        raise RequestError(503, str(e), None, "server_busy", headers={"Retry-After": str(e.retry_after)}) from None
+    except DiffgemmaError as e:
+        raise RequestError(400, str(e), param) from None
 
 
 async def _json(request):
@@ -255,7 +261,7 @@ async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, fi
         if first is not None:
             yield sse(make(first))
         while True:
-            event = await asyncio.to_thread(job.get)
+            event = await job.aget()
             if isinstance(event, StartEvent):
                 cached = event.cached_tokens
             elif isinstance(event, BlockEvent):
@@ -298,7 +304,7 @@ async def _next(job, request):
     """The job's next event; cancels the job if the client goes away while it waits."""
     while True:
         try:
-            return await asyncio.to_thread(job.get, POLL_S)
-        except queue.Empty:
+            return await asyncio.wait_for(job.aget(), POLL_S)
+        except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancel()

@@ -17,7 +17,18 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000; 0: any free port)")
     s.add_argument("--served-name", default=None, help="the model id clients name (default: the model directory's name)")
-    s.add_argument("--slots", type=int, default=2, help="conversations whose KV cache is kept for reuse (default 2)")
+    s.add_argument("--slots", type=int, default=None,
+                   help="conversations whose KV cache is kept for reuse; at most this many requests run at once "
+                        "(default: --max-batch, at least 2)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="requests denoised together in one forward (continuous batching; default: what the model's "
+                        "forward takes, 8 where it takes any number; 1: one request at a time)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a place in the batch; more are refused with 503 and Retry-After "
+                        "(default 64)")
+    s.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="prompt tokens prefilled per scheduler round, between the running requests' denoise steps "
+                        "(default 2048)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="context of each slot: prompt + reply tokens (default 8192, or the model's "
                         "max_position_embeddings if smaller; more than that is refused)")
@@ -59,8 +70,10 @@ def served_name(model) -> str:
 
 
 def _run_serve(args) -> int:
-    if args.slots < 1:
-        raise InputError(f"--slots {args.slots}: expected a positive number")
+    for flag in ("slots", "max_batch", "max_queue", "prefill_chunk_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InputError(f"--{flag.replace('_', '-')} {value}: expected a positive number")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: expected a positive number")
     if args.api_key is not None and not args.api_key.strip():
@@ -89,6 +102,13 @@ def _run_serve(args) -> int:
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")
     settings = options.generation_settings(model, args)
+    from .worker import default_max_batch
+
+    cap = getattr(model, "max_batch", 1)
+    if args.max_batch is not None and cap is not None and args.max_batch > cap:
+        raise InputError(f"--max-batch {args.max_batch}: this model's forward takes at most {cap} canvas(es)")
+    max_batch = args.max_batch or default_max_batch(model)
+    slots = args.slots or max(2, max_batch)
     max_tokens = options.context_tokens(model, args.max_tokens)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFGEMMA_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -99,8 +119,9 @@ def _run_serve(args) -> int:
     seed_fixed = any(item.split("=", 1)[0].strip().replace("-", "_").lower() == "seed" for item in args.sets) \
         or "DIFFGEMMA_SEED" in os.environ
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
-                 slots=args.slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
-                 warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed, image_limits=image_limits)
+                 slots=slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
+                 warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed, image_limits=image_limits,
+                 max_batch=max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk_tokens)
 
 
 def listen(host: str, port: int):
@@ -124,7 +145,8 @@ def listen(host: str, port: int):
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
-          fresh_seed: bool = False, image_limits=None) -> int:
+          fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = 64,
+          prefill_chunk: int = 2048) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -136,7 +158,8 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
     sock = listen(host, port)
     port = sock.getsockname()[1]
     log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
-    worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log)
+    worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log, max_batch=max_batch, max_queue=max_queue,
+                    prefill_chunk=prefill_chunk)
     try:
         if warmup:
             print(f"diffgemma serve: warming up {slots} slot(s) at every context bucket up to {max_tokens} tokens",
@@ -145,7 +168,8 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
             print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
         app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key,
                          limits=limits, fresh_seed=fresh_seed, image_limits=image_limits)
-        print(f"diffgemma serve: {name} on http://{host}:{port}/v1" + ("; API key required" if api_key else "")
+        print(f"diffgemma serve: {name} on http://{host}:{port}/v1; batch {worker.max_batch}, {slots} slot(s)"
+              + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         try:

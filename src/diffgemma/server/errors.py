@@ -18,9 +18,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 class RequestError(Exception):
     """A request the server refuses: the HTTP status and a message naming the field and what was expected."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # extra response headers (a 503's Retry-After)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)

@@ -26,7 +26,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def refused(_, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

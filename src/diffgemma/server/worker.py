@@ -1,56 +1,58 @@
 """The one thread that owns the model and its KV caches; HTTP handlers hand it jobs and read their events.
 
+The thread runs the continuous-batching scheduler (scheduler.py): requests join the running batch at its next round
+and leave the moment their turn ends, up to `max_batch` at a time; the rest wait in a bounded queue (`max_queue`;
+a request over it is refused at once with QueueFull, which the HTTP layer sends as a 503 with Retry-After).
+
 KV reuse across requests: the worker keeps a few conversation slots, each a KV cache and the token ids it
 holds. An OpenAI client sends the whole conversation every turn; its rendering shares a long prefix with
-what some slot already holds, so the worker picks that slot (`pick`), rewinds its cache to the common prefix
-and prefills only the rest. A client that leaves mid-reply cancels its job between denoise steps; the cache is rewound to the
-prompt, so the slot still serves the conversation.
+what some slot already holds, so the worker picks that slot (`pick`, among the slots no running request holds),
+rewinds its cache to the common prefix and prefills only the rest, a chunk per round. A client that leaves
+mid-reply cancels its job at its next denoise step; the cache is rewound to the prompt, so the slot still serves
+the conversation.
 
-Every generation goes through session.run_generation (via run_turn, which may regenerate a malformed tool
-call), which `replay` calls too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
-settings). A job's events are those of run_turn (events.py), put on the job's queue as they come.
+Every generation goes through session.generation_steps (via run_turn_steps, which may regenerate a malformed tool
+call), which `replay` runs too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
+settings, prefill chunk). A job's events are those of run_turn (events.py), put on the job's queue as they come.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 
 from ..config import cache_tokens
-from ..errors import InputError
-from ..events import CancelledEvent, ErrorEvent, StepEvent
-from ..session import run_turn
-from ..slots import Slot, reuse_prefix, usable_prefix
+from ..errors import DiffgemmaError, InputError
+from ..slots import Slot, usable_prefix
+from .scheduler import Job, Scheduler
+
+__all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
+
+PREFILL_CHUNK = 2048  # prompt tokens prefilled a round while other requests denoise
+MAX_QUEUE = 64
 
 
-class Job:
-    """One request's generation. Its events (events.py), read with `get()`, are run_turn's less the steps: a
-    StartEvent, BlockEvents, a RetryEvent when a malformed tool call is regenerated (the blocks after it replace what
-    followed the tokens it keeps), then one of DoneEvent, CancelledEvent, ErrorEvent. A job cancelled before it
-    started, or failing outside the generation, gets only the CancelledEvent or ErrorEvent."""
+class QueueFull(DiffgemmaError):
+    """The server's queue is full: the request is refused now; `retry_after` seconds is a fair wait."""
 
-    def __init__(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None):
-        self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
-        self.images = images  # a prompt key's images (vision/prompt.py), or None
-        self.events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
-    def cancel(self) -> None:
-        self._cancel.set()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
+def default_max_batch(model) -> int:
+    """How many requests step together unless told: what the model's forward takes (its `max_batch`; a model
+    without one takes a single canvas), or 8 where it takes any number."""
+    cap = getattr(model, "max_batch", 1)
+    return 8 if cap is None else cap
 
-    def get(self, timeout: float | None = None):
-        """The next event; queue.Empty after `timeout` seconds without one."""
-        return self.events.get(timeout=timeout)
 
-    def put(self, event) -> None:
-        """Hand an event to the job's reader; denoise steps stay on the worker (nobody downstream shows them)."""
-        if not isinstance(event, StepEvent):
-            self.events.put(event)
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{name}: expected a positive integer, got {value!r}")
+    return value
 
 
 class _Call:
@@ -73,22 +75,37 @@ class _Call:
 
 
 class Worker:
-    def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None):
-        if not isinstance(slots, int) or slots < 1:
-            raise InputError(f"slots: expected a positive integer, got {slots!r}")
+    def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None, max_batch: int | None = None,
+                 max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK, trace: list | None = None):
+        """slots: KV caches kept for reuse (at most this many requests run at once). max_batch: requests stepped
+        together (default: default_max_batch; at most what the model's forward takes). max_queue: requests waiting
+        beyond those that can start now; more are refused (QueueFull). prefill_chunk: prompt tokens prefilled a
+        round. trace: see scheduler.Scheduler."""
+        _positive("slots", slots)
+        cap = getattr(model, "max_batch", 1)
+        max_batch = default_max_batch(model) if max_batch is None else _positive("max_batch", max_batch)
+        if cap is not None and max_batch > cap:
+            raise InputError(f"max_batch {max_batch}: this model's forward takes at most {cap} canvas(es)")
+        self.max_queue = _positive("max_queue", max_queue)
+        _positive("prefill_chunk", prefill_chunk)
         max_tokens = cache_tokens(model.config, max_tokens)  # the one rule for a cache's size
         self.model, self.max_tokens, self.log = model, max_tokens, log
         self.slots: list[Slot | None] = [None] * slots  # each cache is made on first use
+        self.max_batch = max_batch
         self._gens = itertools.count()
         self._clock = itertools.count(1)
-        self._queue: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._waiting = 0  # jobs submitted, not yet started or dropped
+        self._turn_s = 1.0  # a running average of a turn's seconds (for Retry-After)
+        self.scheduler = Scheduler(self, max_batch=max_batch, prefill_chunk=prefill_chunk, trace=trace)
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
     def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None) -> Job:
-        """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit. tool_retries:
-        regenerate a malformed tool call up to this many times (session.run_turn). images: with a prompt key
-        (vision/prompt.py), its images."""
+        """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit (InputError) or
+        the queue is full (QueueFull). tool_retries: regenerate a malformed tool call up to this many times
+        (session.run_turn). images: with a prompt key (vision/prompt.py), its images."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
@@ -97,11 +114,41 @@ class Worker:
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
         job = Job(list(ids), settings, tool_retries, images)
-        self._queue.put(job)
+        with self._lock:
+            free = max(0, min(self.max_batch, len(self.slots)) - len(self.scheduler.running))
+            if self._waiting >= self.max_queue + free:
+                wait = max(1, min(60, math.ceil(self._turn_s * (self._waiting + 1) / self.max_batch)))
+                raise QueueFull(f"the server is busy: {self._waiting} requests are queued (--max-queue "
+                                f"{self.max_queue}); retry in {wait} s", wait)
+            self._waiting += 1
+        self._inbox.put(job)
         return job
 
+    def left_queue(self, job: Job) -> None:
+        """The scheduler took `job` off the queue (started, or dropped as cancelled)."""
+        with self._lock:
+            self._waiting -= 1
+
+    def finished(self, slot: int, seconds: float) -> None:
+        """A turn on `slot` ended after `seconds`."""
+        self.slots[slot].last_used = self.tick()
+        self._turn_s = 0.8 * self._turn_s + 0.2 * seconds
+
+    def slot(self, i: int) -> Slot:
+        """Slot i, its cache made on first use."""
+        if self.slots[i] is None:
+            self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
+        return self.slots[i]
+
+    def tick(self) -> int:
+        return next(self._clock)
+
+    def next_gen(self) -> int:
+        return next(self._gens)
+
     def close(self) -> None:
-        self._queue.put(None)
+        """Serve what was submitted before, then stop the thread."""
+        self._inbox.put(None)
         self._thread.join()
 
     def warm_up(self, settings, progress=None) -> float:
@@ -115,57 +162,52 @@ class Worker:
         def run():
             t = 0.0
             for i in range(len(self.slots)):
-                if self.slots[i] is None:
-                    self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
-                if not self.slots[i].ids:  # a slot holding a conversation keeps it
-                    t += warm_up(self.model, self.slots[i].cache, settings, should_stop=stop.is_set,
+                slot = self.slot(i)
+                if not slot.ids:  # a slot holding a conversation keeps it
+                    t += warm_up(self.model, slot.cache, settings, should_stop=stop.is_set,
                                  progress=None if progress is None else (lambda m, i=i: progress(f"slot {i}: {m}")))
             return t
 
         call = _Call(run)
-        self._queue.put(call)
+        self._inbox.put(call)
         try:
             return call.result()
         except BaseException:  # e.g. Ctrl-C while waiting: the worker thread stops warming at the next bucket
             stop.set()
             raise
 
-    def pick(self, ids: list[int]) -> tuple[int, int]:
-        """-> (slot index, common prefix length). The slot sharing the longest prefix, if that is at least half of
-        what it holds (the request continues its conversation, or rewinds a little of it); otherwise an unused
-        slot, so a new conversation does not evict one that merely shares a system prompt; otherwise the least
-        recently used slot. A prefix counts only where the slot's cache can rewind to it (slots.usable_prefix)."""
-        shared = {i: usable_prefix(s, ids) for i, s in enumerate(self.slots) if s is not None and s.ids}
+    def pick(self, ids: list[int], busy=()) -> tuple[int, int] | None:
+        """-> (slot index, common prefix length) among the slots not in `busy` (those running requests hold), or
+        None when every slot is busy. The slot sharing the longest prefix, if that is at least half of what it holds
+        (the request continues its conversation, or rewinds a little of it); otherwise an unused slot, so a new
+        conversation does not evict one that merely shares a system prompt; otherwise the least recently used slot.
+        A prefix counts only where the slot's cache can rewind to it (slots.usable_prefix)."""
+        free = [i for i in range(len(self.slots)) if i not in busy]
+        shared = {i: usable_prefix(self.slots[i], ids) for i in free if self.slots[i] is not None and self.slots[i].ids}
         if shared:
             i = max(shared, key=lambda j: (shared[j], self.slots[j].last_used))
             if 2 * shared[i] >= len(self.slots[i].ids):
                 return i, shared[i]
-        unused = [i for i, s in enumerate(self.slots) if s is None or not s.ids]
+        unused = [i for i in free if self.slots[i] is None or not self.slots[i].ids]
         if unused:
             return unused[0], 0
+        if not shared:
+            return None
         i = min(shared, key=lambda j: self.slots[j].last_used)
         return i, shared[i]
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if isinstance(job, _Call):
-                job.run()
-                continue
-            if job.cancelled:  # the client left while the job waited
-                job.put(CancelledEvent())
-                continue
+        closing = False
+        sched = self.scheduler
+        while not (closing and sched.idle):
             try:
-                self._run(job)
-            except Exception as e:  # a bug here must not kill the thread every request waits on
-                job.put(ErrorEvent(e))
-
-    def _run(self, job: Job) -> None:
-        i, _ = self.pick(job.ids)
-        if self.slots[i] is None:
-            self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
-        slot = self.slots[i]
-        slot.last_used = next(self._clock)
-        keep = reuse_prefix(slot.cache, slot.ids, job.ids)
-        run_turn(self.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries, log=self.log,
-                 next_gen=lambda: next(self._gens), slot_index=i, should_stop=lambda blocks: job.cancelled,
-                 on_event=job.put, images=job.images)
+                item = self._inbox.get(block=sched.idle)  # wait only when there is nothing to step
+                while True:
+                    if item is None:
+                        closing = True
+                    else:
+                        sched.pending.append(item)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            sched.round()

@@ -1,0 +1,268 @@
+"""Benchmark: the OpenAI server under concurrent streaming clients, with and without continuous batching.
+
+    PYTHONPATH=src:. python -m bench.bench_serve [--kind q4|bf16] [--clients 8] [--json out.json]
+    PYTHONPATH=src:. python -m bench.bench_serve --tiny      # the demo model on the CPU: a dry run (< 1 min)
+
+The real HTTP server (server/app.py served by uvicorn in-process on a free port) over a model built from random
+full-size weights (bench.fixtures: q4 experts + q8 SC MLP, or bf16; balanced expert routing), or with --tiny the
+embedded demo model (the reference forward, which takes any batch). Every request does the same work: fixed
+denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a reply is exactly --reply tokens.
+
+  throughput  --clients streaming clients (httpx, one thread each), each a distinct --prompt-token prompt through
+              /v1/completions, --reply tokens back; once with --max-batch 1 (one request at a time) and once with
+              --batch, in this process: aggregate completion tokens/s (first request sent to last [DONE]) and the
+              ratio. A warm-up pass (one block each) runs before each measured one unless --tiny.
+  prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
+              the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
+              the long prompt arrives and while it prefills (--chunk tokens a round): their p50 / p99 and the p99
+              ratio.
+JSON (--json) holds every number; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
+
+TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, batch=8)
+FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=2048, batch=8)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Served:
+    """A Worker + the app, served by uvicorn on a free local port in a thread of this process."""
+
+    def __init__(self, model, tokenizer, settings, **worker_kw):
+        import uvicorn
+
+        from diffgemma.server.app import create_app
+        from diffgemma.server.worker import Worker
+
+        self.trace: list = []
+        self.worker = Worker(model, trace=self.trace, **worker_kw)
+        app = create_app(self.worker, tokenizer, "bench", settings)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1/completions"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
+        self.worker.close()
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict) -> None:
+    """One streaming completion; out gets its completion token count and the seconds it took."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t = time.perf_counter()
+    with httpx.Client(timeout=None) as client, client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunk.get("usage"):
+                    out["tokens"] = chunk["usage"]["completion_tokens"]
+    out["s"] = time.perf_counter() - t
+
+
+def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """All prompts at once, one client thread each -> (wall seconds, completion tokens)."""
+    outs = [{} for _ in prompts]
+    threads = [threading.Thread(target=stream, args=(url, p, max_tokens, i, o))
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    missing = [i for i, o in enumerate(outs) if "tokens" not in o]
+    if missing:
+        raise RuntimeError(f"clients {missing} got no usage chunk")
+    return wall, sum(o["tokens"] for o in outs)  # usage leaves padding out: the demo model pads a random prompt's reply
+
+
+def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
+    ctx = a.prompt + a.reply + 2 * model.config.canvas_length
+    s = Served(model, tokenizer, settings, slots=a.clients, max_tokens=ctx, max_batch=max_batch,
+               prefill_chunk=a.chunk, max_queue=a.clients)
+    try:
+        if not a.tiny:  # graphs, kernels, caches: made before the clock starts
+            run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length)
+        s.trace.clear()
+        wall, usage_tokens = run_clients(s.url, prompts, a.reply)
+        batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
+    finally:
+        s.close()
+    C = model.config.canvas_length
+    work = len(prompts) * -(-a.reply // C) * a.steps
+    if sum(batches) != work:  # fixed steps: every reply is exactly --reply tokens, at --steps a block
+        raise RuntimeError(f"the server ran {sum(batches)} canvas steps; fixed steps make it {work}")
+    tokens = len(prompts) * a.reply
+    out = {"max_batch": max_batch, "wall_s": round(wall, 3), "completion_tokens": tokens,
+           "usage_completion_tokens": usage_tokens, "tok_s": round(tokens / wall, 1), "forwards": len(batches),
+           "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0}
+    log(f"  max_batch {max_batch}: {out}")
+    return out
+
+
+def step_times(trace, job: int, lo: float, hi: float) -> list[float]:
+    """Seconds between the job's consecutive forwards, for the intervals inside [lo, hi]."""
+    ts = [e[0] for e in trace if e[1] == "forward" and job in e[2]]
+    return [b - a for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2) if xs else float("nan")
+
+
+def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> dict:
+    C = model.config.canvas_length
+    long_prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(a.long)]
+    warm_steps = 2 * a.steps + 2  # two blocks of the running stream before the long prompt comes
+    chunks = -(-a.long // a.chunk)
+    reply = C * (3 + -(-chunks // a.steps))  # enough blocks to outlast the long prompt's prefill
+    ctx = max(a.prompt + reply, a.long + C) + 2 * C
+    s = Served(model, tokenizer, settings, slots=2, max_tokens=ctx, max_batch=max_batch, prefill_chunk=a.chunk)
+    try:
+        prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)]
+        if not a.tiny:
+            run_clients(s.url, [prompt[::-1], long_prompt[::-1]], C)
+        s.trace.clear()
+        out_a, out_b = {}, {}
+        ta = threading.Thread(target=stream, args=(s.url, prompt, reply, 1, out_a))
+        ta.start()
+        while sum(e[1] == "forward" for e in s.trace) < warm_steps:
+            time.sleep(0.001)
+        t_long = time.perf_counter()
+        tb = threading.Thread(target=stream, args=(s.url, long_prompt, C, 2, out_b))
+        tb.start()
+        tb.join()
+        ta.join()
+        trace = list(s.trace)
+    finally:
+        s.close()
+    ids = sorted({j for e in trace if e[1] == "forward" for j in e[2]})
+    job_a, job_b = ids[0], ids[-1]
+    fills = [e[0] for e in trace if e[1] == "prefill" and e[2] == job_b]
+    b_first_forward = next(e[0] for e in trace if e[1] == "forward" and job_b in e[2])
+    before = step_times(trace, job_a, 0.0, t_long)[2:]  # past the first steps (the prompt's own prefill)
+    during = step_times(trace, job_a, fills[0], b_first_forward)
+    out = {"long_prompt": a.long, "chunk": a.chunk, "chunks": len(fills), "steps_before": len(before),
+           "steps_during": len(during), "p50_ms_without": pct(before, 0.5), "p99_ms_without": pct(before, 0.99),
+           "p50_ms_during": pct(during, 0.5), "p99_ms_during": pct(during, 0.99),
+           "prefill_s": round(b_first_forward - fills[0], 3)}
+    out["p99_ratio"] = round(out["p99_ms_during"] / out["p99_ms_without"], 2) if before and during else None
+    log(f"  prefill: {out}")
+    return out
+
+
+def build(a):
+    from diffgemma.loader import embedded_model_path
+    from diffgemma.tokenizer import load_tokenizer
+
+    if a.tiny:
+        import diffgemma
+
+        model = diffgemma.load()
+        return model, model.tokenizer
+    from bench.bench_e2e import build as build_engine_kind
+    from bench.bench_engine import CANVAS, TEXT
+    from diffgemma.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
+    model = build_engine_kind(a.kind, cfg, torch.device("cuda"), False)
+    return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", default="q4", choices=["q4", "bf16"])
+    ap.add_argument("--tiny", action="store_true", help="the demo model on the CPU (a dry run of the script)")
+    for name, help_ in (("clients", "concurrent streaming clients"), ("prompt", "prompt tokens per client"),
+                        ("reply", "reply tokens per client"), ("steps", "denoise steps per block"),
+                        ("long", "the long prompt's tokens (prefill section)"),
+                        ("chunk", "--prefill-chunk-tokens of the server"), ("batch", "--max-batch of the batched run")):
+        ap.add_argument(f"--{name}", type=int, default=None, help=f"{help_} (default {FULL[name]}; --tiny {TINY[name]})")
+    ap.add_argument("--sections", default="throughput,prefill")
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    for k, v in (TINY if a.tiny else FULL).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    t = time.time()
+    model, tokenizer = build(a)
+    cap = getattr(model, "max_batch", 1)
+    if cap is not None and a.batch > cap:
+        log(f"note: this model's forward takes at most {cap} canvas(es); --batch {a.batch} -> {cap}")
+        a.batch = cap
+    log(f"model built in {time.time() - t:.1f}s ({type(model).__name__}, max_batch {cap})")
+    C = model.config.canvas_length
+    settings = fixed_steps(C, -(-a.reply // C)).replace(max_denoising_steps=a.steps, max_new_tokens=a.reply)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)] for _ in range(a.clients)]
+    res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
+                 "model": "demo" if a.tiny else a.kind, "routing": a.routing, "clients": a.clients,
+                 "prompt": a.prompt, "reply": a.reply, "steps": a.steps, "canvas": C}
+
+    def dump():
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+
+    from contextlib import nullcontext
+
+    from bench.balanced_routing import routing
+
+    with nullcontext() if a.tiny else routing(a.routing):
+        if "throughput" in a.sections:
+            res["serial"] = throughput(model, tokenizer, settings, a, prompts, 1)
+            dump()
+            res["batched"] = throughput(model, tokenizer, settings, a, prompts, a.batch)
+            res["ratio"] = round(res["batched"]["tok_s"] / res["serial"]["tok_s"], 2)
+            dump()
+        if "prefill" in a.sections:
+            res["prefill"] = prefill_interference(model, tokenizer, settings, a, rng, a.batch)
+            dump()
+
+    log("\n| run | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|")
+    for run in ("serial", "batched"):
+        r = res.get(run)
+        if r:
+            log(f"| {run} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | {r['mean_batch']} |")
+    if "ratio" in res:
+        log(f"aggregate tokens/s, batched / serial: {res['ratio']}x")
+    p = res.get("prefill")
+    if p:
+        log(f"running stream's step ms while a {p['long_prompt']}-token prompt prefills ({p['chunks']} chunks of "
+            f"{p['chunk']}): p50 {p['p50_ms_during']} / p99 {p['p99_ms_during']}; without it: p50 "
+            f"{p['p50_ms_without']} / p99 {p['p99_ms_without']}; p99 ratio {p['p99_ratio']}")
+
+
+if __name__ == "__main__":
+    main()

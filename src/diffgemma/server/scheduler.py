@@ -1,0 +1,227 @@
+"""The server's continuous-batching scheduler: the requests that run together, one round at a time, on the thread
+that owns the model (worker.py). docs/ARCHITECTURE.md, 'Continuous batching'.
+
+Each running request is session.run_turn_steps on its own KV slot: a coroutine that asks for prompt chunks to be
+prefilled (`Prefill`) and for denoise forwards (`Forward`), and runs everything else of its turn itself (sampler,
+stop rules, commits, tool-call regeneration, the op-log). A round:
+
+    admit   queued requests join, in arrival order, while fewer than max_batch run and a slot is free (a slot
+            serves one request at a time: the one sharing the longest prefix, worker.pick)
+    prefill the requests waiting to prefill take prompt chunks, in join order, up to prefill_chunk tokens a round
+            (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping
+    denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
+            and runs on to its next ask; a request whose turn is over leaves at once, freeing its slot
+
+A request cancelled by its client stops before its next step (its forward withdrawn) or prompt chunk; the others
+are not touched. The
+forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma replay` runs the logged
+generations one after another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+
+from ..batch import _forward as batched_forward
+from ..events import CancelledEvent, ErrorEvent, StepEvent
+from ..generation import Forward
+from ..session import Prefill, run_turn_steps
+from ..slots import rewind, reuse_prefix
+
+_job_ids = itertools.count(1)
+
+
+class Job:
+    """One request's generation. Its events (events.py), read with `get()` (or `await aget()` on an event loop), are
+    run_turn's less the steps: a StartEvent, BlockEvents, a RetryEvent when a malformed tool call is regenerated (the
+    blocks after it replace what followed the tokens it keeps), then one of DoneEvent, CancelledEvent, ErrorEvent. A
+    job cancelled before it started, or failing outside the generation, gets only the CancelledEvent or
+    ErrorEvent."""
+
+    def __init__(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None):
+        self.id = next(_job_ids)
+        self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
+        self.images = images  # a prompt key's images (vision/prompt.py), or None
+        self.events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        try:  # made by a handler on the server's event loop: aget() waits on it without a thread
+            self._loop = asyncio.get_running_loop()
+            self._ready = asyncio.Event()
+        except RuntimeError:
+            self._loop = self._ready = None
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def get(self, timeout: float | None = None):
+        """The next event; queue.Empty after `timeout` seconds without one."""
+        return self.events.get(timeout=timeout)
+
+    async def aget(self):
+        """The next event, awaited on the event loop that made the job (a thread waits for it on any other)."""
+        if self._loop is None or asyncio.get_running_loop() is not self._loop:
+            while True:  # polled: a cancelled wait must not leave a thread behind that takes the next event
+                try:
+                    return self.events.get_nowait()
+                except queue.Empty:
+                    await asyncio.sleep(0.01)
+        while True:
+            try:
+                return self.events.get_nowait()
+            except queue.Empty:
+                self._ready.clear()
+            try:  # an event put before the clear is seen here; one put after it sets the flag again
+                return self.events.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
+
+    def put(self, event) -> None:
+        """Hand an event to the job's reader; denoise steps stay on the worker (nobody downstream shows them)."""
+        if isinstance(event, StepEvent):
+            return
+        self.events.put(event)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody awaits this job any more
+                pass
+
+
+class _Running:
+    """A request in the batch: its job, its slot, its turn's coroutine and what that asks for now."""
+
+    def __init__(self, job: Job, slot: int, steps):
+        self.job, self.slot, self.steps = job, slot, steps
+        self.ask = None  # a Prefill or a Forward
+        self.t0 = time.perf_counter()
+
+
+class Scheduler:
+    """The rounds of `worker` (its model, slots, op-log and queue accounting). `pending` holds the jobs not yet
+    running, in arrival order, and the worker's between-rounds calls (anything with run(), taken when no request
+    runs). trace: a list that gets (time, "prefill", job id, tokens) and (time, "forward", (job ids...)) for each
+    operation, in order (tests and bench/bench_serve.py read it), or None."""
+
+    def __init__(self, worker, *, max_batch: int, prefill_chunk: int, trace: list | None = None):
+        self.worker, self.max_batch, self.prefill_chunk, self.trace = worker, max_batch, prefill_chunk, trace
+        self.pending: deque = deque()
+        self.running: list[_Running] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.running
+
+    def round(self) -> None:
+        try:
+            self._admit()
+            self._prefill()
+            self._denoise()
+        except Exception as e:  # a bug here must not kill the thread every request waits on
+            for r in self.running:
+                r.steps.close()
+                self._fail(r, e)
+            self.running = []
+
+    # -- the round's parts ---------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        w = self.worker
+        for job in [j for j in self.pending if isinstance(j, Job) and j.cancelled]:  # left while it waited
+            self.pending.remove(job)
+            w.left_queue(job)
+            job.put(CancelledEvent())
+        while self.pending and len(self.running) < self.max_batch:
+            head = self.pending[0]
+            if not isinstance(head, Job):  # a call between rounds (warm-up): when nothing runs
+                if self.running:
+                    return
+                self.pending.popleft().run()
+                continue
+            picked = w.pick(head.ids, busy={r.slot for r in self.running})
+            if picked is None:  # every slot serves a running request
+                return
+            self.pending.popleft()
+            w.left_queue(head)
+            self._start(head, picked[0])
+
+    def _start(self, job: Job, i: int) -> None:
+        w = self.worker
+        slot = w.slot(i)
+        slot.last_used = w.tick()
+        steps = None
+        try:
+            keep = reuse_prefix(slot.cache, slot.ids, job.ids)
+            steps = run_turn_steps(w.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries,
+                                   log=w.log, next_gen=w.next_gen, slot_index=i,
+                                   should_stop=lambda blocks: job.cancelled, stop_prefill=lambda: job.cancelled,
+                                   on_event=job.put, images=job.images, prefill_chunk=self.prefill_chunk,
+                                   batched=self.max_batch > 1)
+        except Exception as e:
+            job.put(ErrorEvent(e))
+            return
+        r = _Running(job, i, steps)
+        self.running.append(r)
+        self._advance(r, None)
+
+    def _prefill(self) -> None:
+        budget = self.prefill_chunk
+        for r in list(self.running):  # in join order
+            while budget > 0 and isinstance(r.ask, Prefill):
+                budget -= r.ask.tokens
+                if self.trace is not None:
+                    self.trace.append((time.perf_counter(), "prefill", r.job.id, r.ask.tokens))
+                self._advance(r, None)
+
+    def _denoise(self) -> None:
+        for r in [r for r in self.running if r.job.cancelled and isinstance(r.ask, Forward)]:
+            self._advance(r, None)  # a forward withdrawn: the request stops before its step, nothing computed
+        asking = [r for r in self.running if isinstance(r.ask, Forward)]
+        if not asking:
+            return
+        forwards = [r.ask for r in asking]
+        for r in asking:
+            r.ask = None
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), "forward", tuple(r.job.id for r in asking)))
+        try:
+            logits = batched_forward(self.worker.model, forwards)
+        except Exception as e:  # each request journals the failure as its own and empties its cache
+            for r in asking:
+                self._advance(r, None, thrown=e)
+            return
+        del forwards
+        for r, lg in zip(asking, logits):
+            self._advance(r, lg)
+
+    # -- one request ---------------------------------------------------------------------------------------------
+
+    def _advance(self, r: _Running, answer, thrown: BaseException | None = None) -> None:
+        """Run request r on to its next ask, or to the end of its turn (it leaves the batch)."""
+        try:
+            r.ask = r.steps.send(answer) if thrown is None else r.steps.throw(thrown)
+        except StopIteration:  # the turn is over: its last event is already on the job's queue
+            self._leave(r)
+        except Exception as e:
+            self._fail(r, e)
+            self._leave(r)
+
+    def _leave(self, r: _Running) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.worker.finished(r.slot, time.perf_counter() - r.t0)
+
+    def _fail(self, r: _Running, e: Exception) -> None:
+        """A failure outside the turn's own handling: the slot starts afresh, the job gets the error."""
+        slot = self.worker.slots[r.slot]
+        rewind(slot.cache, 0)
+        slot.ids = []
+        r.job.put(ErrorEvent(e))

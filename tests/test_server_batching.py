@@ -1,0 +1,303 @@
+"""Continuous batching in the server (server/scheduler.py) on the embedded demo model: requests that run together get
+exactly the tokens each gets alone, join and leave a running batch, cancel without touching the others, wait in a
+bounded queue (503 + Retry-After when it is full), prefill long prompts a chunk per round between the running
+requests' steps, and replay from the op-log identically."""
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+import diffgemma  # noqa: E402
+from diffgemma import cli, oplog  # noqa: E402
+from diffgemma.errors import InputError  # noqa: E402
+from diffgemma.events import CancelledEvent, DoneEvent, ErrorEvent, StartEvent  # noqa: E402
+from diffgemma.replay import replay  # noqa: E402
+from diffgemma.server.app import create_app  # noqa: E402
+from diffgemma.server.commands import served_name  # noqa: E402
+from diffgemma.server.worker import QueueFull, Worker, _Call  # noqa: E402
+from diffgemma.session import run_generation, run_turn  # noqa: E402
+from diffgemma.settings import GenerationSettings  # noqa: E402
+from diffgemma.slots import Slot  # noqa: E402
+
+PROMPTS = ["What is 17 + 25?", "Count from 1 to 200.", "What is 2 + 3?", "Name three colours."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return diffgemma.load()
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    return GenerationSettings.resolve(model.generation_config, env={})
+
+
+def ids_of(model, text: str) -> list[int]:
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def hold(worker) -> threading.Event:
+    """Park the worker thread until the returned event is set: jobs submitted meanwhile join in one round."""
+    gate = threading.Event()
+    worker._inbox.put(_Call(gate.wait))
+    return gate
+
+
+def finish(job, timeout=120) -> list:
+    events = [job.get(timeout=timeout)]
+    while not isinstance(events[-1], (DoneEvent, CancelledEvent, ErrorEvent)):
+        events.append(job.get(timeout=timeout))
+    return events
+
+
+def alone(model, ids, settings, max_tokens=2048, prefill_chunk=None):
+    """The request run by itself through the library (session.run_turn on a fresh slot) -> its DoneEvent."""
+    end = run_turn(model, Slot(model.new_cache(max_tokens)), 0, ids, settings, prefill_chunk=prefill_chunk)
+    assert isinstance(end, DoneEvent), end
+    return end.result
+
+
+def forwards(trace) -> list[tuple]:
+    return [e[2] for e in trace if e[1] == "forward"]
+
+
+def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base):
+    """Four requests step together from one round on; each gets exactly its solo tokens, steps and stop reasons, and
+    one whose turn ends leaves the batch while the others go on."""
+    settings = [base.replace(seed=10 + i, max_new_tokens=64 * (1 + i % 3)) for i in range(4)]
+    trace: list = []
+    worker = Worker(model, slots=4, max_tokens=2048, max_batch=4, trace=trace)
+    try:
+        gate = hold(worker)
+        jobs = [worker.submit(ids_of(model, p), s) for p, s in zip(PROMPTS, settings)]
+        gate.set()
+        ends = [finish(j)[-1] for j in jobs]
+    finally:
+        worker.close()
+    fw = forwards(trace)
+    assert fw[0] == tuple(j.id for j in jobs)  # all four in the first round's forward
+    assert len({len(f) for f in fw}) > 1  # some left while others went on
+    for job, end, p, s in zip(jobs, ends, PROMPTS, settings):
+        solo = alone(model, ids_of(model, p), s)
+        assert isinstance(end, DoneEvent)
+        assert end.result.tokens == solo.tokens
+        assert end.result.steps_per_block == solo.steps_per_block and end.result.stop_reasons == solo.stop_reasons
+        assert sum(job.id in f for f in fw) == solo.forwards  # a request steps only while it runs
+
+
+def test_a_request_joins_a_running_batch_mid_block(model, base):
+    trace: list = []
+    worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, trace=trace)
+    long_s, short_s = base.replace(seed=3, max_new_tokens=192), base.replace(seed=4, max_new_tokens=64)
+    try:
+        a = worker.submit(ids_of(model, PROMPTS[1]), long_s)
+        while len(forwards(trace)) < 3:  # a is three steps into its first block
+            threading.Event().wait(0.01)
+        b = worker.submit(ids_of(model, PROMPTS[0]), short_s)
+        end_a, end_b = finish(a)[-1], finish(b)[-1]
+    finally:
+        worker.close()
+    fw = forwards(trace)
+    first_b = next(k for k, f in enumerate(fw) if b.id in f)
+    assert first_b >= 3 and fw[first_b] == (a.id, b.id)  # joined the running batch, not after it
+    assert fw[-1] == (a.id,)  # b left first; a went on alone
+    assert end_a.result.tokens == alone(model, ids_of(model, PROMPTS[1]), long_s).tokens
+    assert end_b.result.tokens == alone(model, ids_of(model, PROMPTS[0]), short_s).tokens
+
+
+def test_cancel_mid_batch_stops_that_request_only(model, base, tmp_path):
+    log = oplog.OpLog(tmp_path, oplog.header(model, 3, 2048))
+    trace: list = []
+    worker = Worker(model, slots=3, max_tokens=2048, max_batch=3, log=log, trace=trace)
+    settings = [base.replace(seed=20 + i, max_new_tokens=128) for i in range(3)]
+    prompts = [ids_of(model, p) for p in PROMPTS[1:]]
+    try:
+        gate = hold(worker)
+        jobs = [worker.submit(ids, s) for ids, s in zip(prompts, settings)]
+        gate.set()
+        assert isinstance(jobs[1].get(timeout=60), StartEvent)
+        while len(forwards(trace)) < 2:
+            threading.Event().wait(0.01)
+        jobs[1].cancel()
+        at = len(forwards(trace))
+        ends = [finish(j)[-1] for j in jobs]
+        slot = worker.slots[1]
+        assert slot.ids == prompts[1] and slot.cache.length == len(prompts[1])  # rewound to its prompt
+    finally:
+        worker.close()
+        log.close()
+    assert isinstance(ends[1], CancelledEvent) and ends[1].kept == len(prompts[1])
+    assert sum(jobs[1].id in f for f in forwards(trace)[at:]) <= 1  # stopped within one step
+    assert len(forwards(trace)[at:]) >= 2  # while the others ran on
+    for k in (0, 2):
+        assert ends[k].result.tokens == alone(model, prompts[k], settings[k]).tokens
+    report = replay(log.path, model)  # the batched session's interleaved log replays identically
+    assert report.ok, report.problems
+    assert report.generations == 3
+
+
+def test_long_prompt_prefills_a_chunk_per_round_between_steps(model, base, tmp_path):
+    """A long prompt's prefill is spread over rounds, each chunk followed by the running request's next step; its
+    tokens are those of a one-shot prefill, and its log replays identically."""
+    log = oplog.OpLog(tmp_path, oplog.header(model, 2, 2048))
+    trace: list = []
+    worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, prefill_chunk=48, log=log, trace=trace)
+    run_s = base.replace(seed=5, max_new_tokens=128, stop_ids=[])  # no stop token: it runs its whole budget
+    long_s = base.replace(seed=6, max_new_tokens=32)
+    long_ids = ids_of(model, "Summarise this: " + " ".join(f"item {i} is blue." for i in range(45)))
+    assert len(long_ids) > 6 * 48
+    try:
+        a = worker.submit(ids_of(model, PROMPTS[1]), run_s)
+        while len(forwards(trace)) < 2:
+            threading.Event().wait(0.01)
+        b = worker.submit(long_ids, long_s)
+        end_a, end_b = finish(a)[-1], finish(b)[-1]
+    finally:
+        worker.close()
+        log.close()
+    ops = [(e[1], e[2]) for e in trace]
+    chunks = [k for k, op in enumerate(ops) if op == ("prefill", b.id)]
+    assert len(chunks) == -(-len(long_ids) // 48)
+    last_a = max(k for k, op in enumerate(ops) if op[0] == "forward" and a.id in op[1])
+    during = [k for k in chunks[:-1] if k < last_a]
+    assert len(during) >= 4  # a kept running while b prefilled
+    for k in during:  # each chunk is followed by a step of the running request before b's next chunk
+        assert ops[k + 1] == ("forward", (a.id,)), ops[k - 1:k + 3]
+    assert all(e[3] <= 48 for e in trace if e[1] == "prefill")
+    assert end_a.result.tokens == alone(model, ids_of(model, PROMPTS[1]), run_s).tokens
+    assert end_b.result.tokens == alone(model, long_ids, long_s).tokens  # the one-shot prefill's
+    generate_ops = [r for r in oplog.read(log.path) if r.get("op") == "generate"]
+    assert {r["prefill_chunk"] for r in generate_ops} == {48}
+    assert replay(log.path, model).ok
+
+
+def test_cancel_while_the_prompt_prefills_keeps_the_chunks_and_replays(model, base, tmp_path):
+    log = oplog.OpLog(tmp_path, oplog.header(model, 1, 2048))
+    jobs = []
+
+    class CancelOnFirstChunk(list):  # the client leaves as the first chunk is about to prefill
+        def append(self, entry):
+            super().append(entry)
+            if entry[1] == "prefill":
+                jobs[0].cancel()
+
+    trace = CancelOnFirstChunk()
+    worker = Worker(model, slots=1, max_tokens=2048, max_batch=1, prefill_chunk=32, log=log, trace=trace)
+    ids = ids_of(model, " ".join(f"word{i}" for i in range(150)))
+    try:
+        gate = hold(worker)
+        jobs.append(job := worker.submit(ids, base.replace(seed=1, max_new_tokens=64)))
+        gate.set()
+        end = finish(job)[-1]  # seen before its second chunk: the first one always runs (a short prompt is never cut)
+        slot = worker.slots[0]
+        assert isinstance(end, CancelledEvent) and end.blocks == 0 and end.kept == 32
+        assert slot.ids == ids[:32] and slot.cache.length == 32
+    finally:
+        worker.close()
+        log.close()
+    assert [e[1] for e in trace] == ["prefill", "prefill"]  # asked twice; prefilled once
+    report = replay(log.path, model)
+    assert report.ok and report.generations == 1, report.problems
+
+
+def test_full_queue_is_a_503_with_retry_after(model, base):
+    worker = Worker(model, slots=1, max_tokens=1024, max_batch=1, max_queue=1)
+    client = TestClient(create_app(worker, model.tokenizer, served_name(model), base))
+    body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16}
+    try:
+        gate = hold(worker)
+        waiting = [worker.submit(ids_of(model, "What is 2 + 3?"), base.replace(max_new_tokens=16)) for _ in range(2)]
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            worker.submit(ids_of(model, "What is 2 + 3?"), base)
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "server_busy" and "--max-queue 1" in err["message"]
+        gate.set()
+        assert all(isinstance(finish(j)[-1], DoneEvent) for j in waiting)
+        assert client.post("/v1/chat/completions", json=body).status_code == 200  # served again once it drains
+    finally:
+        worker.close()
+
+
+def test_concurrent_streams_through_the_app_match_one_at_a_time(model, base):
+    """The real app: streams that run batched add up to the replies a max-batch-1 server gives one at a time."""
+    def serve(max_batch):
+        trace: list = []
+        worker = Worker(model, slots=3, max_tokens=2048, max_batch=max_batch, trace=trace)
+        client = TestClient(create_app(worker, model.tokenizer, served_name(model), base))
+        out = {}
+
+        def ask(i):
+            body = {"messages": [{"role": "user", "content": PROMPTS[i]}], "stream": True, "seed": 7 + i,
+                    "max_tokens": 128}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+            out[i] = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in lines)
+
+        try:
+            gate = hold(worker)
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            while worker._waiting < 3:
+                threading.Event().wait(0.01)
+            gate.set()
+            for t in threads:
+                t.join()
+        finally:
+            worker.close()
+        return out, forwards(trace)
+
+    batched, fw8 = serve(3)
+    serial, fw1 = serve(1)
+    assert batched == serial and all(batched.values())
+    assert max(map(len, fw8)) == 3 and max(map(len, fw1)) == 1
+
+
+def test_a_slot_in_use_is_not_picked_and_the_queue_waits_for_one(model, base):
+    trace: list = []
+    worker = Worker(model, slots=1, max_tokens=1024, max_batch=4, trace=trace)
+    s = base.replace(max_new_tokens=64)
+    try:
+        assert worker.pick([1, 2, 3], busy={0}) is None
+        gate = hold(worker)
+        a, b = worker.submit(ids_of(model, PROMPTS[0]), s), worker.submit(ids_of(model, PROMPTS[2]), s)
+        gate.set()
+        assert isinstance(finish(a)[-1], DoneEvent) and isinstance(finish(b)[-1], DoneEvent)
+    finally:
+        worker.close()
+    assert max(map(len, forwards(trace))) == 1  # one slot: one request at a time, whatever max_batch says
+
+
+def test_chunked_prefill_gives_the_one_shot_tokens(model, base):
+    ids = ids_of(model, "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 12)
+    s = base.replace(seed=2, max_new_tokens=64)
+    whole = run_generation(model, Slot(model.new_cache(1024)), 0, ids, s)
+    for chunk in (64, 17):
+        part = run_generation(model, Slot(model.new_cache(1024)), 0, ids, s, prefill_chunk=chunk)
+        assert part.result.tokens == whole.result.tokens, chunk
+
+
+def test_bad_batching_values_are_one_line_errors(model, capsys):
+    for flag in ("--max-batch", "--max-queue", "--prefill-chunk-tokens"):
+        assert cli.main(["serve", flag, "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{flag} 0: expected a positive number" in err and "\n" not in err
+    for kw, needle in ((dict(max_batch=0), "max_batch"), (dict(max_queue=-1), "max_queue"),
+                       (dict(prefill_chunk=1.5), "prefill_chunk"), (dict(max_batch=True), "max_batch")):
+        with pytest.raises(InputError, match=needle):
+            Worker(model, **kw)
+
+    class OneCanvas:  # a model whose forward takes one canvas (no max_batch attribute)
+        config = model.config
+
+    with pytest.raises(InputError, match="takes at most 1 canvas"):
+        Worker(OneCanvas(), max_batch=2)
