@@ -126,8 +126,9 @@ class ExpertParallelForward(Forward):
 
     def local_expert_sum(self, lw, moe_in, weights, src, inv, offs, order, dtype, path_routes=None) -> torch.Tensor:
         """f32 [T, H]: Σ over this rank's routes of token t of weight · expert output (zero where it has none).
-        path_routes: the route count the layer's kernel paths go by (None: all of them); the GEMMs here choose theirs
-        by this rank's share of it, the rows they get when the routing is balanced."""
+        path_routes: the route count the layer's kernel paths go by (None: all of them), passed on as it is: the layer
+        chose its experts' input form (ops/moe_paths.takes_f16_operand) by it against this rank's stack, and the GEMMs
+        must choose the same path."""
         T, k = weights.shape
         M = src.numel()
         offs = offs.long()
@@ -136,9 +137,8 @@ class ExpertParallelForward(Forward):
         mine_src = src.index_select(0, torch.clamp(start + self._rows_arange(M), max=M - 1))
         mine_order = expert_order_ref(mine_offs) if order is not None else None
         # rows past this rank's last route are the GEMMs' scratch (never written): the sum below never reads them
-        share = max(1, (path_routes or M) // self.group.size)
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, mine_offs, src=mine_src, order=mine_order,
-                       out_dtype=dtype, path_routes=share)
+                       out_dtype=dtype, path_routes=path_routes)
         dest = inv.view(T, k) - start
         mine = (dest >= 0) & (dest < mine_offs[-1])
         dest = dest.clamp(0, M - 1)
