@@ -33,9 +33,10 @@ LAYERS = [
     {"ops"},  # kernels and the bit layouts they read
     {"quant"},  # pack formats: read and write them (import their layouts from ops)
     {"model", "sampling"},  # the forward pass; the sampler
-    {"generation", "batch", "loader", "warmup", "vision"},  # the generation loop; loading a model (and its vision tower)
+    # the generation loop; loading a model (and its vision tower); the expert-parallel engine and its ranks
+    {"generation", "batch", "loader", "warmup", "vision", "parallel"},
     {"session", "reply", "slots", "options", "oplog", "replay", "golden", ""},  # conversations, logs; the public API
-    {"server", "cli", "batch_file", "quality"},  # the applications
+    {"server", "cli", "batch_file", "quality", "__main__"},  # the applications
 ]
 
 # ops/ is the bottom layer: inside the package it may import only these besides itself.

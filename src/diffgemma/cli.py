@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None,
                    help="journal every turn (token ids and settings) in an op-log here, for `diffgemma replay`")
     add_tool_validate_flag(p)
+    options.add_gpus_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         handler = COMMANDS.get(args.command) or args.func
+        if hasattr(args, "gpus") and (args.gpus is not None or "WORLD_SIZE" in os.environ):
+            from .parallel.launch import run
+
+            return run(args, handler)  # rank 0 runs the command, the other ranks follow its model's calls
         return handler(args)
     except DiffgemmaError as e:
         print(f"diffgemma: error: {e}", file=sys.stderr)

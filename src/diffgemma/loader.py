@@ -42,13 +42,15 @@ def open_source(directory: Path) -> TensorSource:
 
 
 def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
-         engine: str = "auto", options=None):
+         engine: str = "auto", options=None, group=None):
     """Load a DiffusionGemma checkpoint directory.
 
     device: "cpu" or "cuda[:N]". engine: "auto" (the fast engine on CUDA, the reference elsewhere),
     "fast" or "reference". dtype: compute dtype (default bfloat16 for the fast engine, float32 for the
     reference). options: the fast engine's implementation choices (model/options.EngineOptions; None: the
-    defaults). Tensors are read one at a time from memory-mapped files and converted on the way, so
+    defaults). group: this rank's place in an expert-parallel run (parallel/group.Group): the fast engine over the
+    rank's share of the experts on the group's device (rank 0: the model object; docs/ARCHITECTURE.md, 'Several
+    GPUs'). Tensors are read one at a time from memory-mapped files and converted on the way, so
     host RAM never holds the whole checkpoint.
     """
     if engine not in ("auto", "fast", "reference"):
@@ -66,7 +68,12 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
         raise InputError(f"load: bad device {device!r}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("load: device='cuda' requested but CUDA is not available on this machine")
-    fast = engine == "fast" or (engine == "auto" and device.type == "cuda")
+    if group is not None:
+        if engine == "reference" or device.type != group.device.type:
+            raise InputError(f"load: an expert-parallel rank runs the fast engine on {group.device.type}, got "
+                             f"engine={engine!r} on {device.type}")
+        device = group.device
+    fast = engine == "fast" or (engine == "auto" and device.type == "cuda") or group is not None
     if options is not None and not fast:
         raise InputError("load: options are the fast engine's; the reference model takes none (engine='fast')")
     dtype = dtype or (torch.bfloat16 if fast else torch.float32)
@@ -82,6 +89,13 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     if progress is None:
         progress = source.nbytes() > PROGRESS_BYTES and sys.stderr.isatty()
     tokenizer = _load_tokenizer(directory)
+    if fast and group is not None:
+        from .parallel.engine import build_parallel_engine, shard_source
+
+        share = _ProgressSource(shard_source(source, cfg, group), progress and group.lead, directory.name,
+                                len(expected_tensors(cfg)))
+        return build_parallel_engine(cfg, share, group, dtype, generation_config=generation_config, path=directory,
+                                     tokenizer=tokenizer, options=options)
     if fast:
         from .model.engine import build_engine
 

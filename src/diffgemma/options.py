@@ -22,6 +22,12 @@ def add_tool_validate_flag(p: argparse.ArgumentParser) -> None:
                         "bumped, up to N times (default 0: off)")
 
 
+def add_gpus_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", default=None, metavar="G",
+                   help="split the model's experts over G GPUs of this machine, rank r on cuda:r (on the CPU: G "
+                        "processes); `torchrun --nproc-per-node G -m diffgemma ...` starts the same run")
+
+
 def validate_early(args) -> None:
     """Check --set, the DIFFGEMMA_* environment and the numeric flags before the (slow) model load: the settings are
     resolved against an empty generation config, so a bad name or value fails here with its one-line error."""
@@ -53,7 +59,7 @@ def load_model(args):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load(args.model, device=device)
+    return load(args.model, device=device, group=getattr(args, "parallel_group", None))  # set by parallel/launch.py
 
 
 def generation_settings(model, args):

@@ -37,6 +37,7 @@ _FOREIGN_ENV_VARS: set[str] = {
     "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_paths.py: packed experts at prefill, "dequant" or "kernel"
     "DIFFGEMMA_Q4_LAYOUT",  # ops/q4_tiles.py: q4 expert stacks on CUDA, "q4-tiles" or "natural"
     "DIFFGEMMA_API_KEY",  # server/commands.py: the key `serve` asks clients for (--api-key)
+    "DIFFGEMMA_DIST_TIMEOUT",  # parallel/group.py: seconds a collective of an expert-parallel run may take
 }
 
 

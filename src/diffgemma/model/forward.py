@@ -383,10 +383,15 @@ class Forward:
                 weights, src, inv, offs, order = self._route(lw, router_in)
             dense = self._dense_mlp(lw, dense_in, rows)
             main.wait_stream(side)
+        return self._moe(lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes)
+
+    def _moe(self, lw, x, dense, moe_in, weights, src, inv, offs, order, scalar, w_next, path_routes):
+        """The experts on their routes, then the layer's finish: the f32 weighted sum of the expert outputs, post
+        norms, residual, layer scalar, next input norm. The expert-parallel forward (parallel/expert.py) overrides it."""
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
                        path_routes=path_routes)
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
-                                scalar, eps, w_next)
+                                scalar, self.config.rms_norm_eps, w_next)
 
     def _path_rows(self, lw, n: int) -> tuple[int, int | None]:
         """-> (the rows the side stream and the dense MLP's carve-out are decided by, the route count the expert

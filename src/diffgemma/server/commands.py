@@ -52,6 +52,7 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--max-image-mb", type=float, default=20.0,
                    help="bytes per image, in MB; more is refused with 400 (default 20)")
     options.add_tool_validate_flag(s)
+    options.add_gpus_flag(s)
     s.set_defaults(func=_run_serve)
 
     r = subparsers.add_parser("replay", help="run an op-log again and compare every event")
