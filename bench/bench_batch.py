@@ -36,7 +36,7 @@ from diffgemma.batch import generate_batch
 from diffgemma.config import ModelConfig
 from diffgemma.generation import generate
 from diffgemma.loader import embedded_model_path
-from diffgemma.model.options import BATCH_PATHS
+from diffgemma.model.options import BATCH_PATHS, EngineOptions
 
 STEPS = 16
 PATHS = BATCH_PATHS  # EngineOptions.batch_paths' forms
@@ -89,7 +89,7 @@ def section_forward(eng, cfg, batches, ctx, reps):
             r[B]["vs_b1"] = round(r[B]["rows_s"] / r[batches[0]]["rows_s"], 3)
             log(f"  forward [{paths}] B={B}: {r[B]}")
             eng.clear_graphs()  # each B's graphs go before the next B's: their logits buffers add up
-    eng.options = replace(eng.options, batch_paths="lane")
+    eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
     return out
 
 
@@ -118,7 +118,7 @@ def section_steps(eng, cfg, batches, ctx, reps, paths):
         out[B]["vs_b1"] = round(out[B]["rows_s"] / out[batches[0]]["rows_s"], 3)
         log(f"  steps [{paths}] B={B}: {out[B]}")
         eng.clear_graphs()
-    eng.options = replace(eng.options, batch_paths="lane")
+    eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
     return out
 
 
@@ -143,7 +143,7 @@ def section_invariance(eng, cfg, B, ctx):
         out[paths] = {"lanes_bit_identical": f"{same}/{B}", "worst_rel": float(f"{worst:.3g}"),
                       "requests_token_identical": f"{tok_same}/{B}"}
         log(f"  invariance [{paths}] B={B}: {out[paths]}")
-    eng.options = replace(eng.options, batch_paths="lane")
+    eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
     eng.clear_graphs()
     return out
 
@@ -197,7 +197,8 @@ def main():
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--sections", default="forward,steps,invariance,memory,demo")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--paths", default="lane", choices=BATCH_PATHS, help="batch_paths for the steps section")
+    ap.add_argument("--paths", default=EngineOptions().batch_paths, choices=BATCH_PATHS,
+                    help="batch_paths for the steps section (default: the engine's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
