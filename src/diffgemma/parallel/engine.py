@@ -30,6 +30,7 @@ from ..config import cache_tokens
 from ..errors import InputError
 from ..model.engine import Engine
 from ..model.engine_batch import check_batch
+from ..model.engine_inputs import check_ids, check_image_inputs
 from ..model.engine_cache import EngineKVCache
 from ..model.engine_weights import load_weights
 from .expert import ExpertParallelForward, ExpertShard, expert_share
@@ -158,9 +159,9 @@ class LeadEngine(ExpertParallelEngine):
     def prefill(self, cache: EngineKVCache, ids: torch.Tensor, embeds: torch.Tensor | None = None,
                 image_groups: torch.Tensor | None = None) -> None:
         if self.group.size > 1:
-            ids = self._check_ids(ids, "prefill ids", check_range=True)
+            ids = check_ids(self, ids, "prefill ids", check_range=True)
             if embeds is not None or image_groups is not None:
-                embeds, image_groups = self._check_image_inputs(len(ids), embeds, image_groups)
+                embeds, image_groups = check_image_inputs(self, len(ids), embeds, image_groups)
             cache.check_room(len(ids))
             self._send(PREFILL, self._cid(cache), len(ids), int(embeds is not None), int(image_groups is not None))
             for t in (ids, embeds, image_groups):
@@ -184,8 +185,10 @@ class LeadEngine(ExpertParallelEngine):
     def denoise_batch_raw(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
         if self.group.size == 1:
             return super().denoise_batch_raw(caches, canvases, sc_logits, sc_embeds)
-        caches, ids, lens, sc = check_batch(self, caches, canvases, sc_logits, sc_embeds)
-        sc = [None if s is None else s.to(self.device, self.dtype) for s in sc]
+        caches, ids, lens, rows, _ = check_batch(self, caches, canvases, sc_logits, sc_embeds)
+        given = [(lg is not None or em is not None) for lg, em in zip(sc_logits or [None] * len(lens),
+                                                                     sc_embeds or [None] * len(lens))]
+        sc = [x if g else None for x, g in zip(rows.split(lens), given)]  # a lane's SC rows (logits: their embedding)
         cids = [self._cid(c) for c in caches]
         self._send(DENOISE_BATCH, len(caches))
         self._run(self.group.broadcast_object, (cids, lens, [s is not None for s in sc]))
@@ -213,7 +216,7 @@ class LeadEngine(ExpertParallelEngine):
     def _denoise_inputs(self, cache, canvas_ids, sc_logits, sc_embeds):
         """Engine's checks of a denoise call, made before the call is handed over (so a bad call reaches no other
         rank), and its SC input as embeddings in the model's dtype (None without one)."""
-        ids = self._check_ids(canvas_ids, "canvas ids", check_range=not getattr(canvas_ids, "is_cuda", False))
+        ids = check_ids(self, canvas_ids, "canvas ids", check_range=not getattr(canvas_ids, "is_cuda", False))
         C, V, H = len(ids), self.config.vocab_size, self.config.hidden_size
         if C > cache.canvas:
             raise InputError(f"denoise: canvas of {C} tokens exceeds the cache's canvas scratch ({cache.canvas})")
