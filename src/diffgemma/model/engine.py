@@ -35,7 +35,7 @@ from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache
 from .engine_batch import BatchGraphs, check_batch
 from .engine_graph import DenoiseGraph, PrefillGraph
-from .engine_inputs import check_ids, check_image_inputs
+from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
 from .graph_guard import GuardedGraph, guard_support
@@ -267,20 +267,9 @@ class Engine:
             return self._denoise_checked(cache, canvas_ids, sc_logits, sc_embeds)
 
     def _denoise_checked(self, cache, canvas_ids, sc_logits, sc_embeds) -> torch.Tensor:
-        ids = check_ids(self, canvas_ids, "canvas ids", check_range=not canvas_ids.is_cuda)
-        C, V, H = len(ids), self.config.vocab_size, self.config.hidden_size
-        if C > cache.canvas:
-            raise InputError(f"denoise: canvas of {C} tokens exceeds the cache's canvas scratch ({cache.canvas})")
-        if sc_logits is not None and sc_embeds is not None:
-            raise InputError("denoise: pass sc_logits or sc_embeds, not both")
-        if sc_logits is not None and tuple(sc_logits.shape) != (C, V):
-            raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {V}]")
-        if sc_embeds is not None and tuple(sc_embeds.shape) != (C, H):
-            raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {H}]")
-        mode = "logits" if sc_logits is not None else "embeds" if sc_embeds is not None else "none"
-        sc = sc_logits if sc_logits is not None else sc_embeds
+        ids, mode, sc = check_denoise(self, cache, canvas_ids, sc_logits, sc_embeds)
         out = self._on_graphs(lambda: self._denoise_graphed(cache, ids, mode, sc))
-        return out if out is not None else self.forward.denoise(cache, ids, mode, sc, key_rows=self._key_rows(cache, C))
+        return out if out is not None else self.forward.denoise(cache, ids, mode, sc, key_rows=self._key_rows(cache, len(ids)))
 
     def _on_graphs(self, run):
         """run() where graphs are on (CUDA), else None. A capture that fails is never wrong, only slower: graphs go off

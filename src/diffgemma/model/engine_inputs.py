@@ -1,5 +1,5 @@
-"""The engine's checks of what a caller hands it: ids, and a prefill's image embeddings and groups. Each bad input is
-one InputError naming it and what was expected, raised before anything is written."""
+"""The engine's checks of what a caller hands it: ids, a denoise's SC input, a prefill's image embeddings and groups.
+Each bad input is one InputError naming it and what was expected, raised before anything is written."""
 
 from __future__ import annotations
 
@@ -41,3 +41,21 @@ def check_image_inputs(engine, T: int, embeds, groups):
         if bool((groups < -1).any()):
             raise InputError(f"prefill: image_groups holds {int(groups.min())}; expected image indices >= 0 or -1")
     return embeds, groups
+
+
+def check_denoise(engine, cache, canvas_ids, sc_logits, sc_embeds):
+    """A denoise call's inputs, checked -> (ids on the device, mode: 'none' / 'logits' / 'embeds', the SC input or
+    None)."""
+    ids = check_ids(engine, canvas_ids, "canvas ids", check_range=not getattr(canvas_ids, "is_cuda", False))
+    C, V, H = len(ids), engine.config.vocab_size, engine.config.hidden_size
+    if C > cache.canvas:
+        raise InputError(f"denoise: canvas of {C} tokens exceeds the cache's canvas scratch ({cache.canvas})")
+    if sc_logits is not None and sc_embeds is not None:
+        raise InputError("denoise: pass sc_logits or sc_embeds, not both")
+    if sc_logits is not None and tuple(sc_logits.shape) != (C, V):
+        raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {V}]")
+    if sc_embeds is not None and tuple(sc_embeds.shape) != (C, H):
+        raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {H}]")
+    if sc_logits is not None:
+        return ids, "logits", sc_logits
+    return ids, ("none" if sc_embeds is None else "embeds"), sc_embeds

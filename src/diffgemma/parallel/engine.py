@@ -30,7 +30,7 @@ from ..config import cache_tokens
 from ..errors import InputError
 from ..model.engine import Engine
 from ..model.engine_batch import check_batch
-from ..model.engine_inputs import check_ids, check_image_inputs
+from ..model.engine_inputs import check_denoise, check_ids, check_image_inputs
 from ..model.engine_cache import EngineKVCache
 from ..model.engine_weights import load_weights
 from .expert import ExpertParallelForward, ExpertShard, expert_share
@@ -216,16 +216,7 @@ class LeadEngine(ExpertParallelEngine):
     def _denoise_inputs(self, cache, canvas_ids, sc_logits, sc_embeds):
         """Engine's checks of a denoise call, made before the call is handed over (so a bad call reaches no other
         rank), and its SC input as embeddings in the model's dtype (None without one)."""
-        ids = check_ids(self, canvas_ids, "canvas ids", check_range=not getattr(canvas_ids, "is_cuda", False))
-        C, V, H = len(ids), self.config.vocab_size, self.config.hidden_size
-        if C > cache.canvas:
-            raise InputError(f"denoise: canvas of {C} tokens exceeds the cache's canvas scratch ({cache.canvas})")
-        if sc_logits is not None and sc_embeds is not None:
-            raise InputError("denoise: pass sc_logits or sc_embeds, not both")
-        if sc_logits is not None and tuple(sc_logits.shape) != (C, V):
-            raise InputError(f"denoise: sc_logits has shape {list(sc_logits.shape)}, expected [{C}, {V}]")
-        if sc_embeds is not None and tuple(sc_embeds.shape) != (C, H):
-            raise InputError(f"denoise: sc_embeds has shape {list(sc_embeds.shape)}, expected [{C}, {H}]")
-        if sc_logits is not None:  # the forward's own first ops of an SC-logits call (Forward.sc_logits_embeds)
-            return ids, self.forward.sc_logits_embeds(sc_logits.to(self.device))
-        return ids, None if sc_embeds is None else sc_embeds.to(self.device, self.dtype)
+        ids, mode, sc = check_denoise(self, cache, canvas_ids, sc_logits, sc_embeds)
+        if mode == "logits":  # the forward's own first ops of an SC-logits call (Forward.sc_logits_embeds)
+            return ids, self.forward.sc_logits_embeds(sc.to(self.device))
+        return ids, None if sc is None else sc.to(self.device, self.dtype)
