@@ -22,7 +22,8 @@ def add_subcommands(subparsers) -> None:
                         "(default: --max-batch, at least 2)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="requests denoised together in one forward (continuous batching; default: what the model's "
-                        "forward takes, 8 where it takes any number; 1: one request at a time)")
+                        "forward takes, 8 where it takes any number, and on CUDA no more than the free memory holds "
+                        "slots for; 1: one request at a time)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a place in the batch; more are refused with 503 and Retry-After "
                         "(default 64)")
@@ -107,9 +108,9 @@ def _run_serve(args) -> int:
     cap = getattr(model, "max_batch", 1)
     if args.max_batch is not None and cap is not None and args.max_batch > cap:
         raise InputError(f"--max-batch {args.max_batch}: this model's forward takes at most {cap} canvas(es)")
-    max_batch = args.max_batch or default_max_batch(model)
-    slots = args.slots or max(2, max_batch)
     max_tokens = options.context_tokens(model, args.max_tokens)
+    max_batch = args.max_batch or default_max_batch(model, max_tokens)
+    slots = args.slots or max(2, max_batch)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFGEMMA_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"diffgemma serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "

@@ -42,11 +42,39 @@ class QueueFull(DiffgemmaError):
         self.retry_after = retry_after
 
 
-def default_max_batch(model) -> int:
+def default_max_batch(model, max_tokens: int | None = None) -> int:
     """How many requests step together unless told: what the model's forward takes (its `max_batch`; a model
-    without one takes a single canvas), or 8 where it takes any number."""
+    without one takes a single canvas), or 8 where it takes any number; on CUDA, given each request's context
+    (`max_tokens`), no more than fit in the device's free memory (fitting_batch)."""
     cap = getattr(model, "max_batch", 1)
-    return 8 if cap is None else cap
+    cap = 8 if cap is None else cap
+    device = model.embedding.device
+    if max_tokens is None or device.type != "cuda" or cap <= 1:
+        return cap
+    import torch
+
+    before = torch.cuda.memory_allocated(device)
+    cache = model.new_cache(max_tokens)  # one slot's cache, measured as made
+    cache_bytes = torch.cuda.memory_allocated(device) - before
+    buckets = len(model.context_buckets(cache))  # a solo denoise graph each
+    del cache
+    logits_bytes = model.config.canvas_length * model.config.vocab_size * model.embedding.element_size()
+    free = torch.cuda.mem_get_info(device)[0]
+    return fitting_batch(free, cache_bytes, logits_bytes, buckets, cap)
+
+
+# Device bytes kept free beside the slots: a packed model's prefill dequantizes a layer's experts into a ~1 GB bf16
+# scratch, and a step's transient tensors (the sampler's [canvas, vocab] passes, a capture's warm-up) come and go.
+SERVE_RESERVE_BYTES = 3 * 2**30
+BATCH_GRAPHS_KEPT = 4  # as the engine keeps (model/engine.py): each holds every lane's logits
+
+
+def fitting_batch(free: int, cache_bytes: int, logits_bytes: int, buckets: int, cap: int) -> int:
+    """The most requests (at least 1, at most cap) whose slots fit in `free` device bytes beside the reserve: each
+    needs its KV cache, a solo denoise graph's [canvas, vocab] logits per context bucket, and its lane's share of
+    the kept batch graphs' logits."""
+    per_request = cache_bytes + logits_bytes * (buckets + BATCH_GRAPHS_KEPT)
+    return max(1, min(cap, (free - SERVE_RESERVE_BYTES) // max(1, per_request)))
 
 
 def _positive(name: str, value) -> int:
