@@ -318,3 +318,66 @@ def test_the_default_batch_fits_the_free_device_memory():
     assert fitting_batch(120 * GiB, cache, logits, buckets, 1) == 1
     # off CUDA the cap alone: 8 for a model that takes any number
     assert default_max_batch(diffgemma.load(), 4096) == 8
+
+
+def test_random_arrivals_cancels_and_a_full_queue_never_lose_or_corrupt_a_request(model, base):
+    """A hypothesis schedule over the real worker: requests arrive in bursts while the worker is held or running, some
+    are cancelled (before they start, or a few steps in), a small queue refuses some with QueueFull, and max_batch /
+    slots / the prefill chunk vary. Every accepted request ends with exactly one terminal event, a refused one gets
+    nothing, every finished one has exactly its solo tokens, and the worker still serves a request afterwards."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    prompts = [ids_of(model, p) for p in PROMPTS]
+
+    @hypothesis.settings(max_examples=8, deadline=None, derandomize=False, database=None)
+    @hypothesis.given(st.data())
+    def run(data):
+        max_batch = data.draw(st.integers(1, 3), "max_batch")
+        slots = data.draw(st.integers(max_batch, 4), "slots")
+        queue = data.draw(st.integers(1, 3), "max_queue")
+        chunk = data.draw(st.sampled_from([8, 2048]), "prefill_chunk")
+        n = data.draw(st.integers(2, 6), "requests")
+        plan = [(data.draw(st.integers(0, 3)), data.draw(st.sampled_from([32, 64])), data.draw(st.integers(0, 99)),
+                 data.draw(st.sampled_from([None, "before", "steps"])), data.draw(st.booleans())) for _ in range(n)]
+        trace: list = []
+        worker = Worker(model, slots=slots, max_tokens=1024, max_batch=max_batch, max_queue=queue,
+                        prefill_chunk=chunk, trace=trace)
+        accepted, refused = [], 0
+        try:
+            gate = hold(worker)
+            for p, budget, seed, cancel, burst in plan:
+                if not burst:  # let the worker run between arrivals
+                    gate.set()
+                    gate = hold(worker)
+                s = base.replace(seed=seed, max_new_tokens=budget)
+                try:
+                    job = worker.submit(prompts[p], s)
+                except QueueFull:
+                    refused += 1
+                    continue
+                if cancel == "before":
+                    job.cancel()
+                accepted.append((job, p, s, cancel))
+            gate.set()
+            for job, p, s, cancel in accepted:
+                if cancel == "steps":
+                    job.cancel()
+            ends = [finish(job, timeout=300) for job, *_ in accepted]
+            probe = worker.submit(prompts[0], base.replace(seed=1, max_new_tokens=32))
+            probe_end = finish(probe, timeout=300)[-1]
+        finally:
+            worker.close()
+        assert isinstance(probe_end, DoneEvent)
+        assert refused + len(accepted) == n
+        for (job, p, s, cancel), events in zip(accepted, ends):
+            terminal = [e for e in events if isinstance(e, (DoneEvent, CancelledEvent, ErrorEvent))]
+            assert len(terminal) == 1 and terminal[0] is events[-1]
+            assert job.events.empty()  # nothing after the terminal event
+            end = events[-1]
+            assert not isinstance(end, ErrorEvent), end
+            if cancel is None:
+                assert isinstance(end, DoneEvent)
+            if isinstance(end, DoneEvent):
+                assert end.result.tokens == alone(model, prompts[p], s, max_tokens=1024).tokens
+
+    run()
