@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from bench.balanced_routing import KINDS, routing
-from bench.bench_e2e import build, fixed_steps, log, sync
-from bench.bench_engine import CANVAS, TEXT
+from bench.balanced_routing import KINDS
+from bench.bench_e2e import fixed_steps
+from bench.runner import dumper, log, result_header, run_kinds, shapes, sync
 from diffgemma.batch import generate_batch
-from diffgemma.config import ModelConfig
 from diffgemma.generation import generate
-from diffgemma.loader import embedded_model_path
 from diffgemma.model.options import BATCH_PATHS, EngineOptions
 
 STEPS = 16
@@ -206,57 +202,24 @@ def main():
     kinds = [k for k in a.kinds.split(",") if k]
     batches = [int(b) for b in a.batches.split(",")]
     sections = set(a.sections.split(","))
+    cfg, dev = shapes(a.tiny)
+    ctx, mem_ctx = (32, 64) if a.tiny else (1024, 8192)
     if a.tiny:
-        demo = json.loads((embedded_model_path() / "config.json").read_text())
-        tc = demo["text_config"]
-        text = dict(tc, vocab_size=4096, num_hidden_layers=2, layer_types=tc["layer_types"][-2:])
-        canvas, ctx, mem_ctx, dev = 8, 32, 64, torch.device("cpu")
         a.reps = min(a.reps, 2)
-    else:
-        text, canvas, ctx, mem_ctx, dev = TEXT, CANVAS, 1024, 8192, torch.device("cuda")
-    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas})
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                 "routing": a.routing, "tiny": a.tiny, "reps": a.reps, "ctx": ctx}
-
-    def dump():
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-
+    res = result_header(dev, a, ctx=ctx)
+    dump = dumper(res, a.json)
     if "demo" in sections:
         t = time.time()
         res["demo"] = section_demo(dev, batches)
         log(f"[demo] {time.time() - t:.1f}s")
         dump()
-    for kind in kinds:
-        t = time.time()
-        eng = build(kind, cfg, dev, a.tiny)
-        sync(dev)
-        log(f"[{kind}] built in {time.time() - t:.1f}s")
-        r = res[kind] = {}
-        jobs = (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
-                ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
-                ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
-                ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx) if kind == "q4" else None))
-        for name, fn in jobs:
-            if name not in sections:
-                continue
-            t = time.time()
-            try:
-                with routing(a.routing):
-                    value = fn()
-                if value is not None:
-                    r[name] = value
-            except Exception as e:
-                import traceback
-
-                traceback.print_exc()
-                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
-            log(f"[{kind} {name}] {time.time() - t:.1f}s")
-            dump()
-        eng = None  # noqa: F841  (the weights go before the next kind's)
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    run_kinds(kinds, cfg, dev, a.tiny, res, sections,
+              lambda eng, kind: (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
+                                 ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
+                                 ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
+                                 ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx)
+                                  if kind == "q4" else None)),
+              a.routing, dump)
 
     log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 (B="
         + "/".join(map(str, batches)) + ") |")

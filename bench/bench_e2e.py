@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from bench.balanced_routing import KINDS, routing
-from bench.bench_engine import CANVAS, TEXT
-from bench.fixtures import RandomPackSource, RandomSource
-from diffgemma.config import ModelConfig
+from bench.balanced_routing import KINDS
+from bench.runner import dumper, log, result_header, run_kinds, shapes, sync
 from diffgemma.generation import StepEvent, generate, generate_stream
 from diffgemma.loader import embedded_model_path
-from diffgemma.model.engine import build_engine
 from diffgemma.session import Session
 from diffgemma.settings import GenerationSettings
 from diffgemma.tokenizer import load_tokenizer
@@ -45,15 +40,6 @@ from diffgemma.tokenizer import load_tokenizer
 VLLM_FP8_TOK_S = 1288  # vLLM's published DiffusionGemma FP8 figure at batch 1 (16 fixed steps, prompt excluded)
 BLOCKS = 4
 STEPS = 16
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def fixed_steps(canvas: int, blocks: int, seed: int = 0, **kw) -> GenerationSettings:
@@ -203,15 +189,6 @@ def section_c(eng, cfg, reps, max_tokens):
     return out
 
 
-def build(kind, cfg, dev, tiny):
-    dtype = torch.float32 if tiny else torch.bfloat16
-    if kind == "q4":
-        src = RandomPackSource(cfg, dev, dtype, seed=0, experts="q4", sc="q8")
-    else:
-        src = RandomSource(cfg, dev, dtype, seed=0)
-    return build_engine(cfg, src, dev, dtype, **({"kv_dtype": torch.float32} if tiny else {}))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
@@ -223,50 +200,16 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
     kinds = [k for k in a.kinds.split(",") if k]
-    sections = set(a.sections.split(","))
-    if a.tiny:
-        demo = json.loads((embedded_model_path() / "config.json").read_text())
-        tc = demo["text_config"]
-        text = dict(tc, vocab_size=4096, num_hidden_layers=2, layer_types=tc["layer_types"][-2:])
-        canvas, prompt_a, prompts, dev = 8, 32, [32, 64, 128], torch.device("cpu")
-    else:
-        text, canvas, prompt_a, prompts, dev = TEXT, CANVAS, 1024, [1024, 8192, 32768], torch.device("cuda")
+    cfg, dev = shapes(a.tiny)
+    prompt_a, prompts = (32, [32, 64, 128]) if a.tiny else (1024, [1024, 8192, 32768])
     if a.prompts:
         prompts = [int(x) for x in a.prompts.split(",")]
-    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas})
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                 "routing": a.routing, "tiny": a.tiny, "reps": a.reps, "vllm_fp8_tok_s": VLLM_FP8_TOK_S}
-
-    def dump():
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-
-    for kind in kinds:
-        t = time.time()
-        eng = build(kind, cfg, dev, a.tiny)
-        sync(dev)
-        log(f"[{kind}] built in {time.time() - t:.1f}s")
-        r = res[kind] = {}
-        for name, fn in (("a", lambda: section_a(eng, cfg, prompt_a, a.reps)),
-                         ("b", lambda: section_b(eng, cfg, prompts, a.reps)),
-                         ("c", lambda: section_c(eng, cfg, a.reps, 4096))):
-            if name not in sections:
-                continue
-            t = time.time()
-            try:
-                with routing(a.routing):
-                    r[name] = fn()
-            except Exception as e:
-                import traceback
-
-                traceback.print_exc()
-                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
-            log(f"[{kind} section {name}] {time.time() - t:.1f}s")
-            dump()
-        del eng
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    res = result_header(dev, a, vllm_fp8_tok_s=VLLM_FP8_TOK_S)
+    run_kinds(kinds, cfg, dev, a.tiny, res, set(a.sections.split(",")),
+              lambda eng, kind: (("a", lambda: section_a(eng, cfg, prompt_a, a.reps)),
+                                 ("b", lambda: section_b(eng, cfg, prompts, a.reps)),
+                                 ("c", lambda: section_c(eng, cfg, a.reps, 4096))),
+              a.routing, dumper(res, a.json))
 
     log("\n| kind | step ms | commit ms eager / graphed | tok/s eager / graphed | ms/forward eager / graphed "
         "| first block ms (prompts) | chat turn ms |\n|---|---|---|---|---|---|---|")

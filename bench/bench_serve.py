@@ -191,7 +191,7 @@ def build(a):
 
         model = diffgemma.load()
         return model, model.tokenizer
-    from bench.bench_e2e import build as build_engine_kind
+    from bench.runner import build as build_engine_kind
     from bench.bench_engine import CANVAS, TEXT
     from diffgemma.config import ModelConfig
 

@@ -307,11 +307,12 @@ def test_bad_batching_values_are_one_line_errors(model, capsys):
 def test_the_default_batch_fits_the_free_device_memory():
     """serve's default --max-batch on CUDA (worker.fitting_batch): the slots' KV caches and logits buffers within
     the free memory beside the reserve, never past the model's cap, never below one."""
-    from diffgemma.server.worker import BATCH_GRAPHS_KEPT, SERVE_RESERVE_BYTES, default_max_batch, fitting_batch
+    from diffgemma.model.engine_batch import KEPT_GRAPHS
+    from diffgemma.server.worker import SERVE_RESERVE_BYTES, default_max_batch, fitting_batch
 
     GiB = 2**30
     cache, logits, buckets = GiB // 2, 128 * 2**20, 4  # a full-size 8k slot: 0.5 GiB of KV, [256, 262144] bf16 logits
-    per = cache + logits * (buckets + BATCH_GRAPHS_KEPT)
+    per = cache + logits * (buckets + KEPT_GRAPHS)
     assert fitting_batch(120 * GiB, cache, logits, buckets, 8) == 8  # an H200 after the q4 weights
     assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per, cache, logits, buckets, 8) == 3
     assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per - 1, cache, logits, buckets, 8) == 2

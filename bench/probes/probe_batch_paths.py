@@ -19,7 +19,7 @@ import torch
 
 from bench.balanced_routing import routing
 from bench.bench_batch import lanes, timed
-from bench.bench_e2e import build, log
+from bench.runner import build, log
 from bench.bench_engine import CANVAS, TEXT
 from diffgemma.config import ModelConfig
 from diffgemma.ops import moe

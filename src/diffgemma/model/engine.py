@@ -42,7 +42,6 @@ from .graph_guard import GuardedGraph, guard_support
 from .options import EngineOptions
 
 _BUCKET0 = 1024  # smallest context bucket for graphed denoise; buckets double from here
-_BATCH_GRAPHS = 4  # batched denoise graphs kept (least recently used dropped first): each holds its [rows, V] logits
 
 
 def build_engine(config: ModelConfig, tensor_source, device, dtype=torch.bfloat16, **kw) -> "Engine":
@@ -91,7 +90,7 @@ class Engine:
         # as long as it lives (one set per context bucket). Sharing is safe: graphs replay one at a time on one
         # stream, and each replay's output is read right after that replay, before another graph may overwrite it.
         self._graph_pool = None
-        self._batch_graphs = BatchGraphs(self, _BATCH_GRAPHS)  # the batched denoise's graphs (model/engine_batch.py)
+        self._batch_graphs = BatchGraphs(self)  # the batched denoise's graphs (model/engine_batch.py)
         self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
         self._staged = None  # stage_denoise's (graph entry, key, ids, ids version, sc, sc version) until the next call
         self._ahead = None  # the same for a forward stage_denoise(go=) launched, until the call that takes it

@@ -10,12 +10,10 @@ holds its [rows, V] logits), and a graph whose cache died is dropped.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..errors import InputError
-from .engine_graph import BatchGraph
+from .engine_graph import BatchGraph, CacheRefs
 from .engine_inputs import check_ids
 
 
@@ -58,11 +56,14 @@ def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
     return caches, torch.cat(ids), lens, rows, has
 
 
+KEPT_GRAPHS = 4  # batched graphs an engine keeps: each holds every lane's [canvas, vocab] logits
+
+
 class BatchGraphs:
     """The engine's batched denoise graphs, by (the caches' ids, the lanes' lengths, key rows, attention impl, kernel
     path rule), most recently used last."""
 
-    def __init__(self, engine, keep: int):
+    def __init__(self, engine, keep: int = KEPT_GRAPHS):
         self.engine, self.keep = engine, keep
         self.graphs: dict[tuple, BatchGraph] = {}
         self._last = None  # the key of the last batch run, and weak references to its caches
@@ -80,7 +81,7 @@ class BatchGraphs:
         if entry is not None and not entry.serves(caches):  # a cache died and another took its address
             entry = None
         repeated = self._last is not None and self._last[0] == key and self._last[1].serves(caches)
-        self._last = (key, _Refs(caches))
+        self._last = (key, CacheRefs(caches))
         if entry is None and not repeated:
             return None
         if entry is None:
@@ -113,14 +114,3 @@ class BatchGraphs:
             out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
         return BatchGraph(graph, caches, ids_buf, sc_buf, has_buf, out)
 
-
-class _Refs:
-    """Weak references to a batch's caches (whether a key's ids still name the same caches)."""
-
-    __slots__ = ("refs",)
-
-    def __init__(self, caches):
-        self.refs = [weakref.ref(c) for c in caches]
-
-    def serves(self, caches) -> bool:
-        return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))

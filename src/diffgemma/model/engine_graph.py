@@ -41,6 +41,22 @@ class PrefillGraph:
         self.graph.replay()
 
 
+class CacheRefs:
+    """Weak references to a batch's caches: whether they are all alive, and whether they are these very caches (a
+    batch is keyed by the caches' ids, which a new cache at a recycled address would share)."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, caches):
+        self.refs = [weakref.ref(c) for c in caches]
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.refs)
+
+    def serves(self, caches) -> bool:
+        return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
+
+
 class BatchGraph:
     """A captured batched denoise (Forward.denoise_batch) over fixed caches: the torch graph, weak references to its
     caches (it reads their buffers, so it is only replayed while every one is alive and the same object), its static
@@ -50,13 +66,13 @@ class BatchGraph:
 
     def __init__(self, graph, caches, ids, sc, has, out):
         self.graph, self.ids, self.sc, self.has, self.out = graph, ids, sc, has, out
-        self.caches = [weakref.ref(c) for c in caches]
+        self.caches = CacheRefs(caches)
 
     def alive(self) -> bool:
-        return all(r() is not None for r in self.caches)
+        return self.caches.alive()
 
     def serves(self, caches) -> bool:
-        return len(caches) == len(self.caches) and all(r() is c for r, c in zip(self.caches, caches))
+        return self.caches.serves(caches)
 
     def replay(self) -> None:
         self.graph.replay()

@@ -243,8 +243,8 @@ class Forward:
         input is what denoise computes for it alone (both input paths run, a select per row keeps its own), and each
         lane attends to its own cache only (docs/ARCHITECTURE.md, 'Batching')."""
         x_sc, h_sc = self._canvas_input(ids, "embeds", sc)
-        x0, h0 = self._canvas_input(ids, "none", None)
-        h0 = rms_norm(x0, self.w.layers[0].input_norm, self.config.rms_norm_eps)
+        x0, _ = self._canvas_input(ids, "none", None)
+        h0 = rms_norm(x0, self.w.layers[0].input_norm, self.config.rms_norm_eps)  # as _run_layers makes it alone
         pick = has_sc[:, None]
         x, h = torch.where(pick, x_sc, x0), torch.where(pick, h_sc, h0)
         lanes, lo = [], 0

@@ -25,6 +25,7 @@ import threading
 
 from ..config import cache_tokens
 from ..errors import DiffgemmaError, InputError
+from ..model.engine_batch import KEPT_GRAPHS
 from ..slots import Slot, usable_prefix
 from .scheduler import Job, Scheduler
 
@@ -66,14 +67,13 @@ def default_max_batch(model, max_tokens: int | None = None) -> int:
 # Device bytes kept free beside the slots: a packed model's prefill dequantizes a layer's experts into a ~1 GB bf16
 # scratch, and a step's transient tensors (the sampler's [canvas, vocab] passes, a capture's warm-up) come and go.
 SERVE_RESERVE_BYTES = 3 * 2**30
-BATCH_GRAPHS_KEPT = 4  # as the engine keeps (model/engine.py): each holds every lane's logits
 
 
 def fitting_batch(free: int, cache_bytes: int, logits_bytes: int, buckets: int, cap: int) -> int:
     """The most requests (at least 1, at most cap) whose slots fit in `free` device bytes beside the reserve: each
     needs its KV cache, a solo denoise graph's [canvas, vocab] logits per context bucket, and its lane's share of
     the kept batch graphs' logits."""
-    per_request = cache_bytes + logits_bytes * (buckets + BATCH_GRAPHS_KEPT)
+    per_request = cache_bytes + logits_bytes * (buckets + KEPT_GRAPHS)
     return max(1, min(cap, (free - SERVE_RESERVE_BYTES) // max(1, per_request)))
 
 
