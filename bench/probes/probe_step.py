@@ -94,7 +94,7 @@ def report(label: str, wall_ms: float, events_ms: float, per_name: dict) -> dict
             "kernels": {k: {"us": v[0], "launches": v[1]} for k, v in per_name.items()}}
 
 
-def idle_report(trace: str, n: int, top: int = 14) -> dict:
+def idle_report(trace: str, n: int, top: int = 14, max_gap: float = 200) -> dict:
     """Where the GPU sits idle inside the profiled replays: every interval in which no kernel runs on any stream,
     charged to the pair (family of the kernel that ended last before it -> family of the kernel that starts
     after it). The step's wall time is the busy union plus these intervals; a kernel boundary costs its gap."""
@@ -106,7 +106,7 @@ def idle_report(trace: str, n: int, top: int = 14) -> dict:
     for e in ev:
         if busy_end is not None and e["ts"] > busy_end:
             gap = e["ts"] - busy_end
-            if gap < 200:  # between replays the host relaunches: not the step's
+            if gap < max_gap:  # longer: between replays the host relaunches, not the step's
                 key = f"{family(last_name)} -> {family(e['name'])}"
                 pairs[key][0] += gap
                 pairs[key][1] += 1

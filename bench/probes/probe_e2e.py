@@ -1,0 +1,105 @@
+"""Probe: where bench_e2e's section (a) spends a generation's time outside its denoise steps (one GPU, ~2 min a kind).
+
+    PYTHONPATH=src:. python -m bench.probes.probe_e2e [--kinds q4,bf16] [--json out.json]
+
+Per kind, full size, random weights, balanced routing, a 1k prompt and bench_e2e's fixed-step settings (16 steps,
+4 blocks of one canvas): the GPU time by kernel family of (1) the graphed denoise step alone, (2) the graphed
+256-token commit alone, (3) one whole generate under the CUDA activity profiler, per forward; and where the GPU sits
+idle during that generate (no kernel on any stream), charged to the pair of kernel families around each interval.
+So the loop's extra time per forward splits into kernels the step does not have (sampler, SC, commit) and idle GPU
+(the host's turn-around).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.bench_e2e import BLOCKS, STEPS, fixed_steps, timed
+from bench.probes.probe_step import family, idle_report, profile_replays, report
+from bench.runner import build, log, shapes
+from bench.balanced_routing import routing
+from diffgemma.generation import generate
+
+
+def kernel_families(trace: str, per: float) -> dict:
+    ev = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    fams = collections.defaultdict(lambda: [0.0, 0])
+    for e in ev:
+        f = fams[family(e["name"])]
+        f[0] += e["dur"]
+        f[1] += 1
+    log(f"  kernels per forward: {sum(v[0] for v in fams.values()) / per / 1e3:.3f} ms")
+    for k, (us, n) in sorted(fams.items(), key=lambda kv: -kv[1][0]):
+        log(f"    {k:38s} {us / per / 1e3:8.3f} ms {n / per:7.1f} launches")
+    return {k: {"ms": v[0] / per / 1e3, "launches": v[1] / per} for k, v in fams.items()}
+
+
+def probe(kind: str, cfg, dev, prompt_len: int = 1024) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = build(kind, cfg, dev, False)
+    C, V = cfg.canvas_length, cfg.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (prompt_len,), generator=gen).to(dev)
+    block = torch.randint(0, V, (C,), generator=gen).to(dev)
+    canvas = torch.randint(0, V, (C,), generator=gen).to(dev)
+    out = {}
+    with routing("balanced"):
+        cache = eng.new_cache(prompt_len + (BLOCKS + 1) * C, rewind_slack=BLOCKS * C)
+        eng.prefill(cache, prompt)
+        sce = eng.embed(canvas)
+        step = lambda: eng.denoise_raw(cache, canvas, sc_embeds=sce)  # noqa: E731
+        step()
+        wall, per = profile_replays(step, 5)
+        out["step"] = report(f"{kind} denoise step", wall, wall, per)
+
+        def commit():
+            cache.truncate(prompt_len)
+            eng.prefill(cache, block)
+        commit()
+        wall, per = profile_replays(commit, 5)
+        out["commit"] = report(f"{kind} graphed commit (truncate + prefill)", wall, wall, per)
+
+        s = fixed_steps(C, BLOCKS)
+        for _ in range(2):
+            cache.truncate(prompt_len)
+            ms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
+        forwards = BLOCKS * STEPS
+        log(f"\n== {kind} generate: {ms:.1f} ms unprofiled, {ms / forwards:.3f} ms per forward")
+        cache.truncate(prompt_len)
+        trace = f"/tmp/probe_e2e_{kind}.json"
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
+        prof.export_chrome_trace(trace)
+        log(f"  profiled: {gms:.1f} ms, {gms / forwards:.3f} ms per forward")
+        out["generate"] = {"ms": ms, "ms_profiled": gms, "families": kernel_families(trace, forwards)}
+        out["generate"]["idle"] = idle_report(trace, forwards, top=20, max_gap=1e9)
+    del cache, eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="q4,bf16")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_e2e.py needs a CUDA GPU")
+    cfg, dev = shapes(False)
+    res = {"gpu": torch.cuda.get_device_name()}
+    for kind in a.kinds.split(","):
+        res[kind] = probe(kind, cfg, dev)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
