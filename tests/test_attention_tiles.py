@@ -123,7 +123,7 @@ def test_a_failing_canvas_kernel_falls_back_in_order(monkeypatch):
         return fn
 
     monkeypatch.setattr(attn, "_triton_failed", {})
-    monkeypatch.setattr(attn, "_canvas_only_ok", lambda q, causal: not causal)  # as on CUDA
+    monkeypatch.setattr(attn, "_canvas_only_ok", lambda q, causal, impl, window: not causal or impl == "tiles")
     monkeypatch.setattr(attn, "_KERNELS", {"tiles": failing("tiles"), "gemm": failing("gemm"),
                                            "triton": working("triton")})
     q, k, v = qkv(4, 2, 8, 40, 32)
@@ -135,3 +135,45 @@ def test_a_failing_canvas_kernel_falls_back_in_order(monkeypatch):
     attn.attention(q, k, v, None, 40, impl="tiles", nlive=torch.tensor(30))
     assert calls == ["triton"]  # the failures are remembered: no second attempt, no second warning
     assert set(attn._triton_failed) == {(32, False, "tiles"), (32, False, "gemm")}
+    calls.clear()  # a causal call whose tiles fail goes to the flash kernel: the GEMM form is bidirectional only
+    with pytest.warns(UserWarning, match="kernel 'tiles' unavailable.*causal=True"):
+        attn.attention(q, k, v, torch.arange(40), 40, qpos=torch.arange(32, 40), causal=True, impl="tiles")
+    assert calls == ["tiles", "triton"]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("cached,n,pad,bucket", [(40, 8, 8, 64), (21, 7, 8, 48), (0, 9, 12, 16), (64, 16, 16, 96)])
+def test_causal_tiles_match_the_twin_and_the_reference(cached, n, pad, bucket, tma):
+    """A short prefill on full layers: `cached` rows, then a chunk of n real rows padded to `pad` (pad rows after
+    the real ones, kpos = row = position), keys read over a padded bucket of key rows whose rows past the chunk
+    hold large K and NaN V. The real rows equal the f32 causal reference; the kernels equal their twin."""
+    H, KV, d = 8, 2, 32
+    rows = bucket + pad
+    q, k, v = qkv(H, KV, pad, rows, d)
+    end = cached + pad
+    k[:, end:] *= 50
+    v[:, end:] = float("nan")
+    kpos = torch.arange(rows)
+    qpos = cached + torch.arange(pad)
+    nlive = torch.tensor(end)
+    got = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.float32,
+                             kernels=True, tma=tma, **SMALL)
+    twin = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.float32,
+                              kernels=False, tile=16)
+    exp = attn.attention_ref(q, k, v.nan_to_num(0.0), torch.where(kpos < end, kpos, -1), rows, qpos=qpos,
+                             causal=True, out_dtype=torch.float32)
+    assert torch.isfinite(got).all() and torch.isfinite(twin).all()
+    vmax = v[:, :end].abs().max().float()
+    assert (got - twin).abs().max() <= 2 ** -10 * vmax
+    torch.testing.assert_close(twin[:n], exp[:n], atol=3e-3, rtol=3e-3)
+    # the mask is per query: a bidirectional call over the same keys differs on every row but the last
+    full = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, out_dtype=torch.float32, kernels=False, tile=16)
+    assert (full[: pad - 1] - twin[: pad - 1]).abs().amax(-1).min() > 1e-3
+
+
+def test_causal_tiles_refuse_a_query_position_without_key_positions():
+    q, k, v = qkv(8, 2, 4, 16, 32)
+    with pytest.raises(ValueError, match="qpos"):
+        at.attention_tiles(q, k, v, 16, qpos=torch.arange(4), kernels=False)
+    with pytest.raises(ValueError, match="qpos"):
+        at.attention_tiles(q, k, v, 16, kpos=torch.arange(16), qpos=torch.arange(5), kernels=False)

@@ -1,11 +1,12 @@
 """Probe: where bench_e2e's section (a) spends a generation's time outside its denoise steps (one GPU, ~2 min a kind).
 
-    PYTHONPATH=src:. python -m bench.probes.probe_e2e [--kinds q4,bf16] [--json out.json]
+    PYTHONPATH=src:. python -m bench.probes.probe_e2e [--kinds q4,bf16] [--json out.json] [--traces DIR]
 
 Per kind, full size, random weights, balanced routing, a 1k prompt and bench_e2e's fixed-step settings (16 steps,
 4 blocks of one canvas): the GPU time by kernel family of (1) the graphed denoise step alone, (2) the graphed
-256-token commit alone, (3) one whole generate under the CUDA activity profiler, per forward; and where the GPU sits
-idle during that generate (no kernel on any stream), charged to the pair of kernel families around each interval.
+256-token commit alone (its full layers' attention on the flash kernel and on the default tiles), (3) one whole
+generate under the CUDA activity profiler, per forward; and where the GPU sits idle during that generate (no kernel
+on any stream), charged to the pair of kernel families around each interval; and each step's run-ahead answer.
 So the loop's extra time per forward splits into kernels the step does not have (sampler, SC, commit) and idle GPU
 (the host's turn-around).
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from bench.probes.probe_step import family, idle_report, profile_replays, report
 from bench.runner import build, log, shapes
 from bench.balanced_routing import routing
 from diffgemma.generation import generate
+from diffgemma.model.denoiser import StagedDenoiser
 
 
 def kernel_families(trace: str, per: float) -> dict:
@@ -41,7 +45,27 @@ def kernel_families(trace: str, per: float) -> dict:
     return {k: {"ms": v[0] / per / 1e3, "launches": v[1] / per} for k, v in fams.items()}
 
 
-def probe(kind: str, cfg, dev, prompt_len: int = 1024) -> dict:
+def go_flags(eng, cache, prompt_len, s) -> list:
+    """Each step's run-ahead answer (StepStatus.go: True = the next forward was launched before the host read; None =
+    no speculative plan, so nothing was staged) over one more generate."""
+    seen = []
+    orig = StagedDenoiser.read_status
+
+    def read_status(self, *a, **k):
+        st = orig(self, *a, **k)
+        seen.append(st.go)
+        return st
+    StagedDenoiser.read_status = read_status
+    try:
+        cache.truncate(prompt_len)
+        generate(eng, [], settings=s, cache=cache)
+    finally:
+        StagedDenoiser.read_status = orig
+    log(f"  go per step: {collections.Counter(seen)}")
+    return seen
+
+
+def probe(kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     eng = build(kind, cfg, dev, False)
@@ -63,9 +87,16 @@ def probe(kind: str, cfg, dev, prompt_len: int = 1024) -> dict:
         def commit():
             cache.truncate(prompt_len)
             eng.prefill(cache, block)
-        commit()
-        wall, per = profile_replays(commit, 5)
-        out["commit"] = report(f"{kind} graphed commit (truncate + prefill)", wall, wall, per)
+        for rows in (0, eng.options.causal_tiles_rows):  # the full layers' attention: flash, then the default
+            old = eng.options
+            eng.causal_tiles_rows = rows
+            try:
+                commit()
+                wall, per = profile_replays(commit, 5)
+                out[f"commit_tiles_{rows}"] = report(f"{kind} graphed commit (truncate + prefill), causal_tiles_rows "
+                                                     f"{rows}", wall, wall, per)
+            finally:
+                eng.options = old
 
         s = fixed_steps(C, BLOCKS)
         for _ in range(2):
@@ -74,15 +105,15 @@ def probe(kind: str, cfg, dev, prompt_len: int = 1024) -> dict:
         forwards = BLOCKS * STEPS
         log(f"\n== {kind} generate: {ms:.1f} ms unprofiled, {ms / forwards:.3f} ms per forward")
         cache.truncate(prompt_len)
-        trace = f"/tmp/probe_e2e_{kind}.json"
+        trace = f"{trace_dir}/probe_e2e_{kind}.json"
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             gms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
         prof.export_chrome_trace(trace)
         log(f"  profiled: {gms:.1f} ms, {gms / forwards:.3f} ms per forward")
         out["generate"] = {"ms": ms, "ms_profiled": gms, "families": kernel_families(trace, forwards)}
         out["generate"]["idle"] = idle_report(trace, forwards, top=20, max_gap=1e9)
-    del cache, eng
-    torch.cuda.empty_cache()
+        out["generate"]["go"] = go_flags(eng, cache, prompt_len, s)
+        subprocess.run(["gzip", "-f", trace], check=False)
     return out
 
 
@@ -90,13 +121,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--traces", default="/tmp", help="where the generate traces go (gzipped chrome traces)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_e2e.py needs a CUDA GPU")
     cfg, dev = shapes(False)
     res = {"gpu": torch.cuda.get_device_name()}
     for kind in a.kinds.split(","):
-        res[kind] = probe(kind, cfg, dev)
+        res[kind] = probe(kind, cfg, dev, a.traces)
+        gc.collect()
+        torch.cuda.empty_cache()
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -116,7 +116,7 @@ def idle_report(trace: str, n: int, top: int = 14, max_gap: float = 200) -> dict
             busy_end, last_name = end, e["name"]
     streams = collections.Counter(e.get("args", {}).get("stream") for e in ev)
     print(f"  idle (no kernel on any stream): {idle_us / n / 1e3:.3f} ms a step, kernels on streams "
-          f"{dict(streams)}", flush=True)
+          f"{len(streams)} streams, the busiest {dict(streams.most_common(3))}", flush=True)
     for key, (us, cnt) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"    {us / n:8.1f} us {cnt / n:5.0f}x  {us / max(cnt, 1):5.2f} us each  {key}")
     return {"idle_ms": idle_us / n / 1e3, "pairs": {k: {"us": v[0] / n, "count": v[1] / n} for k, v in pairs.items()}}

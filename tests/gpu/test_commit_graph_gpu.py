@@ -75,7 +75,7 @@ def test_graphed_commit_is_the_eager_commit(engine, k):
                 err = (x.float() - z.float()).abs().max().item()
                 assert err <= 0.05 * max(1.0, z.float().abs().max().item()), f"block {b}: K/V {i} off by {err:.3g}"
     keys = list(engine._prefill_graphs[caches["graphed"]])
-    assert keys == [(CANVAS, keys[0][1], engine.options.attn_impl)], keys
+    assert keys == [(CANVAS, keys[0][1], engine.forward._causal_full_impl(CANVAS))], keys
     canvas = torch.randint(0, V, (CANVAS,), device=DEV)
     lg, lu = (engine.denoise(caches[m], canvas).float().clone() for m in ("graphed", "unpadded"))
     if k == CANVAS:
@@ -103,3 +103,26 @@ def test_seeded_generate_tokens_match_the_eager_commit(engine):
     assert len(runs[True][0]) == 4 * CANVAS
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == runs[False][1]  # the caches too, bit for bit
+
+
+def test_commit_on_tiles_is_close_to_the_flash_commit(engine):
+    """options.causal_tiles_rows: the commit's full-layer attention on the tile kernels against the flash kernel
+    (0): the same math, other roundings. The caches' K/V and the next denoise logits stay bf16-close."""
+    V = engine.config.vocab_size
+    prompt = torch.randint(0, V, (300,), device=DEV)
+    ids = torch.randint(0, V, (CANVAS,), device=DEV)
+    canvas = torch.randint(0, V, (CANVAS,), device=DEV)
+    out = {}
+    for rows in (0, CANVAS):
+        old = engine.options
+        engine.causal_tiles_rows = rows
+        try:
+            cache = prefilled(engine, prompt)
+            commit(engine, cache, ids, padded=True)
+            out[rows] = (cache_state(cache)[3], engine.denoise(cache, canvas).float().clone())
+        finally:
+            engine.options = old
+    for x, z in zip(out[0][0], out[CANVAS][0]):
+        err = (x.float() - z.float()).abs().max().item()
+        assert err <= 0.05 * max(1.0, x.float().abs().max().item())
+    assert (out[0][1] - out[CANVAS][1]).abs().max().item() <= 0.5

@@ -119,6 +119,7 @@ class Engine:
     canvas_impls = _option("canvas_impls")
     prefill_chunk = _option("prefill_chunk")
     padded_prefill = _option("padded_prefill")
+    causal_tiles_rows = _option("causal_tiles_rows")
     guarded_graphs = _option("guarded_graphs")
 
     @classmethod
@@ -211,7 +212,7 @@ class Engine:
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)
-        key = (pad, key_rows, self.options.attn_impl)
+        key = (pad, key_rows, self.forward._causal_full_impl(pad))
         graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:

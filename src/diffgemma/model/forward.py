@@ -141,8 +141,7 @@ class Forward:
             if cfg.layers[li].is_sliding:  # (the last layer is always full: need_out is True here)
                 # Attend over the ring as it was before this chunk, then store the chunk: a long chunk's own writes
                 # would otherwise clobber window positions its earlier queries still need.
-                q, kv = self._qkv(li, qkv, pos, dense_kv=True)
-                Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+                q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
                               impl=self._attn_impl(True, True), n_ring=R, base_pos=P, groups=slide_groups)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
@@ -152,7 +151,7 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self._attn_impl(False, True), groups=full_groups)
+                             impl=self._causal_full_impl(n), groups=full_groups)
 
         x = self.embed(ids) if embeds is None else embeds  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -184,24 +183,31 @@ class Forward:
         slide_qpos = R + ar
         full_kpos = self._rows_arange(key_rows)
 
+        in_scratch = N <= cache.canvas
+        if in_scratch:  # pad rows store into their own canvas scratch row, where their K/V already are
+            ring_w = torch.where(real, slots, R + ar)
+
         def keep_pad(new, old):  # real rows' K/V, and the pad rows' slots as they were
             return torch.where(real[None, :, None], new, old)
 
         def attend(li, qkv, need_out):
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
-                q, kv = self._qkv(li, qkv, pos, dense_kv=True)
-                Kx, Vx = torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+                q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + N, qpos=slide_qpos, window=W, causal=True,
                               out_dtype=self.dtype, impl=self._attn_impl(True, True), n_ring=R, base_pos=R)
-                K.index_copy_(1, slots, keep_pad(kv[0], K[:, slots]))
-                V.index_copy_(1, slots, keep_pad(kv[1], V[:, slots]))
+                if in_scratch:
+                    K.index_copy_(1, ring_w, kv[0])
+                    V.index_copy_(1, ring_w, kv[1])
+                else:
+                    K.index_copy_(1, slots, keep_pad(kv[0], K[:, slots]))
+                    V.index_copy_(1, slots, keep_pad(kv[1], V[:, slots]))
                 return o
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
-                             out_dtype=self.dtype, impl=self._attn_impl(False, True))
+                             out_dtype=self.dtype, impl=self._causal_full_impl(N), nlive=end)
 
         x = self.embed(ids)
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -215,6 +221,25 @@ class Forward:
         if rows is None:
             rows = self._canvas_rows_cache[key] = torch.arange(n, device=self.device)
         return rows
+
+    def _ring_and_chunk(self, li, qkv, pos, K, V, R: int, canvas: int):
+        """A sliding layer's prefill chunk: -> (q, the chunk's dense K/V, keys, values), the keys and values being the
+        ring as it was before the chunk followed by the chunk's own rows. A chunk of up to a canvas of rows writes
+        its K/V into the cache's canvas scratch rows, right after the ring, so the cache buffers are those keys as
+        they lie; a longer one is concatenated after a copy of the ring."""
+        n = len(pos)
+        if n <= canvas:
+            q, kv = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=self._canvas_rows(n, R)[1], dense_kv=True)
+            return q, kv, K, V
+        q, kv = self._qkv(li, qkv, pos, dense_kv=True)
+        return q, kv, torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
+
+    def _causal_full_impl(self, n: int) -> str | None:
+        """The full layers' causal attention of an n-row chunk: a forced `attn_impl`, else the tile kernels up to
+        options.causal_tiles_rows rows (a commit, a short turn), else the dispatcher's default (the flash kernel)."""
+        if self.attn_impl is None and n <= self.options.causal_tiles_rows:
+            return "tiles"
+        return self.attn_impl
 
     def _dequantizes_in_prefill(self, chunk: int) -> bool:
         cfg = self.config

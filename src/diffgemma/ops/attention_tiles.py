@@ -32,6 +32,13 @@ import torch
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available, use_triton
 from .attention_gemm import check_canvas_shapes, visible_keys
 
+
+def check_causal(name: str, q, kpos, qpos) -> None:
+    """A causal tiles call's contract: qpos [n] with kpos (the keys' positions), refused with a one-line message."""
+    if qpos is not None and (kpos is None or qpos.shape != (q.shape[1],)):
+        raise ValueError(f"{name}: qpos {list(qpos.shape)} with kpos {'None' if kpos is None else 'given'}: expected "
+                         f"qpos [{q.shape[1]}] (one position per query) and kpos (each key's position)")
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
@@ -48,14 +55,16 @@ TILE = 128  # keys a stats tile: the first kernel's N block and the PV kernel's 
 if HAVE_TRITON:
 
     @triton.jit
-    def _qk_tile_softmax_kernel(q_ptr, k_ptr, p_ptr, m_ptr, l_ptr, nlive_ptr, kpos_ptr,
-                                GR, n_keys, NP, KVGR, k_rows,
+    def _qk_tile_softmax_kernel(q_ptr, k_ptr, p_ptr, m_ptr, l_ptr, nlive_ptr, kpos_ptr, qpos_ptr,
+                                GR, n_keys, NP, KVGR, k_rows, n_q,
                                 D: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
-                                HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, TMA: tl.constexpr):
+                                HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, TMA: tl.constexpr,
+                                CAUSAL: tl.constexpr):
         """Grid (row blocks, key tiles, KV heads): the row blocks of one key tile are neighbours, so a K tile is
         read from memory once. q [KV·GR, D] f16, k [KV·k_rows, D] (pointers, or tensor descriptors when TMA);
         P [KV, GR, NP] (NP = tiles · TILE); m, l [tiles, KV·GR]. A tile wholly at or past the live keys writes
-        m = -1e30, l = 0 and no P (the PV kernel stops before it)."""
+        m = -1e30, l = 0 and no P (the PV kernel stops before it). CAUSAL (needs KPOS): row r's token t = r % n_q
+        sees key j only where kpos[j] <= qpos[t]."""
         LOG2E_: tl.constexpr = 1.4426950408889634
         pid_m, j, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -86,8 +95,13 @@ if HAVE_TRITON:
                 acc = tl.dot(a, tl.trans(b), acc)
         ok = keys < hi
         if KPOS:
-            ok = ok & (tl.load(kpos_ptr + keys, mask=ok, other=-1) >= 0)
-        s = tl.where(ok[None, :], acc * LOG2E_, -float("inf"))
+            kp = tl.load(kpos_ptr + keys, mask=ok, other=-1)
+            ok = ok & (kp >= 0)
+        if CAUSAL:
+            qp = tl.load(qpos_ptr + rows % n_q, mask=row_ok, other=0)
+            s = tl.where(ok[None, :] & (kp[None, :] <= qp[:, None]), acc * LOG2E_, -float("inf"))
+        else:
+            s = tl.where(ok[None, :], acc * LOG2E_, -float("inf"))
         m = tl.maximum(tl.max(s, axis=1), -1.0e30)  # finite: an all-masked tile gets P = 0, l = 0, weight 0
         p = tl.exp2(s - m[:, None])
         p_rows = p_ptr + (g * GR + rows).to(tl.int64)[:, None] * NP
@@ -152,20 +166,26 @@ if HAVE_TRITON:
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE):
+def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE, qpos=None):
     """The kernels' math in torch, tile by tile, with their roundings (P to the V dtype after the exponential
     and again after the tile weight). No host reads, so a CUDA graph may capture it."""
     check_canvas_shapes("attention_tiles", q, k, v, n_keys)
+    check_causal("attention_tiles", q, kpos, qpos)
     H, n, d = q.shape
     KV = k.shape[0]
     GR = (H // KV) * n
     n_tiles = -(-n_keys // tile)
     NP = n_tiles * tile
-    ok = torch.zeros(NP, dtype=torch.bool, device=q.device)
-    ok[:n_keys] = visible_keys(n_keys, nlive, kpos, q.device)
+    key_ok = torch.zeros(NP, dtype=torch.bool, device=q.device)
+    key_ok[:n_keys] = visible_keys(n_keys, nlive, kpos, q.device)
     qg = q.reshape(KV, GR, d).to(k.dtype).float()
     kf = torch.zeros(KV, NP, d, device=q.device)
     kf[:, :n_keys] = k[:, :n_keys].float()
+    ok = key_ok
+    if qpos is not None:  # [GR, NP]: row r is token r % n
+        kp = torch.full((NP,), -1, dtype=torch.int64, device=q.device)
+        kp[:n_keys] = kpos[:n_keys]
+        ok = key_ok[None, :] & (kp[None, :] <= qpos.long().repeat(GR // n)[:, None])
     s = ((qg @ kf.transpose(1, 2)) * LOG2E).masked_fill(~ok, -float("inf")).view(KV, GR, n_tiles, tile)
     m = s.amax(-1).clamp_min(-1.0e30)  # [KV, GR, tiles]
     e = torch.exp2(s - m[..., None])
@@ -176,7 +196,7 @@ def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=N
     a = (p.float() * f.to(v.dtype).float()[..., None]).to(v.dtype).float().reshape(KV, GR, NP)  # exact, then rounded
     vf = torch.zeros(KV, NP, d, device=q.device)
     vf[:, :n_keys] = v[:, :n_keys].float()
-    vf = vf.masked_fill(~ok[None, :, None], 0.0)
+    vf = vf.masked_fill(~key_ok[None, :, None], 0.0)
     o = (a @ vf) / total[..., None]  # [KV, GR, d], rows (local head, token)
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     out.copy_(o.reshape(H, n, d).transpose(0, 1).reshape(n, H * d))
@@ -185,15 +205,17 @@ def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=N
 
 def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, kernels: bool | None = None,
                     qk_config: dict | None = None, pv_config: dict | None = None, tile: int = TILE,
-                    tma: bool | None = None, weights_config: dict | None = None):
+                    tma: bool | None = None, weights_config: dict | None = None, qpos=None):
     """q [H, n, d], k/v [KV, rows, d] (the first n_keys rows read; rows contiguous, d wide) -> [n, H·d]. Key j is
-    visible iff j < nlive (when given) and kpos[j] >= 0 (when given); scale 1. kernels: the Triton kernels
-    (default: on CUDA), else the torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default:
-    on compute capability 9.0+), else through pointers (the same results)."""
+    visible iff j < nlive (when given) and kpos[j] >= 0 (when given), and with qpos [n] (causal, which needs kpos)
+    to query t only where kpos[j] <= qpos[t]; scale 1. kernels: the Triton kernels (default: on CUDA), else the
+    torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default: on compute capability 9.0+),
+    else through pointers (the same results)."""
     check_canvas_shapes("attention_tiles", q, k, v, n_keys)
+    check_causal("attention_tiles", q, kpos, qpos)
     kernels = use_triton(q) if kernels is None else kernels
     if not kernels:
-        return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile)
+        return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile, qpos=qpos)
     if not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("attention_tiles: k and v must be contiguous [KV, rows, d] (a cache buffer)")
     H, n, d = q.shape
@@ -214,6 +236,7 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     dummy = m  # any pointer, for the masks a call does not use
     nl, kp = (nlive if nlive is not None else dummy), (kpos if kpos is not None else dummy)
     flags = dict(HAS_NLIVE=nlive is not None, KPOS=kpos is not None)
+    qp = qpos if qpos is not None else dummy
     k_rows = k.shape[1]
     if tma is None:  # a descriptor needs 16-byte aligned bases (a cache slice at an odd offset takes pointers)
         tma = tma_available(q) and k.data_ptr() % 16 == 0
@@ -223,7 +246,8 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     else:
         qa, ka = qg, k
     _qk_tile_softmax_kernel[(triton.cdiv(GR, qc["BM"]), n_tiles, KV)](
-        qa, ka, p, m, l, nl, kp, GR, n_keys, NP, KV * GR, k_rows, D=d, TILE=tile, TMA=tma, **flags, **qc)
+        qa, ka, p, m, l, nl, kp, qp, GR, n_keys, NP, KV * GR, k_rows, n, D=d, TILE=tile, TMA=tma,
+        CAUSAL=qpos is not None, **flags, **qc)
     wc = dict(WEIGHTS_CONFIG, **(weights_config or {}))
     _tile_weights_kernel[(triton.cdiv(KV * GR, wc["BR"]),)](m, l, invl, n_tiles, KV * GR, **wc)
     _pv_scaled_kernel[(d // pc["BN"], triton.cdiv(GR, pc["BM"]), KV)](
