@@ -123,7 +123,7 @@ def test_a_failing_canvas_kernel_falls_back_in_order(monkeypatch):
         return fn
 
     monkeypatch.setattr(attn, "_triton_failed", {})
-    monkeypatch.setattr(attn, "_canvas_only_ok", lambda q, causal, impl, window: not causal or impl == "tiles")
+    monkeypatch.setattr(attn, "_canvas_only_ok", lambda q, causal, impl: not causal or impl == "tiles")
     monkeypatch.setattr(attn, "_KERNELS", {"tiles": failing("tiles"), "gemm": failing("gemm"),
                                            "triton": working("triton")})
     q, k, v = qkv(4, 2, 8, 40, 32)
@@ -142,11 +142,14 @@ def test_a_failing_canvas_kernel_falls_back_in_order(monkeypatch):
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("cached,n,pad,bucket", [(40, 8, 8, 64), (21, 7, 8, 48), (0, 9, 12, 16), (64, 16, 16, 96)])
-def test_causal_tiles_match_the_twin_and_the_reference(cached, n, pad, bucket, tma):
+@pytest.mark.parametrize("cached,n,pad,bucket,window", [(40, 8, 8, 64, 1 << 30), (21, 7, 8, 48, 1 << 30),
+                                                         (0, 9, 12, 16, 1 << 30), (64, 16, 16, 96, 1 << 30),
+                                                         (40, 8, 8, 64, 20), (64, 16, 16, 96, 5)])
+def test_causal_tiles_match_the_twin_and_the_reference(cached, n, pad, bucket, window, tma):
     """A short prefill on full layers: `cached` rows, then a chunk of n real rows padded to `pad` (pad rows after
     the real ones, kpos = row = position), keys read over a padded bucket of key rows whose rows past the chunk
-    hold large K and NaN V. The real rows equal the f32 causal reference; the kernels equal their twin."""
+    hold large K and NaN V, and some keys are empty ring slots (kpos -1). With a window, a sliding layer's mask. The
+    real rows equal the f32 causal reference; the kernels equal their twin."""
     H, KV, d = 8, 2, 32
     rows = bucket + pad
     q, k, v = qkv(H, KV, pad, rows, d)
@@ -154,14 +157,15 @@ def test_causal_tiles_match_the_twin_and_the_reference(cached, n, pad, bucket, t
     k[:, end:] *= 50
     v[:, end:] = float("nan")
     kpos = torch.arange(rows)
+    if cached > 3:
+        kpos[torch.randperm(cached)[:3]] = -1  # empty slots among the cached keys
     qpos = cached + torch.arange(pad)
     nlive = torch.tensor(end)
-    got = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.float32,
-                             kernels=True, tma=tma, **SMALL)
-    twin = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.float32,
-                              kernels=False, tile=16)
+    kw = dict(kpos=kpos, nlive=nlive, qpos=qpos, window=window, out_dtype=torch.float32)
+    got = at.attention_tiles(q, k, v, rows, kernels=True, tma=tma, **kw, **SMALL)
+    twin = at.attention_tiles(q, k, v, rows, kernels=False, tile=16, **kw)
     exp = attn.attention_ref(q, k, v.nan_to_num(0.0), torch.where(kpos < end, kpos, -1), rows, qpos=qpos,
-                             causal=True, out_dtype=torch.float32)
+                             window=window, causal=True, out_dtype=torch.float32)
     assert torch.isfinite(got).all() and torch.isfinite(twin).all()
     vmax = v[:, :end].abs().max().float()
     assert (got - twin).abs().max() <= 2 ** -10 * vmax

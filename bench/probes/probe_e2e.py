@@ -18,6 +18,7 @@ import collections
 import gc
 import json
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -63,6 +64,39 @@ def go_flags(eng, cache, prompt_len, s) -> list:
         StagedDenoiser.read_status = orig
     log(f"  go per step: {collections.Counter(seen)}")
     return seen
+
+
+def step_intervals(eng, cache, prompt_len, s) -> list:
+    """Host time between consecutive steps' status reads (each waits for its step on the GPU), per block: ms."""
+    import time
+    from diffgemma.generation import StepEvent, generate_stream
+
+    cache.truncate(prompt_len)
+    blocks, last = {}, None
+    for ev in generate_stream(eng, [], settings=s, cache=cache):
+        if isinstance(ev, StepEvent):
+            t = time.perf_counter()
+            if last is not None and ev.step > 1:
+                blocks.setdefault(ev.block, []).append((t - last) * 1e3)
+            last = t
+    return [round(sum(v) / len(v), 3) for _, v in sorted(blocks.items())]
+
+
+def variants(eng, cache, prompt_len, s) -> dict:
+    """Mean step interval per block with the run-ahead as built, with plain graphs (inputs staged, nothing launched
+    ahead) and without any run-ahead."""
+    out = {}
+    for name, kw in (("default", {}), ("plain_graphs", {"guarded_graphs": False}), ("no_run_ahead", {"run_ahead": False})):
+        old = eng.options
+        eng.options = replace(old, **kw)
+        eng.clear_graphs()  # a graph keeps the form it was captured with
+        try:
+            step_intervals(eng, cache, prompt_len, s)  # warm (captures)
+            out[name] = step_intervals(eng, cache, prompt_len, s)
+        finally:
+            eng.options = old
+        log(f"  step interval per block, {name}: {out[name]} ms")
+    return out
 
 
 def probe(kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
@@ -113,6 +147,7 @@ def probe(kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
         out["generate"] = {"ms": ms, "ms_profiled": gms, "families": kernel_families(trace, forwards)}
         out["generate"]["idle"] = idle_report(trace, forwards, top=20, max_gap=1e9)
         out["generate"]["go"] = go_flags(eng, cache, prompt_len, s)
+        out["variants"] = variants(eng, cache, prompt_len, s)
         subprocess.run(["gzip", "-f", trace], check=False)
     return out
 

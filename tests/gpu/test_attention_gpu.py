@@ -251,7 +251,8 @@ def test_causal_full_tiles_real_shape(n, P, pad):
     got = at.attention_tiles(q, k, v_nan, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.bfloat16)
     exp = attn.attention_ref(q[:, :n], k, v, kpos, P + n, qpos=qpos[:n], causal=True, out_dtype=torch.float32,
                              q_block=128)
-    flash = fl.attention_flash(q[:, :n], k, v, kpos, P + n, qpos=qpos[:n], causal=True, out_dtype=torch.bfloat16)
+    flash = fl.attention_flash(q[:, :n].contiguous(), k, v, kpos, P + n, qpos=qpos[:n], causal=True,
+                               out_dtype=torch.bfloat16)
     assert not torch.isnan(got[:n]).any()
     e_ref = rel(got[:n], exp)
     print(f"n {n} P {P}: causal tiles rel err vs f32 {e_ref:.2e}, flash {rel(flash, exp):.2e}")
@@ -259,5 +260,27 @@ def test_causal_full_tiles_real_shape(n, P, pad):
     twin = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, qpos=qpos, out_dtype=torch.float32,
                               kernels=False)
     assert rel(got[:n], twin[:n]) < 4e-3
-    alone = at.attention_tiles(q[:, :n].contiguous(), k, v, P + n, kpos=kpos, qpos=qpos[:n], out_dtype=torch.bfloat16)
+    alone = at.attention_tiles(q[:, :n].contiguous(), k, v, P + n, kpos=kpos, qpos=qpos[:n],
+                               out_dtype=torch.bfloat16)
     assert torch.equal(alone, got[:n])
+
+
+@pytest.mark.parametrize("n,L", [(256, 9000), (37, 300)])
+def test_causal_sliding_tiles_real_shape(n, L):
+    """A commit's sliding-layer attention on the tile kernels: the ring after L tokens (some slots empty when L is
+    short), then the chunk's n rows in the canvas scratch rows; window 1024. Against the f32 reference and the
+    flash kernel's error."""
+    from diffgemma.ops import attention_tiles as at
+
+    q, k, v = qkv(8, n, RING + C, 256)
+    kpos = torch.cat([ring_positions(L), torch.arange(L, L + n, device=DEV)])
+    qpos = torch.arange(L, L + n, device=DEV)
+    got = at.attention_tiles(q, k, v, RING + n, kpos=kpos, qpos=qpos, window=W, out_dtype=torch.bfloat16)
+    exp = attn.attention_ref(q, k, v, kpos, RING + n, qpos=qpos, window=W, causal=True, out_dtype=torch.float32,
+                             q_block=128)
+    flash = fl.attention_flash(q, k, v, kpos, RING + n, qpos=qpos, window=W, causal=True, out_dtype=torch.bfloat16,
+                               n_ring=RING, base_pos=L)
+    e_ref = rel(got, exp)
+    print(f"n {n} L {L}: causal sliding tiles rel err vs f32 {e_ref:.2e}, flash {rel(flash, exp):.2e}")
+    assert not torch.isnan(got).any()
+    assert e_ref < 1e-2 and e_ref < 1.5 * rel(flash, exp) + 1e-4

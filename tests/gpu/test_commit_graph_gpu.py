@@ -75,7 +75,7 @@ def test_graphed_commit_is_the_eager_commit(engine, k):
                 err = (x.float() - z.float()).abs().max().item()
                 assert err <= 0.05 * max(1.0, z.float().abs().max().item()), f"block {b}: K/V {i} off by {err:.3g}"
     keys = list(engine._prefill_graphs[caches["graphed"]])
-    assert keys == [(CANVAS, keys[0][1], engine.forward._causal_full_impl(CANVAS))], keys
+    assert keys == [(CANVAS, keys[0][1], engine.forward._causal_impl(CANVAS))], keys
     canvas = torch.randint(0, V, (CANVAS,), device=DEV)
     lg, lu = (engine.denoise(caches[m], canvas).float().clone() for m in ("graphed", "unpadded"))
     if k == CANVAS:

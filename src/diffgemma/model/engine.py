@@ -212,7 +212,7 @@ class Engine:
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)
-        key = (pad, key_rows, self.forward._causal_full_impl(pad))
+        key = (pad, key_rows, self.forward._causal_impl(pad))
         graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:

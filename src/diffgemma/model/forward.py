@@ -143,7 +143,7 @@ class Forward:
                 # would otherwise clobber window positions its earlier queries still need.
                 q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self._attn_impl(True, True), n_ring=R, base_pos=P, groups=slide_groups)
+                              impl=self._causal_impl(n), n_ring=R, base_pos=P, groups=slide_groups)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -151,7 +151,7 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
-                             impl=self._causal_full_impl(n), groups=full_groups)
+                             impl=self._causal_impl(n), groups=full_groups)
 
         x = self.embed(ids) if embeds is None else embeds  # no SC norm on the encoder pass
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -195,7 +195,7 @@ class Forward:
             if cfg.layers[li].is_sliding:
                 q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + N, qpos=slide_qpos, window=W, causal=True,
-                              out_dtype=self.dtype, impl=self._attn_impl(True, True), n_ring=R, base_pos=R)
+                              out_dtype=self.dtype, impl=self._causal_impl(N), n_ring=R, base_pos=R)
                 if in_scratch:
                     K.index_copy_(1, ring_w, kv[0])
                     V.index_copy_(1, ring_w, kv[1])
@@ -207,7 +207,7 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
-                             out_dtype=self.dtype, impl=self._causal_full_impl(N), nlive=end)
+                             out_dtype=self.dtype, impl=self._causal_impl(N), nlive=end)
 
         x = self.embed(ids)
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
@@ -234,8 +234,8 @@ class Forward:
         q, kv = self._qkv(li, qkv, pos, dense_kv=True)
         return q, kv, torch.cat([K[:, :R], kv[0]], 1), torch.cat([V[:, :R], kv[1]], 1)
 
-    def _causal_full_impl(self, n: int) -> str | None:
-        """The full layers' causal attention of an n-row chunk: a forced `attn_impl`, else the tile kernels up to
+    def _causal_impl(self, n: int) -> str | None:
+        """The causal attention of an n-row prefill chunk: a forced `attn_impl`, else the tile kernels up to
         options.causal_tiles_rows rows (a commit, a short turn), else the dispatcher's default (the flash kernel)."""
         if self.attn_impl is None and n <= self.options.causal_tiles_rows:
             return "tiles"

@@ -45,10 +45,10 @@ class EngineOptions:
     # (cache, padded length, context bucket) (Forward.prefill_padded). None: on CUDA. True off CUDA (or with graphs
     # off): the same padded code, eagerly (the twin the tests compare). False: the unpadded eager prefill everywhere.
     padded_prefill: bool | None = None
-    # The full layers' causal attention of a prefill chunk of up to this many rows (a block's commit, a short turn) runs
-    # on the tile kernels (ops/attention_tiles.py, the canvas' form with a per-query causal mask) instead of the flash
-    # kernel, whose Q-resident tiles at head dim 512 leave most SMs idle at that size; 0: the flash kernel. The
-    # same math, other roundings (as attn_impl).
+    # The causal attention of a prefill chunk of up to this many rows (a block's commit, a short turn) runs on the tile
+    # kernels (ops/attention_tiles.py, the canvas' form with a per-query causal and window mask) instead of the flash
+    # kernel, whose Q-resident programs over so few rows leave most SMs idle; 0: the flash kernel. The same math,
+    # other roundings (as attn_impl).
     causal_tiles_rows: int = 256
     # Padded lengths above the canvas for short prefills (each needs length <= the cache's sliding ring).
     prefill_pads: tuple[int, ...] = (512, 1024)

@@ -27,8 +27,8 @@ The kernel and its tile configs live in ops/attention_flash.py.
   attention_flash   the flash kernel (ops/attention_flash.py: Q resident, split-KV canvas; impl 'triton')
   attention_gemm    two cuBLAS GEMMs around a chunked softmax (ops/attention_gemm.py; impl 'gemm')
   attention_tiles   two Triton GEMMs, the softmax in the first's epilogue (ops/attention_tiles.py; impl 'tiles')
-                    ('gemm' and 'tiles' serve the canvas on CUDA only, 'tiles' also a causal call without a window:
-                    other calls with them take the default)
+                    ('gemm' and 'tiles' serve the canvas on CUDA only, 'tiles' also a causal call: other calls
+                    with them take the default)
   attention         dispatch: the kernel on CUDA, the twin elsewhere (`impl` overrides)
 """
 
@@ -119,8 +119,8 @@ def ring_window_kpos(n_ring: int, n_keys: int, length: torch.Tensor, window: int
 def _canvas_call(path, causal_ok: bool = False):
     """A canvas path (attention_gemm, attention_tiles) under the kernels' calling convention: no window or ring
     (those keywords are ignored); qpos only for a path that takes causal calls (causal_ok)."""
-    def call(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, qpos=None, causal=False, **_):
-        extra = {"qpos": qpos} if causal and causal_ok else {}
+    def call(q, k, v, kpos, n_keys, nlive=None, out_dtype=None, qpos=None, causal=False, window=NO_WINDOW, **_):
+        extra = {"qpos": qpos, "window": window} if causal and causal_ok else {}
         return path(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, **extra)
     return call
 
@@ -134,9 +134,9 @@ _FALLBACK = {"tiles": "gemm", "gemm": "triton", "triton": "sdpa"}
 _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here
 
 
-def _canvas_only_ok(q, causal: bool, impl: str, window: int) -> bool:
-    """The GEMM forms serve the canvas on CUDA; the tile form also a causal call without a window (full layers)."""
-    return q.is_cuda and (not causal or (impl == "tiles" and window >= NO_WINDOW))
+def _canvas_only_ok(q, causal: bool, impl: str) -> bool:
+    """The GEMM forms serve the canvas on CUDA; the tile form also a causal call (kpos and qpos)."""
+    return q.is_cuda and (not causal or impl == "tiles")
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
@@ -155,13 +155,13 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
             raise ValueError("attention: groups (the image overlay) is for causal prefill calls")
         return (attention_sdpa if q.is_cuda else attention_ref)(q, k, v, kpos, n_keys, qpos=qpos, window=window,
                                                                 causal=True, out_dtype=out_dtype, groups=groups)
-    if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal, impl, window):
+    if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal, impl):
         impl = None
     if impl is None:
         impl = "triton" if use_triton(q) else "ref"
     kw = dict(qpos=qpos, window=window, causal=causal, out_dtype=out_dtype)
     while impl in _KERNELS:
-        if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal, impl, window):  # a fallback the call cannot take
+        if impl in CANVAS_ONLY and not _canvas_only_ok(q, causal, impl):  # a fallback the call cannot take
             impl = "triton"
         sig = (q.shape[-1], causal, impl)
         if sig in _triton_failed or (impl == "triton" and q.shape[-1] < 16):  # the flash kernel's tl.dot: K >= 16

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available, use_triton
+from .attention_flash import NO_WINDOW
 from .attention_gemm import check_canvas_shapes, visible_keys
 
 
@@ -56,7 +57,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qk_tile_softmax_kernel(q_ptr, k_ptr, p_ptr, m_ptr, l_ptr, nlive_ptr, kpos_ptr, qpos_ptr,
-                                GR, n_keys, NP, KVGR, k_rows, n_q,
+                                GR, n_keys, NP, KVGR, k_rows, n_q, window,
                                 D: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
                                 HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, TMA: tl.constexpr,
                                 CAUSAL: tl.constexpr):
@@ -64,7 +65,7 @@ if HAVE_TRITON:
         read from memory once. q [KV·GR, D] f16, k [KV·k_rows, D] (pointers, or tensor descriptors when TMA);
         P [KV, GR, NP] (NP = tiles · TILE); m, l [tiles, KV·GR]. A tile wholly at or past the live keys writes
         m = -1e30, l = 0 and no P (the PV kernel stops before it). CAUSAL (needs KPOS): row r's token t = r % n_q
-        sees key j only where kpos[j] <= qpos[t]."""
+        sees key j only where qpos[t] - window < kpos[j] <= qpos[t]."""
         LOG2E_: tl.constexpr = 1.4426950408889634
         pid_m, j, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -99,7 +100,8 @@ if HAVE_TRITON:
             ok = ok & (kp >= 0)
         if CAUSAL:
             qp = tl.load(qpos_ptr + rows % n_q, mask=row_ok, other=0)
-            s = tl.where(ok[None, :] & (kp[None, :] <= qp[:, None]), acc * LOG2E_, -float("inf"))
+            vis = ok[None, :] & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
+            s = tl.where(vis, acc * LOG2E_, -float("inf"))
         else:
             s = tl.where(ok[None, :], acc * LOG2E_, -float("inf"))
         m = tl.maximum(tl.max(s, axis=1), -1.0e30)  # finite: an all-masked tile gets P = 0, l = 0, weight 0
@@ -166,7 +168,8 @@ if HAVE_TRITON:
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE, qpos=None):
+def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, tile: int = TILE, qpos=None,
+                        window: int = NO_WINDOW):
     """The kernels' math in torch, tile by tile, with their roundings (P to the V dtype after the exponential
     and again after the tile weight). No host reads, so a CUDA graph may capture it."""
     check_canvas_shapes("attention_tiles", q, k, v, n_keys)
@@ -185,7 +188,8 @@ def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=N
     if qpos is not None:  # [GR, NP]: row r is token r % n
         kp = torch.full((NP,), -1, dtype=torch.int64, device=q.device)
         kp[:n_keys] = kpos[:n_keys]
-        ok = key_ok[None, :] & (kp[None, :] <= qpos.long().repeat(GR // n)[:, None])
+        qp = qpos.long().repeat(GR // n)[:, None]
+        ok = key_ok[None, :] & (kp[None, :] <= qp) & (kp[None, :] > qp - window)
     s = ((qg @ kf.transpose(1, 2)) * LOG2E).masked_fill(~ok, -float("inf")).view(KV, GR, n_tiles, tile)
     m = s.amax(-1).clamp_min(-1.0e30)  # [KV, GR, tiles]
     e = torch.exp2(s - m[..., None])
@@ -205,17 +209,18 @@ def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=N
 
 def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, kernels: bool | None = None,
                     qk_config: dict | None = None, pv_config: dict | None = None, tile: int = TILE,
-                    tma: bool | None = None, weights_config: dict | None = None, qpos=None):
+                    tma: bool | None = None, weights_config: dict | None = None, qpos=None, window: int = NO_WINDOW):
     """q [H, n, d], k/v [KV, rows, d] (the first n_keys rows read; rows contiguous, d wide) -> [n, H·d]. Key j is
     visible iff j < nlive (when given) and kpos[j] >= 0 (when given), and with qpos [n] (causal, which needs kpos)
-    to query t only where kpos[j] <= qpos[t]; scale 1. kernels: the Triton kernels (default: on CUDA), else the
-    torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default: on compute capability 9.0+),
+    to query t only where qpos[t] - window < kpos[j] <= qpos[t]; scale 1. kernels: the Triton kernels (default: on
+    CUDA), else the torch twin. tma: the QK kernel reads Q and K through tensor descriptors (default: on compute capability 9.0+),
     else through pointers (the same results)."""
     check_canvas_shapes("attention_tiles", q, k, v, n_keys)
     check_causal("attention_tiles", q, kpos, qpos)
     kernels = use_triton(q) if kernels is None else kernels
     if not kernels:
-        return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile, qpos=qpos)
+        return attention_tiles_ref(q, k, v, n_keys, kpos=kpos, nlive=nlive, out_dtype=out_dtype, tile=tile, qpos=qpos,
+                                   window=window)
     if not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("attention_tiles: k and v must be contiguous [KV, rows, d] (a cache buffer)")
     H, n, d = q.shape
@@ -246,8 +251,8 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     else:
         qa, ka = qg, k
     _qk_tile_softmax_kernel[(triton.cdiv(GR, qc["BM"]), n_tiles, KV)](
-        qa, ka, p, m, l, nl, kp, qp, GR, n_keys, NP, KV * GR, k_rows, n, D=d, TILE=tile, TMA=tma,
-        CAUSAL=qpos is not None, **flags, **qc)
+        qa, ka, p, m, l, nl, kp, qp, GR, n_keys, NP, KV * GR, k_rows, n, min(window, NO_WINDOW), D=d, TILE=tile,
+        TMA=tma, CAUSAL=qpos is not None, **flags, **qc)
     wc = dict(WEIGHTS_CONFIG, **(weights_config or {}))
     _tile_weights_kernel[(triton.cdiv(KV * GR, wc["BR"]),)](m, l, invl, n_tiles, KV * GR, **wc)
     _pv_scaled_kernel[(d // pc["BN"], triton.cdiv(GR, pc["BM"]), KV)](
