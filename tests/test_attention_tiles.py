@@ -181,3 +181,19 @@ def test_causal_tiles_refuse_a_query_position_without_key_positions():
         at.attention_tiles(q, k, v, 16, qpos=torch.arange(4), kernels=False)
     with pytest.raises(ValueError, match="qpos"):
         at.attention_tiles(q, k, v, 16, kpos=torch.arange(16), qpos=torch.arange(5), kernels=False)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_row_without_a_visible_key_gets_zeros(kernels):
+    """A query whose keys are all masked (here the first three, whose own and earlier keys are empty slots) gets 0,
+    never NaN, which would reach the router and its expert indices; the other rows are untouched."""
+    q, k, v = qkv(8, 2, 6, 40, 32)
+    kpos, qpos = torch.arange(40), torch.arange(6)
+    kpos[:3] = -1
+    kw = dict(kpos=kpos, qpos=qpos, out_dtype=torch.float32, kernels=kernels, **(SMALL if kernels else {"tile": 16}))
+    got = at.attention_tiles(q, k, v, 40, nlive=torch.tensor(40), **kw)
+    assert torch.isfinite(got).all()
+    assert (got[:3] == 0).all() and (got[3:].abs().amax(-1) > 0).all()
+    exp = attn.attention_ref(q[:, 3:].contiguous(), k, v, kpos, 40, qpos=qpos[3:], causal=True,
+                             out_dtype=torch.float32)
+    torch.testing.assert_close(got[3:], exp, atol=3e-3, rtol=3e-3)

@@ -183,6 +183,7 @@ class Forward:
         slide_qpos = R + ar
         full_kpos = self._rows_arange(key_rows)
 
+        chunk_end = P + N  # the keys a kernel may skip past (pad rows too: each sees at least itself)
         in_scratch = N <= cache.canvas
         if in_scratch:  # pad rows store into their own canvas scratch row, where their K/V already are
             ring_w = torch.where(real, slots, R + ar)
@@ -207,7 +208,7 @@ class Forward:
             if not need_out:
                 return None
             return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
-                             out_dtype=self.dtype, impl=self._causal_impl(N), nlive=end)
+                             out_dtype=self.dtype, impl=self._causal_impl(N), nlive=chunk_end)
 
         x = self.embed(ids)
         self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)

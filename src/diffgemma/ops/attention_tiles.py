@@ -130,7 +130,8 @@ if HAVE_TRITON:
             f = tl.exp2(tl.load(m_ptr + off, mask=msk, other=-1.0e30) - big[None, :])
             total += tl.sum(f * tl.load(l_ptr + off, mask=msk, other=0.0), axis=0)
             tl.store(m_ptr + off, f, mask=msk)
-        tl.store(invl_ptr + rows, 1.0 / tl.where(row_ok, total, 1.0), mask=row_ok)  # (no 1/0 on padding rows)
+        # a row with no visible key (a padding row, a causal row whose keys are all masked) gets 0, not 1/0
+        tl.store(invl_ptr + rows, tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0), mask=row_ok)
 
     @triton.jit
     def _pv_scaled_kernel(p_ptr, f_ptr, invl_ptr, v_ptr, o_ptr, nlive_ptr, kpos_ptr,
@@ -201,7 +202,8 @@ def attention_tiles_ref(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=N
     vf = torch.zeros(KV, NP, d, device=q.device)
     vf[:, :n_keys] = v[:, :n_keys].float()
     vf = vf.masked_fill(~key_ok[None, :, None], 0.0)
-    o = (a @ vf) / total[..., None]  # [KV, GR, d], rows (local head, token)
+    inv = torch.where(total > 0, 1.0 / torch.where(total > 0, total, 1.0), 0.0)  # no visible key: 0, as the kernel
+    o = (a @ vf) * inv[..., None]  # [KV, GR, d], rows (local head, token)
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     out.copy_(o.reshape(H, n, d).transpose(0, 1).reshape(n, H * d))
     return out
