@@ -65,7 +65,8 @@ def _lane(model, kind, device):
 def test_read_statuses_equals_each_requests_own_read(device):
     model = _model(device)
     for _ in range(4):
-        lanes = [_lane(model, random.choice(["none", "plan", "dense bet"]), device) for _ in range(random.randint(1, 6))]
+        kinds = random.choices(["none", "plan", "dense bet"], k=random.randint(1, 6))
+        lanes = [_lane(model, kind, device) for kind in kinds]
         lanes += [_lane(model, kind, device) for kind in ("none", "plan", "dense bet")]
         random.shuffle(lanes)
         solo_asks = [lane() for lane in lanes]
@@ -139,7 +140,7 @@ def test_one_status_wait_per_batched_round(tiny, monkeypatch, fused):
 
     log, plans = [], []
     forward, wait, read = batch_mod._forward, denoiser_mod.wait_statuses, denoiser_mod.read_status
-    monkeypatch.setattr(batch_mod, "_forward", lambda model, fs: (log.append(("forward", len(fs))), forward(model, fs))[1])
+    monkeypatch.setattr(batch_mod, "_forward", lambda m, fs: (log.append(("forward", len(fs))), forward(m, fs))[1])
     monkeypatch.setattr(denoiser_mod, "wait_statuses", lambda p: (log.append(("wait", len(p))), wait(p))[1])
     monkeypatch.setattr(denoiser_mod, "read_status", lambda *a, **k: (log.append(("solo read", 1)), read(*a, **k))[1])
     start = SparsePlan.start

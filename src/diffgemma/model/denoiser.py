@@ -104,8 +104,8 @@ def release_status(side: SideStream | None = None, overlap=None, then=None) -> N
 
 
 def wait_statuses(pending: list[PendingStatus]) -> list[list[float]]:
-    """The wait half: ONE host wait for every queued status (each copy's event; the GPU goes on with what was queued
-    after them) -> each status' values, in order."""
+    """The wait half: the host blocks once, until every queued status' copy has landed (the GPU goes on with what was
+    queued after them) -> each status' values, in order."""
     for p in pending:
         if p.copied is not None:
             p.copied.synchronize()

@@ -15,8 +15,8 @@ everything else of its turn itself (sampler, stop rules, commits, tool-call rege
             request whose turn is over leaves at once, freeing its slot
 
 A request cancelled by its client stops before its next step (its forward withdrawn) or prompt chunk; the others
-are not touched. The forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma replay` runs the logged
-generations one after another).
+are not touched. The forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma
+replay` runs the logged generations one after another).
 """
 
 from __future__ import annotations
