@@ -1,8 +1,10 @@
 """Continuous batching in the server (server/scheduler.py) on the embedded demo model: requests that run together get
 exactly the tokens each gets alone, join and leave a running batch, cancel without touching the others, wait in a
 bounded queue (503 + Retry-After when it is full), prefill long prompts a chunk per round between the running
-requests' steps, and replay from the op-log identically."""
+requests' steps, read every running request's step status with one host wait a round (a request whose status
+step fails fails alone), and replay from the op-log identically."""
 
+import itertools
 import json
 import threading
 
@@ -17,7 +19,9 @@ import diffgemma  # noqa: E402
 from diffgemma import cli, oplog  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.events import CancelledEvent, DoneEvent, ErrorEvent, StartEvent  # noqa: E402
+from diffgemma.model.denoiser import StepStatus  # noqa: E402
 from diffgemma.replay import replay  # noqa: E402
+from diffgemma.server import scheduler as scheduler_mod  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import served_name  # noqa: E402
 from diffgemma.server.worker import QueueFull, Worker, _Call  # noqa: E402
@@ -68,11 +72,33 @@ def forwards(trace) -> list[tuple]:
     return [e[2] for e in trace if e[1] == "forward"]
 
 
-def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base):
+def spy_status_reads(monkeypatch, trace, poison=None):
+    """Put each read_statuses call in the scheduler's trace as (time, "status", its number of requests); poison(k,
+    asks) -> a request index whose StepStatus is replaced by a stop code no step knows, "raise" (the read fails), or
+    None."""
+    real = scheduler_mod.read_statuses
+    calls = itertools.count()
+
+    def spy(asks):
+        trace.append((0.0, "status", len(asks)))
+        out = real(asks)
+        bad = None if poison is None else poison(next(calls), asks)
+        if bad == "raise":
+            raise RuntimeError("status read failed")
+        if bad is not None:
+            out[bad] = StepStatus(code=10**6, mean_entropy=0.0)
+        return out
+
+    monkeypatch.setattr(scheduler_mod, "read_statuses", spy)
+
+
+def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base, monkeypatch):
     """Four requests step together from one round on; each gets exactly its solo tokens, steps and stop reasons, and
-    one whose turn ends leaves the batch while the others go on."""
+    one whose turn ends leaves the batch while the others go on. Every round's forward is followed by one status read
+    for all its requests, not one per request."""
     settings = [base.replace(seed=10 + i, max_new_tokens=64 * (1 + i % 3)) for i in range(4)]
     trace: list = []
+    spy_status_reads(monkeypatch, trace)
     worker = Worker(model, slots=4, max_tokens=2048, max_batch=4, trace=trace)
     try:
         gate = hold(worker)
@@ -83,6 +109,8 @@ def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base)
         worker.close()
     fw = forwards(trace)
     assert fw[0] == tuple(j.id for j in jobs)  # all four in the first round's forward
+    ops = [(e[1], e[2] if e[1] == "status" else len(e[2])) for e in trace if e[1] in ("forward", "status")]
+    assert ops == [op for f in fw for op in (("forward", len(f)), ("status", len(f)))]
     assert len({len(f) for f in fw}) > 1  # some left while others went on
     for job, end, p, s in zip(jobs, ends, PROMPTS, settings):
         solo = alone(model, ids_of(model, p), s)
@@ -110,6 +138,48 @@ def test_a_request_joins_a_running_batch_mid_block(model, base):
     assert fw[-1] == (a.id,)  # b left first; a went on alone
     assert end_a.result.tokens == alone(model, ids_of(model, PROMPTS[1]), long_s).tokens
     assert end_b.result.tokens == alone(model, ids_of(model, PROMPTS[0]), short_s).tokens
+
+
+def test_a_request_whose_step_fails_fails_alone(model, base, monkeypatch):
+    """The first request's status in the third round's read is one its step cannot take: that request ends with an
+    ErrorEvent (its slot emptied), while the others, read in the same wait, go on to their solo tokens."""
+    trace: list = []
+    spy_status_reads(monkeypatch, trace, poison=lambda k, asks: 0 if k == 2 and len(asks) == 3 else None)
+    worker = Worker(model, slots=3, max_tokens=2048, max_batch=3, trace=trace)
+    settings = [base.replace(seed=30 + i, max_new_tokens=96) for i in range(3)]
+    prompts = [ids_of(model, PROMPTS[1])] * 3
+    try:
+        gate = hold(worker)
+        jobs = [worker.submit(ids, s) for ids, s in zip(prompts, settings)]
+        gate.set()
+        ends = [finish(j)[-1] for j in jobs]
+        emptied = [k for k, slot in enumerate(worker.slots) if slot.ids == [] and slot.cache.length == 0]
+    finally:
+        worker.close()
+    fw = forwards(trace)
+    assert fw[:3] == [tuple(j.id for j in jobs)] * 3 and all(jobs[0].id not in f for f in fw[3:])
+    assert isinstance(ends[0], ErrorEvent) and len(emptied) == 1  # the other two slots hold their conversations
+    for k in (1, 2):
+        assert ends[k].result.tokens == alone(model, prompts[k], settings[k]).tokens
+
+
+def test_a_failed_status_read_fails_the_requests_it_read_and_the_worker_goes_on(model, base, monkeypatch):
+    trace: list = []
+    spy_status_reads(monkeypatch, trace, poison=lambda k, asks: "raise" if k == 1 else None)
+    worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, trace=trace)
+    prompt = ids_of(model, PROMPTS[1])
+    try:
+        gate = hold(worker)
+        jobs = [worker.submit(prompt, base.replace(seed=40 + i, max_new_tokens=64)) for i in range(2)]
+        gate.set()
+        ends = [finish(j)[-1] for j in jobs]
+        probe = worker.submit(prompt, base.replace(seed=1, max_new_tokens=32))
+        probe_end = finish(probe)[-1]
+    finally:
+        worker.close()
+    assert all(isinstance(e, ErrorEvent) and "status read failed" in str(e.error) for e in ends)
+    assert forwards(trace)[:3] == [tuple(j.id for j in jobs)] * 2 + [(probe.id,)]
+    assert probe_end.result.tokens == alone(model, prompt, base.replace(seed=1, max_new_tokens=32)).tokens
 
 
 def test_cancel_mid_batch_stops_that_request_only(model, base, tmp_path):

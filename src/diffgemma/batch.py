@@ -1,14 +1,17 @@
 """diffgemma.generate_batch: several requests generated together, their denoise steps stacked into one forward.
 
 Each request is generation.generate_steps: its own settings, RNG stream, stop rules, SC state, re-rolls, block count
-and KV cache, as a coroutine that yields a `Forward` whenever a step needs the model. The scheduler here only decides
-which requests step together:
+and KV cache, as a coroutine that yields a `Forward` whenever a step needs the model and a `Status` where the step
+reads its status on the host. The scheduler here only decides which requests step together:
 
     active = the first max_batch requests (each prefills its prompt as it joins)
     each round:
         one forward over the canvases every active request asked for (model.denoiser([cache, ...]))
-        each request takes its logits and runs on (sampler, accept, renoise, stop rules, SC, and when its block
-        converges: commit, prefill of the kept tokens, the next block's canvas) up to its next Forward
+        each request takes its logits and queues its step's device work (sampler, accept, renoise, stop rules, SC)
+        up to its Status
+        one host wait for every request's status (model/denoiser.read_statuses)
+        each request takes its status and runs on (and when its block converges: commit, prefill of the kept
+        tokens, the next block's canvas) up to its next Forward
         a request whose turn is over leaves; the next queued request joins
 
 A request whose block converges does not wait for the others: its next block's canvas is in the next round. The
@@ -25,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 from .errors import DiffgemmaError, InputError
 from .events import DoneEvent, GenerationResult
-from .generation import Forward, _as_ids, generate_steps, resolve_settings
+from .generation import Forward, Status, _as_ids, generate_steps, resolve_settings
+from .model.denoiser import read_statuses
 from .model.protocol import DenoiseModel
 from .settings import GenerationSettings
 
@@ -74,15 +78,20 @@ def generate_batch(
     queue = deque(range(n))
     running: dict[int, Any] = {}  # request -> its generate_steps coroutine
     asks: dict[int, Forward] = {}  # request -> the forward it waits for
+    reads: dict[int, Status] = {}  # request -> the status read it waits for
 
-    def advance(i: int, logits) -> None:
-        """Run request i until it asks for a forward (kept in `asks`) or its turn is over (it leaves)."""
+    def advance(i: int, answer) -> None:
+        """Run request i until it asks for a forward (kept in `asks`) or a status read (in `reads`), or its turn is
+        over (it leaves)."""
         steps = running[i]
         while True:
-            item = steps.send(logits)
-            logits = None
+            item = steps.send(answer)
+            answer = None
             if isinstance(item, Forward):
                 asks[i] = item
+                return
+            if isinstance(item, Status):
+                reads[i] = item
                 return
             if on_event is not None:
                 on_event(i, item)
@@ -102,10 +111,22 @@ def generate_batch(
             forwards = [asks.pop(i) for i in order]
             for i, logits in zip(order, _forward(model, forwards)):
                 advance(i, logits)
+            forwards = logits = None  # the round's inputs and outputs are the requests' own now
+            _answer_statuses(reads, advance)
     finally:
         for steps in running.values():
             steps.close()
     return results  # type: ignore[return-value]
+
+
+def _answer_statuses(reads: dict, advance) -> None:
+    """Answer the requests parked at a Status (`reads`: request -> its Status, emptied) with one host wait, and run
+    each on with advance(request, its StepStatus), in request order; again for any that asks for a status anew."""
+    while reads:
+        order = sorted(reads)
+        statuses = read_statuses([reads.pop(i) for i in order])
+        for i, status in zip(order, statuses):
+            advance(i, status)
 
 
 def _batch_limit(model, max_batch: int | None, n: int) -> int:

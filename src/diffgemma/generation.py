@@ -18,8 +18,8 @@ the block budget ends the turn:
 The loop calls the model only through model/protocol.DenoiseModel, and a step's forward, side stream and status read
 through the model's Denoiser (model/denoiser.py): how the step meets the GPU lives there, what it computes here.
 It is written once, as one request's coroutine (`generate_steps`) that yields a `Forward` where a step needs the
-model: generate_stream answers it on the request's own denoiser, batch.generate_batch in one forward with other
-requests (docs/ARCHITECTURE.md, 'Batching').
+model and a `Status` where it reads its status: generate_stream answers both on the request's own denoiser,
+batch.generate_batch each in one forward, and one status wait, with other requests (docs/ARCHITECTURE.md, 'Batching').
 
 Cache contract (multi-turn reuse): on return a caller's cache holds the prompt plus exactly the returned
 `tokens` (without a caller's cache the last block is not committed: no one reads it). The stop token that ended
@@ -132,15 +132,15 @@ def generate_stream(
     steps (generate_steps) with each forward it asks for run on its own denoiser."""
     steps = generate_steps(model, input_ids, settings=settings, cache=cache, **overrides)
     try:
-        logits = None
+        answer = None
         while True:
             try:
-                item = steps.send(logits)
+                item = steps.send(answer)
             except StopIteration:
                 return
-            logits = None  # one [C, V] f32 alive at a time: the request dropped its last step's before asking
-            if isinstance(item, Forward):
-                logits = item.run()
+            answer = None  # one [C, V] f32 alive at a time: the request dropped its last step's before asking
+            if isinstance(item, (Forward, Status)):
+                answer = item.run()
             else:
                 yield item
     finally:
@@ -163,6 +163,22 @@ class Forward:
         return self.den.forward(self.canvas, sc_logits=self.sc_logits, sc_embeds=self.sc_embeds)
 
 
+@dataclass
+class Status:
+    """A request's ask for its step's one host read, yielded by generate_steps after the step's device work and answered
+    with send(StepStatus): by generate_stream on the request's own denoiser (run()), or by a batch driver together
+    with other requests' in one host wait (model/denoiser.read_statuses)."""
+
+    den: Any  # the request's Denoiser
+    code: torch.Tensor  # the stop rules' device code
+    mean_h: torch.Tensor  # the canvas' mean entropy (f64 device scalar)
+    plan: Any  # the step's SparsePlan, or None
+    canvas: torch.Tensor  # the next step's canvas
+
+    def run(self):
+        return self.den.read_status(self.code, self.mean_h, self.plan, self.canvas)
+
+
 def generate_steps(
     model: DenoiseModel,
     input_ids,
@@ -171,13 +187,16 @@ def generate_steps(
     cache=None,
     batched: bool = False,
     **overrides: Any,
-) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward, torch.Tensor | None, None]:
+) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward | Status, Any, None]:
     """One request's generation as a coroutine: it yields StepEvent, BlockEvent, a final DoneEvent and, where a step
     needs the model, a Forward, which the driver answers by send()ing that forward's logits ([C, V], as the request's
-    denoiser returns them). Everything else of the algorithm (sampler, SC, stop rules, re-rolls, commits, the cache)
-    is the request's own, so one request gives the same tokens alone (generate_stream) or batched (batch.py).
-    batched: a scheduler may answer its forwards together with other requests' (batch.py, the server): the step then
-    neither runs its next forward ahead nor lends the model's logits scratch, which are one request's devices."""
+    denoiser returns them), then a Status, answered with the step's StepStatus (Status.run(), or several requests'
+    with one host wait: model/denoiser.read_statuses). Everything else of the algorithm (sampler, SC, stop rules,
+    re-rolls, commits, the cache) is the request's own, so one request gives the same tokens alone (generate_stream)
+    or batched (batch.py).
+    batched: a scheduler may answer its forwards and status reads together with other requests' (batch.py, the
+    server): the step then neither runs its next forward ahead nor lends the model's logits scratch, which are one
+    request's devices."""
     s = resolve_settings(model, settings, overrides)
     cfg = model.config
     vocab = cfg.vocab_size
@@ -310,7 +329,8 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
                    attempt: int, batched: bool = False):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
-    Per step everything stays on the model's device; the denoiser's read_status is the only host read.
+    Per step everything stays on the model's device; the Status it yields (the denoiser's read_status) is the only
+    host read.
     """
     device, cfg = model.embedding.device, model.config
     vocab = cfg.vocab_size
@@ -362,7 +382,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
             plan = SparsePlan(stats, s.sc_sparse_log_ratio,
                               dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
                               scratch=None if batched else den.scratch(), sparse_ahead=den.run_ahead)
-        status = den.read_status(code, mean_h, plan, canvas)  # the step's one host read
+        status = yield Status(den, code, mean_h, plan, canvas)  # the step's one host read (den.read_status)
         reason = REASONS[status.code]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
                         accepted=mask, mean_entropy=status.mean_entropy, stop_reason=reason)

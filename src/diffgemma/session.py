@@ -3,10 +3,10 @@
 A Session renders the chat with the template, keeps its KV cache across turns (slots.py: only what the cache does
 not hold yet is prefilled) and splits each reply into thought, answer and tool calls (reply.py).
 `generation_steps` / `run_turn_steps` are shared by the Session, the server's scheduler and `diffgemma replay`: each
-is one request as a coroutine of model asks (a denoise `Forward`, a prompt `Prefill` chunk) that passes on the events
-of generation.generate_steps (events.py), adds its own, and journals each generation in the op-log. `drive` runs one
-alone (run_generation, run_turn); the server's scheduler steps several together (docs/ARCHITECTURE.md,
-'Continuous batching').
+is one request as a coroutine of model asks (a denoise `Forward`, a step's `Status` read, a prompt `Prefill` chunk)
+that passes on the events of generation.generate_steps (events.py), adds its own, and journals each generation in the
+op-log. `drive` runs one alone (run_generation, run_turn); the server's scheduler steps several together
+(docs/ARCHITECTURE.md, 'Continuous batching').
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from . import oplog
 from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
-from .generation import Forward, _as_ids, generate_steps
+from .generation import Forward, Status, _as_ids, generate_steps
 from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
 from .settings import settings_for_call
 from .slots import Slot, reuse_prefix, rewind
@@ -49,9 +49,9 @@ class Prefill:
 
 
 def drive(steps):
-    """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward on the request's own denoiser,
-    each Prefill at once -> the coroutine's return value. An exception in a forward (Ctrl-C included) is thrown into
-    the coroutine, which journals it as it would one of its own."""
+    """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward and Status on the request's own
+    denoiser, each Prefill at once -> the coroutine's return value. An exception in a forward or a status read (Ctrl-C
+    included) is thrown into the coroutine, which journals it as it would one of its own."""
     answer, thrown = None, None
     try:
         while True:
@@ -60,7 +60,7 @@ def drive(steps):
             except StopIteration as stop:
                 return stop.value
             answer, thrown = None, None
-            if isinstance(ask, Forward):
+            if isinstance(ask, (Forward, Status)):
                 try:
                     answer = ask.run()
                 except BaseException as e:  # noqa: B036 - handed to the coroutine, which passes it on
@@ -88,7 +88,8 @@ def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, 
     """The one way a conversation's reply is generated (Session, the server's scheduler, replay), as a coroutine:
     `slot` already rewound to its first `keep` tokens; prefill `prompt` and generate with `settings`. It yields
     `Forward` asks (generation.Forward: answered with send(logits), or with send(None) to withdraw the request: it
-    is cancelled there, as by should_stop) and, with `prefill_chunk`, a `Prefill` ask before
+    is cancelled there, as by should_stop), after each answered Forward a `Status` ask (generation.Status: answered
+    with send(StepStatus), never withdrawn) and, with `prefill_chunk`, a `Prefill` ask before
     each chunk of that many prompt tokens (answered with send(None)); it returns its last event. batched: a
     scheduler may answer its forwards together with other requests' (generation.generate_steps(batched=)).
     Every event (events.py) goes to `on_event`: StepEvent and BlockEvent as they come, then one of DoneEvent,
@@ -139,17 +140,20 @@ def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, 
             model.prefill(slot.cache, chunk)
             prefill_s += time.perf_counter() - t
         steps = generate_steps(model, [], settings=settings, cache=slot.cache, batched=batched)
-        logits = None
+        answer = None
         while True:
-            event = steps.send(logits)
-            logits = None
+            event = steps.send(answer)
+            answer = None
             if isinstance(event, Forward):
-                logits = yield event
-                if logits is None:  # withdrawn by its driver (its client left): it stops before this step
+                answer = yield event
+                if answer is None:  # withdrawn by its driver (its client left): it stops before this step
                     steps.close()
                     kept = rewind(slot.cache, len(full))
                     slot.ids = full[:kept]
                     return emit(CancelledEvent(blocks=blocks, kept=kept))
+                continue
+            if isinstance(event, Status):  # the step's status, read by its driver (with other requests' in a batch)
+                answer = yield event
                 continue
             if isinstance(event, DoneEvent):
                 slot.ids = full + list(event.result.tokens)
@@ -216,7 +220,7 @@ def run_turn_steps(model, slot: Slot, keep: int, prompt: list[int], settings, *,
                    next_gen=None, slot_index: int = 0, should_stop=lambda blocks: False,
                    on_event=lambda event: None, images: dict | None = None, prefill_chunk: int | None = None,
                    stop_prefill=lambda: False, batched: bool = False):
-    """A turn, as a coroutine of Forward and Prefill asks (generation_steps): StartEvent, then generation_steps.
+    """A turn, as a coroutine of Forward, Status and Prefill asks (generation_steps): StartEvent, then generation_steps.
     With tool_retries > 0 a reply whose tool call does not parse is regenerated from that call's opener (the text before it stays, so a stream never takes back what it sent), with
     the seed bumped by one each time, up to tool_retries times (the last attempt stands, parsed or not). Each
     regeneration is a generation of its own (its own op in the log, so `diffgemma replay` needs no notion of

@@ -12,6 +12,9 @@ generation.py's loop says what a step computes; a Denoiser (model/protocol.py) s
                           device's own go flag) before the host waits
   close()                 the end of a canvas: forget what was staged
 
+read_statuses(asks) reads several requests' statuses (each on its own one-cache denoiser, none running ahead) with one
+host wait: every status queued first, then one wait for all (docs/ARCHITECTURE.md, 'Batching').
+
 `Denoiser` serves any model (the reference on the CPU or CUDA); `StagedDenoiser` adds the engine's staging
 (Engine.stage_denoise). Both make the same tokens; only when work is queued differs (docs/ARCHITECTURE.md, 'Overlap').
 """
@@ -65,39 +68,95 @@ class SideStream:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
-def read_status(make_status, overlap=None, side: SideStream | None = None, then=None) -> list[float]:
-    """The step's one device->host read of the few float64 numbers `make_status()` packs.
+@dataclass
+class PendingStatus:
+    """A status read queued and not waited for yet (queue_status): the packed values, in pinned host memory with their
+    copy queued on the side stream (`copied`: the CUDA event after it), or where make_status() made them (no side
+    stream: the CPU)."""
 
-    overlap: queues more device work (the SC product) on the current stream. On CUDA the status is packed and copied
-    on `side`, after the current stream's work so far but not behind the overlap: the product starts as soon as its
-    inputs are ready, and the host waits for the copy alone while the GPU runs the product. then: called after the
-    side stream is joined and before the wait (staging the next forward)."""
+    values: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+
+def queue_status(make_status, side: SideStream | None = None) -> PendingStatus:
+    """The queue half of a status read: pack the status (make_status()) and, on CUDA, copy it to pinned memory on
+    `side`, after the current stream's work so far; nothing waits."""
     if side is None or side.stream is None:
-        status = make_status()
-        for f in (overlap, then):
-            if f is not None:
-                f()
-        return status.tolist()
+        return PendingStatus(make_status())
     with side.fork():
         status = make_status()
         host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
         host.copy_(status, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
+    return PendingStatus(host, copied)
+
+
+def release_status(side: SideStream | None = None, overlap=None, then=None) -> None:
+    """Between the queue half and the wait: queue `overlap` (the SC product) on the current stream, not behind the
+    status copy, join `side` (the bookkeeping's results are the main stream's from here), then call `then`."""
     if overlap is not None:
         overlap()
-    side.join()
+    if side is not None:
+        side.join()
     if then is not None:
         then()
-    copied.synchronize()
-    return host.tolist()
+
+
+def wait_statuses(pending: list[PendingStatus]) -> list[list[float]]:
+    """The wait half: the host blocks once, until every queued status' copy has landed (the GPU goes on with what was
+    queued after them) -> each status' values, in order."""
+    for p in pending:
+        if p.copied is not None:
+            p.copied.synchronize()
+    return [p.values.tolist() for p in pending]
+
+
+def read_status(make_status, overlap=None, side: SideStream | None = None, then=None) -> list[float]:
+    """The step's one device->host read of the few float64 numbers `make_status()` packs: queue_status,
+    release_status, wait_statuses for one.
+
+    overlap: queues more device work (the SC product) on the current stream. On CUDA the status is packed and copied
+    on `side`, after the current stream's work so far but not behind the overlap: the product starts as soon as its
+    inputs are ready, and the host waits for the copy alone while the GPU runs the product. then: called after the
+    side stream is joined and before the wait (staging the next forward)."""
+    pending = queue_status(make_status, side)
+    release_status(side, overlap, then)
+    return wait_statuses([pending])[0]
+
+
+def read_statuses(asks) -> list[StepStatus]:
+    """Several requests' status reads (each ask: a step's `den`, `code`, `mean_h`, `plan`, `canvas` and `run()`, e.g.
+    generation.Status) with one host wait: every request's status is packed and copied first, then every speculative
+    plan's SC product is started and each side stream joined, then the host waits once for all copies. Each request
+    gets the StepStatus its own `den.read_status` would give. A request whose denoiser runs ahead (a request stepping
+    alone on the engine) or is not a Denoiser reads through its own `run()` (docs/ARCHITECTURE.md, 'Batching')."""
+    out: list = [None] * len(asks)
+    lanes = []
+    for k, ask in enumerate(asks):
+        if isinstance(ask.den, Denoiser) and not ask.den.run_ahead:
+            lanes.append(k)
+        else:
+            out[k] = ask.run()
+    jobs = [asks[k].den._status_job(asks[k].code, asks[k].mean_h, asks[k].plan) for k in lanes]
+    pending = [queue_status(make_status, asks[k].den.side) for k, (make_status, _) in zip(lanes, jobs)]
+    for k, (_, overlap) in zip(lanes, jobs):
+        release_status(asks[k].den.side, overlap)
+    for k, values in zip(lanes, wait_statuses(pending)):
+        out[k] = _step_status(values, asks[k].plan)
+    return out
+
+
+def _step_status(values: list[float], plan) -> StepStatus:
+    return StepStatus(int(values[0]), values[1], int(values[2]) if plan is not None else None)
 
 
 class Denoiser:
     """The step's device side for one cache, or for a batch of caches, on any model (model/protocol.DenoiseModel):
     `model.denoise` (one cache) or `model.denoise_batch` (several; the reference model), softcapped logits, the side
     stream on CUDA. With several caches only forward() is batched: each request's bookkeeping and status read go
-    through its own one-cache denoiser (generation.generate_steps; docs/ARCHITECTURE.md, 'Batching')."""
+    through its own one-cache denoiser (generation.generate_steps), the reads of a batch's requests together
+    (read_statuses; docs/ARCHITECTURE.md, 'Batching')."""
 
     cap = None  # the logits forward() returns are softcapped already
     run_ahead = False  # whether read_status may stage the next forward (SparsePlan's sparse_ahead follows it)
@@ -135,15 +194,21 @@ class Denoiser:
     def read_status(self, code: torch.Tensor, mean_h: torch.Tensor, plan, canvas: torch.Tensor) -> StepStatus:
         """The step's one host read. plan: the step's SparsePlan or None; a speculative plan's SC sum is started
         beside the read. canvas: the next step's canvas."""
-        def make_status():  # on the side stream, where the bookkeeping left code and mean_h
+        make_status, overlap = self._status_job(code, mean_h, plan)
+        return _step_status(read_status(make_status, overlap, self.side), plan)
+
+    def _status_job(self, code: torch.Tensor, mean_h: torch.Tensor, plan):
+        """The read's device work: (make_status, which packs [code, mean entropy(, survivor count)] on the side
+        stream, where the bookkeeping left code and mean_h; overlap, which starts a speculative plan's SC sum, or
+        None)."""
+        def make_status():
             return torch.stack([code.double(), mean_h] + ([plan.count.double()] if plan is not None else []))
 
         overlap = None
         if plan is not None and plan.speculative:
             embedding, scale = self.model.embedding, self.model.config.embed_scale
             overlap = lambda: plan.start(embedding, scale)  # noqa: E731
-        status = read_status(make_status, overlap, self.side)
-        return StepStatus(int(status[0]), status[1], int(status[2]) if plan is not None else None)
+        return make_status, overlap
 
     def close(self) -> None:
         pass
@@ -218,7 +283,8 @@ class StagedDenoiser(Denoiser):
 class BatchDenoiser(Denoiser):
     """The engine's batched forward over several caches (Engine.denoise_batch): each lane's logits in the form its own
     request's StagedDenoiser hands the sampler (raw with options.softcap_in_sampler). Only forward() is batched; each
-    request's bookkeeping and status read stay on its own one-cache denoiser (docs/ARCHITECTURE.md, 'Batching')."""
+    request's bookkeeping and status read stay on its own one-cache denoiser, the status reads joined in one host wait
+    (read_statuses; docs/ARCHITECTURE.md, 'Batching')."""
 
     def __init__(self, engine, caches):
         super().__init__(engine, caches)

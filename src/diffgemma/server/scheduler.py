@@ -2,20 +2,21 @@
 that owns the model (worker.py). docs/ARCHITECTURE.md, 'Continuous batching'.
 
 Each running request is session.run_turn_steps on its own KV slot: a coroutine that asks for prompt chunks to be
-prefilled (`Prefill`) and for denoise forwards (`Forward`), and runs everything else of its turn itself (sampler,
-stop rules, commits, tool-call regeneration, the op-log). A round:
+prefilled (`Prefill`), for denoise forwards (`Forward`) and for each step's status read (`Status`), and runs
+everything else of its turn itself (sampler, stop rules, commits, tool-call regeneration, the op-log). A round:
 
     admit   queued requests join, in arrival order, while fewer than max_batch run and a slot is free (a slot
             serves one request at a time: the one sharing the longest prefix, worker.pick)
     prefill the requests waiting to prefill take prompt chunks, in join order, up to prefill_chunk tokens a round
             (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
-            and runs on to its next ask; a request whose turn is over leaves at once, freeing its slot
+            and queues its step's device work up to its status read; one host wait reads every request's status
+            (model/denoiser.read_statuses); each takes its status and runs on to its next forward or prefill; a
+            request whose turn is over leaves at once, freeing its slot
 
 A request cancelled by its client stops before its next step (its forward withdrawn) or prompt chunk; the others
-are not touched. The
-forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma replay` runs the logged
-generations one after another).
+are not touched. The forward is batch invariant, so a request gets the same tokens in any batch (and `diffgemma
+replay` runs the logged generations one after another).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from collections import deque
 
 from ..batch import _forward as batched_forward
 from ..events import CancelledEvent, ErrorEvent, StepEvent
-from ..generation import Forward
+from ..generation import Forward, Status
+from ..model.denoiser import read_statuses
 from ..session import Prefill, run_turn_steps
 from ..slots import rewind, reuse_prefix
 
@@ -101,7 +103,7 @@ class _Running:
 
     def __init__(self, job: Job, slot: int, steps):
         self.job, self.slot, self.steps = job, slot, steps
-        self.ask = None  # a Prefill or a Forward
+        self.ask = None  # a Prefill, a Forward or a Status
         self.t0 = time.perf_counter()
 
 
@@ -201,6 +203,25 @@ class Scheduler:
         del forwards
         for r, lg in zip(asking, logits):
             self._advance(r, lg)
+        logits = lg = None  # each request holds its own logits until its status is read
+        self._read_statuses()
+
+    def _read_statuses(self) -> None:
+        """Answer every request parked at its step's Status with one host wait (read_statuses), and run each on; again
+        while any asks anew. A failed read is each parked request's own failure, as a failed forward is."""
+        while parked := [r for r in self.running if isinstance(r.ask, Status)]:
+            reads = [r.ask for r in parked]
+            for r in parked:
+                r.ask = None
+            try:
+                statuses = read_statuses(reads)
+            except Exception as e:
+                for r in parked:
+                    self._advance(r, None, thrown=e)
+                continue
+            del reads
+            for r, status in zip(parked, statuses):
+                self._advance(r, status)
 
     # -- one request ---------------------------------------------------------------------------------------------
 
