@@ -110,3 +110,37 @@ def test_prefill_pad_choice():
     eng.prefill(cache, torch.zeros(60, dtype=torch.long))
     # 4 tokens left: pad rows may run into the full layers' canvas scratch rows (64 + 8), no further
     assert eng.prefill_pad(cache, 4) == 8 and eng.prefill_pad(cache, 9) == 11 and eng.prefill_pad(cache, 12) is None
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_short_prefills_on_the_tile_form_give_the_reference_cache(engine, padded, monkeypatch):
+    """options.causal_tiles_rows: short prefills' attention (both layer kinds) on the tile kernels' torch twin (what
+    CUDA runs; forced here on the CPU) against the reference attention: the prompt (a long one in unpadded chunks,
+    its short tail on the tiles), then commits, padded and not. The twin rounds P to f16 twice, so the caches agree
+    to f16 rounding, not f32; a wrong mask, window, position or key set moves them by O(0.1)."""
+    from diffgemma.ops import attention as attn
+
+    rng = random.Random(5)
+    V, ring = engine.config.vocab_size, CANVAS + engine.config.sliding_window - 1
+    prompt = torch.randint(0, V, (2 * ring + 3,))
+    blocks = [torch.randint(0, V, (rng.randint(1, CANVAS),)) for _ in range(5)]
+    old = engine.options
+    caches = {}
+    try:
+        for rows in (0, CANVAS):
+            engine.options = old
+            engine.padded_prefill, engine.prefill_chunk, engine.causal_tiles_rows = padded, ring, rows
+            with monkeypatch.context() as m:
+                m.setattr(attn, "_canvas_only_ok", lambda q, causal, impl: not causal or impl == "tiles")
+                cache = caches[rows] = engine.new_cache(256)
+                engine.prefill(cache, prompt)
+                for ids in blocks:
+                    engine.prefill(cache, ids)
+    finally:
+        engine.options = old
+    a, b = caches[0], caches[CANVAS]
+    assert a.length == b.length and torch.equal(a.slot_pos, b.slot_pos)
+    for i, (x, y) in enumerate(zip(a.live_kv(), b.live_kv())):
+        err = (x - y).abs().max().item()
+        print(i, err, x.abs().max().item())
+        assert err <= 2e-2 * max(1.0, x.abs().max().item()), f"live K/V {i} differs by {err:.3g}"

@@ -49,6 +49,9 @@ LOG2E = 1.4426950408889634
 # Tile configs measured on the H200 (bench/bench_engine.py); the CPU tests pass their own small ones.
 QK_CONFIG = dict(BM=128, BK=64, num_warps=8, num_stages=3)
 PV_CONFIG = dict(BM=64, BN=256, num_warps=4, num_stages=3)
+# A causal call (a commit: 256 queries) has a quarter of the canvas' rows per KV head on the sliding layers: narrower
+# column blocks give the PV kernel enough programs (bench/probes/probe_commit_attention.py).
+CAUSAL_PV_CONFIG = dict(PV_CONFIG, BN=128)
 WEIGHTS_CONFIG = dict(BR=16, BT=128, num_warps=4)
 TILE = 128  # keys a stats tile: the first kernel's N block and the PV kernel's K step
 
@@ -230,7 +233,8 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     G, GR = H // KV, (H // KV) * n
     if d % 16 or d & (d - 1):
         raise ValueError(f"attention_tiles: head dim {d}: expected a power of two >= 16 (the tiles' MMA shapes)")
-    qc, pc = dict(QK_CONFIG, **(qk_config or {})), dict(PV_CONFIG, **(pv_config or {}))
+    qc = dict(QK_CONFIG, **(qk_config or {}))
+    pc = dict(CAUSAL_PV_CONFIG if qpos is not None else PV_CONFIG, **(pv_config or {}))
     qc["BK"], pc["BN"] = min(qc["BK"], d), min(pc["BN"], d)
     n_tiles = -(-n_keys // tile)
     NP = n_tiles * tile
