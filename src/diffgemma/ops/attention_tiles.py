@@ -244,7 +244,9 @@ def attention_tiles(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None,
     l = torch.empty_like(m)
     invl = torch.empty(KV * GR, dtype=torch.float32, device=q.device)
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
-    dummy = m  # any pointer, for the masks a call does not use
+    # a pointer for each mask the call does not use: an input, never an output buffer (the CPU interpreter copies
+    # every tensor argument back after a kernel, so an output passed twice would get its stale second copy back)
+    dummy = torch.empty(1, dtype=torch.int64, device=q.device)
     nl, kp = (nlive if nlive is not None else dummy), (kpos if kpos is not None else dummy)
     flags = dict(HAS_NLIVE=nlive is not None, KPOS=kpos is not None)
     qp = qpos if qpos is not None else dummy
