@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from bench.bench_engine import time_graph
 from diffgemma.ops import attention as attn
 from diffgemma.ops import attention_flash as fl
 from diffgemma.ops import attention_tiles as at
@@ -23,26 +24,11 @@ H, RING, C, W = 16, 1279, 256, 1024
 
 
 def time_ms(fn, reps: int) -> float:
-    """Median ms of a CUDA graph replay of 10 calls (as the commit's graph runs them: no launch gaps), per call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Median ms a call from CUDA-graph replays of 10 calls (as the commit's graph runs them: no launch gaps)."""
+    def ten():
         for _ in range(10):
             fn()
-    graph.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 10)
-    return statistics.median(ts)
+    return statistics.median(time_graph(ten, calls=10, reps=reps)) / 1e3
 
 
 def cases(L: int):
