@@ -8,7 +8,8 @@ every lane its own cache holding a 1k prompt:
   forward  the batched denoise forward alone (graph replay; B=1 is the solo graphed denoise generate runs), median
            ms and canvas rows/s, and the ratio to B=1 measured in the same run, per batch_paths form
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
-           included): aggregate canvas rows/s against B=1 through the same call
+           included): aggregate canvas rows/s against B=1 through the same call; "cold" with fresh caches each call
+           (every call captures its graphs again), "warm" with the same caches (caches=) rewound each call
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
            generate_batch's tokens vs generate's per request (share identical), per batch_paths
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
@@ -97,22 +98,31 @@ def section_steps(eng, cfg, batches, ctx, reps, paths):
     s = fixed_steps(C, 1)
     out = {}
     for B in batches:
-        def run():
-            return generate_batch(eng, prompts[:B], seeds=list(range(B)), settings=s, max_batch=B)
-        walls = []
-        for i in range(max(2, reps // 3) + 1):
-            sync(dev)
-            t = time.perf_counter()
-            res = run()
-            sync(dev)
-            if i:
-                walls.append(time.perf_counter() - t)
-        assert all(r.forwards == STEPS for r in res), [r.forwards for r in res]
-        # the wall includes each request's 1k prefill; the denoise time is what the requests report
-        den = statistics.median(walls) - sum(r.timings["prefill_s"] for r in res)
-        out[B] = {"wall_s": round(statistics.median(walls), 4), "rows_s": round(B * C * STEPS / den, 1)}
-        out[B]["vs_b1"] = round(out[B]["rows_s"] / out[batches[0]]["rows_s"], 3)
-        log(f"  steps [{paths}] B={B}: {out[B]}")
+        caches = [eng.new_cache(ctx + 2 * C) for _ in range(B)]
+        for warm in (False, True):  # fresh caches each call (graphs captured again), then the same caches reused
+            def run():
+                if not warm:
+                    return generate_batch(eng, prompts[:B], seeds=list(range(B)), settings=s, max_batch=B)
+                for c in caches:
+                    c.truncate(0)
+                return generate_batch(eng, prompts[:B], seeds=list(range(B)), settings=s, max_batch=B, caches=caches)
+            walls = []
+            for i in range(max(2, reps // 3) + 1):
+                sync(dev)
+                t = time.perf_counter()
+                res = run()
+                sync(dev)
+                if i:
+                    walls.append(time.perf_counter() - t)
+            assert all(r.forwards == STEPS for r in res), [r.forwards for r in res]
+            # the wall includes each request's 1k prefill; the denoise time is what the requests report
+            den = statistics.median(walls) - sum(r.timings["prefill_s"] for r in res)
+            key = "warm" if warm else "cold"
+            r = out.setdefault(B, {})[key] = {"wall_s": round(statistics.median(walls), 4),
+                                              "rows_s": round(B * C * STEPS / den, 1)}
+            r["vs_b1"] = round(r["rows_s"] / out[batches[0]][key]["rows_s"], 3)
+            log(f"  steps [{paths}] B={B} {key}: {r}")
+        del caches
         eng.clear_graphs()
     eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
     return out
@@ -221,7 +231,7 @@ def main():
                                   if kind == "q4" else None)),
               a.routing, dump)
 
-    log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 (B="
+    log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 cold / warm (B="
         + "/".join(map(str, batches)) + ") |")
     log("|---|---|" + "---|" * (len(batches) + 1))
     for kind in kinds:
@@ -230,7 +240,8 @@ def main():
             f = r.get("forward", {}).get(paths, {})
             cells = [f"{f[b]['rows_s']} ({f[b]['vs_b1']})" if b in f else "-" for b in batches]
             st = r.get("steps", {}) if paths == a.paths else {}
-            steps = "/".join(str(st[b]["vs_b1"]) if b in st else "-" for b in batches)
+            steps = " / ".join("/".join(str(st[b][key]["vs_b1"]) if b in st else "-" for b in batches)
+                               for key in ("cold", "warm"))
             log(f"| {kind} | {paths} | " + " | ".join(cells) + f" | {steps} |")
 
 

@@ -165,6 +165,32 @@ def test_generate_batch_on_the_demo_model_equals_generate(demo):
     assert [r.text for r in batched] == [r.text for r in solo]
 
 
+def test_generate_batch_continues_each_requests_own_cache(tiny):
+    """caches=: each request continues the cache it is given (a second turn: only the new tokens as input, one with
+    none at all), as generate(..., cache=) does; the caches end holding the same K/V as generate's."""
+    base = GenerationSettings(max_new_tokens=12, max_denoising_steps=5, confidence_trim=0.0)
+    turns = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    follow = [[4, 8], [], [9]]
+
+    def primed():
+        caches = [tiny.new_cache(128) for _ in turns]
+        for c, p in zip(caches, turns):
+            tiny.prefill(c, torch.tensor(p))
+        return caches
+
+    solo_caches, batch_caches = primed(), primed()
+    solo = [generate(tiny, f, settings=base.replace(seed=i), cache=c) for i, (f, c) in enumerate(zip(follow, solo_caches))]
+    batched = generate_batch(tiny, follow, seeds=[0, 1, 2], settings=base, caches=batch_caches)
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+    for a, b, p, f, r in zip(batch_caches, solo_caches, turns, follow, batched):
+        assert a.length == b.length == len(p) + len(f) + len(r.tokens)
+        assert all(torch.equal(x, y) for x, y in zip(a.live_kv(), b.live_kv()))
+    with pytest.raises(InputError, match="2 caches for 3 requests"):
+        generate_batch(tiny, follow, caches=batch_caches[:2])
+    with pytest.raises(InputError, match="a cache appears twice"):
+        generate_batch(tiny, follow[:2], caches=[batch_caches[0]] * 2)
+
+
 def test_requests_leave_when_done_and_queued_ones_join_mid_block(tiny, monkeypatch):
     """Request 0 has one short block and leaves; request 2 (queued behind max_batch=2) joins while request 1 is
     still in its blocks; every forward holds exactly the requests that are running; results equal generate's."""

@@ -42,6 +42,7 @@ def generate_batch(
     settings: GenerationSettings | Sequence[GenerationSettings | None] | None = None,
     max_batch: int | None = None,
     on_event: Callable[[int, Any], None] | None = None,
+    caches: Sequence | None = None,
     **overrides: Any,
 ) -> list[GenerationResult]:
     """Generate an answer for each of `inputs` (each a LongTensor [T] or a list of ids), batched.
@@ -49,14 +50,22 @@ def generate_batch(
     seeds: one per request (overrides each request's seed). settings: None (the model's generation_config <- env),
     one GenerationSettings for all, or one (or None) per request; **overrides apply to every request. max_batch: how
     many requests step together (default: all, or what the model's forward takes; see the module docstring).
-    on_event(i, event): request i's StepEvent, BlockEvent and final DoneEvent as they happen.
-    Returns one GenerationResult per request, in order; each equals `generate(model, inputs[i], ...)` with the same
-    settings."""
+    on_event(i, event): request i's StepEvent, BlockEvent and final DoneEvent as they happen. caches: one KV cache per
+    request (model.new_cache), each holding what request i's input follows, as generate's `cache`: on return it holds
+    that plus the request's tokens (a cache's graphs are kept with it, so a reused cache is not captured again).
+    Returns one GenerationResult per request, in order; each equals `generate(model, inputs[i], cache=caches[i], ...)`
+    with the same settings."""
     n = len(inputs)
     if n == 0:
         return []
     if seeds is not None and len(seeds) != n:
         raise InputError(f"generate_batch: got {len(seeds)} seeds for {n} requests; expected one per request")
+    if caches is not None:
+        caches = list(caches)
+        if len(caches) != n:
+            raise InputError(f"generate_batch: got {len(caches)} caches for {n} requests; expected one per request")
+        if len({id(c) for c in caches}) != n:
+            raise InputError("generate_batch: a cache appears twice; each request needs its own cache")
     if isinstance(settings, (list, tuple)):
         if len(settings) != n:
             raise InputError(f"generate_batch: got {len(settings)} settings for {n} requests; expected one per request")
@@ -68,7 +77,7 @@ def generate_batch(
         extra = dict(overrides) if seeds is None else dict(overrides, seed=seeds[i])
         try:
             resolved.append(resolve_settings(model, per_request[i], extra))
-            if _as_ids(inputs[i], model.config.vocab_size, "cpu").numel() == 0:
+            if caches is None and _as_ids(inputs[i], model.config.vocab_size, "cpu").numel() == 0:
                 raise InputError("input_ids: empty prompt; expected at least one token")
         except DiffgemmaError as e:
             raise type(e)(f"request {i}: {e}") from None
@@ -105,7 +114,8 @@ def generate_batch(
         while queue or running:
             while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
                 i = queue.popleft()
-                running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1)
+                running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1,
+                                            cache=None if caches is None else caches[i])
                 advance(i, None)
             order = sorted(asks)
             forwards = [asks.pop(i) for i in order]
