@@ -129,3 +129,46 @@ def test_commit_on_tiles_is_close_to_the_flash_commit(engine):
         err = (x.float() - z.float()).abs().max().item()
         assert err <= 0.05 * max(1.0, x.float().abs().max().item())
     assert (out[0][1] - out[CANVAS][1]).abs().max().item() <= 0.5
+
+
+def test_every_short_prefill_attention_call_matches_the_reference(engine, monkeypatch):
+    """Each causal attention call this model's prefills make (a prompt in a 256-row and a 44-row chunk, then 17- and
+    64-token commits, unpadded and padded) run through both the flash kernel and the tile kernels, each against the
+    f32 reference on the same inputs: names the kernel behind test_commit_on_tiles_is_close_to_the_flash_commit's
+    difference."""
+    import diffgemma.model.forward as forward_mod
+    from diffgemma.ops import attention as attn
+    from diffgemma.ops import attention_flash as fl
+    from diffgemma.ops import attention_tiles as at
+
+    orig, errors = attn.attention, []
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    def checked(q, k, v, kpos, n_keys, qpos=None, window=fl.NO_WINDOW, causal=False, out_dtype=None, impl=None,
+                n_ring=0, base_pos=0, nlive=None, **kw):
+        out = orig(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=causal, out_dtype=out_dtype, impl=impl,
+                   n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
+        if causal and kw.get("groups") is None:
+            live = kpos[:n_keys] if nlive is None else torch.where(
+                torch.arange(n_keys, device=q.device) < nlive, kpos[:n_keys], -1)
+            ref = attn.attention_ref(q, k, v, live, n_keys, qpos=qpos, window=window, causal=True,
+                                     out_dtype=torch.float32, q_block=64)
+            flash = fl.attention_flash(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=True,
+                                       out_dtype=out_dtype, n_ring=n_ring, base_pos=base_pos)
+            tiles = at.attention_tiles(q, k, v, n_keys, kpos=kpos, qpos=qpos, window=window, nlive=nlive,
+                                       out_dtype=out_dtype)
+            errors.append((tuple(q.shape), n_keys, min(window, 10 ** 6), rel(flash, ref), rel(tiles, ref)))
+        return out
+
+    monkeypatch.setattr(forward_mod, "attention", checked)
+    V = engine.config.vocab_size
+    cache = prefilled(engine, torch.randint(0, V, (300,), device=DEV))
+    for k in (17, CANVAS):
+        for padded in (False, True):
+            commit(engine, cache, torch.randint(0, V, (k,), device=DEV), padded=padded, graphs=False)
+    for e in errors:
+        print(f"q {e[0]} keys {e[1]} window {e[2]}: flash {e[3]:.1e}, tiles {e[4]:.1e}")
+    assert errors and all(e[3] < 1e-2 for e in errors), "the flash kernel is off the reference"
+    assert all(e[4] < 1e-2 for e in errors), "the tile kernels are off the reference"
