@@ -114,8 +114,11 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
         if not a.tiny:  # graphs, kernels, caches: made before the clock starts
             run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length)
         s.trace.clear()
+        counts0 = getattr(model, "batch_graph_counts", {})
         wall, usage_tokens = run_clients(s.url, prompts, a.reply)
+        counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
         batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
+        times = [e[0] for e in s.trace if e[1] == "forward"]
     finally:
         s.close()
     C = model.config.canvas_length
@@ -125,7 +128,10 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     tokens = len(prompts) * a.reply
     out = {"max_batch": max_batch, "wall_s": round(wall, 3), "completion_tokens": tokens,
            "usage_completion_tokens": usage_tokens, "tok_s": round(tokens / wall, 1), "forwards": len(batches),
-           "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0}
+           "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
+           # how the batched forwards ran (new memberships run eagerly, are captured on their second round in a row)
+           "batch_graphs": counts,
+           "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]}
     log(f"  max_batch {max_batch}: {out}")
     return out
 

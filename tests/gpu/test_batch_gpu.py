@@ -61,11 +61,14 @@ def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
     ls = lanes(eng, 4, gen)
     caches, canvases, sc = [x[0] for x in ls], [x[1] for x in ls], [x[2] for x in ls]
     solo = [eng.denoise_raw(c, x, sc_embeds=s).clone() for c, x, s in ls]
+    counts = eng.batch_graph_counts
     first = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
     assert not eng._batch_graphs.graphs  # a batch seen once runs eagerly; the second round in a row captures
     graphed = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
     assert eng.graph_error is None and eng._batch_graphs.graphs
     again = eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)
+    ran = {k: v - counts.get(k, 0) for k, v in eng.batch_graph_counts.items()}
+    assert ran == {"eager": 1, "captured": 1, "replayed": 1}, ran
     eng.use_graphs = False
     eager = eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)
     identical = 0

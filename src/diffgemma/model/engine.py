@@ -304,6 +304,11 @@ class Engine:
             out = self.forward.denoise_batch(caches, ids, sc_rows, has, lens, key_rows)
         return list(out.split(lens))
 
+    @property
+    def batch_graph_counts(self) -> dict:
+        """How this engine's batched forwards have run: "eager" (no graph yet), "captured", "replayed"."""
+        return dict(self._batch_graphs.counts)
+
     # ------------------------------------------------------------------ context buckets
 
     def context_bucket(self, cache: EngineKVCache) -> int:

@@ -10,6 +10,8 @@ holds its [rows, V] logits), and a graph whose cache died is dropped.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ..errors import InputError
@@ -67,6 +69,8 @@ class BatchGraphs:
         self.engine, self.keep = engine, keep
         self.graphs: dict[tuple, BatchGraph] = {}
         self._last = None  # the key of the last batch run, and weak references to its caches
+        # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed"
+        self.counts: collections.Counter = collections.Counter()
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -83,7 +87,9 @@ class BatchGraphs:
         repeated = self._last is not None and self._last[0] == key and self._last[1].serves(caches)
         self._last = (key, CacheRefs(caches))
         if entry is None and not repeated:
+            self.counts["eager"] += 1
             return None
+        self.counts["replayed" if entry is not None else "captured"] += 1
         if entry is None:
             for k in [k for k, e in self.graphs.items() if not e.alive()]:
                 del self.graphs[k]
