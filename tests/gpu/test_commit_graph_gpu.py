@@ -105,37 +105,11 @@ def test_seeded_generate_tokens_match_the_eager_commit(engine):
     assert runs[True][1] == runs[False][1]  # the caches too, bit for bit
 
 
-@pytest.mark.xfail(strict=True, reason="on the H200 the tile form's commit differed from the flash kernel's by O(1) in "
-                   "this model's K/V (head dims 128 / 256) while matching the f32 reference at the full-size shapes; "
-                   "causal_tiles_rows stays 0 until this passes")
-def test_commit_on_tiles_is_close_to_the_flash_commit(engine):
-    """options.causal_tiles_rows: the commit's attention (both layer kinds) on the tile kernels against the flash
-    kernel (0): the same math, other roundings. The caches' K/V and the next denoise logits stay bf16-close."""
-    V = engine.config.vocab_size
-    prompt = torch.randint(0, V, (300,), device=DEV)
-    ids = torch.randint(0, V, (CANVAS,), device=DEV)
-    canvas = torch.randint(0, V, (CANVAS,), device=DEV)
-    out = {}
-    for rows in (0, CANVAS):
-        old = engine.options
-        engine.causal_tiles_rows = rows
-        try:
-            cache = prefilled(engine, prompt)
-            commit(engine, cache, ids, padded=True)
-            out[rows] = (cache_state(cache)[3], engine.denoise(cache, canvas).float().clone())
-        finally:
-            engine.options = old
-    for x, z in zip(out[0][0], out[CANVAS][0]):
-        err = (x.float() - z.float()).abs().max().item()
-        assert err <= 0.05 * max(1.0, x.float().abs().max().item())
-    assert (out[0][1] - out[CANVAS][1]).abs().max().item() <= 0.5
-
-
 def test_every_short_prefill_attention_call_matches_the_reference(engine, monkeypatch):
     """Each causal attention call this model's prefills make (a prompt in a 256-row and a 44-row chunk, then 17- and
     64-token commits, unpadded and padded) run through both the flash kernel and the tile kernels, each against the
-    f32 reference on the same inputs: names the kernel behind test_commit_on_tiles_is_close_to_the_flash_commit's
-    difference."""
+    f32 reference on the same inputs. The caches the two kernels leave are not compared: a rounding-level difference
+    in one call can flip a token's expert choice, after which that token's K/V differ by O(1)."""
     import diffgemma.model.forward as forward_mod
     from diffgemma.ops import attention as attn
     from diffgemma.ops import attention_flash as fl

@@ -48,8 +48,7 @@ class EngineOptions:
     # The causal attention of a prefill chunk of up to this many rows (a block's commit, a short turn) runs on the tile
     # kernels (ops/attention_tiles.py, the canvas' form with a per-query causal and window mask) instead of the flash
     # kernel, whose Q-resident programs over so few rows leave most SMs idle. The same math, other roundings (as
-    # attn_impl). 0 (the default): the flash kernel, until tests/gpu/test_commit_graph_gpu.py's comparison of the two
-    # passes on a GPU at every test model's shapes.
+    # attn_impl), so other tokens than the flash kernel's: 0 (the default) keeps the flash kernel's.
     causal_tiles_rows: int = 0
     # Padded lengths above the canvas for short prefills (each needs length <= the cache's sliding ring).
     prefill_pads: tuple[int, ...] = (512, 1024)
