@@ -160,16 +160,9 @@ def test_hf_preset_generate_with_an_image_engine_equals_reference(tmp_path):
     from diffgemma.session import Session
     from diffgemma.settings import GenerationSettings
     from test_hf_generate_parity import KNOBS, STOP_IDS
-    from test_vision_chat import NAME, write_tokenizer
-    from tiny_checkpoints import CONFIGS
+    from test_vision_chat import hf_preset_checkpoint
 
-    text = dict(CONFIGS[VISION_CONFIGS[NAME]["text"]])
-    text["top_k_experts"] = text["num_experts"]
-    hf = build_model(NAME, seed=11, text_config=text)
-    with torch.no_grad():
-        hf.model.decoder.self_conditioning.down_proj.weight.mul_(0.01)
-    save(hf, NAME, tmp_path)
-    write_tokenizer(tmp_path, text["vocab_size"])
+    hf_preset_checkpoint(tmp_path)
     ref = diffgemma.load(tmp_path, engine="reference")
     eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32)
     content = [{"type": "image", "image": random_image(30, 41, seed=3)}, {"type": "text", "text": "Say"}]

@@ -256,22 +256,30 @@ def test_images_on_a_model_without_a_tower_or_without_embeds_are_refused(model):
 
 # -- hf-preset generate against transformers' generate with an image ---------------------------------
 
-def test_hf_preset_generate_with_an_image_matches_transformers(ckpt, tmp_path):
-    """As tests/test_hf_generate_parity.py: float64 on both sides, SC damped and every expert routed, the same
-    noise; transformers gets pixel_values / image_position_ids / mm_token_type_ids from its own processor."""
-    import test_hf_generate_parity as parity
-    from diffgemma.settings import GenerationSettings
+def hf_preset_checkpoint(directory):
+    """The vision checkpoint the hf-preset comparisons use, saved with its tokenizer in `directory`: every expert
+    routed and the SC MLP damped, so rounding cannot flip a routing choice -> the transformers model."""
     from tiny_checkpoints import CONFIGS
     from tiny_vision import VISION_CONFIGS
 
-    _, _, tok = ckpt
     text = dict(CONFIGS[VISION_CONFIGS[NAME]["text"]])
     text["top_k_experts"] = text["num_experts"]
     hf = build_model(NAME, seed=11, text_config=text)
     with torch.no_grad():
         hf.model.decoder.self_conditioning.down_proj.weight.mul_(0.01)
-    save(hf, NAME, tmp_path)
-    write_tokenizer(tmp_path, text["vocab_size"])
+    save(hf, NAME, directory)
+    write_tokenizer(directory, text["vocab_size"])
+    return hf
+
+
+def test_hf_preset_generate_with_an_image_matches_transformers(ckpt, tmp_path):
+    """As tests/test_hf_generate_parity.py: float64 on both sides, SC damped and every expert routed, the same
+    noise; transformers gets pixel_values / image_position_ids / mm_token_type_ids from its own processor."""
+    import test_hf_generate_parity as parity
+    from diffgemma.settings import GenerationSettings
+
+    _, _, tok = ckpt
+    hf = hf_preset_checkpoint(tmp_path)
     hf = hf.to(torch.float64)
     hf.set_experts_implementation("eager")
     ours = diffgemma.load(tmp_path, engine="reference", dtype=torch.float64)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import subprocess
 from dataclasses import replace
@@ -26,8 +25,7 @@ import torch
 
 from bench.bench_e2e import BLOCKS, STEPS, fixed_steps, timed
 from bench.probes.probe_step import family, idle_report, profile_replays, report
-from bench.runner import build, log, shapes
-from bench.balanced_routing import routing
+from bench.runner import dumper, log, run_kinds, shapes
 from diffgemma.generation import generate
 from diffgemma.model.denoiser import StagedDenoiser
 
@@ -99,56 +97,54 @@ def variants(eng, cache, prompt_len, s) -> dict:
     return out
 
 
-def probe(kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
+def probe(eng, kind: str, cfg, dev, trace_dir: str, prompt_len: int = 1024) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    eng = build(kind, cfg, dev, False)
     C, V = cfg.canvas_length, cfg.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, V, (prompt_len,), generator=gen).to(dev)
     block = torch.randint(0, V, (C,), generator=gen).to(dev)
     canvas = torch.randint(0, V, (C,), generator=gen).to(dev)
     out = {}
-    with routing("balanced"):
-        cache = eng.new_cache(prompt_len + (BLOCKS + 1) * C, rewind_slack=BLOCKS * C)
-        eng.prefill(cache, prompt)
-        sce = eng.embed(canvas)
-        step = lambda: eng.denoise_raw(cache, canvas, sc_embeds=sce)  # noqa: E731
-        step()
-        wall, per = profile_replays(step, 5)
-        out["step"] = report(f"{kind} denoise step", wall, wall, per)
+    cache = eng.new_cache(prompt_len + (BLOCKS + 1) * C, rewind_slack=BLOCKS * C)
+    eng.prefill(cache, prompt)
+    sce = eng.embed(canvas)
+    step = lambda: eng.denoise_raw(cache, canvas, sc_embeds=sce)  # noqa: E731
+    step()
+    wall, per = profile_replays(step, 5)
+    out["step"] = report(f"{kind} denoise step", wall, wall, per)
 
-        def commit():
-            cache.truncate(prompt_len)
-            eng.prefill(cache, block)
-        for rows in (0, C):  # the commit's attention on the flash kernel, then on the tile kernels
-            old = eng.options
-            eng.causal_tiles_rows = rows
-            try:
-                commit()
-                wall, per = profile_replays(commit, 5)
-                out[f"commit_tiles_{rows}"] = report(f"{kind} graphed commit (truncate + prefill), causal_tiles_rows "
-                                                     f"{rows}", wall, wall, per)
-            finally:
-                eng.options = old
-
-        s = fixed_steps(C, BLOCKS)
-        for _ in range(2):
-            cache.truncate(prompt_len)
-            ms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
-        forwards = BLOCKS * STEPS
-        log(f"\n== {kind} generate: {ms:.1f} ms unprofiled, {ms / forwards:.3f} ms per forward")
+    def commit():
         cache.truncate(prompt_len)
-        trace = f"{trace_dir}/probe_e2e_{kind}.json"
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            gms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
-        prof.export_chrome_trace(trace)
-        log(f"  profiled: {gms:.1f} ms, {gms / forwards:.3f} ms per forward")
-        out["generate"] = {"ms": ms, "ms_profiled": gms, "families": kernel_families(trace, forwards)}
-        out["generate"]["idle"] = idle_report(trace, forwards, top=20, max_gap=1e9)
-        out["generate"]["go"] = go_flags(eng, cache, prompt_len, s)
-        out["variants"] = variants(eng, cache, prompt_len, s)
-        subprocess.run(["gzip", "-f", trace], check=False)
+        eng.prefill(cache, block)
+    for rows in (0, C):  # the commit's attention on the flash kernel, then on the tile kernels
+        old = eng.options
+        eng.causal_tiles_rows = rows
+        try:
+            commit()
+            wall, per = profile_replays(commit, 5)
+            out[f"commit_tiles_{rows}"] = report(f"{kind} graphed commit (truncate + prefill), causal_tiles_rows "
+                                                 f"{rows}", wall, wall, per)
+        finally:
+            eng.options = old
+
+    s = fixed_steps(C, BLOCKS)
+    for _ in range(2):
+        cache.truncate(prompt_len)
+        ms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
+    forwards = BLOCKS * STEPS
+    log(f"\n== {kind} generate: {ms:.1f} ms unprofiled, {ms / forwards:.3f} ms per forward")
+    cache.truncate(prompt_len)
+    trace = f"{trace_dir}/probe_e2e_{kind}.json"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gms = timed(dev, lambda: generate(eng, [], settings=s, cache=cache))
+    prof.export_chrome_trace(trace)
+    log(f"  profiled: {gms:.1f} ms, {gms / forwards:.3f} ms per forward")
+    out["generate"] = {"ms": ms, "ms_profiled": gms, "families": kernel_families(trace, forwards)}
+    out["generate"]["idle"] = idle_report(trace, forwards, top=20, max_gap=1e9)
+    out["generate"]["go"] = go_flags(eng, cache, prompt_len, s)
+    out["variants"] = variants(eng, cache, prompt_len, s)
+    subprocess.run(["gzip", "-f", trace], check=False)
     return out
 
 
@@ -162,12 +158,9 @@ def main():
         sys.exit("probe_e2e.py needs a CUDA GPU")
     cfg, dev = shapes(False)
     res = {"gpu": torch.cuda.get_device_name()}
-    for kind in a.kinds.split(","):
-        res[kind] = probe(kind, cfg, dev, a.traces)
-        gc.collect()
-        torch.cuda.empty_cache()
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
+    run_kinds(a.kinds.split(","), cfg, dev, False, res, {"probe"},
+              lambda eng, kind: [("probe", lambda: probe(eng, kind, cfg, dev, a.traces))], "balanced",
+              dumper(res, a.json))
 
 
 if __name__ == "__main__":

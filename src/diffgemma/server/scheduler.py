@@ -189,39 +189,33 @@ class Scheduler:
         asking = [r for r in self.running if isinstance(r.ask, Forward)]
         if not asking:
             return
-        forwards = [r.ask for r in asking]
-        for r in asking:
-            r.ask = None
         if self.trace is not None:
             self.trace.append((time.perf_counter(), "forward", tuple(r.job.id for r in asking)))
-        try:
-            logits = batched_forward(self.worker.model, forwards)
-        except Exception as e:  # each request journals the failure as its own and empties its cache
-            for r in asking:
-                self._advance(r, None, thrown=e)
-            return
-        del forwards
-        for r, lg in zip(asking, logits):
-            self._advance(r, lg)
-        logits = lg = None  # each request holds its own logits until its status is read
-        self._read_statuses()
+        # a failed forward: each request journals the failure as its own and empties its cache
+        self._answer(asking, lambda forwards: batched_forward(self.worker.model, forwards))
+        self._read_statuses()  # each request holds its own logits until its status is read
 
     def _read_statuses(self) -> None:
         """Answer every request parked at its step's Status with one host wait (read_statuses), and run each on; again
         while any asks anew. A failed read is each parked request's own failure, as a failed forward is."""
         while parked := [r for r in self.running if isinstance(r.ask, Status)]:
-            reads = [r.ask for r in parked]
-            for r in parked:
-                r.ask = None
-            try:
-                statuses = read_statuses(reads)
-            except Exception as e:
-                for r in parked:
-                    self._advance(r, None, thrown=e)
-                continue
-            del reads
-            for r, status in zip(parked, statuses):
-                self._advance(r, status)
+            self._answer(parked, read_statuses)
+
+    def _answer(self, rs: list, call) -> None:
+        """Take the asks of requests `rs`, answer them with call(asks) (one answer per ask, in order) and run each
+        request on with its answer; if the call fails, each request gets the exception as its own."""
+        asks = [r.ask for r in rs]
+        for r in rs:
+            r.ask = None
+        try:
+            answers = call(asks)
+        except Exception as e:
+            for r in rs:
+                self._advance(r, None, thrown=e)
+            return
+        del asks
+        for r, answer in zip(rs, answers):
+            self._advance(r, answer)
 
     # -- one request ---------------------------------------------------------------------------------------------
 
