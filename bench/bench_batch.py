@@ -6,7 +6,8 @@
 Per engine kind (bf16: RandomSource; q4: RandomPackSource, q4 experts and a q8 SC MLP), balanced expert routing,
 every lane its own cache holding a 1k prompt:
   forward  the batched denoise forward alone (graph replay; B=1 is the solo graphed denoise generate runs), median
-           ms and canvas rows/s, and the ratio to B=1 measured in the same run, per batch_paths form
+           ms and canvas rows/s, and the ratio to B=1 measured in the same run, per batch_paths form (--forms;
+           "wide-serial": "wide" with lane_streams off, the lanes' attention one after another)
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
            included): aggregate canvas rows/s against B=1 through the same call; "cold" with fresh caches each call
            (every call captures its graphs again), "warm" with the same caches (caches=) rewound each call
@@ -69,14 +70,15 @@ def lanes(eng, cfg, B, ctx, seed=0):
     return caches, canvases, scs
 
 
-def section_forward(eng, cfg, batches, ctx, reps):
+def section_forward(eng, cfg, batches, ctx, reps, forms):
     dev, C = eng.device, cfg.canvas_length
     out = {}
     caches, canvases, scs = lanes(eng, cfg, max(batches), ctx)
-    for paths in PATHS:
-        eng.options = replace(eng.options, batch_paths=paths)
+    for form in forms:
+        paths, _, serial = form.partition("-")
+        eng.options = replace(eng.options, batch_paths=paths, lane_streams=not serial)
         eng.clear_graphs()
-        r = out[paths] = {}
+        r = out[form] = {}
         for B in batches:
             if B == 1:
                 ms = timed(dev, lambda: eng.denoise_raw(caches[0], canvases[0], sc_embeds=scs[0]), reps)
@@ -84,9 +86,9 @@ def section_forward(eng, cfg, batches, ctx, reps):
                 ms = timed(dev, lambda: eng.denoise_batch_raw(caches[:B], canvases[:B], sc_embeds=scs[:B]), reps)
             r[B] = {"ms": ms, "rows_s": round(B * C / ms * 1e3, 1)}
             r[B]["vs_b1"] = round(r[B]["rows_s"] / r[batches[0]]["rows_s"], 3)
-            log(f"  forward [{paths}] B={B}: {r[B]}")
+            log(f"  forward [{form}] B={B}: {r[B]}")
             eng.clear_graphs()  # each B's graphs go before the next B's: their logits buffers add up
-    eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
+    eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths, lane_streams=True)
     return out
 
 
@@ -205,12 +207,18 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--paths", default=EngineOptions().batch_paths, choices=BATCH_PATHS,
                     help="batch_paths for the steps section (default: the engine's)")
+    ap.add_argument("--forms", default=",".join([*BATCH_PATHS, "wide-serial"]),
+                    help="the forward section's forms: a batch_paths, with '-serial' for lane_streams off")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
     kinds = [k for k in a.kinds.split(",") if k]
     batches = [int(b) for b in a.batches.split(",")]
+    forms = [f for f in a.forms.split(",") if f]
+    bad = [f for f in forms if f.partition("-")[0] not in BATCH_PATHS or f.partition("-")[2] not in ("", "serial")]
+    if bad:
+        ap.error(f"--forms: {bad} are not a batch_paths ({', '.join(BATCH_PATHS)}) with an optional '-serial'")
     sections = set(a.sections.split(","))
     cfg, dev = shapes(a.tiny)
     ctx, mem_ctx = (32, 64) if a.tiny else (1024, 8192)
@@ -224,7 +232,7 @@ def main():
         log(f"[demo] {time.time() - t:.1f}s")
         dump()
     run_kinds(kinds, cfg, dev, a.tiny, res, sections,
-              lambda eng, kind: (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps)),
+              lambda eng, kind: (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps, forms)),
                                  ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
                                  ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
                                  ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx)
@@ -236,7 +244,7 @@ def main():
     log("|---|---|" + "---|" * (len(batches) + 1))
     for kind in kinds:
         r = res.get(kind, {})
-        for paths in PATHS:
+        for paths in forms:
             f = r.get("forward", {}).get(paths, {})
             cells = [f"{f[b]['rows_s']} ({f[b]['vs_b1']})" if b in f else "-" for b in batches]
             st = r.get("steps", {}) if paths == a.paths else {}

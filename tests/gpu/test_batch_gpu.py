@@ -12,6 +12,7 @@ Skips without CUDA. On random tiny and mid engines (bf16, f16 KV, graphs):
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,6 +81,31 @@ def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
         assert rel < 2e-2, f"lane {i}: batched vs solo rel {rel:.3g}"
         identical += torch.equal(graphed[i], solo[i])
     print(f"\n[{paths}] lanes bit-identical to solo: {identical}/4")
+
+
+def test_lane_streams_give_the_serial_lanes_bits(shapes):
+    """EngineOptions.lane_streams (each lane's attention on its own stream) against its twin, the lanes one after
+    another: the same kernels on the same inputs, so the same bits, eager and graphed (the graph holds the forks)."""
+    eng = make_engine(*shapes)
+    assert eng.options.lane_streams
+    gen = torch.Generator().manual_seed(random.getrandbits(31))
+    ls = lanes(eng, 4, gen)
+    caches, canvases, sc = [x[0] for x in ls], [x[1] for x in ls], [x[2] for x in ls]
+    runs = {}
+    for streams in (True, False):
+        eng.options = replace(eng.options, lane_streams=streams)
+        eng.clear_graphs()
+        eng.use_graphs = False
+        eager = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
+        eng.use_graphs = True
+        for _ in range(3):  # eager, captured, replayed
+            graphed = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
+        assert eng.graph_error is None and eng._batch_graphs.graphs
+        runs[streams] = (eager, graphed)
+    for i in range(4):
+        for form, a, b in (("eager", runs[True][0][i], runs[False][0][i]),
+                           ("graphed", runs[True][1][i], runs[False][1][i])):
+            assert torch.equal(a, b), f"lane {i} {form}: lane streams changed the bits"
 
 
 def test_generate_batch_tokens_against_generate(shapes):

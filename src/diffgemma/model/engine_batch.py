@@ -80,7 +80,8 @@ class BatchGraphs:
         """Replay the graph of this batch with these inputs -> its raw logits buffer; captured first when the same
         batch also ran the round before. None: no graph for it yet (the caller runs the forward eagerly)."""
         opts = self.engine.options
-        key = (tuple(id(c) for c in caches), tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths)
+        key = (tuple(id(c) for c in caches), tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths,
+               opts.lane_streams)
         entry = self.graphs.pop(key, None)
         if entry is not None and not entry.serves(caches):  # a cache died and another took its address
             entry = None

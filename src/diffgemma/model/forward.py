@@ -67,6 +67,7 @@ class Forward:
         self.kv_dtype = kv_dtype
         self.options = options or EngineOptions()
         self._side_stream = None  # the router chain's (CUDA)
+        self._lane_stream_pool: list = []  # a batched denoise's lane streams (CUDA)
         self._canvas_rows_cache: dict = {}
         self._lane_rows: int | None = None  # during a batched denoise: one lane's rows (options.batch_paths)
 
@@ -278,8 +279,20 @@ class Forward:
             lanes.append((lo, lo + C, self._canvas_attention(cache, C, rows)))
             lo += C
 
+        streams = self._lane_streams(len(lanes))
+
         def attend(li, qkv, need_out):
-            return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
+            if streams is None:
+                return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
+            main = torch.cuda.current_stream(self.device)
+            outs = []
+            for (a, b, lane), s in zip(lanes, streams):  # fork: each lane on its own stream
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    outs.append(lane(li, qkv[a:b], need_out))
+            for s in streams:  # join before anything reads the lanes' outputs
+                main.wait_stream(s)
+            return torch.cat(outs)
 
         self._lane_rows = max(lens)  # lanes of one length (batch.py groups them): each lane's own
         try:
@@ -287,6 +300,16 @@ class Forward:
         finally:
             self._lane_rows = None
         return h @ self.w.embed.T
+
+    def _lane_streams(self, n: int):
+        """n streams for a batched denoise's lanes (options.lane_streams, CUDA, n > 1), else None. Safe for the caching
+        allocator without record_stream, as the router's stream is: a lane's tensors are last read by the join's
+        concatenation on the layer's stream, and the next fork orders the lane's stream after it."""
+        if self.device.type != "cuda" or n < 2 or not self.options.lane_streams:
+            return None
+        while len(self._lane_stream_pool) < n:
+            self._lane_stream_pool.append(torch.cuda.Stream(self.device))
+        return self._lane_stream_pool[:n]
 
     def sc_logits_embeds(self, sc_logits: torch.Tensor) -> torch.Tensor:
         """SC logits -> their soft embedding, by the same ops denoise's 'logits' mode runs (so a batched lane fed

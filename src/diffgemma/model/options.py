@@ -60,6 +60,11 @@ class EngineOptions:
     # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows). "wide" is the default: at full
     # size its lanes were bit-identical to solo and it ran faster than "lane" (bench/bench_batch.py).
     batch_paths: str = "wide"
+    # A batched denoise runs each lane's attention (its qkv prep, cache writes and kernels) on a stream of its own,
+    # forked from the layer and joined before the o projection, so the lanes' small kernels overlap on the GPU (one
+    # lane's attention fills about one wave of SMs). The same kernels on the same inputs: the same bits. False: the
+    # lanes one after another on the layer's stream (the twin the GPU tests compare). CUDA only.
+    lane_streams: bool = True
 
     def __post_init__(self):
         if self.batch_paths not in BATCH_PATHS:
