@@ -213,3 +213,36 @@ def test_a_batch_is_captured_on_its_second_round_in_a_row(ref, monkeypatch):
     run(b, c), run(b, c)  # a third graph: the least recently used (a, b) goes
     assert len(graphs.graphs) == 2 and captured == [2, 2, 2]
     assert run(a, b) is None
+
+
+def test_graph_capture_pauses_the_cyclic_collector(monkeypatch):
+    """engine_graph.capture: no garbage collection inside a capture (a dead graph freed then would invalidate it),
+    and the collector is back on after it, also when the capture raises; left off if it was off."""
+    import contextlib
+    import gc
+
+    from diffgemma.model import engine_graph
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(engine_graph.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with engine_graph.capture(object(), None):
+        seen.append(gc.isenabled())
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with engine_graph.capture(object(), None):
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with engine_graph.capture(object(), None):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -133,3 +133,59 @@ def test_demo_generate_batch_tokens_on_the_cuda_engine():
     print(f"\ndemo requests token-identical batched vs alone: {sum(same)}/4 {same}")
     assert eng.graph_error is None and eng._batch_graphs.graphs
     assert all(len(b.tokens) <= kw["max_new_tokens"] and b.forwards >= 1 for b in batched)
+
+
+def test_a_dead_graph_collected_during_a_capture_does_not_break_it():
+    """A dead graph in a reference cycle, with the collector on at its most eager: torch.cuda.graph alone lets a
+    collection free it mid-capture (CUDA refuses to destroy a graph then, and the capture is invalidated: the control
+    below); engine_graph.capture pauses the collector, so the capture holds and replays."""
+    import gc
+
+    from diffgemma.model.engine_graph import capture
+
+    def dead_graph_in_a_cycle():
+        g = torch.cuda.CUDAGraph()
+        x = torch.ones(64, device=DEV)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x * 2
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            x * 2
+        cycle = [g]
+        cycle.append(cycle)
+
+    def churn(x):  # Python allocations, so that a collection comes due during the capture
+        y = x
+        for _ in range(200):
+            y = [y, {}][0] + 1
+        return y
+
+    x = torch.zeros(64, device=DEV)
+    threshold = gc.get_threshold()
+    failures = {}
+    try:
+        for name, cm in (("capture", lambda g: capture(g, None)), ("plain", lambda g: torch.cuda.graph(g))):
+            gc.collect()
+            gc.disable()
+            dead_graph_in_a_cycle()
+            gc.set_threshold(1)
+            gc.enable()
+            g = torch.cuda.CUDAGraph()
+            try:
+                with cm(g):
+                    out = churn(x)
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, torch.full_like(x, 200))
+                failures[name] = None
+            except Exception as e:
+                failures[name] = f"{type(e).__name__}: {str(e)[:120]}"
+            gc.set_threshold(*threshold)
+            gc.collect()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.enable()
+    assert failures["capture"] is None, failures
+    assert failures["plain"] is not None, "control: a collection during a plain capture did not break it"

@@ -34,7 +34,7 @@ from ..ops.rowstats import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache
 from .engine_batch import BatchGraphs, check_batch
-from .engine_graph import DenoiseGraph, PrefillGraph
+from .engine_graph import DenoiseGraph, PrefillGraph, capture
 from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
@@ -236,7 +236,7 @@ class Engine:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self._fresh_pool_if_dead()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with capture(graph, self._graph_pool):
             self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
         return PrefillGraph(graph, ids_buf, n_buf)
 
@@ -377,7 +377,7 @@ class Engine:
         self._fresh_pool_if_dead()
         guarded = self.options.guarded_graphs and self._guard_ok()
         graph = torch.cuda.CUDAGraph(keep_graph=guarded)  # a guarded twin clones the kept cudaGraph_t
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with capture(graph, self._graph_pool):
             out = self.forward.denoise(cache, ids_buf, mode, sc_buf, key_rows)
         guard = None
         if guarded:

@@ -15,7 +15,7 @@ import collections
 import torch
 
 from ..errors import InputError
-from .engine_graph import BatchGraph, CacheRefs
+from .engine_graph import BatchGraph, CacheRefs, capture
 from .engine_inputs import check_ids
 
 
@@ -117,7 +117,7 @@ class BatchGraphs:
         torch.cuda.current_stream(dev).wait_stream(stream)
         eng._fresh_pool_if_dead()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=eng._graph_pool):
+        with capture(graph, eng._graph_pool):
             out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
         return BatchGraph(graph, caches, ids_buf, sc_buf, has_buf, out)
 

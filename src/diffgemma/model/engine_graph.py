@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 
 import torch
 
 from .graph_guard import GuardedGraph
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool):
+    """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector paused: a collection that runs
+    during the capture and frees a dead graph (one left in a reference cycle, e.g. by an engine dropped earlier)
+    destroys a graph executable mid-capture, which CUDA refuses and which invalidates the capture. Cycles are
+    collected as usual after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DenoiseGraph:
