@@ -10,7 +10,7 @@ every lane its own cache holding a 1k prompt:
            "wide-serial": "wide" with lane_streams off, the lanes' attention one after another)
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
            included): aggregate canvas rows/s against B=1 through the same call; "cold" with fresh caches each call
-           (every call captures its graphs again), "warm" with the same caches (caches=) rewound each call
+           (every call captures its solo and prefill graphs again), "warm" with the same caches (caches=) rewound each call
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
            generate_batch's tokens vs generate's per request (share identical), per batch_paths
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
@@ -101,7 +101,7 @@ def section_steps(eng, cfg, batches, ctx, reps, paths):
     out = {}
     for B in batches:
         caches = [eng.new_cache(ctx + 2 * C) for _ in range(B)]
-        for warm in (False, True):  # fresh caches each call (graphs captured again), then the same caches reused
+        for warm in (False, True):  # fresh caches each call (solo graphs captured again), then the same caches reused
             def run():
                 if not warm:
                     return generate_batch(eng, prompts[:B], seeds=list(range(B)), settings=s, max_batch=B)

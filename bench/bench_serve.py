@@ -129,7 +129,7 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     out = {"max_batch": max_batch, "wall_s": round(wall, 3), "completion_tokens": tokens,
            "usage_completion_tokens": usage_tokens, "tok_s": round(tokens / wall, 1), "forwards": len(batches),
            "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
-           # how the batched forwards ran (new memberships run eagerly, are captured on their second round in a row)
+           # how the batched forwards ran (a shape seen once runs eagerly, then is captured)
            "batch_graphs": counts,
            "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]}
     log(f"  max_batch {max_batch}: {out}")

@@ -173,46 +173,99 @@ def test_generate_batch_on_the_demo_engine_equals_generate():
     assert [_result(r) for r in batched] == [_result(r) for r in solo]
 
 
-def test_a_batch_is_captured_on_its_second_round_in_a_row(ref, monkeypatch):
-    """model/engine_batch.BatchGraphs: a batch seen once runs eagerly (None); the same caches and shapes the next
-    round capture; a replayed graph is kept, least recently used dropped past the bound, a dead cache's dropped."""
+def test_a_batch_graph_serves_every_membership_of_its_shape(ref, monkeypatch):
+    """model/engine_batch.BatchGraphs: a shape seen once runs eagerly (None); seen again it is captured over its
+    caches' stores; any later batch of that shape replays it, its caches handed the graph's stores first (each
+    cache keeping its contents); least recently used graphs go past the bound; a graph whose store died is captured
+    again; a cache of another geometry is not handed a store."""
     from diffgemma.model.engine_batch import BatchGraphs
 
     eng = _engine(ref)
+    gen = _gen()
     captured = []
 
     class Fake:
         def __init__(self, caches):
             import weakref
-            self.refs = [weakref.ref(c) for c in caches]
-            self.ids, self.sc, self.has, self.out = torch.zeros(1), torch.zeros(1), torch.zeros(1), object()
+            self.refs = [weakref.ref(c.store) for c in caches]
+            self.ids = self.sc = self.has = self  # copy_ takes the inputs
+            self.out = object()
 
-        def serves(self, caches):
-            return all(r() is c for r, c in zip(self.refs, caches))
+        def copy_(self, x):
+            pass
+
+        def stores(self):
+            return [r() for r in self.refs]
 
         def alive(self):
-            return all(r() is not None for r in self.refs)
+            return all(s is not None for s in self.stores())
 
         def replay(self):
             pass
 
     graphs = BatchGraphs(eng, keep=2)
     monkeypatch.setattr(graphs, "_capture", lambda caches, *a: captured.append(len(caches)) or Fake(caches))
-    a, b, c = (eng.new_cache(32) for _ in range(3))
-    z = torch.zeros(1)
+    caches = [eng.new_cache(32) for _ in range(5)]
+    for i, c in enumerate(caches):
+        eng.prefill(c, torch.randint(0, eng.config.vocab_size, (3 + i,), generator=gen))
+    prints = [c.fingerprint() for c in caches]
+    a, b, c, d, e = caches
 
-    def run(*caches):
-        return graphs.run(list(caches), z, [8] * len(caches), [16] * len(caches), z, z)
+    def run(*lanes, rows=16):
+        z = torch.zeros(8 * len(lanes))
+        return graphs.run(list(lanes), z, [8] * len(lanes), [rows] * len(lanes), z, z)
 
-    assert run(a, b) is None and not captured  # first round: eager
-    assert run(a, b) is not None and captured == [2]  # second in a row: captured
-    assert run(a, b, c) is None  # a new membership
-    assert run(a, b) is not None and captured == [2]  # the kept graph replays without a new capture
-    assert run(a, c) is None and run(a, c) is not None and captured == [2, 2]
-    assert len(graphs.graphs) == 2
-    run(b, c), run(b, c)  # a third graph: the least recently used (a, b) goes
-    assert len(graphs.graphs) == 2 and captured == [2, 2, 2]
-    assert run(a, b) is None
+    assert run(a, b) is None and not captured  # a new shape: eager
+    assert run(c, d) is not None and captured == [2]  # seen before: captured, over c's and d's stores
+    held = graphs.graphs[next(iter(graphs.graphs))].stores()
+    assert run(a, b) is not None and captured == [2]  # another membership replays it...
+    assert {id(a.store), id(b.store)} == {id(s) for s in held}  # ...with a and b holding the graph's stores
+    b_store = b.store
+    _, perm = run(b, e)
+    assert b.store is b_store and {id(b.store), id(e.store)} == {id(s) for s in held}  # b kept its lane
+    assert held[perm.index(0)] is b.store and held[perm.index(1)] is e.store and captured == [2]
+    assert [x.fingerprint() for x in caches] == prints  # every cache kept its contents
+    assert graphs.counts == {"eager": 1, "captured": 1, "replayed": 2}
+    assert run(a, b, c) is None and run(c, d, e) is not None and captured == [2, 3]
+    assert run(a, b, rows=24) is None and run(a, b, rows=24) is not None and captured == [2, 3, 2]
+    assert len(graphs.graphs) == 2 and run(d, e) is not None and captured == [2, 3, 2, 2]  # (2, 16) was dropped
+    # a graph over a dead cache's store is captured again; the live caches keep their contents
+    x, y, w = (eng.new_cache(32) for _ in range(3))
+    for i, cache in enumerate((x, y, w)):
+        eng.prefill(cache, torch.randint(0, eng.config.vocab_size, (4 + i,), generator=gen))
+    kept = [y.fingerprint(), w.fingerprint()]
+    assert run(x, y, rows=40) is None and run(x, y, rows=40) is not None and captured[-1] == 2
+    n = len(captured)
+    del x
+    assert run(w, y, rows=40) is not None and len(captured) == n + 1
+    assert [y.fingerprint(), w.fingerprint()] == kept
+    # a cache of another geometry is not handed a store: the shape's graph is captured again over its own
+    big, own = eng.new_cache(64), None
+    own = big.store
+    assert run(y, big, rows=40) is not None and len(captured) == n + 2 and big.store is own
+
+
+def test_swapping_stores_keeps_contents_and_moves_graphs(ref):
+    """Engine.swap_stores: two caches exchange buffers (contents stay with each cache) and the solo / prefill graphs
+    captured over those buffers follow them; caches of another geometry are refused."""
+    eng = _engine(ref)
+    gen = _gen()
+    a, b = eng.new_cache(32), eng.new_cache(32)
+    eng.prefill(a, torch.randint(0, eng.config.vocab_size, (5,), generator=gen))
+    eng.prefill(b, torch.randint(0, eng.config.vocab_size, (9,), generator=gen))
+    pa, pb, sa, sb = a.fingerprint(), b.fingerprint(), a.store, b.store
+    ga, gb = {"key": "graph over a's store"}, {"key": "graph over b's store"}
+    eng._graphs[a], eng._prefill_graphs[b] = ga, gb
+    eng.swap_stores(a, b)
+    assert (a.store, b.store) == (sb, sa) and (a.length, b.length) == (5, 9)
+    assert (a.fingerprint(), b.fingerprint()) == (pa, pb)
+    assert eng._graphs.get(b) is ga and eng._graphs.get(a) is None
+    assert eng._prefill_graphs.get(a) is gb and eng._prefill_graphs.get(b) is None
+    assert sa.owner() is b and sb.owner() is a
+    x = torch.randint(0, eng.config.vocab_size, (eng.config.canvas_length,), generator=gen)
+    assert torch.equal(eng.denoise(a, x), eng.denoise(a, x))
+    with pytest.raises(ValueError, match="geometry"):
+        eng.swap_stores(a, eng.new_cache(64))
 
 
 def test_graph_capture_pauses_the_cyclic_collector(monkeypatch):

@@ -64,7 +64,7 @@ def test_batched_graph_is_the_eager_batch_and_near_solo(shapes, paths):
     solo = [eng.denoise_raw(c, x, sc_embeds=s).clone() for c, x, s in ls]
     counts = eng.batch_graph_counts
     first = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
-    assert not eng._batch_graphs.graphs  # a batch seen once runs eagerly; the second round in a row captures
+    assert not eng._batch_graphs.graphs  # a shape seen once runs eagerly; seen again it is captured
     graphed = [x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)]
     assert eng.graph_error is None and eng._batch_graphs.graphs
     again = eng.denoise_batch_raw(caches, canvases, sc_embeds=sc)
@@ -189,3 +189,39 @@ def test_a_dead_graph_collected_during_a_capture_does_not_break_it():
         gc.enable()
     assert failures["capture"] is None, failures
     assert failures["plain"] is not None, "control: a collection during a plain capture did not break it"
+
+
+def test_a_batch_graph_replays_for_other_caches(shapes):
+    """A batched graph is kept by its shape: another set of caches of that shape replays it, handed the graph's
+    stores first (their contents moved along). Each lane's logits equal the eager batch's bits, every cache keeps
+    its contents, and a solo graph follows its store (a swapped cache's graphed solo denoise = its eager one)."""
+    eng = make_engine(*shapes)
+    cfg = eng.config
+    V, C = cfg.vocab_size, cfg.canvas_length
+    gen = torch.Generator().manual_seed(random.getrandbits(31))
+    caches, canvases = [], []
+    for i in range(5):  # one context bucket: one shape
+        cache = eng.new_cache(64 + 4 * C)
+        eng.prefill(cache, torch.randint(0, V, (20 + 3 * i,), generator=gen).to(DEV))
+        caches.append(cache)
+        canvases.append(torch.randint(0, V, (C,), generator=gen).to(DEV))
+    solo0 = eng.denoise_raw(caches[1], canvases[1]).clone()  # a solo graph over cache 1's store
+    prints = [c.fingerprint() for c in caches]
+
+    def batch(idx, graphs=True):
+        eng.use_graphs = graphs
+        return [x.clone() for x in eng.denoise_batch_raw([caches[i] for i in idx], [canvases[i] for i in idx])]
+
+    batch([0, 1]), batch([0, 1])  # eager, then captured
+    counts = eng.batch_graph_counts
+    for idx in ([2, 3], [1, 4], [4, 0], [3, 2]):
+        want = batch(idx, graphs=False)
+        got = batch(idx)
+        for i, w, g in zip(idx, want, got):
+            assert torch.equal(w, g), f"cache {i} in batch {idx}: replayed graph != eager batch"
+    ran = {k: v - counts.get(k, 0) for k, v in eng.batch_graph_counts.items()}
+    assert ran.get("replayed") == 4 and not ran.get("captured") and not ran.get("eager"), ran
+    assert [c.fingerprint() for c in caches] == prints, "a cache's contents changed"
+    assert eng.graph_error is None
+    eng.use_graphs = True
+    assert torch.equal(eng.denoise_raw(caches[1], canvases[1]), solo0), "cache 1's solo graph after the swaps"

@@ -32,8 +32,8 @@ from ..ops._backend import use_triton
 from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
-from .engine_cache import EngineKVCache
-from .engine_batch import BatchGraphs, check_batch
+from .engine_cache import EngineKVCache, swap_stores
+from .engine_batch import BatchGraphs, check_batch, in_caller_order, in_lane_order
 from .engine_graph import DenoiseGraph, PrefillGraph, capture
 from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
@@ -295,14 +295,30 @@ class Engine:
     @torch.no_grad()
     def denoise_batch_raw(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
         """denoise_batch's logits before the softcap, in the model's dtype. With graphs they are views of the batch
-        graph's output buffer: valid until this engine's next batched denoise over the same caches."""
+        graph's output buffer: valid until this engine's next batched denoise of the same shape.
+
+        The lanes run in engine_batch.in_lane_order, so one graph serves any order of a batch's requests."""
         self._staged = self._ahead = None  # a staged solo forward is not this one
         caches, ids, lens, sc_rows, has = check_batch(self, caches, canvases, sc_logits, sc_embeds)
         key_rows = [self._key_rows(c, C) for c, C in zip(caches, lens)]
-        out = self._on_graphs(lambda: self._batch_graphs.run(caches, ids, lens, key_rows, sc_rows, has))
-        if out is None:
-            out = self.forward.denoise_batch(caches, ids, sc_rows, has, lens, key_rows)
-        return list(out.split(lens))
+        order, (caches, ids, lens, key_rows, sc_rows, has) = in_lane_order(caches, ids, lens, key_rows, sc_rows, has)
+        ran = self._on_graphs(lambda: self._batch_graphs.run(caches, ids, lens, key_rows, sc_rows, has))
+        out, perm = ran if ran is not None else (self.forward.denoise_batch(caches, ids, sc_rows, has, lens, key_rows),
+                                                 list(range(len(caches))))
+        return in_caller_order(out.split([lens[i] for i in perm]), [order[i] for i in perm])
+
+    def swap_stores(self, a: EngineKVCache, b: EngineKVCache) -> None:
+        """Exchange two caches' stores (engine_cache.swap_stores) with the solo and prefill graphs captured over
+        them: a graph follows the buffers it reads."""
+        swap_stores(a, b)
+        for graphs in (self._graphs, self._prefill_graphs):
+            ga, gb = graphs.pop(a, None), graphs.pop(b, None)
+            if gb is not None:
+                graphs[a] = gb
+            if ga is not None:
+                graphs[b] = ga
+        self._last_graph = (None, None)
+        self._staged = self._ahead = None
 
     @property
     def batch_graph_counts(self) -> dict:

@@ -1,11 +1,14 @@
 """The engine's batched denoise, runner side: checking a batch's inputs, and the graphs of batched forwards.
 
-A batched denoise (Forward.denoise_batch) reads B caches' buffers, so its CUDA graph belongs to that set of caches
-(and the lanes' lengths and context buckets): one is captured when a batch's membership is new and replayed while
-it stays, which in a scheduler is for as long as the same requests step together. A membership is captured on its
-second round in a row: while requests join one by one each round's batch is new, and a capture costs a few eager
-forwards, so a batch seen once runs eagerly. The kept graphs are bounded (the least recently used goes first: each
-holds its [rows, V] logits), and a graph whose cache died is dropped.
+A batched denoise (Forward.denoise_batch) reads B caches' buffers, so its CUDA graph is captured over those caches'
+stores (engine_cache.KVStore). It is kept by the batch's shape alone (the lanes' canvas lengths and context buckets,
+in the engine's lane order, and the options that choose kernels), not by its members: to replay it for another set
+of caches of that shape, the engine first hands those caches the graph's stores (engine_cache.swap_stores: each
+cache keeps its contents, at the addresses the graph reads; the caches that held those stores take the others).
+So requests joining and leaving a running batch replay the graphs of its sizes instead of running eagerly. A shape
+is captured the second time it is seen (a capture costs a few eager forwards; a shape seen once runs eagerly). The
+kept graphs are bounded (the least recently used goes first: each holds its [rows, V] logits), and a graph whose
+store died with its cache is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import collections
 import torch
 
 from ..errors import InputError
-from .engine_graph import BatchGraph, CacheRefs, capture
+from .engine_graph import BatchGraph, capture
 from .engine_inputs import check_ids
 
 
@@ -58,55 +61,110 @@ def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
     return caches, torch.cat(ids), lens, rows, has
 
 
+def in_lane_order(caches, ids, lens, key_rows, sc_rows, has):
+    """-> (order, the batch with its lanes in that order): by (canvas length, context bucket), so a batch's graph
+    serves its requests in any order. A lane's rows are its own wherever it runs (the forward is batch invariant)."""
+    order = sorted(range(len(caches)), key=lambda i: (lens[i], key_rows[i]))
+    if order == sorted(order):
+        return order, (caches, ids, lens, key_rows, sc_rows, has)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=ids.device) for i in order])
+    pick = lambda xs: [xs[i] for i in order]  # noqa: E731
+    return order, (pick(caches), ids[rows], pick(lens), pick(key_rows), sc_rows[rows], has[rows])
+
+
+def in_caller_order(parts, order) -> list:
+    """The lanes' results, run in `order`, back in the caller's order."""
+    back = [None] * len(parts)
+    for place, i in enumerate(order):
+        back[i] = parts[place]
+    return back
+
+
 KEPT_GRAPHS = 4  # batched graphs an engine keeps: each holds every lane's [canvas, vocab] logits
+SEEN_SHAPES = 64  # shapes remembered as seen once (a second sighting captures)
 
 
 class BatchGraphs:
-    """The engine's batched denoise graphs, by (the caches' ids, the lanes' lengths, key rows, attention impl, kernel
-    path rule), most recently used last."""
+    """The engine's batched denoise graphs, by (the lanes' lengths, key rows, attention impl, kernel path rule, lane
+    streams), most recently used last."""
 
     def __init__(self, engine, keep: int = KEPT_GRAPHS):
         self.engine, self.keep = engine, keep
         self.graphs: dict[tuple, BatchGraph] = {}
-        self._last = None  # the key of the last batch run, and weak references to its caches
+        self.seen: collections.OrderedDict = collections.OrderedDict()  # shapes run eagerly once
         # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed"
         self.counts: collections.Counter = collections.Counter()
 
     def clear(self) -> None:
         self.graphs.clear()
-        self._last = None
+        self.seen.clear()
 
-    def run(self, caches, ids, lens, key_rows, sc_rows, has) -> torch.Tensor | None:
-        """Replay the graph of this batch with these inputs -> its raw logits buffer; captured first when the same
-        batch also ran the round before. None: no graph for it yet (the caller runs the forward eagerly)."""
+    def run(self, caches, ids, lens, key_rows, sc_rows, has):
+        """Replay the graph of this batch's shape with these inputs, its stores handed to these caches first ->
+        (its raw logits buffer, perm: graph lane j ran caches[perm[j]]); captured first when the shape was seen
+        before. The lanes come in in_lane_order; perm only reorders lanes of one shape. None: no graph for it yet
+        (the caller runs the forward eagerly)."""
         opts = self.engine.options
-        key = (tuple(id(c) for c in caches), tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths,
-               opts.lane_streams)
+        key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams)
         entry = self.graphs.pop(key, None)
-        if entry is not None and not entry.serves(caches):  # a cache died and another took its address
+        perm = self._place(entry, caches, lens, key_rows) if entry is not None else None
+        if perm is None:  # no graph, or a store died, or a cache of another geometry
             entry = None
-        repeated = self._last is not None and self._last[0] == key and self._last[1].serves(caches)
-        self._last = (key, CacheRefs(caches))
-        if entry is None and not repeated:
-            self.counts["eager"] += 1
-            return None
+            if key not in self.seen:
+                self.seen[key] = True
+                while len(self.seen) > SEEN_SHAPES:
+                    self.seen.popitem(last=False)
+                self.counts["eager"] += 1
+                return None
         self.counts["replayed" if entry is not None else "captured"] += 1
         if entry is None:
             for k in [k for k, e in self.graphs.items() if not e.alive()]:
                 del self.graphs[k]
             while len(self.graphs) >= self.keep:
                 del self.graphs[next(iter(self.graphs))]
-            entry = self._capture(caches, ids, lens, key_rows, sc_rows, has)
+            entry, perm = self._capture(caches, ids, lens, key_rows, sc_rows, has), list(range(len(caches)))
         self.graphs[key] = entry
+        if perm != sorted(perm):
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=ids.device) for i in perm])
+            ids, sc_rows, has = ids[rows], sc_rows[rows], has[rows]
         entry.ids.copy_(ids)
         entry.sc.copy_(sc_rows)
         entry.has.copy_(has)
         entry.replay()
-        return entry.out
+        return entry.out, perm
+
+    def _place(self, entry: BatchGraph, caches, lens, key_rows) -> list | None:
+        """Hand the batch's caches the graph's stores -> perm (graph lane j runs caches[perm[j]]), or None (nothing
+        exchanged) when a store died or an owner has another geometry. Lanes of one shape are interchangeable: a
+        cache already holding one of its shape's stores keeps it, the others take the rest from whoever holds them
+        (Engine.swap_stores, which moves each cache's contents along)."""
+        stores = entry.stores()
+        owners = [s.owner() if s is not None else None for s in stores]
+        if any(o is None or o.geometry != c.geometry for o, c in zip(owners, caches)):
+            return None
+        shape = list(zip(lens, key_rows))
+        perm: list = [None] * len(caches)
+        free = []
+        for i, cache in enumerate(caches):  # the lane order is by shape, the same in the graph as here
+            j = next((j for j, s in enumerate(stores) if s is cache.store and shape[j] == shape[i]), None)
+            if j is None:
+                free.append(i)
+            else:
+                perm[j] = i
+        for j in range(len(stores)):
+            if perm[j] is None:
+                i = next(i for i in free if shape[i] == shape[j])
+                free.remove(i)
+                perm[j] = i
+                if caches[i].store is not stores[j]:
+                    self.engine.swap_stores(caches[i], stores[j].owner())
+        return perm
 
     def _capture(self, caches, ids, lens, key_rows, sc_rows, has) -> BatchGraph:
-        """Warmed up once on a side stream (it writes only the caches' canvas scratch rows; the same batch ran eagerly
-        the round before, so its kernels are compiled), then captured into the engine's shared graph pool."""
+        """Warmed up once on a side stream (it writes only the caches' canvas scratch rows; the same shape ran
+        eagerly before, so its kernels are compiled), then captured into the engine's shared graph pool."""
         eng = self.engine
         fwd, dev = eng.forward, eng.device
         ids_buf, sc_buf, has_buf = ids.clone(), sc_rows.clone(), has.clone()
@@ -119,5 +177,4 @@ class BatchGraphs:
         graph = torch.cuda.CUDAGraph()
         with capture(graph, eng._graph_pool):
             out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
-        return BatchGraph(graph, caches, ids_buf, sc_buf, has_buf, out)
-
+        return BatchGraph(graph, [c.store for c in caches], ids_buf, sc_buf, has_buf, out)

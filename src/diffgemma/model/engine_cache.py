@@ -13,15 +13,57 @@ Per layer, K and V are [kv_heads, rows, head_dim] (head-major, so an attention r
 `slot_pos[s]` (device, shared by all sliding layers) is the position held by ring slot s, or -1;
 attention masks are built from it on the device, so the denoise step needs no host sync and can be
 replayed as a CUDA graph. `length_t` mirrors `length` on the device for the same reason.
+
+The buffers and the length live in the cache's `store` (KVStore): what a captured graph reads, by address. Two caches
+of one geometry may exchange stores (swap_stores, which moves the live rows along): each keeps its contents, now at
+the other's addresses. A batched denoise graph is captured over a set of stores, and the engine hands a new batch's
+caches those stores to replay it (model/engine_batch.py).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
 from .kv_cache import kv_fingerprint
+
+
+class KVStore:
+    """One cache's buffers (K and V per layer, the ring's slot positions, the device length) and its host length;
+    `owner` is a weak reference to the cache holding it."""
+
+    __slots__ = ("keys", "values", "slot_pos", "length", "length_t", "owner", "__weakref__")
+
+    def __init__(self, keys, values, slot_pos, length_t, owner):
+        self.keys, self.values, self.slot_pos, self.length_t = keys, values, slot_pos, length_t
+        self.length = 0
+        self.owner = weakref.ref(owner)
+
+
+def swap_stores(a: "EngineKVCache", b: "EngineKVCache") -> None:
+    """Exchange the stores of two caches of one geometry, their contents moved with them: each cache keeps its
+    contents and length, now at the other's former addresses. The live rows are copied, queued on the current
+    stream after any work already queued on either cache (full layers: the longer length's rows; sliding layers:
+    the ring; the canvas scratch rows are not live)."""
+    if a is b:
+        return
+    if a.geometry != b.geometry:
+        raise ValueError(f"swap_stores: caches of another geometry ({a.geometry} vs {b.geometry})")
+    live = max(a.length, b.length)
+    pairs = [(a.slot_pos, b.slot_pos), (a.length_t, b.length_t)]
+    for li, layer in enumerate(a.cfg.layers):
+        rows = a.ring if layer.is_sliding else live
+        pairs += [(a.keys[li][:, :rows], b.keys[li][:, :rows]), (a.values[li][:, :rows], b.values[li][:, :rows])]
+    for x, y in pairs:
+        tmp = x.clone()
+        x.copy_(y)
+        y.copy_(tmp)
+    a._store, b._store = b._store, a._store
+    a._store.owner, b._store.owner = weakref.ref(a), weakref.ref(b)
+    a._store.length, b._store.length = b._store.length, a._store.length
 
 
 class EngineKVCache:
@@ -37,16 +79,39 @@ class EngineKVCache:
         self.ring = self.window - 1 + self.slack
         self.device = torch.device(device)
         self.dtype = dtype
-        self.keys, self.values = [], []
+        keys, values = [], []
         for layer in cfg.layers:
             rows = (self.ring if layer.is_sliding else max_tokens) + self.canvas
             shape = (layer.num_kv_heads, rows, layer.head_dim)
-            self.keys.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            keys.append(torch.zeros(shape, dtype=dtype, device=self.device))
             # full layers: V is a separate buffer too (V = no-scale-norm(raw k), not the roped K)
-            self.values.append(torch.zeros(shape, dtype=dtype, device=self.device))
-        self.slot_pos = torch.full((self.ring,), -1, dtype=torch.int64, device=self.device)
-        self.length = 0
-        self.length_t = torch.zeros((), dtype=torch.int64, device=self.device)
+            values.append(torch.zeros(shape, dtype=dtype, device=self.device))
+        self._store = KVStore(keys, values, torch.full((self.ring,), -1, dtype=torch.int64, device=self.device),
+                              torch.zeros((), dtype=torch.int64, device=self.device), self)
+
+    # ------------------------------------------------------------------ the store
+
+    @property
+    def store(self) -> KVStore:
+        return self._store
+
+    keys = property(lambda self: self._store.keys)
+    values = property(lambda self: self._store.values)
+    slot_pos = property(lambda self: self._store.slot_pos)
+    length_t = property(lambda self: self._store.length_t)
+
+    @property
+    def length(self) -> int:
+        return self._store.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._store.length = value
+
+    @property
+    def geometry(self) -> tuple:
+        """What two caches must share to exchange stores: the model's layers, the sizes, the device and dtype."""
+        return (id(self.cfg), self.max_tokens, self.canvas, self.window, self.ring, self.device, self.dtype)
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -59,38 +59,23 @@ class PrefillGraph:
         self.graph.replay()
 
 
-class CacheRefs:
-    """Weak references to a batch's caches: whether they are all alive, and whether they are these very caches (a
-    batch is keyed by the caches' ids, which a new cache at a recycled address would share)."""
-
-    __slots__ = ("refs",)
-
-    def __init__(self, caches):
-        self.refs = [weakref.ref(c) for c in caches]
-
-    def alive(self) -> bool:
-        return all(r() is not None for r in self.refs)
-
-    def serves(self, caches) -> bool:
-        return len(caches) == len(self.refs) and all(r() is c for r, c in zip(self.refs, caches))
-
-
 class BatchGraph:
-    """A captured batched denoise (Forward.denoise_batch) over fixed caches: the torch graph, weak references to its
-    caches (it reads their buffers, so it is only replayed while every one is alive and the same object), its static
-    inputs (ids, SC rows, SC row flags) and its output (raw logits of every lane's rows)."""
+    """A captured batched denoise (Forward.denoise_batch): the torch graph, weak references to the stores it reads
+    (engine_cache.KVStore; it is replayed only while every one is alive, by the caches holding them then), its
+    static inputs (ids, SC rows, SC row flags) and its output (raw logits of every lane's rows)."""
 
-    __slots__ = ("graph", "caches", "ids", "sc", "has", "out")
+    __slots__ = ("graph", "store_refs", "ids", "sc", "has", "out")
 
-    def __init__(self, graph, caches, ids, sc, has, out):
+    def __init__(self, graph, stores, ids, sc, has, out):
         self.graph, self.ids, self.sc, self.has, self.out = graph, ids, sc, has, out
-        self.caches = CacheRefs(caches)
+        self.store_refs = [weakref.ref(s) for s in stores]
+
+    def stores(self) -> list:
+        """The lanes' stores, None for one that died."""
+        return [r() for r in self.store_refs]
 
     def alive(self) -> bool:
-        return self.caches.alive()
-
-    def serves(self, caches) -> bool:
-        return self.caches.serves(caches)
+        return all(s is not None for s in self.stores())
 
     def replay(self) -> None:
         self.graph.replay()
