@@ -4,7 +4,9 @@
 
 The full-size shapes: sliding layers (8 KV heads, head dim 256, a wrapped ring of 1279 slots plus the chunk in the
 canvas scratch rows, window 1024) and full layers (2 KV heads, head dim 512, a 2048-row bucket). Each variant is
-checked against the f32 reference first, then timed as the median of CUDA-graph replays (10 calls a replay).
+checked against the f32 reference first, then timed as the median of CUDA-graph replays (10 calls a replay); each
+line also says whether it gives the default flash call's bits (the flash variants split the output columns, BD, over
+more programs: the same per-row key order).
 """
 
 from __future__ import annotations
@@ -65,17 +67,24 @@ def main():
         variants = {"flash": lambda c=c: fl.attention_flash(c["q"], c["k"], c["v"], c["kpos"], c["n_keys"],
                                                             qpos=c["qpos"], window=c["window"], causal=True,
                                                             out_dtype=torch.bfloat16, **c["flash"])}
+        d = c["q"].shape[-1]
+        for bd in (d // 2, d // 4):  # the flash kernel with its output columns split over more programs
+            variants[f"flash BD{bd}"] = lambda c=c, bd=bd: fl.attention_flash(
+                c["q"], c["k"], c["v"], c["kpos"], c["n_keys"], qpos=c["qpos"], window=c["window"], causal=True,
+                out_dtype=torch.bfloat16, BD=bd, **c["flash"])
         for bm, bn in ((64, 256), (64, 128), (64, 64), (32, 128), (128, 128)):
             if bn > c["q"].shape[-1]:
                 continue
             variants[f"tiles pv BM{bm} BN{bn}"] = lambda c=c, bm=bm, bn=bn: at.attention_tiles(
                 c["q"], c["k"], c["v"], c["n_keys"], kpos=c["kpos"], qpos=c["qpos"], window=c["window"],
                 nlive=c.get("nlive"), out_dtype=torch.bfloat16, pv_config=dict(BM=bm, BN=bn))
+        flash = variants["flash"]().float()
         for name, fn in variants.items():
             out = fn().float()
             err = ((out - exp).norm() / exp.norm()).item()
             ms = time_ms(fn, a.reps)
-            print(f"  {kind:8s} {name:22s} {ms * 1e3:8.1f} us  rel err {err:.2e}", flush=True)
+            same = torch.equal(out, flash)
+            print(f"  {kind:8s} {name:22s} {ms * 1e3:8.1f} us  rel err {err:.2e}  flash's bits: {same}", flush=True)
 
 
 if __name__ == "__main__":
