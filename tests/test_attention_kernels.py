@@ -192,6 +192,31 @@ def test_causal_full_layer(d, BD, BM):
     check(got, exp)
 
 
+def test_causal_column_halves_give_the_whole_rows_bits():
+    """The causal call's output columns split over more programs (causal_columns): each half recomputes QK^T and
+    visits the same key blocks in the same order, so the bits are those of the whole-row program."""
+    H, KV, n, ring, P, d = 4, 2, 24, 13, 40, 64
+    q, k, v = qkv(H, KV, n, ring + n, d)
+    ring_pos = torch.roll(torch.arange(P - ring, P), 5)
+    kpos = torch.cat([ring_pos, torch.arange(P, P + n)])
+    qpos = torch.arange(P, P + n)
+    kw = dict(qpos=qpos, window=20, causal=True, out_dtype=torch.float32, n_ring=ring, base_pos=P, **TILE)
+    whole = fl.attention_flash(q, k, v, kpos, ring + n, BD=d, **kw)
+    for bd in (d // 2, d // 4):
+        assert torch.equal(fl.attention_flash(q, k, v, kpos, ring + n, BD=bd, **kw), whole), bd
+
+
+def test_causal_columns_split_only_short_calls():
+    """At the real shapes on 132 SMs: a block's commit (256 rows) takes column halves on both layer kinds; an
+    8192-row prompt chunk keeps whole rows (its programs fill the GPU already); so does a BD under 128."""
+    slide, full = fl.flash_config(256, True), fl.flash_config(512, True)
+    assert fl.causal_columns(slide, 2 * 256, 8, 256, 132) == 128  # 64 programs -> 128
+    assert fl.causal_columns(full, 8 * 256, 2, 512, 132) == 256
+    assert fl.causal_columns(slide, 2 * 8192, 8, 256, 132) == 256
+    assert fl.causal_columns(full, 8 * 8192, 2, 512, 132) == 512
+    assert fl.causal_columns(dict(slide, BD=64), 2 * 16, 1, 64, 132) == 64
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_bf16_output_is_the_f32_output_rounded(splits):
     """out_dtype=bf16 (the engine's) rounds the same f32 numbers once, in the kernel's last store or the merge's."""
