@@ -240,9 +240,14 @@ def test_a_batch_graph_serves_every_membership_of_its_shape(ref, monkeypatch):
     assert run(w, y, rows=40) is not None and len(captured) == n + 1
     assert [y.fingerprint(), w.fingerprint()] == kept
     # a cache of another geometry is not handed a store: the shape's graph is captured again over its own
-    big, own = eng.new_cache(64), None
+    big = eng.new_cache(64)
     own = big.store
     assert run(y, big, rows=40) is not None and len(captured) == n + 2 and big.store is own
+    # caches of other geometries that already hold their lanes' stores replay without exchanging anything
+    assert run(y, big, rows=40) is not None and len(captured) == n + 2 and big.store is own
+    other, ys = eng.new_cache(32), y.store
+    assert run(other, big, rows=40) is not None and len(captured) == n + 2  # other takes y's store, not big's
+    assert big.store is own and other.store is ys and y.store is not ys
 
 
 def test_swapping_stores_keeps_contents_and_moves_graphs(ref):

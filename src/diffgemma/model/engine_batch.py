@@ -67,10 +67,15 @@ def in_lane_order(caches, ids, lens, key_rows, sc_rows, has):
     order = sorted(range(len(caches)), key=lambda i: (lens[i], key_rows[i]))
     if order == sorted(order):
         return order, (caches, ids, lens, key_rows, sc_rows, has)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=ids.device) for i in order])
+    rows = lane_rows(lens, order, ids.device)
     pick = lambda xs: [xs[i] for i in order]  # noqa: E731
     return order, (pick(caches), ids[rows], pick(lens), pick(key_rows), sc_rows[rows], has[rows])
+
+
+def lane_rows(lens, order, device) -> torch.Tensor:
+    """The row indices that put lanes (of lens[i] rows each, concatenated) in `order`."""
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=device) for i in order])
 
 
 def in_caller_order(parts, order) -> list:
@@ -109,7 +114,7 @@ class BatchGraphs:
         key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams)
         entry = self.graphs.pop(key, None)
         perm = self._place(entry, caches, lens, key_rows) if entry is not None else None
-        if perm is None:  # no graph, or a store died, or a cache of another geometry
+        if perm is None:  # no graph, or a store died, or a store would go to a cache of another geometry
             entry = None
             if key not in self.seen:
                 self.seen[key] = True
@@ -126,8 +131,7 @@ class BatchGraphs:
             entry, perm = self._capture(caches, ids, lens, key_rows, sc_rows, has), list(range(len(caches)))
         self.graphs[key] = entry
         if perm != sorted(perm):
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=ids.device) for i in perm])
+            rows = lane_rows(lens, perm, ids.device)
             ids, sc_rows, has = ids[rows], sc_rows[rows], has[rows]
         entry.ids.copy_(ids)
         entry.sc.copy_(sc_rows)
@@ -137,12 +141,11 @@ class BatchGraphs:
 
     def _place(self, entry: BatchGraph, caches, lens, key_rows) -> list | None:
         """Hand the batch's caches the graph's stores -> perm (graph lane j runs caches[perm[j]]), or None (nothing
-        exchanged) when a store died or an owner has another geometry. Lanes of one shape are interchangeable: a
-        cache already holding one of its shape's stores keeps it, the others take the rest from whoever holds them
-        (Engine.swap_stores, which moves each cache's contents along)."""
+        exchanged) when a store died or a cache would take a store of another geometry. Lanes of one shape are
+        interchangeable: a cache already holding one of its shape's stores keeps it, the others take the rest from
+        whoever holds them (Engine.swap_stores, which moves each cache's contents along)."""
         stores = entry.stores()
-        owners = [s.owner() if s is not None else None for s in stores]
-        if any(o is None or o.geometry != c.geometry for o, c in zip(owners, caches)):
+        if any(s is None or s.owner() is None for s in stores):
             return None
         shape = list(zip(lens, key_rows))
         perm: list = [None] * len(caches)
@@ -155,11 +158,13 @@ class BatchGraphs:
                 perm[j] = i
         for j in range(len(stores)):
             if perm[j] is None:
-                i = next(i for i in free if shape[i] == shape[j])
-                free.remove(i)
-                perm[j] = i
-                if caches[i].store is not stores[j]:
-                    self.engine.swap_stores(caches[i], stores[j].owner())
+                perm[j] = next(i for i in free if shape[i] == shape[j])
+                free.remove(perm[j])
+        moves = [(caches[i], stores[j]) for j, i in enumerate(perm) if caches[i].store is not stores[j]]
+        if any(c.geometry != s.owner().geometry for c, s in moves):
+            return None
+        for cache, store in moves:
+            self.engine.swap_stores(cache, store.owner())
         return perm
 
     def _capture(self, caches, ids, lens, key_rows, sc_rows, has) -> BatchGraph:
