@@ -251,26 +251,36 @@ def test_a_batch_graph_serves_every_membership_of_its_shape(ref, monkeypatch):
 
 
 def test_swapping_stores_keeps_contents_and_moves_graphs(ref):
-    """Engine.swap_stores: two caches exchange buffers (contents stay with each cache) and the solo / prefill graphs
-    captured over those buffers follow them; caches of another geometry are refused."""
+    """Engine.swap_stores: two caches exchange buffers (contents stay with each cache, past a wrapped sliding ring
+    too) and the solo / prefill graphs captured over those buffers follow them; each cache then denoises and grows
+    exactly as an untouched twin with the same history does; caches of another geometry are refused."""
     eng = _engine(ref)
     gen = _gen()
-    a, b = eng.new_cache(32), eng.new_cache(32)
-    eng.prefill(a, torch.randint(0, eng.config.vocab_size, (5,), generator=gen))
-    eng.prefill(b, torch.randint(0, eng.config.vocab_size, (9,), generator=gen))
+    V, C = eng.config.vocab_size, eng.config.canvas_length
+    pa_ids, pb_ids, more = (torch.randint(0, V, (n,), generator=gen) for n in (3 * C + 1, 2 * C + 3, C + 2))
+    a, b, twin_a, twin_b = (eng.new_cache(8 * C) for _ in range(4))
+    for cache, ids in ((a, pa_ids), (b, pb_ids), (twin_a, pa_ids), (twin_b, pb_ids)):
+        eng.prefill(cache, ids)
+    assert a.length > a.ring  # the ring has wrapped
     pa, pb, sa, sb = a.fingerprint(), b.fingerprint(), a.store, b.store
     ga, gb = {"key": "graph over a's store"}, {"key": "graph over b's store"}
     eng._graphs[a], eng._prefill_graphs[b] = ga, gb
     eng.swap_stores(a, b)
-    assert (a.store, b.store) == (sb, sa) and (a.length, b.length) == (5, 9)
+    assert (a.store, b.store) == (sb, sa) and (a.length, b.length) == (len(pa_ids), len(pb_ids))
     assert (a.fingerprint(), b.fingerprint()) == (pa, pb)
     assert eng._graphs.get(b) is ga and eng._graphs.get(a) is None
     assert eng._prefill_graphs.get(a) is gb and eng._prefill_graphs.get(b) is None
     assert sa.owner() is b and sb.owner() is a
-    x = torch.randint(0, eng.config.vocab_size, (eng.config.canvas_length,), generator=gen)
-    assert torch.equal(eng.denoise(a, x), eng.denoise(a, x))
+    eng._graphs.pop(b), eng._prefill_graphs.pop(a)
+    x = torch.randint(0, V, (C,), generator=gen)
+    for cache, twin in ((a, twin_a), (b, twin_b)):
+        assert torch.equal(eng.denoise(cache, x), eng.denoise(twin, x))
+        eng.prefill(cache, more)
+        eng.prefill(twin, more)
+        assert cache.fingerprint() == twin.fingerprint()
+        assert torch.equal(eng.denoise(cache, x), eng.denoise(twin, x))
     with pytest.raises(ValueError, match="geometry"):
-        eng.swap_stores(a, eng.new_cache(64))
+        eng.swap_stores(a, eng.new_cache(4 * C))
 
 
 def test_graph_capture_pauses_the_cyclic_collector(monkeypatch):
