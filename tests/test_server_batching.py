@@ -454,3 +454,49 @@ def test_random_arrivals_cancels_and_a_full_queue_never_lose_or_corrupt_a_reques
                 assert end.result.tokens == alone(model, prompts[p], s, max_tokens=1024).tokens
 
     run()
+
+
+def test_metrics_report_the_rounds_and_the_queue(model, base):
+    """GET /metrics (server/metrics.py, the Prometheus text format): the limits, the running and queued requests
+    while the worker is held, then what the rounds did once three requests ran together (each started and left,
+    one forward a round over every asking request, their prompts prefilled); behind the API key like the API."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    worker = Worker(model, slots=3, max_tokens=1024, max_batch=3, max_queue=4)
+    client = TestClient(create_app(worker, model.tokenizer, served_name(model), base, api_key="k"))
+    auth = {"Authorization": "Bearer k"}
+
+    def scrape():
+        r = client.get("/metrics", headers=auth)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+        out = {}
+        for fam in text_string_to_metric_families(r.text):
+            for s in fam.samples:
+                out[s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))] = s.value
+        return out
+
+    try:
+        assert client.get("/metrics").status_code == 401
+        m = scrape()
+        assert (m["diffgemma_max_batch"], m["diffgemma_max_queue"], m["diffgemma_slots"]) == (3, 4, 3)
+        assert m["diffgemma_context_tokens"] == 1024 and m["diffgemma_requests_started_total"] == 0
+        gate = hold(worker)
+        prompts = [ids_of(model, p) for p in PROMPTS[:3]]
+        jobs = [worker.submit(ids, base.replace(max_new_tokens=16)) for ids in prompts]
+        m = scrape()
+        assert m["diffgemma_requests_queued"] == 3 and m["diffgemma_requests_running"] == 0
+        gate.set()
+        assert all(isinstance(finish(j)[-1], DoneEvent) for j in jobs)
+        worker.close()
+        m = scrape()
+        assert m["diffgemma_requests_queued"] == 0 and m["diffgemma_requests_running"] == 0
+        assert m["diffgemma_requests_started_total"] == 3 and m["diffgemma_requests_left_total"] == 3
+        assert m["diffgemma_requests_failed_total"] == 0
+        assert m["diffgemma_prefill_tokens_total"] == sum(len(p) for p in prompts)
+        steps, fwd = m["diffgemma_canvas_steps_total"], m["diffgemma_forwards_total"]
+        assert fwd >= 1 and fwd < steps <= 3 * fwd  # rounds stepped several requests at once
+        assert {k for k in m if k.startswith("diffgemma_batch_forwards_total")} == {
+            "diffgemma_batch_forwards_total{how=captured}", "diffgemma_batch_forwards_total{how=eager}",
+            "diffgemma_batch_forwards_total{how=replayed}"}
+    finally:
+        worker.close()

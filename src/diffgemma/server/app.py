@@ -17,7 +17,8 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
@@ -28,6 +29,7 @@ from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
 from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message, reply_token_count
+from .metrics import exposition, registry_for
 from .worker import QueueFull
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
@@ -66,6 +68,14 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    registry = registry_for(worker) if hasattr(worker, "metrics") else None
+
+    @app.get("/metrics")
+    async def metrics():
+        if registry is None:
+            raise RequestError(404, "this server's worker keeps no metrics", None, "not_found")
+        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card():
         return {"id": model_id, "object": "model", "created": created, "owned_by": "diffgemma",

@@ -96,9 +96,11 @@ def _run_serve(args) -> int:
     try:
         import fastapi  # noqa: F401
         import jsonschema  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise InputError("serve needs fastapi, uvicorn and jsonschema: pip install 'diffgemma[serve]'") from None
+        raise InputError("serve needs fastapi, uvicorn, jsonschema and prometheus_client: "
+                         "pip install 'diffgemma[serve]'") from None
     model = options.load_model(args)
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{model.path}: has no tokenizer.json; serving chat needs a tokenizer")

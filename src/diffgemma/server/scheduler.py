@@ -22,6 +22,7 @@ replay` runs the logged generations one after another).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import threading
@@ -117,6 +118,9 @@ class Scheduler:
         self.worker, self.max_batch, self.prefill_chunk, self.trace = worker, max_batch, prefill_chunk, trace
         self.pending: deque = deque()
         self.running: list[_Running] = []
+        # what the rounds did, for /metrics: requests started / finished / failed, batched forwards and the canvases
+        # they stepped, prompt tokens prefilled
+        self.counts: collections.Counter = collections.Counter()
 
     @property
     def idle(self) -> bool:
@@ -172,6 +176,7 @@ class Scheduler:
             return
         r = _Running(job, i, steps)
         self.running.append(r)
+        self.counts["started"] += 1
         self._advance(r, None)
 
     def _prefill(self) -> None:
@@ -179,6 +184,7 @@ class Scheduler:
         for r in list(self.running):  # in join order
             while budget > 0 and isinstance(r.ask, Prefill):
                 budget -= r.ask.tokens
+                self.counts["prefill_tokens"] += r.ask.tokens
                 if self.trace is not None:
                     self.trace.append((time.perf_counter(), "prefill", r.job.id, r.ask.tokens))
                 self._advance(r, None)
@@ -191,6 +197,8 @@ class Scheduler:
             return
         if self.trace is not None:
             self.trace.append((time.perf_counter(), "forward", tuple(r.job.id for r in asking)))
+        self.counts["forwards"] += 1
+        self.counts["canvas_steps"] += len(asking)
         # a failed forward: each request journals the failure as its own and empties its cache
         self._answer(asking, lambda forwards: batched_forward(self.worker.model, forwards))
         self._read_statuses()  # each request holds its own logits until its status is read
@@ -232,6 +240,7 @@ class Scheduler:
     def _leave(self, r: _Running) -> None:
         if r in self.running:
             self.running.remove(r)
+            self.counts["finished"] += 1
         self.worker.finished(r.slot, time.perf_counter() - r.t0)
 
     def _fail(self, r: _Running, e: Exception) -> None:
@@ -239,4 +248,5 @@ class Scheduler:
         slot = self.worker.slots[r.slot]
         rewind(slot.cache, 0)
         slot.ids = []
+        self.counts["failed"] += 1
         r.job.put(ErrorEvent(e))

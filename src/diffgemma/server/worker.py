@@ -152,6 +152,14 @@ class Worker:
         self._inbox.put(job)
         return job
 
+    def metrics(self) -> dict:
+        """A snapshot for /metrics (server/metrics.py): the requests running and queued, the limits, what the rounds
+        did (Scheduler.counts) and how the model's batched forwards ran (graph replays, captures, eager runs)."""
+        sched = self.scheduler
+        return {"running": len(sched.running), "queued": self._waiting, "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "slots": len(self.slots), "max_tokens": self.max_tokens,
+                "counts": dict(sched.counts), "batch_forwards": dict(getattr(self.model, "batch_graph_counts", {}))}
+
     def left_queue(self, job: Job) -> None:
         """The scheduler took `job` off the queue (started, or dropped as cancelled)."""
         with self._lock:
