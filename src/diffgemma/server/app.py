@@ -18,7 +18,6 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
@@ -29,10 +28,22 @@ from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
 from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message, reply_token_count
-from .metrics import exposition, registry_for
 from .worker import QueueFull
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+def metrics_exporter(worker):
+    """-> a call giving /metrics' (body, media type), or why there is none (a worker without metrics; no
+    prometheus_client, which `diffgemma serve` requires but a bare app does not)."""
+    if not hasattr(worker, "metrics"):
+        return "this server's worker keeps no metrics"
+    try:
+        from .metrics import exposition, registry_for
+    except ImportError:
+        return "/metrics needs prometheus_client: pip install 'diffgemma[serve]'"
+    registry = registry_for(worker)
+    return lambda: exposition(registry)
 
 
 def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
@@ -69,13 +80,14 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     async def health():
         return {"status": "ok"}
 
-    registry = registry_for(worker) if hasattr(worker, "metrics") else None
+    exporter = metrics_exporter(worker)
 
     @app.get("/metrics")
     async def metrics():
-        if registry is None:
-            raise RequestError(404, "this server's worker keeps no metrics", None, "not_found")
-        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
+        if isinstance(exporter, str):
+            raise RequestError(404, exporter, None, "not_found")
+        body, media_type = exporter()
+        return Response(content=body, media_type=media_type)
 
     def model_card():
         return {"id": model_id, "object": "model", "created": created, "owned_by": "diffgemma",

@@ -16,7 +16,7 @@ scrape (Worker.metrics). docs/ARCHITECTURE.md, 'Serving'.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _GAUGES = (("requests_running", "running", "Requests in the running batch"),
@@ -57,5 +57,6 @@ def registry_for(worker) -> CollectorRegistry:
     return registry
 
 
-def exposition(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """-> (the scrape's body, its media type)."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
