@@ -500,3 +500,17 @@ def test_metrics_report_the_rounds_and_the_queue(model, base):
             "diffgemma_batch_forwards_total{how=replayed}"}
     finally:
         worker.close()
+
+
+def test_metrics_without_prometheus_client_is_a_404_naming_it(model, base, monkeypatch):
+    """A bare app (bench_serve, the GPU image) may lack prometheus_client: /metrics then says what to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.delitem(sys.modules, "diffgemma.server.metrics", raising=False)
+    worker = Worker(model, slots=1, max_tokens=1024, max_batch=1)
+    try:
+        r = TestClient(create_app(worker, model.tokenizer, served_name(model), base)).get("/metrics")
+        assert r.status_code == 404 and "prometheus_client" in r.json()["error"]["message"], r.text
+    finally:
+        worker.close()
