@@ -495,6 +495,8 @@ def test_metrics_report_the_rounds_and_the_queue(model, base):
         assert m["diffgemma_prefill_tokens_total"] == sum(len(p) for p in prompts)
         steps, fwd = m["diffgemma_canvas_steps_total"], m["diffgemma_forwards_total"]
         assert fwd >= 1 and fwd < steps <= 3 * fwd  # rounds stepped several requests at once
+        assert m["diffgemma_request_seconds_count"] == 3 and m["diffgemma_request_seconds_sum"] > 0
+        assert m["diffgemma_round_seconds_count"] == fwd and m["diffgemma_round_seconds_bucket{le=+Inf}"] == fwd
         assert {k for k in m if k.startswith("diffgemma_batch_forwards_total")} == {
             "diffgemma_batch_forwards_total{how=captured}", "diffgemma_batch_forwards_total{how=eager}",
             "diffgemma_batch_forwards_total{how=replayed}"}

@@ -12,11 +12,14 @@ scrape (Worker.metrics). docs/ARCHITECTURE.md, 'Serving'.
     diffgemma_prefill_tokens_total                prompt tokens prefilled
     diffgemma_batch_forwards_total{how=...}       the engine's batched forwards: "replayed" (a CUDA graph),
                                                   "captured" (a graph made, then replayed), "eager"
+    diffgemma_round_seconds                       histogram: a round that ran a forward (its prefill chunks, the
+                                                  forward, the requests' steps and their status read)
+    diffgemma_request_seconds                     histogram: a request's turn, from joining the batch to its end
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _GAUGES = (("requests_running", "running", "Requests in the running batch"),
@@ -50,10 +53,31 @@ class _WorkerCollector:
         yield how
 
 
+ROUND_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _Timings:
+    """The worker's listener (Worker.listeners): its round and turn times into histograms."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.rounds = Histogram("diffgemma_round_seconds", "Seconds of a round that ran a forward",
+                                buckets=ROUND_BUCKETS, registry=registry)
+        self.turns = Histogram("diffgemma_request_seconds", "Seconds of a request's turn, joining the batch to its end",
+                               buckets=REQUEST_BUCKETS, registry=registry)
+
+    def round(self, seconds: float) -> None:
+        self.rounds.observe(seconds)
+
+    def turn(self, seconds: float) -> None:
+        self.turns.observe(seconds)
+
+
 def registry_for(worker) -> CollectorRegistry:
-    """A registry of its own (not the process-wide default) holding the worker's collector."""
+    """A registry of its own (not the process-wide default) holding the worker's collector and its timings."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_WorkerCollector(worker))
+    worker.listeners.append(_Timings(registry))
     return registry
 
 

@@ -22,6 +22,7 @@ import itertools
 import math
 import queue
 import threading
+import time
 
 from ..config import cache_tokens
 from ..errors import DiffgemmaError, InputError
@@ -126,6 +127,9 @@ class Worker:
         self._lock = threading.Lock()
         self._waiting = 0  # jobs submitted, not yet started or dropped
         self._turn_s = 1.0  # a running average of a turn's seconds (for Retry-After)
+        # told of each round that ran a forward, `round(seconds)`, and each turn's end, `turn(seconds)` (on the worker
+        # thread; server/metrics.py's histograms listen)
+        self.listeners: list = []
         self.scheduler = Scheduler(self, max_batch=max_batch, prefill_chunk=prefill_chunk, trace=trace)
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
@@ -169,6 +173,8 @@ class Worker:
         """A turn on `slot` ended after `seconds`."""
         self.slots[slot].last_used = self.tick()
         self._turn_s = 0.8 * self._turn_s + 0.2 * seconds
+        for listener in self.listeners:
+            listener.turn(seconds)
 
     def slot(self, i: int) -> Slot:
         """Slot i, its cache made on first use."""
@@ -246,4 +252,8 @@ class Worker:
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
+            forwards, t = sched.counts["forwards"], time.perf_counter()
             sched.round()
+            if sched.counts["forwards"] != forwards:
+                for listener in self.listeners:
+                    listener.round(time.perf_counter() - t)
