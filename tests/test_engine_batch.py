@@ -314,3 +314,24 @@ def test_graph_capture_pauses_the_cyclic_collector(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_dropped_engine_is_freed_without_the_cyclic_collector(ref):
+    """No reference cycle holds an engine (BatchGraphs refers to it weakly): dropped, it goes at once, with its
+    graphs, rather than whenever the cyclic collector runs (which could be during another engine's capture)."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        eng = _engine(ref)
+        cache = eng.new_cache(32)
+        eng.prefill(cache, torch.arange(5))
+        eng.denoise(cache, torch.arange(eng.config.canvas_length))
+        gone = weakref.ref(eng)
+        del eng
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()

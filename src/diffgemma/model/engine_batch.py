@@ -14,6 +14,7 @@ store died with its cache is dropped.
 from __future__ import annotations
 
 import collections
+import weakref
 
 import torch
 
@@ -95,11 +96,17 @@ class BatchGraphs:
     streams), most recently used last."""
 
     def __init__(self, engine, keep: int = KEPT_GRAPHS):
-        self.engine, self.keep = engine, keep
+        # weakly: the engine owns this, and a cycle would leave a dropped engine's graphs to the cyclic collector,
+        # which may run during another engine's capture (engine_graph.capture)
+        self._engine, self.keep = weakref.ref(engine), keep
         self.graphs: dict[tuple, BatchGraph] = {}
         self.seen: collections.OrderedDict = collections.OrderedDict()  # shapes run eagerly once
         # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed"
         self.counts: collections.Counter = collections.Counter()
+
+    @property
+    def engine(self):
+        return self._engine()
 
     def clear(self) -> None:
         self.graphs.clear()
