@@ -204,6 +204,7 @@ def test_a_batch_graph_serves_every_membership_of_its_shape(ref, monkeypatch):
             pass
 
     graphs = BatchGraphs(eng, keep=2)
+    assert dict(graphs.counts) == {"eager": 0, "captured": 0, "replayed": 0}  # every key from the start (/metrics)
     monkeypatch.setattr(graphs, "_capture", lambda caches, *a: captured.append(len(caches)) or Fake(caches))
     caches = [eng.new_cache(32) for _ in range(5)]
     for i, c in enumerate(caches):

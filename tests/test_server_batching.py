@@ -476,6 +476,8 @@ def test_metrics_report_the_rounds_and_the_queue(model, base):
         return out
 
     try:
+        # every count exists from the start: a scrape copies them from another thread while the worker counts
+        assert set(worker.scheduler.counts) == set(scheduler_mod.COUNTED)
         assert client.get("/metrics").status_code == 401
         m = scrape()
         assert (m["diffgemma_max_batch"], m["diffgemma_max_queue"], m["diffgemma_slots"]) == (3, 4, 3)

@@ -101,8 +101,9 @@ class BatchGraphs:
         self._engine, self.keep = weakref.ref(engine), keep
         self.graphs: dict[tuple, BatchGraph] = {}
         self.seen: collections.OrderedDict = collections.OrderedDict()  # shapes run eagerly once
-        # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed"
-        self.counts: collections.Counter = collections.Counter()
+        # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed" (every key
+        # present from the start: a server's /metrics copies this from another thread)
+        self.counts: collections.Counter = collections.Counter(eager=0, captured=0, replayed=0)
 
     @property
     def engine(self):

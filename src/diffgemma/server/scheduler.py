@@ -37,6 +37,7 @@ from ..session import Prefill, run_turn_steps
 from ..slots import rewind, reuse_prefix
 
 _job_ids = itertools.count(1)
+COUNTED = ("started", "finished", "failed", "forwards", "canvas_steps", "prefill_tokens")  # Scheduler.counts
 
 
 class Job:
@@ -120,7 +121,9 @@ class Scheduler:
         self.running: list[_Running] = []
         # what the rounds did, for /metrics: requests started / finished / failed, batched forwards and the canvases
         # they stepped, prompt tokens prefilled
-        self.counts: collections.Counter = collections.Counter()
+        # (every key present from the start: /metrics copies this from another thread, and a key added during the
+        # copy would break it)
+        self.counts: collections.Counter = collections.Counter(dict.fromkeys(COUNTED, 0))
 
     @property
     def idle(self) -> bool:
