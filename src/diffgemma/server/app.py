@@ -34,14 +34,18 @@ POLL_S = 0.25  # how often a waiting non-streaming handler checks that its clien
 
 
 def metrics_exporter(worker):
-    """-> a call giving /metrics' (body, media type), or why there is none (a worker without metrics; no
-    prometheus_client, which `diffgemma serve` requires but a bare app does not)."""
-    if not hasattr(worker, "metrics"):
-        return "this server's worker keeps no metrics"
-    try:
-        from .metrics import exposition, registry_for
-    except ImportError:
-        return "/metrics needs prometheus_client: pip install 'diffgemma[serve]'"
+    """-> a call giving /metrics' (body, media type), or raising the 404 that says why there is none (a worker
+    without metrics; no prometheus_client, which `diffgemma serve` requires but a bare app does not)."""
+    why = None if hasattr(worker, "metrics") else "this server's worker keeps no metrics"
+    if why is None:
+        try:
+            from .metrics import exposition, registry_for
+        except ImportError:
+            why = "/metrics needs prometheus_client: pip install 'diffgemma[serve]'"
+    if why is not None:
+        def unavailable():
+            raise RequestError(404, why, None, "not_found")
+        return unavailable
     registry = registry_for(worker)
     return lambda: exposition(registry)
 
@@ -84,8 +88,6 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 
     @app.get("/metrics")
     async def metrics():
-        if isinstance(exporter, str):
-            raise RequestError(404, exporter, None, "not_found")
         body, media_type = exporter()
         return Response(content=body, media_type=media_type)
 

@@ -29,7 +29,7 @@ _GAUGES = (("requests_running", "running", "Requests in the running batch"),
            ("slots", "slots", "KV cache slots (--slots)"),
            ("context_tokens", "max_tokens", "Tokens a slot's cache holds (--max-tokens)"))
 _COUNTERS = (("requests_started", "started", "Requests that joined the batch"),
-             ("requests_left", "finished", "Requests whose turn ended (done, cancelled, or failed in the turn)"),
+             ("requests_left", "left", "Requests whose turn ended (done, cancelled, or failed in the turn)"),
              ("requests_failed", "failed", "Requests that ended with an error"),
              ("forwards", "forwards", "Denoise forwards of the rounds (one a round, over every asking request)"),
              ("canvas_steps", "canvas_steps", "Canvases the forwards stepped (divided by forwards: the mean batch)"),

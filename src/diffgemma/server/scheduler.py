@@ -37,7 +37,7 @@ from ..session import Prefill, run_turn_steps
 from ..slots import rewind, reuse_prefix
 
 _job_ids = itertools.count(1)
-COUNTED = ("started", "finished", "failed", "forwards", "canvas_steps", "prefill_tokens")  # Scheduler.counts
+COUNTED = ("started", "left", "failed", "forwards", "canvas_steps", "prefill_tokens")  # Scheduler.counts
 
 
 class Job:
@@ -119,10 +119,9 @@ class Scheduler:
         self.worker, self.max_batch, self.prefill_chunk, self.trace = worker, max_batch, prefill_chunk, trace
         self.pending: deque = deque()
         self.running: list[_Running] = []
-        # what the rounds did, for /metrics: requests started / finished / failed, batched forwards and the canvases
-        # they stepped, prompt tokens prefilled
-        # (every key present from the start: /metrics copies this from another thread, and a key added during the
-        # copy would break it)
+        # what the rounds did, for /metrics: requests started / left / failed, forwards and the canvases they stepped,
+        # prompt tokens prefilled. Every key is there from the start: /metrics copies this from another thread, and a
+        # key added during the copy would break it.
         self.counts: collections.Counter = collections.Counter(dict.fromkeys(COUNTED, 0))
 
     @property
@@ -243,7 +242,7 @@ class Scheduler:
     def _leave(self, r: _Running) -> None:
         if r in self.running:
             self.running.remove(r)
-            self.counts["finished"] += 1
+            self.counts["left"] += 1
         self.worker.finished(r.slot, time.perf_counter() - r.t0)
 
     def _fail(self, r: _Running, e: Exception) -> None:
