@@ -154,3 +154,32 @@ def test_one_status_wait_per_batched_round(tiny, monkeypatch, fused):
     assert all(f == w for f, w in rounds) and rounds[0] == (3, 3) and max(w for _, w in rounds) == 3
     assert sum(w for _, w in rounds) == sum(r.forwards for r in solo)
     assert (len(plans) > 0 and all(plans)) == fused  # the batched reads started the bets' products
+
+
+def test_a_round_of_two_batched_groups_keeps_the_first_groups_logits():
+    """A batched forward's logits may be views of one buffer that the next batched forward overwrites (the engine's
+    batch graphs share their output buffer): a round with two canvas lengths runs two batched forwards, and each
+    request must still get its own logits."""
+    shared = torch.zeros(16, 3)
+
+    class SharedOut:
+        def __init__(self, caches):
+            self.caches = caches
+
+        def forward(self, canvases, sc_logits=None, sc_embeds=None):
+            rows = [len(c) for c in canvases]
+            out = shared[: sum(rows)]
+            for i, part in enumerate(out.split(rows)):
+                part.fill_(float(self.caches[i]))  # each lane's rows say whose they are
+            return list(out.split(rows))
+
+        def close(self):
+            pass
+
+    model = SimpleNamespace(denoiser=SharedOut)
+    forwards = [SimpleNamespace(cache=k, canvas=torch.zeros(4 if k < 2 else 2), sc_logits=None, sc_embeds=None)
+                for k in range(4)]
+    got = batch_mod._forward(model, forwards)
+    for k, x in enumerate(got):
+        assert x.shape == (len(forwards[k].canvas), 3)
+        assert bool((x == k).all()), f"request {k} got another request's logits: {x[:, 0].tolist()}"

@@ -153,12 +153,14 @@ def _forward(model, forwards: list[Forward]) -> list:
     """The round's forward: one request on its own denoiser (exactly generate's step), several in one batched
     forward over their caches, one per canvas length (a re-rolled block's shorter canvas steps apart: a batch's
     kernels are chosen for one canvas length, the one every lane then has alone). Returns each request's logits,
-    in order."""
+    in order. A batched forward's logits may be views of a buffer the engine's next batched forward overwrites
+    (Engine.denoise_batch_raw), so a group's are copied when another batched group follows in the round."""
     if len(forwards) == 1:
         return [forwards[0].run()]
     groups: dict[int, list[int]] = {}
     for k, f in enumerate(forwards):
         groups.setdefault(len(f.canvas), []).append(k)
+    batched_left = sum(len(ks) > 1 for ks in groups.values())
     out: list = [None] * len(forwards)
     for ks in groups.values():
         group = [forwards[k] for k in ks]
@@ -169,6 +171,9 @@ def _forward(model, forwards: list[Forward]) -> list:
             logits = den.forward([f.canvas for f in group], sc_logits=[f.sc_logits for f in group],
                                  sc_embeds=[f.sc_embeds for f in group])
             den.close()
+            batched_left -= 1
+            if batched_left:
+                logits = [x.clone() for x in logits]
         for k, x in zip(ks, logits):
             out[k] = x
     return out

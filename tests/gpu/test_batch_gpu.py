@@ -4,6 +4,7 @@ Skips without CUDA. On random tiny and mid engines (bf16, f16 KV, graphs):
 - the graphed batch gives the eager batch's bits (same shapes), and a lane's logits stay within bf16 rounding of its
   solo denoise; with batch_paths "lane" the share of lanes bit-identical to solo is printed (-s): the measurement
   behind the invariance goal, which the CUDA kernels' reductions over more rows may miss;
+- graphs of two shapes, replayed in turn, write one shared logits buffer and each gives the eager batch's bits;
 - generate_batch runs 4 requests at max_batch 3 through batched graphs and each request's tokens are printed against
   generate's (the share is the measurement; bench/bench_batch.py records it at full size and on the demo model);
 - on the demo model, whose four raw prompts at max_batch 2 / 3 / 4 must give generate's tokens exactly (at 72d9151 on
@@ -105,6 +106,30 @@ def test_lane_streams_give_the_serial_lanes_bits(shapes):
         for form, a, b in (("eager", runs[True][0][i], runs[False][0][i]),
                            ("graphed", runs[True][1][i], runs[False][1][i])):
             assert torch.equal(a, b), f"lane {i} {form}: lane streams changed the bits"
+
+
+def test_graphs_of_two_shapes_write_one_buffer_and_keep_their_bits(shapes):
+    """Batch graphs of different shapes write their logits into one shared buffer: replayed in turn, each gives the
+    eager batch's bits."""
+    eng = make_engine(*shapes)
+    gen = torch.Generator().manual_seed(random.getrandbits(31))
+    ls = lanes(eng, 4, gen)
+    caches, canvases, sc = [x[0] for x in ls], [x[1] for x in ls], [x[2] for x in ls]
+    batches = {"pair": (caches[:2], canvases[:2], sc[:2]), "four": (caches, canvases, sc)}
+    eng.use_graphs = False
+    eager = {k: [x.clone() for x in eng.denoise_batch_raw(*b)] for k, b in batches.items()}
+    eng.use_graphs = True
+    for _ in range(2):  # seen, then captured
+        for b in batches.values():
+            eng.denoise_batch_raw(*b)
+    assert eng.graph_error is None and len(eng._batch_graphs.graphs) == 2
+    for _ in range(2):
+        for k, b in batches.items():
+            got = eng.denoise_batch_raw(*b)
+            at = min(x.data_ptr() for x in got)
+            assert at == eng._batch_graphs.logits.data_ptr(), f"{k}: its logits are not in the shared buffer"
+            for i, (g, e) in enumerate(zip(got, eager[k])):
+                assert torch.equal(g, e), f"{k} lane {i}: replay != eager batch"
 
 
 def test_generate_batch_tokens_against_generate(shapes):

@@ -295,7 +295,7 @@ class Engine:
     @torch.no_grad()
     def denoise_batch_raw(self, caches, canvases, sc_logits=None, sc_embeds=None) -> list[torch.Tensor]:
         """denoise_batch's logits before the softcap, in the model's dtype. With graphs they are views of the batch
-        graph's output buffer: valid until this engine's next batched denoise of the same shape.
+        graphs' shared output buffer: valid until this engine's next batched denoise.
 
         The lanes run in engine_batch.in_lane_order, so one graph serves any order of a batch's requests."""
         self._staged = self._ahead = None  # a staged solo forward is not this one

@@ -6,9 +6,11 @@ in the engine's lane order, and the options that choose kernels), not by its mem
 of caches of that shape, the engine first hands those caches the graph's stores (engine_cache.swap_stores: each
 cache keeps its contents, at the addresses the graph reads; the caches that held those stores take the others).
 So requests joining and leaving a running batch replay the graphs of its sizes instead of running eagerly. A shape
-is captured the second time it is seen (a capture costs a few eager forwards; a shape seen once runs eagerly). The
-kept graphs are bounded (the least recently used goes first: each holds its [rows, V] logits), and a graph whose
-store died with its cache is dropped.
+is captured the second time it is seen (a capture costs a few eager forwards; a shape seen once runs eagerly).
+Every graph writes its logits into one buffer of max_batch canvases (BatchGraphs.logits), and its intermediates live
+in the engine's shared graph pool, so a kept graph costs little memory: enough are kept for a server whose batch
+size wanders over every size at a few context buckets (the least recently used goes first), and a graph whose store
+died with its cache is dropped.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def in_caller_order(parts, order) -> list:
     return back
 
 
-KEPT_GRAPHS = 4  # batched graphs an engine keeps: each holds every lane's [canvas, vocab] logits
+KEPT_GRAPHS = 32  # batched graphs an engine keeps (their logits share one buffer)
 SEEN_SHAPES = 64  # shapes remembered as seen once (a second sighting captures)
 
 
@@ -104,6 +106,8 @@ class BatchGraphs:
         # how the batched forwards ran: "eager" (no graph yet), "captured" (then replayed), "replayed" (every key
         # present from the start: a server's /metrics copies this from another thread)
         self.counts: collections.Counter = collections.Counter(eager=0, captured=0, replayed=0)
+        # every graph's logits, as views of its first rows: valid until the next batched denoise of any shape
+        self.logits: torch.Tensor | None = None
 
     @property
     def engine(self):
@@ -112,6 +116,17 @@ class BatchGraphs:
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
+        self.logits = None
+
+    def _logits_rows(self, rows: int) -> torch.Tensor | None:
+        """The shared logits buffer's first `rows` rows (made at the first capture: max_batch canvases of the model's
+        length), or None for a batch of longer canvases (its graph then keeps logits of its own)."""
+        eng = self.engine
+        if self.logits is None:
+            cfg = eng.config
+            self.logits = torch.empty(eng.max_batch * cfg.canvas_length, cfg.vocab_size, dtype=eng.dtype,
+                                      device=eng.device)
+        return self.logits[:rows] if rows <= len(self.logits) else None
 
     def run(self, caches, ids, lens, key_rows, sc_rows, has):
         """Replay the graph of this batch's shape with these inputs, its stores handed to these caches first ->
@@ -187,7 +202,8 @@ class BatchGraphs:
             fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
         torch.cuda.current_stream(dev).wait_stream(stream)
         eng._fresh_pool_if_dead()
+        shared = self._logits_rows(len(ids))
         graph = torch.cuda.CUDAGraph()
         with capture(graph, eng._graph_pool):
-            out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows)
+            out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows, out=shared)
         return BatchGraph(graph, [c.store for c in caches], ids_buf, sc_buf, has_buf, out)

@@ -259,12 +259,12 @@ class Forward:
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         return h @ self.w.embed.T
 
-    def denoise_batch(self, caches, ids, sc, has_sc, lens, key_rows) -> torch.Tensor:
+    def denoise_batch(self, caches, ids, sc, has_sc, lens, key_rows, out=None) -> torch.Tensor:
         """B canvases, each against its own cache, in one forward -> raw logits [sum(lens), V] (lane b's rows follow
-        lane a's). ids: the canvases' ids, concatenated; lens: each lane's canvas length; key_rows: each lane's, as in
-        denoise. sc: [rows, H] SC embeddings in the model's dtype (any finite value on a lane without one); has_sc:
-        [rows] bool, whether a row's lane self-conditions (a lane that had SC logits passes their soft embedding,
-        `sc_logits_embeds`).
+        lane a's), written into `out` when given. ids: the canvases' ids, concatenated; lens: each lane's canvas
+        length; key_rows: each lane's, as in denoise. sc: [rows, H] SC embeddings in the model's dtype (any finite
+        value on a lane without one); has_sc: [rows] bool, whether a row's lane self-conditions (a lane that had SC
+        logits passes their soft embedding, `sc_logits_embeds`).
 
         The projections, router, experts and lm_head run over all lanes' rows at once (one weight read); each row's
         input is what denoise computes for it alone (both input paths run, a select per row keeps its own), and each
@@ -299,7 +299,7 @@ class Forward:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         finally:
             self._lane_rows = None
-        return h @ self.w.embed.T
+        return torch.matmul(h, self.w.embed.T, out=out)
 
     def _lane_streams(self, n: int):
         """n streams for a batched denoise's lanes (options.lane_streams, CUDA, n > 1), else None. Safe for the caching
