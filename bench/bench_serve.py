@@ -11,7 +11,9 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
   throughput  --clients streaming clients (httpx, one thread each), each a distinct --prompt-token prompt through
               /v1/completions, --reply tokens back; once with --max-batch 1 (one request at a time) and once with
               --batch, in this process: aggregate completion tokens/s (first request sent to last [DONE]) and the
-              ratio. A warm-up pass (one block each) runs before each measured one unless --tiny.
+              ratio. A warm-up pass (one block each) runs first unless --tiny, then --passes measured passes of the
+              same load on one server; the last pass is the one reported (every pass is in the JSON): when requests
+              land decides the batch sizes a pass meets, and a size met for the first time runs eagerly.
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
               the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
               the long prompt arrives and while it prefills (--chunk tokens a round): their p50 / p99 and both
@@ -36,8 +38,8 @@ import torch
 
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
 
-TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, batch=8)
-FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=2048, batch=8)
+TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, batch=8, passes=1)
+FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=2048, batch=8, passes=2)
 
 
 def log(*a):
@@ -111,28 +113,32 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     ctx = a.prompt + a.reply + 2 * model.config.canvas_length
     s = Served(model, tokenizer, settings, slots=a.clients, max_tokens=ctx, max_batch=max_batch,
                prefill_chunk=a.chunk, max_queue=a.clients)
+    C = model.config.canvas_length
+    work = len(prompts) * -(-a.reply // C) * a.steps
+    passes = []
     try:
         if not a.tiny:  # graphs, kernels, caches: made before the clock starts
             run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length)
-        s.trace.clear()
-        counts0 = getattr(model, "batch_graph_counts", {})
-        wall, usage_tokens = run_clients(s.url, prompts, a.reply)
-        counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
-        batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
-        times = [e[0] for e in s.trace if e[1] == "forward"]
+        for _ in range(a.passes):
+            s.trace.clear()
+            counts0 = getattr(model, "batch_graph_counts", {})
+            wall, usage_tokens = run_clients(s.url, prompts, a.reply)
+            counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
+            batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
+            times = [e[0] for e in s.trace if e[1] == "forward"]
+            if sum(batches) != work:  # fixed steps: every reply is exactly --reply tokens, at --steps a block
+                raise RuntimeError(f"the server ran {sum(batches)} canvas steps; fixed steps make it {work}")
+            tokens = len(prompts) * a.reply
+            passes.append({"wall_s": round(wall, 3), "completion_tokens": tokens,
+                           "usage_completion_tokens": usage_tokens, "tok_s": round(tokens / wall, 1),
+                           "forwards": len(batches),
+                           "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
+                           # how the batched forwards ran (a shape seen once runs eagerly, then is captured)
+                           "batch_graphs": counts,
+                           "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]})
     finally:
         s.close()
-    C = model.config.canvas_length
-    work = len(prompts) * -(-a.reply // C) * a.steps
-    if sum(batches) != work:  # fixed steps: every reply is exactly --reply tokens, at --steps a block
-        raise RuntimeError(f"the server ran {sum(batches)} canvas steps; fixed steps make it {work}")
-    tokens = len(prompts) * a.reply
-    out = {"max_batch": max_batch, "wall_s": round(wall, 3), "completion_tokens": tokens,
-           "usage_completion_tokens": usage_tokens, "tok_s": round(tokens / wall, 1), "forwards": len(batches),
-           "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
-           # how the batched forwards ran (a shape seen once runs eagerly, then is captured)
-           "batch_graphs": counts,
-           "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]}
+    out = {"max_batch": max_batch, **passes[-1], "passes": passes}
     log(f"  max_batch {max_batch}: {out}")
     return out
 
@@ -221,7 +227,8 @@ def main():
     for name, help_ in (("clients", "concurrent streaming clients"), ("prompt", "prompt tokens per client"),
                         ("reply", "reply tokens per client"), ("steps", "denoise steps per block"),
                         ("long", "the long prompt's tokens (prefill section)"),
-                        ("chunk", "--prefill-chunk-tokens of the server"), ("batch", "--max-batch of the batched run")):
+                        ("chunk", "--prefill-chunk-tokens of the server"), ("batch", "--max-batch of the batched run"),
+                        ("passes", "measured passes of the throughput load (the last one is reported)")):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"{help_} (default {FULL[name]}; --tiny {TINY[name]})")
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
