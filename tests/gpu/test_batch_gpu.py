@@ -117,15 +117,16 @@ def test_graphs_of_two_shapes_write_one_buffer_and_keep_their_bits(shapes):
     caches, canvases, sc = [x[0] for x in ls], [x[1] for x in ls], [x[2] for x in ls]
     batches = {"pair": (caches[:2], canvases[:2], sc[:2]), "four": (caches, canvases, sc)}
     eng.use_graphs = False
-    eager = {k: [x.clone() for x in eng.denoise_batch_raw(*b)] for k, b in batches.items()}
+    run = lambda b: eng.denoise_batch_raw(b[0], b[1], sc_embeds=b[2])  # noqa: E731
+    eager = {k: [x.clone() for x in run(b)] for k, b in batches.items()}
     eng.use_graphs = True
     for _ in range(2):  # seen, then captured
         for b in batches.values():
-            eng.denoise_batch_raw(*b)
+            run(b)
     assert eng.graph_error is None and len(eng._batch_graphs.graphs) == 2
     for _ in range(2):
         for k, b in batches.items():
-            got = eng.denoise_batch_raw(*b)
+            got = run(b)
             at = min(x.data_ptr() for x in got)
             assert at == eng._batch_graphs.logits.data_ptr(), f"{k}: its logits are not in the shared buffer"
             for i, (g, e) in enumerate(zip(got, eager[k])):
