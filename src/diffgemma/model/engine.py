@@ -34,7 +34,7 @@ from ..ops.rowstats import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache, swap_stores
 from .engine_batch import BatchGraphs, check_batch, in_caller_order, in_lane_order
-from .engine_graph import DenoiseGraph, PrefillGraph, capture
+from .engine_graph import DenoiseGraph, capture, capture_prefill, padded_ids
 from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
 from .forward import Forward
@@ -206,9 +206,7 @@ class Engine:
         return min(self.context_bucket(cache) + pad, cache.max_tokens + cache.canvas)
 
     def _padded_ids(self, ids: torch.Tensor, pad: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.zeros(pad, dtype=torch.long, device=self.device) if out is None else out
-        out[: len(ids)].copy_(ids)
-        return out
+        return padded_ids(ids, pad, self.device, out)
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)
@@ -216,29 +214,11 @@ class Engine:
         graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:
-            entry = graphs[key] = self._capture_prefill(cache, pad, key_rows)
-        self._padded_ids(ids, pad, entry.ids)
+            entry = graphs[key] = capture_prefill(self, cache, pad, key_rows)
+        padded_ids(ids, pad, self.device, entry.ids)
         entry.n_real.fill_(len(ids))
         entry.replay()
         cache.length += len(ids)
-
-    def _capture_prefill(self, cache: EngineKVCache, pad: int, key_rows: int) -> PrefillGraph:
-        """A padded prefill's graph over static ids [pad] and a real-row count. Warmed up
-        and captured with no real row, so neither writes anything a read can see (pad rows leave the ring as it
-        was and the length where it was; full-layer rows past the length are scratch)."""
-        ids_buf = torch.zeros(pad, dtype=torch.long, device=self.device)
-        n_buf = torch.zeros((), dtype=torch.long, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._fresh_pool_if_dead()
-        graph = torch.cuda.CUDAGraph()
-        with capture(graph, self._graph_pool):
-            self.forward.prefill_padded(cache, ids_buf, n_buf, key_rows)
-        return PrefillGraph(graph, ids_buf, n_buf)
 
     @torch.no_grad()
     def denoise(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""One captured denoise graph and what the engine keeps with it."""
+"""The captured graphs (denoise, padded prefill, batched denoise), what the engine keeps with each, and the capture."""
 
 from __future__ import annotations
 
@@ -57,6 +57,33 @@ class PrefillGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+def padded_ids(ids: torch.Tensor, pad: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ids in the first rows of `out` (or of new zeros) of `pad` rows."""
+    out = torch.zeros(pad, dtype=torch.long, device=device) if out is None else out
+    out[: len(ids)].copy_(ids)
+    return out
+
+
+def capture_prefill(engine, cache, pad: int, key_rows: int) -> PrefillGraph:
+    """The graph of `engine`'s padded prefill (Forward.prefill_padded) of `pad` rows over `cache`, static ids [pad] and
+    a real-row count. Warmed up and captured with no real row, so neither writes anything a read can see (pad rows
+    leave the ring as it was and the length where it was; full-layer rows past the length are scratch)."""
+    fwd, dev = engine.forward, engine.device
+    ids_buf = torch.zeros(pad, dtype=torch.long, device=dev)
+    n_buf = torch.zeros((), dtype=torch.long, device=dev)
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fwd.prefill_padded(cache, ids_buf, n_buf, key_rows)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    engine._fresh_pool_if_dead()
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph, engine._graph_pool):
+        fwd.prefill_padded(cache, ids_buf, n_buf, key_rows)
+    return PrefillGraph(graph, ids_buf, n_buf)
 
 
 class BatchGraph:
