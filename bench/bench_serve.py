@@ -39,7 +39,7 @@ import torch
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
 
 TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, batch=8, passes=1)
-FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=2048, batch=8, passes=2)
+FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, batch=8, passes=2)
 
 
 def log(*a):

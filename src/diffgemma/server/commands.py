@@ -27,9 +27,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a place in the batch; more are refused with 503 and Retry-After "
                         "(default 64)")
-    s.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+    s.add_argument("--prefill-chunk-tokens", type=int, default=1024,
                    help="prompt tokens prefilled per scheduler round, between the running requests' denoise steps "
-                        "(default 2048)")
+                        "(default 1024: the longest prefill that runs as a CUDA graph)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="context of each slot: prompt + reply tokens (default 8192, or the model's "
                         "max_position_embeddings if smaller; more than that is refused)")
@@ -149,7 +149,7 @@ def listen(host: str, port: int):
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
           fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = 64,
-          prefill_chunk: int = 2048) -> int:
+          prefill_chunk: int = 1024) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header

@@ -32,7 +32,9 @@ from .scheduler import Job, Scheduler
 
 __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 
-PREFILL_CHUNK = 2048  # prompt tokens prefilled a round while other requests denoise
+# prompt tokens prefilled a round while other requests denoise: the longest padded prefill (EngineOptions.prefill_pads),
+# which replays a graph; a longer chunk runs eagerly and stalls the running streams longer (bench/RESULTS.md, bench_serve)
+PREFILL_CHUNK = 1024
 MAX_QUEUE = 64
 
 
