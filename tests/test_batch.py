@@ -165,6 +165,36 @@ def test_generate_batch_on_the_demo_model_equals_generate(demo):
     assert [r.text for r in batched] == [r.text for r in solo]
 
 
+def test_generate_batch_lends_a_few_caches_of_one_size(tiny, monkeypatch):
+    """Without caches=, a queue of requests is served from max_batch caches of one size (the largest need), each
+    emptied and lent again when its request is done; every request still gets generate's result, and no request's
+    last block is committed into a lent cache (it is not the caller's)."""
+    made, prefills = [], []
+    new_cache, prefill = tiny.new_cache, tiny.prefill
+
+    def counting_new_cache(max_tokens=None, *a, **kw):
+        made.append(max_tokens)
+        return new_cache(max_tokens, *a, **kw)
+
+    monkeypatch.setattr(tiny, "new_cache", counting_new_cache)
+    def counting_prefill(cache, ids, *a, **kw):
+        prefills.append(len(ids))
+        return prefill(cache, ids, *a, **kw)
+
+    monkeypatch.setattr(tiny, "prefill", counting_prefill)
+    prompts = PROMPTS + PROMPTS[::-1]
+    s = GenerationSettings(max_new_tokens=20, max_denoising_steps=4, confidence_trim=0.0)
+    seeds = list(range(len(prompts)))
+    batched = generate_batch(tiny, prompts, seeds=seeds, settings=s, max_batch=2)
+    assert len(made) == 2 and len(set(made)) == 1, made
+    assert made[0] == max(len(p) for p in prompts) + 20 + tiny.config.canvas_length
+    prefilled = sum(prefills)  # prompts and commits
+    prefills.clear()
+    solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, seed in zip(prompts, seeds)]
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+    assert prefilled == sum(prefills), "a lent cache got a commit generate's own cache does not"
+
+
 def test_generate_batch_continues_each_requests_own_cache(tiny):
     """caches=: each request continues the cache it is given (a second turn: only the new tokens as input, one with
     none at all), as generate(..., cache=) does; the caches end holding the same K/V as generate's."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import DiffgemmaError, InputError
 from .events import DoneEvent, GenerationResult
-from .generation import Forward, Status, _as_ids, generate_steps, resolve_settings
+from .generation import Forward, Status, _as_ids, cache_need, generate_steps, resolve_settings
 from .model.denoiser import read_statuses
 from .model.protocol import DenoiseModel
 from .settings import GenerationSettings
@@ -82,6 +82,12 @@ def generate_batch(
         except DiffgemmaError as e:
             raise type(e)(f"request {i}: {e}") from None
     limit = _batch_limit(model, max_batch, n)
+    pool = None
+    if caches is None:  # the requests' own caches, lent from a pool: at most `limit`, all of one size
+        need = max(cache_need(model, _as_ids(x, model.config.vocab_size, "cpu").numel(), s)
+                   for x, s in zip(inputs, resolved))
+        pool = CachePool(model, need)
+    lent: dict[int, Any] = {}  # request -> the pooled cache it holds
 
     results: list[GenerationResult | None] = [None] * n
     queue = deque(range(n))
@@ -108,14 +114,19 @@ def generate_batch(
                 results[i] = item.result
                 steps.close()
                 del running[i]
+                if i in lent:
+                    pool.give(lent.pop(i))
                 return
 
     try:
         while queue or running:
             while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
                 i = queue.popleft()
+                if pool is not None:
+                    lent[i] = pool.take()
                 running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1,
-                                            cache=None if caches is None else caches[i])
+                                            cache=lent[i] if pool is not None else caches[i],
+                                            scratch_cache=pool is not None)
                 advance(i, None)
             order = sorted(asks)
             forwards = [asks.pop(i) for i in order]
@@ -127,6 +138,23 @@ def generate_batch(
         for steps in running.values():
             steps.close()
     return results  # type: ignore[return-value]
+
+
+class CachePool:
+    """generate_batch's caches when the caller gives none: one size for every request (the largest cache_need), each
+    emptied and lent again when its request is done. Caches of one geometry that outlive their requests keep their
+    buffers, so the engine's batched graphs, which read them, serve the requests that join later (a new cache of
+    another size would make every membership change a capture; model/engine_batch.py)."""
+
+    def __init__(self, model, tokens: int):
+        self.model, self.tokens, self.free = model, tokens, []
+
+    def take(self):
+        return self.free.pop() if self.free else self.model.new_cache(self.tokens)
+
+    def give(self, cache) -> None:
+        cache.truncate(0)
+        self.free.append(cache)
 
 
 def _answer_statuses(reads: dict, advance) -> None:

@@ -179,6 +179,14 @@ class Status:
         return self.den.read_status(self.code, self.mean_h, self.plan, self.canvas)
 
 
+def cache_need(model: DenoiseModel, prompt_tokens: int, s: GenerationSettings) -> int:
+    """The tokens a cache made for one generation holds: the prompt, the reply's budget and a canvas, never past the
+    model's context (config.check_context; an overflow is an error)."""
+    need = prompt_tokens + s.max_new_tokens + (s.canvas_length or model.config.canvas_length)
+    limit = getattr(model.config, "max_positions", None)
+    return need if limit is None else min(need, limit)
+
+
 def generate_steps(
     model: DenoiseModel,
     input_ids,
@@ -186,6 +194,7 @@ def generate_steps(
     settings: GenerationSettings | None = None,
     cache=None,
     batched: bool = False,
+    scratch_cache: bool = False,
     **overrides: Any,
 ) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward | Status, Any, None]:
     """One request's generation as a coroutine: it yields StepEvent, BlockEvent, a final DoneEvent and, where a step
@@ -196,7 +205,8 @@ def generate_steps(
     or batched (batch.py).
     batched: a scheduler may answer its forwards and status reads together with other requests' (batch.py, the
     server): the step then neither runs its next forward ahead nor lends the model's logits scratch, which are one
-    request's devices."""
+    request's devices. scratch_cache: `cache` (empty, with room for cache_need's tokens) stands in for the one this call
+    would make, so, like that one, it does not get the last block's commit (batch.py lends pooled caches so)."""
     s = resolve_settings(model, settings, overrides)
     cfg = model.config
     vocab = cfg.vocab_size
@@ -217,13 +227,13 @@ def generate_steps(
 
     t_start = time.perf_counter()
     timings = {"prefill_s": 0.0, "denoise_s": 0.0}
-    keep_cache = cache is not None  # a caller's cache gets every kept token; our own skips the last block's commit
-    if cache is None:
+    # a caller's cache gets every kept token; our own (or a scratch one) skips the last block's commit
+    keep_cache = cache is not None and not scratch_cache
+    if cache is None or scratch_cache:
         if prompt.numel() == 0:
             raise InputError("input_ids: empty prompt without a cache; expected at least one token")
-        need = prompt.numel() + s.max_new_tokens + canvas_len
-        limit = getattr(cfg, "max_positions", None)  # never past the model's context (config.check_context); overflow is an error
-        cache = model.new_cache(need if limit is None else min(need, limit))
+    if cache is None:
+        cache = model.new_cache(cache_need(model, prompt.numel(), s))
     if prompt.numel():
         t = time.perf_counter()
         model.prefill(cache, prompt)
