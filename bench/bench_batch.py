@@ -11,6 +11,9 @@ every lane its own cache holding a 1k prompt:
   steps    generate_batch over B requests of one block at 16 fixed steps (the sampler, SC and stop rules per request
            included): aggregate canvas rows/s against B=1 through the same call; "cold" with fresh caches each call
            (every call captures its solo and prefill graphs again), "warm" with the same caches (caches=) rewound each call
+  queue    a bulk job: 3·B requests of mixed prompt lengths through generate_batch at max_batch B (each joins as one
+           leaves, on the caches generate_batch lends), against the first B alone: denoise rows/s and how the
+           batched forwards ran (eager / captured / replayed) in the last call
   invariance  each lane's raw logits batched vs its solo denoise (share bit-identical, worst relative error), and
            generate_batch's tokens vs generate's per request (share identical), per batch_paths
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
@@ -130,6 +133,34 @@ def section_steps(eng, cfg, batches, ctx, reps, paths):
     return out
 
 
+def section_queue(eng, cfg, B, ctx, reps):
+    """A bulk job: 3·B requests of mixed prompt lengths at max_batch B (each joins as one leaves), one block of fixed
+    steps each, against the first B of them alone in the same run: denoise rows/s, and how the batched forwards ran."""
+    dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    gen = torch.Generator().manual_seed(5)
+    lens = [max(1, n) for n in (ctx, ctx // 2, ctx // 3, ctx - ctx // 8, ctx // 11, ctx, 2 * ctx // 3, 5)]
+    prompts = [torch.randint(0, V, (lens[i % len(lens)],), generator=gen).tolist() for i in range(3 * B)]
+    s = fixed_steps(C, 1)
+    out = {}
+    for name, ps in (("alone", prompts[:B]), ("queue", prompts)):
+        walls, counts = [], []
+        for i in range(max(2, reps // 3) + 1):
+            before = eng.batch_graph_counts
+            sync(dev)
+            t = time.perf_counter()
+            res = generate_batch(eng, ps, seeds=list(range(len(ps))), settings=s, max_batch=B)
+            sync(dev)
+            if i:
+                walls.append(time.perf_counter() - t - sum(r.timings["prefill_s"] for r in res))
+                counts.append({k: v - before.get(k, 0) for k, v in eng.batch_graph_counts.items()})
+        out[name] = {"requests": len(ps), "rows_s": round(len(ps) * C * STEPS / statistics.median(walls), 1),
+                     "batch_graphs_last_call": counts[-1]}
+        log(f"  queue [{name}] B={B}: {out[name]}")
+    out["queue_vs_alone"] = round(out["queue"]["rows_s"] / out["alone"]["rows_s"], 3)
+    eng.clear_graphs()
+    return out
+
+
 def section_invariance(eng, cfg, B, ctx):
     V, C = cfg.vocab_size, cfg.canvas_length
     out = {}
@@ -203,7 +234,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--sections", default="forward,steps,invariance,memory,demo")
+    ap.add_argument("--sections", default="forward,steps,queue,invariance,memory,demo")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--paths", default=EngineOptions().batch_paths, choices=BATCH_PATHS,
                     help="batch_paths for the steps section (default: the engine's)")
@@ -234,6 +265,7 @@ def main():
     run_kinds(kinds, cfg, dev, a.tiny, res, sections,
               lambda eng, kind: (("forward", lambda: section_forward(eng, cfg, batches, ctx, a.reps, forms)),
                                  ("steps", lambda: section_steps(eng, cfg, batches, ctx, a.reps, a.paths)),
+                                 ("queue", lambda: section_queue(eng, cfg, max(batches), ctx, a.reps)),
                                  ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
                                  ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx)
                                   if kind == "q4" else None)),
