@@ -16,6 +16,7 @@ import torch
 
 import diffgemma
 from diffgemma import generate, generate_batch
+from diffgemma.batch import CachePool
 from diffgemma.errors import InputError
 from diffgemma.events import BlockEvent, DoneEvent, StepEvent
 from diffgemma.model.reference import ROW_TILE, rows_matmul
@@ -166,9 +167,9 @@ def test_generate_batch_on_the_demo_model_equals_generate(demo):
 
 
 def test_generate_batch_lends_a_few_caches_of_one_size(tiny, monkeypatch):
-    """Without caches=, a queue of requests is served from max_batch caches of one size (the largest need), each
-    emptied and lent again when its request is done; every request still gets generate's result, and no request's
-    last block is committed into a lent cache (it is not the caller's)."""
+    """Without caches=, a queue of requests is served from max_batch caches (needs of one size class: one size),
+    each emptied and lent again when its request is done; every request still gets generate's result, and no
+    request's last block is committed into a lent cache (it is not the caller's)."""
     made, prefills = [], []
     new_cache, prefill = tiny.new_cache, tiny.prefill
 
@@ -187,12 +188,40 @@ def test_generate_batch_lends_a_few_caches_of_one_size(tiny, monkeypatch):
     seeds = list(range(len(prompts)))
     batched = generate_batch(tiny, prompts, seeds=seeds, settings=s, max_batch=2)
     assert len(made) == 2 and len(set(made)) == 1, made
-    assert made[0] == max(len(p) for p in prompts) + 20 + tiny.config.canvas_length
+    assert made[0] == CachePool(tiny, 2).size_for(max(len(p) for p in prompts) + 20 + tiny.config.canvas_length)
     prefilled = sum(prefills)  # prompts and commits
     prefills.clear()
     solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, seed in zip(prompts, seeds)]
     assert [_result(r) for r in batched] == [_result(r) for r in solo]
     assert prefilled == sum(prefills), "a lent cache got a commit generate's own cache does not"
+
+
+def test_the_cache_pool_sizes_by_class_and_keeps_at_most_limit_caches():
+    """Sizes: a power of two of at least 1024 tokens at or above the need, within the model's context. A request
+    takes a free cache of its class; a new cache first drops a free one of another class once `limit` are alive."""
+    made = []
+
+    class Cache:
+        def __init__(self, n):
+            self.n, self.length = n, 5
+            made.append(n)
+
+        def truncate(self, n):
+            self.length = n
+
+    model = type("M", (), {"config": type("C", (), {"max_positions": 6000})(), "new_cache": lambda self, n: Cache(n)})()
+    pool = CachePool(model, limit=2)
+    assert [pool.size_for(n) for n in (1, 1024, 1025, 3000, 5000, 6000)] == [1024, 1024, 2048, 4096, 6000, 6000]
+    a, b = pool.take(100), pool.take(1500)
+    assert (a.n, b.n) == (1024, 2048)
+    pool.give(a)
+    assert a.length == 0 and pool.take(900) is a  # the free cache of its class, emptied
+    pool.give(a)
+    c = pool.take(3000)  # two alive (a free, b lent): a goes, c comes
+    assert c.n == 4096 and len(pool.size) == 2 and id(a) not in pool.size
+    pool.give(b)
+    pool.give(c)
+    assert pool.take(2000) is b and made == [1024, 2048, 4096]
 
 
 def test_generate_batch_continues_each_requests_own_cache(tiny):

@@ -82,11 +82,7 @@ def generate_batch(
         except DiffgemmaError as e:
             raise type(e)(f"request {i}: {e}") from None
     limit = _batch_limit(model, max_batch, n)
-    pool = None
-    if caches is None:  # the requests' own caches, lent from a pool: at most `limit`, all of one size
-        need = max(cache_need(model, _as_ids(x, model.config.vocab_size, "cpu").numel(), s)
-                   for x, s in zip(inputs, resolved))
-        pool = CachePool(model, need)
+    pool = CachePool(model, limit) if caches is None else None  # the requests' own caches, lent
     lent: dict[int, Any] = {}  # request -> the pooled cache it holds
 
     results: list[GenerationResult | None] = [None] * n
@@ -123,7 +119,8 @@ def generate_batch(
             while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
                 i = queue.popleft()
                 if pool is not None:
-                    lent[i] = pool.take()
+                    lent[i] = pool.take(cache_need(model, _as_ids(inputs[i], model.config.vocab_size, "cpu").numel(),
+                                                   resolved[i]))
                 running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1,
                                             cache=lent[i] if pool is not None else caches[i],
                                             scratch_cache=pool is not None)
@@ -141,20 +138,42 @@ def generate_batch(
 
 
 class CachePool:
-    """generate_batch's caches when the caller gives none: one size for every request (the largest cache_need), each
-    emptied and lent again when its request is done. Caches of one geometry that outlive their requests keep their
-    buffers, so the engine's batched graphs, which read them, serve the requests that join later (a new cache of
-    another size would make every membership change a capture; model/engine_batch.py)."""
+    """generate_batch's caches when the caller gives none, lent to its requests and emptied and lent again when each
+    is done. A cache's size is its request's need rounded up to a size class (a power of two of at least FLOOR
+    tokens, within the model's context), so requests of one class share caches of one geometry: the engine's batched
+    graphs read their caches' buffers, so a joining request that takes over a cache of the graph's geometry replays
+    the graph, where a new cache of its own size would make the membership change a capture
+    (model/engine_batch.py). At most `limit` caches stay alive: a new one first drops a free one of another class."""
 
-    def __init__(self, model, tokens: int):
-        self.model, self.tokens, self.free = model, tokens, []
+    FLOOR = 1024
 
-    def take(self):
-        return self.free.pop() if self.free else self.model.new_cache(self.tokens)
+    def __init__(self, model, limit: int):
+        self.model, self.limit = model, limit
+        self.free: dict[int, list] = {}  # size -> free caches of that size
+        self.size: dict[int, int] = {}  # id(cache) -> its size, for every cache alive (lent or free)
+
+    def size_for(self, need: int) -> int:
+        size = self.FLOOR
+        while size < need:
+            size *= 2
+        context = getattr(self.model.config, "max_positions", None)  # need (cache_need) never exceeds it
+        return size if context is None else max(need, min(size, context))
+
+    def take(self, need: int):
+        size = self.size_for(need)
+        if self.free.get(size):
+            return self.free[size].pop()
+        if len(self.size) >= self.limit:  # drop a free cache of another class (every cache lent: none to drop)
+            other = next((s for s, caches in self.free.items() if caches), None)
+            if other is not None:
+                del self.size[id(self.free[other].pop())]
+        cache = self.model.new_cache(size)
+        self.size[id(cache)] = size
+        return cache
 
     def give(self, cache) -> None:
         cache.truncate(0)
-        self.free.append(cache)
+        self.free.setdefault(self.size[id(cache)], []).append(cache)
 
 
 def _answer_statuses(reads: dict, advance) -> None:
