@@ -127,7 +127,7 @@ def section_steps(eng, cfg, batches, ctx, reps, paths):
                                               "rows_s": round(B * C * STEPS / den, 1)}
             r["vs_b1"] = round(r["rows_s"] / out[batches[0]][key]["rows_s"], 3)
             log(f"  steps [{paths}] B={B} {key}: {r}")
-        del caches
+        caches = None  # this size's caches (and the graphs over them) go before the next
         eng.clear_graphs()
     eng.options = replace(eng.options, batch_paths=EngineOptions().batch_paths)
     return out
