@@ -381,13 +381,15 @@ def test_the_default_batch_fits_the_free_device_memory():
     from diffgemma.server.worker import SERVE_RESERVE_BYTES, default_max_batch, fitting_batch
 
     GiB = 2**30
-    cache, logits, buckets = GiB // 2, 128 * 2**20, 4  # a full-size 8k slot: 0.5 GiB of KV, [256, 262144] bf16 logits
-    per = cache + logits * (buckets + KEPT_GRAPHS)
-    assert fitting_batch(120 * GiB, cache, logits, buckets, 8) == 8  # an H200 after the q4 weights
-    assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per, cache, logits, buckets, 8) == 3
-    assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per - 1, cache, logits, buckets, 8) == 2
-    assert fitting_batch(GiB, cache, logits, buckets, 8) == 1  # nothing fits: one request still runs
-    assert fitting_batch(120 * GiB, cache, logits, buckets, 1) == 1
+    # a full-size 8k slot: 0.5 GiB of KV, [256, 262144] bf16 logits, [256, 2816] bf16 SC rows
+    cache, logits, buckets, sc = GiB // 2, 128 * 2**20, 4, 256 * 2816 * 2
+    per = cache + logits * (buckets + 1) + sc * KEPT_GRAPHS  # the batch graphs share one logits buffer
+    assert fitting_batch(120 * GiB, cache, logits, buckets, 8, sc) == 8  # an H200 after the q4 weights
+    assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per, cache, logits, buckets, 8, sc) == 3
+    assert fitting_batch(SERVE_RESERVE_BYTES + 3 * per - 1, cache, logits, buckets, 8, sc) == 2
+    assert fitting_batch(20 * GiB, cache, logits, buckets, 8, sc) == 8  # an 80 GB card after bf16 weights: all 8
+    assert fitting_batch(GiB, cache, logits, buckets, 8, sc) == 1  # nothing fits: one request still runs
+    assert fitting_batch(120 * GiB, cache, logits, buckets, 1, sc) == 1
     # off CUDA the cap alone: 8 for a model that takes any number
     assert default_max_batch(diffgemma.load(), 4096) == 8
 

@@ -32,8 +32,9 @@ from .scheduler import Job, Scheduler
 
 __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 
-# prompt tokens prefilled a round while other requests denoise: the longest padded prefill (EngineOptions.prefill_pads),
-# which replays a graph; a longer chunk runs eagerly and stalls the running streams longer (bench/RESULTS.md, bench_serve)
+# prompt tokens prefilled a round while other requests denoise: the longest padded prefill
+# (EngineOptions.prefill_pads), which replays a graph; a longer chunk runs eagerly and stalls the running streams
+# longer (bench/RESULTS.md, bench_serve)
 PREFILL_CHUNK = 1024
 MAX_QUEUE = 64
 
@@ -62,9 +63,11 @@ def default_max_batch(model, max_tokens: int | None = None) -> int:
     cache_bytes = torch.cuda.memory_allocated(device) - before
     buckets = len(model.context_buckets(cache))  # a solo denoise graph each
     del cache
-    logits_bytes = model.config.canvas_length * model.config.vocab_size * model.embedding.element_size()
+    cfg, elem = model.config, model.embedding.element_size()
+    logits_bytes = cfg.canvas_length * cfg.vocab_size * elem
     free = torch.cuda.mem_get_info(device)[0]
-    return fitting_batch(free, cache_bytes, logits_bytes, buckets, cap)
+    sc_bytes = cfg.canvas_length * cfg.hidden_size * elem
+    return fitting_batch(free, cache_bytes, logits_bytes, buckets, cap, sc_bytes=sc_bytes)
 
 
 # Device bytes kept free beside the slots: a packed model's prefill dequantizes a layer's experts into a ~1 GB bf16
@@ -72,11 +75,12 @@ def default_max_batch(model, max_tokens: int | None = None) -> int:
 SERVE_RESERVE_BYTES = 3 * 2**30
 
 
-def fitting_batch(free: int, cache_bytes: int, logits_bytes: int, buckets: int, cap: int) -> int:
+def fitting_batch(free: int, cache_bytes: int, logits_bytes: int, buckets: int, cap: int, sc_bytes: int = 0) -> int:
     """The most requests (at least 1, at most cap) whose slots fit in `free` device bytes beside the reserve: each
-    needs its KV cache, a solo denoise graph's [canvas, vocab] logits per context bucket, and its lane's share of
-    the kept batch graphs' logits."""
-    per_request = cache_bytes + logits_bytes * (buckets + KEPT_GRAPHS)
+    needs its KV cache, a solo denoise graph's [canvas, vocab] logits per context bucket, its lane of the batch
+    graphs' shared logits buffer, and its lane's SC input rows (`sc_bytes`, [canvas, hidden]) in every kept batch
+    graph."""
+    per_request = cache_bytes + logits_bytes * (buckets + 1) + sc_bytes * KEPT_GRAPHS
     return max(1, min(cap, (free - SERVE_RESERVE_BYTES) // max(1, per_request)))
 
 
