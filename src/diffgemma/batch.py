@@ -72,13 +72,16 @@ def generate_batch(
         per_request = list(settings)
     else:
         per_request = [settings] * n
-    resolved = []
+    resolved, needs = [], []  # needs: the tokens each request's own cache holds (cache_need), without caches=
     for i in range(n):  # every request checked before any runs
         extra = dict(overrides) if seeds is None else dict(overrides, seed=seeds[i])
         try:
             resolved.append(resolve_settings(model, per_request[i], extra))
-            if caches is None and _as_ids(inputs[i], model.config.vocab_size, "cpu").numel() == 0:
-                raise InputError("input_ids: empty prompt; expected at least one token")
+            if caches is None:
+                tokens = _as_ids(inputs[i], model.config.vocab_size, "cpu").numel()
+                if tokens == 0:
+                    raise InputError("input_ids: empty prompt; expected at least one token")
+                needs.append(cache_need(model, tokens, resolved[i]))
         except DiffgemmaError as e:
             raise type(e)(f"request {i}: {e}") from None
     limit = _batch_limit(model, max_batch, n)
@@ -119,8 +122,7 @@ def generate_batch(
             while queue and len(running) < limit:  # joins: prefill, first canvas, up to its first forward
                 i = queue.popleft()
                 if pool is not None:
-                    lent[i] = pool.take(cache_need(model, _as_ids(inputs[i], model.config.vocab_size, "cpu").numel(),
-                                                   resolved[i]))
+                    lent[i] = pool.take(needs[i])
                 running[i] = generate_steps(model, inputs[i], settings=resolved[i], batched=limit > 1,
                                             cache=lent[i] if pool is not None else caches[i],
                                             scratch_cache=pool is not None)

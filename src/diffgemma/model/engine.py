@@ -184,7 +184,8 @@ class Engine:
         if self._on_graphs(lambda: self._prefill_graphed(cache, ids, pad) or True):
             return
         n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
-        self.forward.prefill_padded(cache, self._padded_ids(ids, pad), n_real, self._prefill_key_rows(cache, pad))
+        key_rows = self._prefill_key_rows(cache, pad)
+        self.forward.prefill_padded(cache, padded_ids(ids, pad, self.device), n_real, key_rows)
         cache.length += len(ids)
 
     def prefill_pad(self, cache: EngineKVCache, n: int) -> int | None:
@@ -204,9 +205,6 @@ class Engine:
     def _prefill_key_rows(self, cache: EngineKVCache, pad: int) -> int:
         """Full-layer cache rows a padded prefill reads: the context's bucket and the chunk, within the buffer."""
         return min(self.context_bucket(cache) + pad, cache.max_tokens + cache.canvas)
-
-    def _padded_ids(self, ids: torch.Tensor, pad: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        return padded_ids(ids, pad, self.device, out)
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)

@@ -68,7 +68,7 @@ def in_lane_order(caches, ids, lens, key_rows, sc_rows, has):
     """-> (order, the batch with its lanes in that order): by (canvas length, context bucket), so a batch's graph
     serves its requests in any order. A lane's rows are its own wherever it runs (the forward is batch invariant)."""
     order = sorted(range(len(caches)), key=lambda i: (lens[i], key_rows[i]))
-    if order == sorted(order):
+    if order == list(range(len(order))):
         return order, (caches, ids, lens, key_rows, sc_rows, has)
     rows = lane_rows(lens, order, ids.device)
     pick = lambda xs: [xs[i] for i in order]  # noqa: E731

@@ -34,7 +34,7 @@ __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 
 # prompt tokens prefilled a round while other requests denoise: the longest padded prefill
 # (EngineOptions.prefill_pads), which replays a graph; a longer chunk runs eagerly and stalls the running streams
-# longer (bench/RESULTS.md, bench_serve)
+# longer (docs/ARCHITECTURE.md, 'Limits and the queue')
 PREFILL_CHUNK = 1024
 MAX_QUEUE = 64
 
