@@ -192,6 +192,60 @@ def test_causal_full_layer(d, BD, BM):
     check(got, exp)
 
 
+def ring_case(d, ring, P, n, shift, empty=0.0):
+    """A sliding prefill's keys: ring slot p % ring holds position p for the last `ring` positions before P (some
+    emptied), then the chunk's n keys. shift: kernel positions are real ones + shift (prefill_padded's)."""
+    q, k, v = qkv(4, 2, n, ring + n, d)
+    slot_pos = torch.full((ring,), -1)
+    p = torch.arange(max(0, P - ring), P)
+    slot_pos[p % ring] = p
+    slot_pos[torch.rand(ring) < empty] = -1
+    kpos = torch.cat([torch.where(slot_pos >= 0, slot_pos + shift, -1), torch.arange(P, P + n) + shift])
+    return q, k, v, kpos, torch.arange(P, P + n) + shift
+
+
+@pytest.mark.parametrize("ring,P,n,window,shift", [(37, 100, 8, 20, 0), (37, 75, 8, 20, 0), (37, 41, 5, 30, 0),
+                                                   (37, 10, 8, 20, 0), (37, 95, 8, 20, 37 - 95), (53, 130, 16, 17, 0),
+                                                   (37, 100, 8, 38, 0), (37, 0, 8, 20, 0)])
+def test_causal_ring_skip_keeps_the_full_scans_bits(ring, P, n, window, shift):
+    """ring_end: the ring blocks no row sees are skipped (in one run, or two when the live slots wrap), and the
+    output is the full scan's, bit for bit: a masked block changes nothing. Kernel positions plain (the eager
+    prefill) or shifted (the padded one: base_pos = ring, real positions + ring - P)."""
+    d = 32
+    q, k, v, kpos, qpos = ring_case(d, ring, P, n, shift, empty=0.15)
+    kw = dict(qpos=qpos, window=window, causal=True, out_dtype=torch.float32, n_ring=ring, base_pos=P + shift,
+              **dict(TILE, BN=8))
+    full = fl.attention_flash(q, k, v, kpos, ring + n, **kw)
+    skip = fl.attention_flash(q, k, v, kpos, ring + n, ring_end=torch.tensor(P), **kw)
+    assert torch.equal(skip, full)
+    check(skip, attn.attention_ref(q, k, v, kpos, ring + n, qpos=qpos, window=window, causal=True,
+                                   out_dtype=torch.float32))
+
+
+def test_causal_ring_skip_reads_only_the_live_slots():
+    """The skip trusts the ring's layout (slot p % ring holds p): a key planted in a slot outside the live window's
+    blocks is not visited with ring_end, and is without it (so the skip is real)."""
+    d, ring, P, n, window = 32, 64, 200, 8, 12
+    q, k, v, kpos, qpos = ring_case(d, ring, P, n, 0)
+    live = {int(p) % ring for p in range(P - window + 1, P)}
+    far = next(s for s in range(ring) if all(abs(s - x) >= 16 for x in live))  # two blocks of 8 from any live slot
+    kpos[far] = P - 1  # claims a visible position
+    kw = dict(qpos=qpos, window=window, causal=True, out_dtype=torch.float32, n_ring=ring, base_pos=P,
+              **dict(TILE, BN=8))
+    kpos_ok = kpos.clone()
+    kpos_ok[far] = -1
+    exp = fl.attention_flash(q, k, v, kpos_ok, ring + n, **kw)
+    assert torch.equal(fl.attention_flash(q, k, v, kpos, ring + n, ring_end=torch.tensor(P), **kw), exp)
+    assert not torch.equal(fl.attention_flash(q, k, v, kpos, ring + n, **kw), exp)
+
+
+def test_short_causal_calls_take_4_warps_only_at_head_dim_512():
+    full, slide = fl.flash_config(512, True), fl.flash_config(256, True)
+    assert fl.short_causal(full, 8 * 256, 2, 512, 132) == dict(BD=256, num_warps=4)  # a commit's full layer
+    assert fl.short_causal(full, 8 * 8192, 2, 512, 132) == dict(BD=512)  # a long chunk keeps its config
+    assert fl.short_causal(slide, 2 * 256, 8, 256, 132) == dict(BD=128)
+
+
 def test_causal_column_halves_give_the_whole_rows_bits():
     """The causal call's output columns split over more programs (causal_columns): each half recomputes QK^T and
     visits the same key blocks in the same order, so the bits are those of the whole-row program."""

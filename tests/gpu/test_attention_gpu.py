@@ -119,6 +119,36 @@ def test_causal_sliding_real_shape():
     assert rel(got, exp) < 1e-2
 
 
+@pytest.mark.parametrize("ring,n,P", [(RING, 256, 1024), (RING, 256, 4000), (2047, 256, 1536), (RING, 2048, 9000),
+                                       (2047, 256, 300)])
+def test_causal_sliding_ring_skip_real_shape(ring, n, P):
+    """A commit's (and a long chunk's) sliding call with the ring_end hint: the ring blocks no row sees are skipped,
+    with the full scan's bits; within the twin's tolerance."""
+    q, k, v = qkv(8, n, ring + n, 256)
+    sp = torch.full((ring,), -1, dtype=torch.int64, device=DEV)
+    p = torch.arange(max(0, P - ring), P, device=DEV)
+    sp[p % ring] = p
+    kpos = torch.cat([sp, torch.arange(P, P + n, device=DEV)])
+    qpos = torch.arange(P, P + n, device=DEV)
+    kw = dict(qpos=qpos, window=W, causal=True, out_dtype=torch.bfloat16, n_ring=ring, base_pos=P)
+    got = fl.attention_flash(q, k, v, kpos, ring + n, ring_end=torch.tensor(P, device=DEV), **kw)
+    assert torch.equal(got, fl.attention_flash(q, k, v, kpos, ring + n, **kw))
+    exp = attn.attention_ref(q, k, v, kpos, ring + n, qpos=qpos, window=W, causal=True, out_dtype=torch.float32,
+                             q_block=256)
+    assert rel(got, exp) < 1e-2
+
+
+@pytest.mark.parametrize("P", [1024, 20000])
+def test_causal_full_short_call_warps_keep_bits(P):
+    """A commit's full-layer call takes 4 warps (short_causal): the bits of the 8-warp config."""
+    n = 256
+    q, k, v = qkv(2, n, P + n, 512)
+    kpos, qpos = torch.arange(P + n, device=DEV), torch.arange(P, P + n, device=DEV)
+    kw = dict(qpos=qpos, causal=True, out_dtype=torch.bfloat16)
+    got = fl.attention_flash(q, k, v, kpos, P + n, **kw)
+    assert torch.equal(got, fl.attention_flash(q, k, v, kpos, P + n, BD=256, num_warps=8, **kw))
+
+
 @pytest.mark.parametrize("n,P", [(1024, 5120), (1000, 0)])
 def test_causal_full_real_shape(n, P):
     q, k, v = qkv(2, n, P + n + 64, 512)

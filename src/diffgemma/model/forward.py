@@ -144,7 +144,8 @@ class Forward:
                 # would otherwise clobber window positions its earlier queries still need.
                 q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + n, qpos=pos, window=W, causal=True, out_dtype=self.dtype,
-                              impl=self._causal_impl(n), n_ring=R, base_pos=P, groups=slide_groups)
+                              impl=self._causal_impl(n), n_ring=R, base_pos=P, groups=slide_groups,
+                              ring_end=cache.length_t)
                 K.index_copy_(1, ring_slots[tail:], kv[0][:, tail:])
                 V.index_copy_(1, ring_slots[tail:], kv[1][:, tail:])
                 return o
@@ -197,7 +198,7 @@ class Forward:
             if cfg.layers[li].is_sliding:
                 q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
                 o = attention(q, Kx, Vx, slide_kpos, R + N, qpos=slide_qpos, window=W, causal=True,
-                              out_dtype=self.dtype, impl=self._causal_impl(N), n_ring=R, base_pos=R)
+                              out_dtype=self.dtype, impl=self._causal_impl(N), n_ring=R, base_pos=R, ring_end=P)
                 if in_scratch:
                     K.index_copy_(1, ring_w, kv[0])
                     V.index_copy_(1, ring_w, kv[1])

@@ -140,12 +140,14 @@ def _canvas_only_ok(q, causal: bool, impl: str) -> bool:
 
 
 def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None, impl=None,
-              n_ring=0, base_pos=0, nlive=None, ring_length=None, groups=None):
+              n_ring=0, base_pos=0, nlive=None, ring_length=None, groups=None, ring_end=None):
     """-> [n, H·d]. impl: None (kernel on CUDA, twin elsewhere), 'triton', 'gemm', 'tiles', 'sdpa' or 'ref'.
     groups: the image overlay of a causal call (module docstring); it runs on the torch twins (SDPA on CUDA).
     A kernel that fails outside graph capture is noted (with a warning, once) and the next in _FALLBACK runs
     from then on: never wrong, only slower. ring_length: a sliding canvas over the ring's live window (see
-    attention_flash); the flash kernel visits only those keys, the other paths get its mask (ring_window_kpos)."""
+    attention_flash); the flash kernel visits only those keys, the other paths get its mask (ring_window_kpos).
+    ring_end: a causal call's hint that lets the flash kernel skip ring blocks no query sees (attention_flash);
+    the other paths read kpos alone."""
     if kpos is None and causal:
         raise ValueError("attention: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     if ring_length is not None:  # refused here, not taken for a kernel failure below
@@ -172,7 +174,9 @@ def attention(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, 
                 return attention_flash(q, k, v, None, n_keys, n_ring=n_ring, ring_length=ring_length, **kw)
             if ring_length is not None:
                 kpos, ring_length = ring_window_kpos(n_ring, n_keys, ring_length, window), None
-            return _KERNELS[impl](q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw)
+            hint = {"ring_end": ring_end} if impl == "triton" and ring_end is not None else {}
+            return _KERNELS[impl](q, k, v, kpos, n_keys, n_ring=n_ring, base_pos=base_pos, nlive=nlive, **kw,
+                                  **hint)
         except Exception as e:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise

@@ -76,11 +76,42 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _flash_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, nlive_ptr, o_ptr, po_ptr, pml_ptr,
+    def ring_blocks(first, base_pos, ring_end_ptr, n_ring, BN: tl.constexpr, RING_END: tl.constexpr):
+        """A causal program's ring key blocks -> two ascending runs of block starts [a_lo, a_hi), [b_lo, b_hi).
+        Without RING_END every block, [0, n_ring). With it, the ring holds position p in slot p % n_ring, and the
+        device scalar at ring_end_ptr is the position after its newest key (a kernel position x is the position
+        x - base_pos + ring_end): only the blocks holding the positions [first, ring_end) go, where `first` is
+        the oldest this program's rows see. Every block skipped is masked for all of the program's rows, and a
+        masked block leaves (m, l, acc) exactly as they were (alpha = 1, p = 0), so the bits are the full scan's."""
+        a_lo = 0
+        a_hi = tl.where(first < base_pos, n_ring, 0)
+        b_lo = 0
+        b_hi = 0
+        if RING_END:
+            end = tl.load(ring_end_ptr).to(tl.int32)
+            lo = tl.maximum(first - base_pos + end, 0)  # oldest position seen
+            n = end - lo
+            s_lo = lo % n_ring
+            s_hi = (tl.maximum(end, 1) - 1) % n_ring  # newest slot (inclusive)
+            blk_lo = (s_lo // BN) * BN
+            blk_hi = (s_hi // BN + 1) * BN  # past the block holding s_hi
+            wrap = s_lo > s_hi
+            whole = (n >= n_ring) | (wrap & (blk_hi > blk_lo))  # every block, once
+            a_lo = tl.where(wrap | whole, 0, blk_lo)
+            a_hi = tl.where(whole, n_ring, blk_hi)
+            b_lo = blk_lo
+            b_hi = tl.where(wrap & ~whole, n_ring, blk_lo)
+            none = n <= 0
+            a_hi = tl.where(none, 0, a_hi)
+            b_hi = tl.where(none, 0, b_hi)
+        return a_lo, a_hi, b_lo, b_hi
+
+    @triton.jit
+    def _flash_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, nlive_ptr, ring_end_ptr, o_ptr, po_ptr, pml_ptr,
                       n_q, n_keys, k_head_stride, window, n_ring, base_pos, split_len,
                       G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr,
-                      KPOS: tl.constexpr, LIVE: tl.constexpr = False):
+                      KPOS: tl.constexpr, LIVE: tl.constexpr = False, RING_END: tl.constexpr = False):
         NDH: tl.constexpr = HD // BD
         g = tl.program_id(1)
         split = tl.program_id(2) // NDH
@@ -107,8 +138,14 @@ if HAVE_TRITON:
             qmin = tl.min(tl.where(row_ok, qp, 2**30), axis=0)
             first = qmin - window + 1  # oldest position any row sees
             if RING:  # a constexpr: the full layers' keys are all position-ordered (one loop, fewer registers)
-                ring_hi = tl.where(first < base_pos, n_ring, 0)
-                for n0 in range(0, ring_hi, BN):
+                # ring key blocks in slot order: all of them, or (RING_END) only those holding a position some row
+                # of this program sees, in two ascending runs when that range wraps (ring_blocks)
+                a_lo, a_hi, b_lo, b_hi = ring_blocks(first, base_pos, ring_end_ptr, n_ring, BN, RING_END)
+                for n0 in range(a_lo, a_hi, BN):
+                    m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr,
+                                                 tl.minimum(n_keys, n_ring), window, dq, dcols, 0, 0, 0,
+                                                 HD, BN, CAUSAL, KPOS)
+                for n0 in range(b_lo, b_hi, BN):
                     m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr,
                                                  tl.minimum(n_keys, n_ring), window, dq, dcols, 0, 0, 0,
                                                  HD, BN, CAUSAL, KPOS)
@@ -204,6 +241,14 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     return dict(BM=128, BN=64, BD=d, num_warps=8, num_stages=2, waves=1)
 
 
+def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> dict:
+    """A causal call's output columns per program (causal_columns) and, for head dim 512 split so, 4 warps: at a
+    commit's shape on the H200 the same bits in 77 against 121 us (bench/probes/probe_commit_attention.py; the
+    warps change no row's MMA shape, unlike BM)."""
+    bd = causal_columns(c, rows, kv_heads, d, sm_count)
+    return dict(BD=bd, num_warps=4) if d >= 512 and bd < d else dict(BD=bd)
+
+
 def causal_columns(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> int:
     """A causal call's output columns per program: all of them, or half where that still leaves the programs within
     one wave (a short chunk, e.g. a block's commit: 64 programs on 132 SMs). Each half recomputes QK^T, so a row's
@@ -238,13 +283,16 @@ def live_keys(n_keys: int, n_ring: int, window: int) -> int:
 
 
 def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=False, out_dtype=None,
-                    n_ring=0, base_pos=0, nlive=None, splits=None, ring_length=None, **cfg):
+                    n_ring=0, base_pos=0, nlive=None, splits=None, ring_length=None, ring_end=None, **cfg):
     """The kernel (+ the merge when the canvas key range is split). `splits` overrides the split count
     (tests); cfg overrides the tile config. kpos=None (canvas only): every key below n_keys (and nlive) is
     visible, so the kernel reads no per-key positions. ring_length (a sliding layer's canvas, kpos=None): the
     device scalar L of the cache; rows [0, n_ring) are a ring whose slot p % n_ring holds position p, and only
     its last window-1 positions are keys, visited in position order and split as such (the ring's other slots
-    are neither read nor counted in a split), then rows [n_ring, n_keys), the canvas."""
+    are neither read nor counted in a split), then rows [n_ring, n_keys), the canvas. ring_end (a causal call over
+    a ring): a device scalar, the position after the ring's newest key, where slot p % n_ring holds position p and
+    a kernel position x is the position x - base_pos + ring_end; the kernel then skips the ring's key blocks no row
+    sees, with the full scan's bits (ring_blocks)."""
     if kpos is None and causal:
         raise ValueError("attention_flash: kpos=None (every key visible) is for the bidirectional canvas, not causal")
     live = ring_length is not None
@@ -256,7 +304,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     c = flash_config(d, causal, n_keys, live=live)
     G = H // KV
     if causal and "BD" not in cfg:
-        c["BD"] = causal_columns(c, G * n, KV, d, _sm_count(q.device.index or 0) if q.is_cuda else 132)
+        c.update(short_causal(c, G * n, KV, d, _sm_count(q.device.index or 0) if q.is_cuda else 132))
     c.update(cfg)
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
@@ -278,10 +326,13 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     grid = (row_blocks, KV, S * (d // BD))
     kp = kpos if kpos is not None else k  # a pointer the kernel never reads when KPOS is off
     bound = ring_length if live else nlive
-    _flash_kernel[grid](q, k, v, kp, qpos if causal else kp, bound if bound is not None else kp, out, po, pml,
+    ring = bool(causal and n_ring > 0)
+    skip = ring and ring_end is not None
+    _flash_kernel[grid](q, k, v, kp, qpos if causal else kp, bound if bound is not None else kp,
+                        ring_end if skip else kp, out, po, pml,
                         n, n_keys, k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos), per,
                         G=G, HD=d, BD=BD, BM=BM, BN=BN, CAUSAL=causal, HAS_NLIVE=nlive is not None, SPLIT=S > 1,
-                        RING=bool(causal and n_ring > 0), KPOS=kpos is not None, LIVE=live,
+                        RING=ring, KPOS=kpos is not None, LIVE=live, RING_END=skip,
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if S > 1:
         combine_partials(po, pml, out, n)
