@@ -16,8 +16,8 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
               land decides the batch sizes a pass meets, and a size met for the first time runs eagerly.
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
               the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
-              the long prompt arrives and while it prefills (--chunk tokens a round): their p50 / p99 and both
-              ratios. Unless --tiny, the same script runs first on other ids, so that no graph capture lands in the
+              the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
+              others generate, at most --chunk): their p50 / p99 and both ratios. Unless --tiny, the same script runs first on other ids, so that no graph capture lands in the
               measured pass.
 JSON (--json) holds every number; a short table is printed last.
 """
@@ -38,8 +38,8 @@ import torch
 
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
 
-TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, batch=8, passes=1)
-FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, batch=8, passes=2)
+TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, busy=64, batch=8, passes=1)
+FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, busy=256, batch=8, passes=2)
 
 
 def log(*a):
@@ -112,7 +112,7 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[fl
 def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     ctx = a.prompt + a.reply + 2 * model.config.canvas_length
     s = Served(model, tokenizer, settings, slots=a.clients, max_tokens=ctx, max_batch=max_batch,
-               prefill_chunk=a.chunk, max_queue=a.clients)
+               prefill_chunk=a.chunk, busy_prefill_chunk=a.busy, max_queue=a.clients)
     C = model.config.canvas_length
     work = len(prompts) * -(-a.reply // C) * a.steps
     passes = []
@@ -158,10 +158,11 @@ def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> 
     C = model.config.canvas_length
     long_prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(a.long)]
     warm_steps = 2 * a.steps + 2  # two blocks of the running stream before the long prompt comes
-    chunks = -(-a.long // a.chunk)
-    reply = C * (3 + -(-chunks // a.steps))  # enough blocks to outlast the long prompt's prefill
+    chunks = -(-a.long // min(a.busy, a.chunk))
+    reply = C * (3 + -(-2 * chunks // a.steps))  # enough blocks to outlast the long prompt's prefill (and its holds)
     ctx = max(a.prompt + reply, a.long + C) + 2 * C
-    s = Served(model, tokenizer, settings, slots=2, max_tokens=ctx, max_batch=max_batch, prefill_chunk=a.chunk)
+    s = Served(model, tokenizer, settings, slots=2, max_tokens=ctx, max_batch=max_batch, prefill_chunk=a.chunk,
+               busy_prefill_chunk=a.busy)
 
     def scenario(prompt, long_prompt):
         """The stream starts; after warm_steps of its forwards the long prompt comes. -> (the long prompt's arrival,
@@ -192,7 +193,8 @@ def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> 
     b_first_forward = next(e[0] for e in trace if e[1] == "forward" and job_b in e[2])
     before = step_times(trace, job_a, 0.0, t_long)[2:]  # past the first steps (the prompt's own prefill)
     during = step_times(trace, job_a, fills[0], b_first_forward)
-    out = {"long_prompt": a.long, "chunk": a.chunk, "chunks": len(fills), "steps_before": len(before),
+    out = {"long_prompt": a.long, "chunk": a.chunk, "busy_chunk": a.busy, "chunks": len(fills),
+           "steps_before": len(before),
            "steps_during": len(during), "p50_ms_without": pct(before, 0.5), "p99_ms_without": pct(before, 0.99),
            "p50_ms_during": pct(during, 0.5), "p99_ms_during": pct(during, 0.99),
            "prefill_s": round(b_first_forward - fills[0], 3)}
@@ -227,7 +229,8 @@ def main():
     for name, help_ in (("clients", "concurrent streaming clients"), ("prompt", "prompt tokens per client"),
                         ("reply", "reply tokens per client"), ("steps", "denoise steps per block"),
                         ("long", "the long prompt's tokens (prefill section)"),
-                        ("chunk", "--prefill-chunk-tokens of the server"), ("batch", "--max-batch of the batched run"),
+                        ("chunk", "--prefill-chunk-tokens of the server"),
+                        ("busy", "--busy-prefill-tokens of the server"), ("batch", "--max-batch of the batched run"),
                         ("passes", "measured passes of the throughput load (the last one is reported)")):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"{help_} (default {FULL[name]}; --tiny {TINY[name]})")
     ap.add_argument("--sections", default="throughput,prefill")
@@ -281,7 +284,7 @@ def main():
     p = res.get("prefill")
     if p:
         log(f"running stream's step ms while a {p['long_prompt']}-token prompt prefills ({p['chunks']} chunks of "
-            f"{p['chunk']}): p50 {p['p50_ms_during']} / p99 {p['p99_ms_during']}; without it: p50 "
+            f"at most {p['busy_chunk']}): p50 {p['p50_ms_during']} / p99 {p['p99_ms_during']}; without it: p50 "
             f"{p['p50_ms_without']} / p99 {p['p99_ms_without']}; p99 ratio {p['p99_ratio']}, p50 ratio {p['p50_ratio']}")
 
 

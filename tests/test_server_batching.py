@@ -248,6 +248,87 @@ def test_long_prompt_prefills_a_chunk_per_round_between_steps(model, base, tmp_p
     assert replay(log.path, model).ok
 
 
+def test_a_prompt_joining_running_streams_prefills_busy_chunks_and_yields_to_commits(model, base, tmp_path):
+    """A request that starts on an idle server prefills prefill_chunk tokens a round; one that joins while another
+    generates prefills busy_prefill_chunk tokens a round, in chunks of that size (journaled, so replay prefills
+    the same), and holds its chunk back in the round after a running request ended a block (that round's step
+    already waits for the block's commit), but never two rounds in a row."""
+    log = oplog.OpLog(tmp_path, oplog.header(model, 2, 2048))
+    trace: list = []
+    worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, prefill_chunk=96, busy_prefill_chunk=16, log=log,
+                    trace=trace)
+    run_s = base.replace(seed=5, max_new_tokens=256, stop_ids=[])  # no stop token: blocks end all along
+    long_s = base.replace(seed=6, max_new_tokens=32)
+    long_ids = ids_of(model, "Summarise this: " + " ".join(f"item {i} is blue." for i in range(45)))
+    a_ids = ids_of(model, "Summarise this: " + " ".join(f"thing {i} is red." for i in range(12)))
+    assert len(a_ids) > 96 and len(long_ids) > 12 * 16
+    try:
+        a = worker.submit(a_ids, run_s)
+        while len(forwards(trace)) < 2:
+            threading.Event().wait(0.01)
+        b = worker.submit(long_ids, long_s)
+        end_a, end_b = finish(a)[-1], finish(b)[-1]
+    finally:
+        worker.close()
+        log.close()
+    assert isinstance(end_a, DoneEvent) and isinstance(end_b, DoneEvent)
+    fills = [(e[2], e[3]) for e in trace if e[1] == "prefill"]
+    assert [n for j, n in fills if j == a.id][0] == 96  # a started alone: whole chunks
+    assert {n for j, n in fills if j == b.id} <= set(range(1, 17)) and len([j for j, _ in fills if j == b.id]) \
+        == -(-len(long_ids) // 16)
+    # the rounds: each one's prefills, its forward, then the blocks its requests ended (committed) after it
+    rounds: list = []
+    for e in trace:
+        if not rounds or (e[1] != "block" and any(op[0] == "forward" for op in rounds[-1])):
+            rounds.append([])
+        rounds[-1].append(e[1:])
+    b_rounds = [k for k, r in enumerate(rounds) if any(op == ("prefill", b.id, n) for op in r for n in [op[-1]])]
+    first, last = b_rounds[0], b_rounds[-1]
+    held = 0
+    for k in range(first + 1, last + 1):
+        filled = any(op[0] == "prefill" for op in rounds[k])
+        ended = any(op[0] == "block" for op in rounds[k - 1])
+        assert sum(op[2] for op in rounds[k] if op[0] == "prefill") <= 16
+        if ended and any(op[0] == "prefill" for op in rounds[k - 1]):  # the round after a block's commit holds
+            assert not filled, k
+            held += 1
+        if not filled:  # ... only then, and never twice in a row
+            assert ended and any(op[0] == "prefill" for op in rounds[k - 1]), (k, rounds[k - 2:k + 1])
+    assert held >= 1  # the case happened
+    assert end_b.result.tokens == alone(model, long_ids, long_s, prefill_chunk=16).tokens
+    chunks = {r["prefill_chunk"] for r in oplog.read(log.path) if r.get("op") == "generate"}
+    assert chunks == {96, 16}
+    assert replay(log.path, model).ok
+
+
+def test_the_prefill_budget_and_its_hold_round_by_round():
+    """Scheduler._prefill alone: the whole budget when nobody denoises, the busy one when some request does, held
+    in a round after a block ended while someone denoises, never two rounds in a row."""
+    from diffgemma.session import Prefill
+
+    def prompt():
+        while True:
+            yield Prefill(16)
+
+    trace: list = []
+    sched = scheduler_mod.Scheduler(None, max_batch=2, prefill_chunk=64, busy_chunk=16, trace=trace)
+    filler = scheduler_mod._Running(scheduler_mod.Job([1], None), 0, prompt())
+    filler.ask = next(filler.steps)
+    stream = scheduler_mod._Running(scheduler_mod.Job([1], None), 1, None)
+    stream.ask = object()  # waits for a forward
+
+    def round_(ended: bool) -> int:
+        sched._block_ended = ended
+        before = len(trace)
+        sched._prefill()
+        return sum(e[3] for e in trace[before:])
+
+    sched.running = [filler]
+    assert round_(False) == 64 and round_(True) == 64  # alone: the whole budget, no hold
+    sched.running = [stream, filler]
+    assert [round_(e) for e in (False, True, True, True, False, True)] == [16, 0, 16, 0, 16, 0]
+
+
 def test_cancel_while_the_prompt_prefills_keeps_the_chunks_and_replays(model, base, tmp_path):
     log = oplog.OpLog(tmp_path, oplog.header(model, 1, 2048))
     jobs = []

@@ -30,6 +30,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--prefill-chunk-tokens", type=int, default=1024,
                    help="prompt tokens prefilled per scheduler round, between the running requests' denoise steps "
                         "(default 1024: the longest prefill that runs as a CUDA graph)")
+    s.add_argument("--busy-prefill-tokens", type=int, default=256,
+                   help="the same while other requests are generating, so their steps wait for one short chunk at "
+                        "most (default 256; at most --prefill-chunk-tokens)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="context of each slot: prompt + reply tokens (default 8192, or the model's "
                         "max_position_embeddings if smaller; more than that is refused)")
@@ -71,7 +74,7 @@ def served_name(model) -> str:
 
 
 def _run_serve(args) -> int:
-    for flag in ("slots", "max_batch", "max_queue", "prefill_chunk_tokens"):
+    for flag in ("slots", "max_batch", "max_queue", "prefill_chunk_tokens", "busy_prefill_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InputError(f"--{flag.replace('_', '-')} {value}: expected a positive number")
@@ -124,7 +127,8 @@ def _run_serve(args) -> int:
     return serve(model, settings, host=args.host, port=args.port, name=args.served_name or served_name(model),
                  slots=slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
                  warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed, image_limits=image_limits,
-                 max_batch=max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk_tokens)
+                 max_batch=max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk_tokens,
+                 busy_prefill_chunk=args.busy_prefill_tokens)
 
 
 def listen(host: str, port: int):
@@ -149,7 +153,7 @@ def listen(host: str, port: int):
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
           fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = 64,
-          prefill_chunk: int = 1024) -> int:
+          prefill_chunk: int = 1024, busy_prefill_chunk: int = 256) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -162,7 +166,7 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
     port = sock.getsockname()[1]
     log = OpLog(log_dir, header(model, slots, max_tokens)) if log_dir else None
     worker = Worker(model, slots=slots, max_tokens=max_tokens, log=log, max_batch=max_batch, max_queue=max_queue,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, busy_prefill_chunk=busy_prefill_chunk)
     try:
         if warmup:
             print(f"diffgemma serve: warming up {slots} slot(s) at every context bucket up to {max_tokens} tokens",

@@ -8,7 +8,10 @@ everything else of its turn itself (sampler, stop rules, commits, tool-call rege
     admit   queued requests join, in arrival order, while fewer than max_batch run and a slot is free (a slot
             serves one request at a time: the one sharing the longest prefix, worker.pick)
     prefill the requests waiting to prefill take prompt chunks, in join order, up to prefill_chunk tokens a round
-            (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping
+            (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping. While
+            some request denoises, the budget is busy_chunk tokens (and a request that joins then prefills in chunks
+            of that size), and a round right after one in which a request ended a block (its commit ran then)
+            prefills nothing, so no step waits for a commit and a chunk; never two such rounds in a row
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
             and queues its step's device work up to its status read; one host wait reads every request's status
             (model/denoiser.read_statuses); each takes its status and runs on to its next forward or prefill; a
@@ -30,7 +33,7 @@ import time
 from collections import deque
 
 from ..batch import _forward as batched_forward
-from ..events import CancelledEvent, ErrorEvent, StepEvent
+from ..events import BlockEvent, CancelledEvent, ErrorEvent, StepEvent
 from ..generation import Forward, Status
 from ..model.denoiser import read_statuses
 from ..session import Prefill, run_turn_steps
@@ -113,10 +116,16 @@ class Scheduler:
     """The rounds of `worker` (its model, slots, op-log and queue accounting). `pending` holds the jobs not yet
     running, in arrival order, and the worker's between-rounds calls (anything with run(), taken when no request
     runs). trace: a list that gets (time, "prefill", job id, tokens) and (time, "forward", (job ids...)) for each
-    operation, in order (tests and bench/bench_serve.py read it), or None."""
+    operation, and (time, "block", job id, tokens) for each block a request ends (committed then), in order (tests
+    and bench/bench_serve.py read it), or None. busy_chunk: the prefill budget while some request denoises (at most
+    prefill_chunk; None: prefill_chunk)."""
 
-    def __init__(self, worker, *, max_batch: int, prefill_chunk: int, trace: list | None = None):
+    def __init__(self, worker, *, max_batch: int, prefill_chunk: int, trace: list | None = None,
+                 busy_chunk: int | None = None):
         self.worker, self.max_batch, self.prefill_chunk, self.trace = worker, max_batch, prefill_chunk, trace
+        self.busy_chunk = prefill_chunk if busy_chunk is None else min(busy_chunk, prefill_chunk)
+        self._block_ended = False  # a request ended a block in the last round's denoise
+        self._held = False  # the last round's prefill was held back for that
         self.pending: deque = deque()
         self.running: list[_Running] = []
         # what the rounds did, for /metrics: requests started / left / failed, forwards and the canvases they stepped,
@@ -127,6 +136,11 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.pending and not self.running
+
+    @property
+    def busy(self) -> bool:
+        """Whether some running request is past its prompt (it denoises each round)."""
+        return any(not isinstance(r.ask, Prefill) for r in self.running)
 
     def round(self) -> None:
         try:
@@ -168,11 +182,12 @@ class Scheduler:
         steps = None
         try:
             keep = reuse_prefix(slot.cache, slot.ids, job.ids)
+            chunk = self.busy_chunk if self.busy else self.prefill_chunk  # fixed for the turn: the op-log's
             steps = run_turn_steps(w.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries,
                                    log=w.log, next_gen=w.next_gen, slot_index=i,
                                    should_stop=lambda blocks: job.cancelled, stop_prefill=lambda: job.cancelled,
-                                   on_event=job.put, images=job.images, prefill_chunk=self.prefill_chunk,
-                                   batched=self.max_batch > 1)
+                                   on_event=lambda event, job=job: self._on_event(job, event), images=job.images,
+                                   prefill_chunk=chunk, batched=self.max_batch > 1)
         except Exception as e:
             job.put(ErrorEvent(e))
             return
@@ -181,8 +196,21 @@ class Scheduler:
         self.counts["started"] += 1
         self._advance(r, None)
 
+    def _on_event(self, job: Job, event) -> None:
+        if isinstance(event, BlockEvent):
+            self._block_ended = True
+            if self.trace is not None:
+                self.trace.append((time.perf_counter(), "block", job.id, len(event.tokens)))
+        job.put(event)
+
     def _prefill(self) -> None:
-        budget = self.prefill_chunk
+        busy, ended = self.busy, self._block_ended
+        self._block_ended = False
+        if busy and ended and not self._held and any(isinstance(r.ask, Prefill) for r in self.running):
+            self._held = True  # the block's commit already lengthens this round's step
+            return
+        self._held = False
+        budget = self.busy_chunk if busy else self.prefill_chunk
         for r in list(self.running):  # in join order
             while budget > 0 and isinstance(r.ask, Prefill):
                 budget -= r.ask.tokens

@@ -36,6 +36,9 @@ __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 # (EngineOptions.prefill_pads), which replays a graph; a longer chunk runs eagerly and stalls the running streams
 # longer (docs/ARCHITECTURE.md, 'Limits and the queue')
 PREFILL_CHUNK = 1024
+# while other requests generate: the canvas-sized padded prefill, the shortest graphed one, so a running stream's
+# step waits for at most one short chunk (docs/ARCHITECTURE.md, 'Limits and the queue')
+BUSY_PREFILL_CHUNK = 256
 MAX_QUEUE = 64
 
 
@@ -111,11 +114,13 @@ class _Call:
 
 class Worker:
     def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None, max_batch: int | None = None,
-                 max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK, trace: list | None = None):
+                 max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK, trace: list | None = None,
+                 busy_prefill_chunk: int = BUSY_PREFILL_CHUNK):
         """slots: KV caches kept for reuse (at most this many requests run at once). max_batch: requests stepped
         together (default: default_max_batch; at most what the model's forward takes). max_queue: requests waiting
         beyond those that can start now; more are refused (QueueFull). prefill_chunk: prompt tokens prefilled a
-        round. trace: see scheduler.Scheduler."""
+        round; busy_prefill_chunk: the same while other requests generate (at most prefill_chunk). trace: see
+        scheduler.Scheduler."""
         _positive("slots", slots)
         cap = getattr(model, "max_batch", 1)
         max_batch = default_max_batch(model) if max_batch is None else _positive("max_batch", max_batch)
@@ -123,6 +128,7 @@ class Worker:
             raise InputError(f"max_batch {max_batch}: this model's forward takes at most {cap} canvas(es)")
         self.max_queue = _positive("max_queue", max_queue)
         _positive("prefill_chunk", prefill_chunk)
+        _positive("busy_prefill_chunk", busy_prefill_chunk)
         max_tokens = cache_tokens(model.config, max_tokens)  # the one rule for a cache's size
         self.model, self.max_tokens, self.log = model, max_tokens, log
         self.slots: list[Slot | None] = [None] * slots  # each cache is made on first use
@@ -136,7 +142,8 @@ class Worker:
         # told of each round that ran a forward, `round(seconds)`, and each turn's end, `turn(seconds)` (on the worker
         # thread; server/metrics.py's histograms listen)
         self.listeners: list = []
-        self.scheduler = Scheduler(self, max_batch=max_batch, prefill_chunk=prefill_chunk, trace=trace)
+        self.scheduler = Scheduler(self, max_batch=max_batch, prefill_chunk=prefill_chunk, trace=trace,
+                                   busy_chunk=busy_prefill_chunk)
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
