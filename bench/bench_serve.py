@@ -184,6 +184,9 @@ def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> 
         prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)]
         if not a.tiny:  # the same script on other ids first: every graph and context bucket it meets is made
             scenario(prompt[::-1], long_prompt[::-1])
+            for slot in s.worker.slots:  # both slots look unused again: each request takes the slot it warmed
+                if slot is not None:
+                    slot.ids = []
         t_long, trace = scenario(prompt, long_prompt)
     finally:
         s.close()

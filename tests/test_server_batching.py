@@ -249,31 +249,37 @@ def test_long_prompt_prefills_a_chunk_per_round_between_steps(model, base, tmp_p
 
 
 def test_a_prompt_joining_running_streams_prefills_busy_chunks_and_yields_to_commits(model, base, tmp_path):
-    """A request that starts on an idle server prefills prefill_chunk tokens a round; one that joins while another
-    generates prefills busy_prefill_chunk tokens a round, in chunks of that size (journaled, so replay prefills
-    the same), and holds its chunk back in the round after a running request ended a block (that round's step
-    already waits for the block's commit), but never two rounds in a row."""
-    log = oplog.OpLog(tmp_path, oplog.header(model, 2, 2048))
+    """A request that starts on an idle server prefills prefill_chunk tokens a round; a long one (over two chunks)
+    that joins while another generates prefills busy_prefill_chunk tokens a round, in chunks of that size
+    (journaled, so replay prefills the same), and holds its chunk back in the round after a running request ended a
+    block (that round's step already waits for the block's commit), but never two rounds in a row. A shorter prompt
+    joining then keeps whole chunks."""
+    log = oplog.OpLog(tmp_path, oplog.header(model, 3, 2048))
     trace: list = []
-    worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, prefill_chunk=96, busy_prefill_chunk=16, log=log,
+    worker = Worker(model, slots=3, max_tokens=2048, max_batch=3, prefill_chunk=96, busy_prefill_chunk=16, log=log,
                     trace=trace)
-    run_s = base.replace(seed=5, max_new_tokens=256, stop_ids=[])  # no stop token: blocks end all along
+    run_s = base.replace(seed=5, max_new_tokens=640, stop_ids=[])  # no stop token: blocks end all along
     long_s = base.replace(seed=6, max_new_tokens=32)
     long_ids = ids_of(model, "Summarise this: " + " ".join(f"item {i} is blue." for i in range(45)))
     a_ids = ids_of(model, "Summarise this: " + " ".join(f"thing {i} is red." for i in range(12)))
-    assert len(a_ids) > 96 and len(long_ids) > 12 * 16
+    short_ids = ids_of(model, "Summarise this: " + " ".join(f"shape {i} is green." for i in range(14)))
+    assert len(a_ids) > 96 and len(long_ids) > 2 * 96 and 96 < len(short_ids) <= 2 * 96
     try:
         a = worker.submit(a_ids, run_s)
         while len(forwards(trace)) < 2:
             threading.Event().wait(0.01)
         b = worker.submit(long_ids, long_s)
-        end_a, end_b = finish(a)[-1], finish(b)[-1]
+        c = worker.submit(short_ids, long_s)  # joins a running request too
+        end_a, end_b, end_c = finish(a)[-1], finish(b)[-1], finish(c)[-1]
     finally:
         worker.close()
         log.close()
-    assert isinstance(end_a, DoneEvent) and isinstance(end_b, DoneEvent)
+    assert all(isinstance(e, DoneEvent) for e in (end_a, end_b, end_c))
     fills = [(e[2], e[3]) for e in trace if e[1] == "prefill"]
     assert [n for j, n in fills if j == a.id][0] == 96  # a started alone: whole chunks
+    assert [n for j, n in fills if j == c.id][0] == 96  # c is short: whole chunks
+    c_first = next(k for k, e in enumerate(trace) if e[1] == "prefill" and e[2] == c.id)
+    assert any(e[1] == "forward" and a.id in e[2] for e in trace[c_first:])  # ... though a was running
     assert {n for j, n in fills if j == b.id} <= set(range(1, 17)) and len([j for j, _ in fills if j == b.id]) \
         == -(-len(long_ids) // 16)
     # the rounds: each one's prefills, its forward, then the blocks its requests ended (committed) after it
@@ -288,7 +294,8 @@ def test_a_prompt_joining_running_streams_prefills_busy_chunks_and_yields_to_com
     for k in range(first + 1, last + 1):
         filled = any(op[0] == "prefill" for op in rounds[k])
         ended = any(op[0] == "block" for op in rounds[k - 1])
-        assert sum(op[2] for op in rounds[k] if op[0] == "prefill") <= 16
+        ns = [op[2] for op in rounds[k] if op[0] == "prefill"]
+        assert sum(ns[:-1]) < 16  # chunks are taken while the busy budget lasts
         if ended and any(op[0] == "prefill" for op in rounds[k - 1]):  # the round after a block's commit holds
             assert not filled, k
             held += 1

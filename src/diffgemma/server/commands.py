@@ -31,8 +31,9 @@ def add_subcommands(subparsers) -> None:
                    help="prompt tokens prefilled per scheduler round, between the running requests' denoise steps "
                         "(default 1024: the longest prefill that runs as a CUDA graph)")
     s.add_argument("--busy-prefill-tokens", type=int, default=256,
-                   help="the same while other requests are generating, so their steps wait for one short chunk at "
-                        "most (default 256; at most --prefill-chunk-tokens)")
+                   help="the same while other requests are generating, and the chunk of a long prompt joining "
+                        "them, so their steps wait for one short chunk at most (default 256; at most "
+                        "--prefill-chunk-tokens)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="context of each slot: prompt + reply tokens (default 8192, or the model's "
                         "max_position_embeddings if smaller; more than that is refused)")

@@ -9,9 +9,10 @@ everything else of its turn itself (sampler, stop rules, commits, tool-call rege
             serves one request at a time: the one sharing the longest prefix, worker.pick)
     prefill the requests waiting to prefill take prompt chunks, in join order, up to prefill_chunk tokens a round
             (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping. While
-            some request denoises, the budget is busy_chunk tokens (and a request that joins then prefills in chunks
-            of that size), and a round right after one in which a request ended a block (its commit ran then)
-            prefills nothing, so no step waits for a commit and a chunk; never two such rounds in a row
+            some request denoises, the budget is busy_chunk tokens (and a prompt of over two chunks that joins then
+            prefills in chunks of that size), and a round right after one in which a request ended a block (its
+            commit ran then) prefills nothing, so no step waits for a commit and a chunk; never two such rounds in
+            a row
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
             and queues its step's device work up to its status read; one host wait reads every request's status
             (model/denoiser.read_statuses); each takes its status and runs on to its next forward or prefill; a
@@ -182,7 +183,10 @@ class Scheduler:
         steps = None
         try:
             keep = reuse_prefix(slot.cache, slot.ids, job.ids)
-            chunk = self.busy_chunk if self.busy else self.prefill_chunk  # fixed for the turn: the op-log's
+            # a long prompt (over two whole chunks) joining running streams prefills in busy chunks: its late chunks
+            # read a long context, and each stalls every stream. The chunk is fixed for the turn (the op-log's).
+            long = len(job.ids) - keep > 2 * self.prefill_chunk
+            chunk = self.busy_chunk if self.busy and long else self.prefill_chunk
             steps = run_turn_steps(w.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries,
                                    log=w.log, next_gen=w.next_gen, slot_index=i,
                                    should_stop=lambda blocks: job.cancelled, stop_prefill=lambda: job.cancelled,

@@ -119,8 +119,8 @@ class Worker:
         """slots: KV caches kept for reuse (at most this many requests run at once). max_batch: requests stepped
         together (default: default_max_batch; at most what the model's forward takes). max_queue: requests waiting
         beyond those that can start now; more are refused (QueueFull). prefill_chunk: prompt tokens prefilled a
-        round; busy_prefill_chunk: the same while other requests generate (at most prefill_chunk). trace: see
-        scheduler.Scheduler."""
+        round; busy_prefill_chunk: the same while other requests generate, and the chunk of a long prompt joining
+        them (at most prefill_chunk). trace: see scheduler.Scheduler."""
         _positive("slots", slots)
         cap = getattr(model, "max_batch", 1)
         max_batch = default_max_batch(model) if max_batch is None else _positive("max_batch", max_batch)
