@@ -449,6 +449,8 @@ def test_serve_context_defaults_to_the_models_and_refuses_more(monkeypatch, caps
     seen = {}
     no_server(monkeypatch, commands, seen)
     assert cli.main(["serve"]) == 0 and seen["max_tokens"] == 4096
+    assert (seen["prefill_chunk"], seen["busy_prefill_chunk"]) == (1024, 256)  # the flags' defaults reach the worker
+    assert cli.main(["serve", "--busy-prefill-tokens", "512"]) == 0 and seen["busy_prefill_chunk"] == 512
     assert cli.main(["serve", "--max-tokens", "3000"]) == 0 and seen["max_tokens"] == 3000
     assert cli.main(["serve", "--max-tokens", "5000"]) == 2
     assert "--max-tokens 5000: over this model's context of 4096 tokens" in capsys.readouterr().err

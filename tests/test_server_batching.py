@@ -446,12 +446,13 @@ def test_chunked_prefill_gives_the_one_shot_tokens(model, base):
 
 
 def test_bad_batching_values_are_one_line_errors(model, capsys):
-    for flag in ("--max-batch", "--max-queue", "--prefill-chunk-tokens"):
+    for flag in ("--max-batch", "--max-queue", "--prefill-chunk-tokens", "--busy-prefill-tokens"):
         assert cli.main(["serve", flag, "0"]) == 2
         err = capsys.readouterr().err.strip()
         assert f"{flag} 0: expected a positive number" in err and "\n" not in err
     for kw, needle in ((dict(max_batch=0), "max_batch"), (dict(max_queue=-1), "max_queue"),
-                       (dict(prefill_chunk=1.5), "prefill_chunk"), (dict(max_batch=True), "max_batch")):
+                       (dict(prefill_chunk=1.5), "prefill_chunk"), (dict(max_batch=True), "max_batch"),
+                       (dict(busy_prefill_chunk=0), "busy_prefill_chunk")):
         with pytest.raises(InputError, match=needle):
             Worker(model, **kw)
 
