@@ -16,12 +16,13 @@ token r % n). Its design, and why:
 * Output head-dim halves (BD < d) are a grid axis: each half recomputes QK^T but keeps its f32
   accumulator at [BM, BD] in registers. hd 512 causal keeps the whole [64, 512] accumulator at 8 warps
   (128 registers a thread; no recompute), the canvas measured faster with BM 128 and two halves. A short
-  causal call (a block's commit: 64 programs) takes halves too (causal_columns), which fills the SMs and
-  keeps the bits.
+  causal call (a block's commit: 64 programs) takes halves too (causal_columns), and at hd 512 4 warps
+  (short_causal), which fills the SMs and keeps the bits. BM does not keep them: it sets the MMA's row tile.
 
 Causal key ranges: keys [0, n_ring) are an unordered ring (masked per key), keys
 [n_ring, n_keys) are position-ordered (key i holds position base_pos + i - n_ring); only the blocks
-some row of the program can see are visited.
+some row of the program can see are visited: the chunk's by position, the ring's by slot where the caller
+says where the ring ends (ring_end; ring_blocks), else all of them.
 """
 
 from __future__ import annotations
