@@ -118,13 +118,12 @@ class Scheduler:
     running, in arrival order, and the worker's between-rounds calls (anything with run(), taken when no request
     runs). trace: a list that gets (time, "prefill", job id, tokens) and (time, "forward", (job ids...)) for each
     operation, and (time, "block", job id, tokens) for each block a request ends (committed then), in order (tests
-    and bench/bench_serve.py read it), or None. busy_chunk: the prefill budget while some request denoises (at most
-    prefill_chunk; None: prefill_chunk)."""
+    and bench/bench_serve.py read it), or None. busy_chunk: the prefill budget while some request denoises (capped at
+    prefill_chunk)."""
 
-    def __init__(self, worker, *, max_batch: int, prefill_chunk: int, trace: list | None = None,
-                 busy_chunk: int | None = None):
+    def __init__(self, worker, *, max_batch: int, prefill_chunk: int, busy_chunk: int, trace: list | None = None):
         self.worker, self.max_batch, self.prefill_chunk, self.trace = worker, max_batch, prefill_chunk, trace
-        self.busy_chunk = prefill_chunk if busy_chunk is None else min(busy_chunk, prefill_chunk)
+        self.busy_chunk = min(busy_chunk, prefill_chunk)
         self._block_ended = False  # a request ended a block in the last round's denoise
         self._held = False  # the last round's prefill was held back for that
         self.pending: deque = deque()
