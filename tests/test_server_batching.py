@@ -336,6 +336,87 @@ def test_the_prefill_budget_and_its_hold_round_by_round():
     assert [round_(e) for e in (False, True, True, True, False, True)] == [16, 0, 16, 0, 16, 0]
 
 
+def test_one_chunk_prompts_prefill_in_the_round_they_join_outside_the_budget():
+    """Scheduler._prefill alone: every waiting prompt that is one chunk takes it in the round it joins, idle or busy,
+    without spending the budget the longer prompts share in join order (at least one chunk a round); a round held
+    after a block's commit holds them too."""
+    from diffgemma.session import Prefill
+
+    def prompt(chunks: int | None):  # chunks of 16 tokens (None: endless), then a forward
+        n = 0
+        while chunks is None or n < chunks:
+            n += 1
+            yield Prefill(16)
+        while True:
+            yield object()
+
+    trace: list = []
+    sched = scheduler_mod.Scheduler(None, max_batch=8, prefill_chunk=32, busy_chunk=16, trace=trace)
+
+    def join(chunks, one_chunk):
+        r = scheduler_mod._Running(scheduler_mod.Job([1], None), len(sched.running), prompt(chunks), one_chunk)
+        r.ask = next(r.steps)
+        sched.running.append(r)
+        return r.job.id
+
+    def round_(ended: bool = False) -> list:
+        sched._block_ended = ended
+        before = len(trace)
+        sched._prefill()
+        return [e[2] for e in trace[before:]]
+
+    long1, short1, short2, long2 = join(None, False), join(1, True), join(1, True), join(None, False)
+    # idle: long1 spends the budget (two chunks), the one-chunk prompts come anyway, long2 waits
+    assert round_() == [long1, long1, short1, short2]
+    assert round_() == [long1]  # the shorts denoise now: the busy budget, one chunk of 16
+    short3 = join(1, True)
+    assert round_(ended=True) == []  # held after a commit, the one-chunk prompt too
+    assert round_(ended=True) == [long1, short3]  # never held twice in a row
+    short4, short5 = join(1, True), join(1, True)
+    assert round_() == [long1, short4, short5]
+
+
+def test_a_burst_of_one_chunk_prompts_starts_denoising_together(model, base):
+    """Prompts that are one chunk each, sent together, all prefill in the round they join and step together from
+    the next forward on: on an idle server (their chunks sum past prefill_chunk) and beside a running request (each
+    past busy_prefill_chunk). Each gets its solo tokens."""
+    trace: list = []
+    worker = Worker(model, slots=4, max_tokens=2048, max_batch=4, prefill_chunk=96, busy_prefill_chunk=16,
+                    trace=trace)
+    texts = [lead + " ".join(f"{w} {i} is {c}." for i in range(6))
+             for lead, w, c in (("Summarise this: ", "fruit", "ripe"), ("List these: ", "tool", "sharp"),
+                                ("Sort these: ", "stone", "grey"))]
+    prompts = [ids_of(model, t) for t in texts]
+    assert all(16 < len(p) <= 96 for p in prompts) and sum(len(p) for p in prompts) > 96
+    settings = [base.replace(seed=20 + i, max_new_tokens=32) for i in range(3)]
+    run_s = base.replace(seed=5, max_new_tokens=192, stop_ids=[])
+    try:
+        gate = hold(worker)
+        idle = [worker.submit(p, s) for p, s in zip(prompts, settings)]
+        gate.set()
+        idle_ends = [finish(j)[-1] for j in idle]
+        idle_trace = list(trace)
+        trace.clear()
+        a = worker.submit(ids_of(model, PROMPTS[1]), run_s)
+        while len(forwards(trace)) < 2:
+            threading.Event().wait(0.01)
+        gate = hold(worker)
+        joined = [worker.submit(p, s) for p, s in zip(prompts, settings)]
+        gate.set()
+        joined_ends = [finish(j)[-1] for j in joined + [a]]
+    finally:
+        worker.close()
+    for jobs, tr in ((idle, idle_trace), (joined, trace)):
+        ids = {j.id for j in jobs}
+        ops = [e for e in tr if e[1] in ("prefill", "forward")]
+        first = next(k for k, e in enumerate(ops) if e[1] == "prefill" and e[2] in ids)
+        assert [e[2] for e in ops[first:first + 3]] == [j.id for j in jobs], ops[first:first + 4]
+        assert ops[first + 3][1] == "forward" and ids <= set(ops[first + 3][2])  # one forward for all three
+    for end, p, s in zip(idle_ends + joined_ends, prompts * 2, settings * 2):
+        assert end.result.tokens == alone(model, p, s).tokens
+    assert joined_ends[-1].result.tokens == alone(model, ids_of(model, PROMPTS[1]), run_s).tokens
+
+
 def test_cancel_while_the_prompt_prefills_keeps_the_chunks_and_replays(model, base, tmp_path):
     log = oplog.OpLog(tmp_path, oplog.header(model, 1, 2048))
     jobs = []

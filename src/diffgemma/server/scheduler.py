@@ -7,12 +7,12 @@ everything else of its turn itself (sampler, stop rules, commits, tool-call rege
 
     admit   queued requests join, in arrival order, while fewer than max_batch run and a slot is free (a slot
             serves one request at a time: the one sharing the longest prefix, worker.pick)
-    prefill the requests waiting to prefill take prompt chunks, in join order, up to prefill_chunk tokens a round
-            (at least one chunk): a long prompt is spread over rounds, so the running streams keep stepping. While
-            some request denoises, the budget is busy_chunk tokens (and a prompt of over two chunks that joins then
-            prefills in chunks of that size), and a round right after one in which a request ended a block (its
-            commit ran then) prefills nothing, so no step waits for a commit and a chunk; never two such rounds in
-            a row
+    prefill a prompt that fits in one chunk takes it in the round it joins, so a burst of them starts denoising
+            together; longer prompts take chunks in join order, up to prefill_chunk tokens a round (at least one
+            chunk): a long prompt is spread over rounds, so the running streams keep stepping. While some request
+            denoises, that budget is busy_chunk tokens (and a prompt of over two chunks that joins then prefills in
+            chunks of that size), and a round right after one in which a request ended a block (its commit ran
+            then) prefills nothing, so no step waits for a commit and a chunk; never two such rounds in a row
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
             and queues its step's device work up to its status read; one host wait reads every request's status
             (model/denoiser.read_statuses); each takes its status and runs on to its next forward or prefill; a
@@ -107,8 +107,9 @@ class Job:
 class _Running:
     """A request in the batch: its job, its slot, its turn's coroutine and what that asks for now."""
 
-    def __init__(self, job: Job, slot: int, steps):
+    def __init__(self, job: Job, slot: int, steps, one_chunk: bool = False):
         self.job, self.slot, self.steps = job, slot, steps
+        self.one_chunk = one_chunk  # its whole prompt is one chunk: prefilled in the round it joins
         self.ask = None  # a Prefill, a Forward or a Status
         self.t0 = time.perf_counter()
 
@@ -184,8 +185,8 @@ class Scheduler:
             keep = reuse_prefix(slot.cache, slot.ids, job.ids)
             # a long prompt (over two whole chunks) joining running streams prefills in busy chunks: its late chunks
             # read a long context, and each stalls every stream. The chunk is fixed for the turn (the op-log's).
-            long = len(job.ids) - keep > 2 * self.prefill_chunk
-            chunk = self.busy_chunk if self.busy and long else self.prefill_chunk
+            rest = len(job.ids) - keep
+            chunk = self.busy_chunk if self.busy and rest > 2 * self.prefill_chunk else self.prefill_chunk
             steps = run_turn_steps(w.model, slot, keep, job.ids[keep:], job.settings, tool_retries=job.tool_retries,
                                    log=w.log, next_gen=w.next_gen, slot_index=i,
                                    should_stop=lambda blocks: job.cancelled, stop_prefill=lambda: job.cancelled,
@@ -194,7 +195,7 @@ class Scheduler:
         except Exception as e:
             job.put(ErrorEvent(e))
             return
-        r = _Running(job, i, steps)
+        r = _Running(job, i, steps, one_chunk=rest <= chunk)
         self.running.append(r)
         self.counts["started"] += 1
         self._advance(r, None)
@@ -215,8 +216,9 @@ class Scheduler:
         self._held = False
         budget = self.busy_chunk if busy else self.prefill_chunk
         for r in list(self.running):  # in join order
-            while budget > 0 and isinstance(r.ask, Prefill):
-                budget -= r.ask.tokens
+            while isinstance(r.ask, Prefill) and (budget > 0 or r.one_chunk):
+                if not r.one_chunk:  # a one-chunk prompt is outside the budget: its stall is bounded by max_batch
+                    budget -= r.ask.tokens
                 self.counts["prefill_tokens"] += r.ask.tokens
                 if self.trace is not None:
                     self.trace.append((time.perf_counter(), "prefill", r.job.id, r.ask.tokens))
