@@ -365,8 +365,9 @@ def test_one_chunk_prompts_prefill_in_the_round_they_join_outside_the_budget():
         sched._prefill()
         return [e[2] for e in trace[before:]]
 
-    long1, short1, short2, long2 = join(None, False), join(1, True), join(1, True), join(None, False)
-    # idle: long1 spends the budget (two chunks), the one-chunk prompts come anyway, long2 waits
+    long1, short1, short2 = join(None, False), join(1, True), join(1, True)
+    join(None, False)  # a second long prompt: it waits for long1 throughout
+    # idle: long1 spends the budget (two chunks), the one-chunk prompts come anyway, the second long one waits
     assert round_() == [long1, long1, short1, short2]
     assert round_() == [long1]  # the shorts denoise now: the busy budget, one chunk of 16
     short3 = join(1, True)
