@@ -12,7 +12,7 @@ from diffgemma import generation
 from diffgemma.errors import InputError
 from diffgemma.model.engine import Engine
 from diffgemma.settings import GenerationSettings
-from diffgemma.warmup import warm_up
+from diffgemma.warmup import warm_up, warm_up_batches
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,32 @@ def test_a_worker_interrupted_while_warming_stops_at_the_next_bucket(engine, set
         w.close()
     assert set(seen) <= {1024}  # at most the bucket slot 0 had begun
     assert all(s is None or s.cache.length == 0 for s in w.slots)
+
+
+def test_warm_up_batches_runs_each_batch_size_in_each_bucket_the_kept_graphs_hold(engine, settings, monkeypatch):
+    """warm_up_batches, on the CPU engine made to say it keeps batch graphs (so the forwards run, eagerly): batched
+    forwards of every size from 2 to the caches' number, twice each (seen, then captured), every lane in one context
+    bucket at the settings' canvas, bucket by bucket from the lowest while all sizes fit among the kept graphs; the
+    caches are emptied after. An engine that keeps no batch graphs runs nothing."""
+    caches = [engine.new_cache(2500) for _ in range(3)]
+    calls = []
+    inner = engine.denoise_batch_raw
+
+    def spy(cs, canvases, *a, **k):
+        calls.append((len(cs), {engine.context_bucket(c) for c in cs}, {len(x) for x in canvases}))
+        return inner(cs, canvases, *a, **k)
+
+    monkeypatch.setattr(engine, "denoise_batch_raw", spy)
+    assert warm_up_batches(engine, caches, settings) == 0.0 and not calls  # the CPU engine: no batch graphs
+    monkeypatch.setattr(Engine, "keeps_batch_graphs", property(lambda self: True))
+    C = settings.canvas_length or engine.config.canvas_length
+    for kept, buckets in ((32, (1024, 2048, 2500)), (5, (1024, 2048))):  # 5 kept: two buckets of sizes 2 and 3
+        monkeypatch.setattr(engine._batch_graphs, "keep", kept)
+        calls.clear()
+        assert warm_up_batches(engine, caches, settings) > 0
+        assert calls == [(b, {bucket}, {C}) for bucket in buckets for b in (2, 2, 3, 3)]
+        assert [c.length for c in caches] == [0, 0, 0]
+    caches[1].truncate(0)
+    engine.prefill(caches[1], torch.tensor([5, 6, 7]))
+    with pytest.raises(InputError, match="expected empty caches"):
+        warm_up_batches(engine, caches, settings)

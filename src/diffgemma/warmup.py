@@ -8,6 +8,11 @@ How: one short generation per bucket, with the settings requests will use, on th
 cache), its prompt filler tokens that bring the cache's length into that bucket; then the cache is emptied. Tokens
 never depend on it: a rewound cache masks every row past its length, and the GPU tests check that a warmed slot
 gives a fresh one's tokens.
+
+A server that batches also meets batched forwards of every size up to its batch, whose graphs are kept by shape
+(model/engine_batch.py), not by cache: `warm_up_batches` captures those of the lanes' common shape (one canvas length,
+every lane in one context bucket) for each size, so that the sizes arrivals happen to make replay from the first
+request on rather than running eagerly and capturing mid-stream.
 """
 
 from __future__ import annotations
@@ -50,4 +55,44 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
             generate(model, ids, settings=settings, cache=cache, seed=0, max_new_tokens=min(canvas, room))
     finally:
         cache.truncate(0)
+    return time.perf_counter() - t0
+
+
+def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] | None = None,
+                    should_stop: Callable[[], bool] = lambda: False) -> float:
+    """Capture the batched denoise graph of every batch size from 2 to len(caches) with all lanes in one context bucket
+    and at the settings' canvas length, bucket by bucket from the lowest, as many as the engine keeps (no warmed graph
+    pushes out another). Only on an engine that keeps batch graphs (CUDA with graphs on); elsewhere nothing runs. The
+    caches must be empty and are emptied after; only forwards run (a denoise writes a cache's canvas scratch rows
+    only). `should_stop()` is asked before each bucket. -> seconds taken."""
+    if len(caches) < 2 or not getattr(model, "keeps_batch_graphs", False):
+        return 0.0
+    if any(c.length != 0 for c in caches):
+        raise InputError("warm_up_batches: expected empty caches (they are emptied after)")
+    t0 = time.perf_counter()
+    canvas = settings.canvas_length or model.config.canvas_length
+    sizes = range(2, len(caches) + 1)
+    room = model.batch_graphs_kept // len(sizes)  # buckets whose sizes all fit among the kept graphs
+    buckets = model.context_buckets(caches[0])[:room]
+    filler = torch.Generator().manual_seed(FILLER_SEED)
+    try:
+        for low, top in zip([0] + buckets[:-1], buckets):
+            if should_stop():
+                break
+            target = min(8, top) if low == 0 else low + 1
+            if target + canvas > caches[0].max_tokens:
+                break
+            if progress is not None:
+                progress(f"batches of 2 to {len(caches)} at context {target}")
+            for cache in caches:
+                ids = torch.randint(0, model.config.vocab_size, (target - cache.length,), generator=filler)
+                model.prefill(cache, ids.to(model.device))
+            canvases = [torch.randint(0, model.config.vocab_size, (canvas,), generator=filler).to(model.device)
+                        for _ in caches]
+            for b in sizes:  # seen once (eager), then captured and replayed
+                for _ in range(2):
+                    model.denoise_batch_raw(caches[:b], canvases[:b])
+    finally:
+        for cache in caches:
+            cache.truncate(0)
     return time.perf_counter() - t0

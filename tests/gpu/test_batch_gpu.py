@@ -160,3 +160,26 @@ def test_demo_generate_batch_tokens_on_the_cuda_engine():
         same = [b.tokens == s.tokens for b, s in zip(batched, solo)]
         assert all(same), f"max_batch {max_batch}: requests token-identical to generate's: {same}"
         assert all(b.forwards == s.forwards for b, s in zip(batched, solo))
+
+
+def test_warmed_batch_sizes_replay_from_their_first_round_and_keep_the_tokens():
+    """warmup.warm_up_batches (serve's warm-up) on the demo engine: it captures a graph per batch size; then requests
+    batched on those caches replay kept graphs from their first round (nothing eager, nothing captured) and each
+    gets generate's tokens."""
+    from diffgemma.settings import GenerationSettings
+    from diffgemma.warmup import warm_up_batches
+
+    eng = diffgemma.load(None, device="cuda")
+    tok = eng.tokenizer
+    caches = [eng.new_cache(1100) for _ in range(3)]  # one bucket a reply fits in: 1024
+    before = eng.batch_graph_counts
+    assert warm_up_batches(eng, caches, GenerationSettings.resolve(eng.generation_config, env={})) > 0
+    warmed = eng.batch_graph_counts
+    assert warmed["captured"] - before["captured"] == 2 and warmed["eager"] - before["eager"] == 2  # sizes 2 and 3
+    prompts = [tok.encode(p) for p in ("Name a colour.", "What is 2+2?", "Count to five.")]
+    kw = dict(max_new_tokens=48, max_denoising_steps=8)
+    batched = generate_batch(eng, prompts, seeds=[5, 6, 7], caches=caches, **kw)
+    ran = {k: v - warmed[k] for k, v in eng.batch_graph_counts.items()}
+    assert ran["eager"] == 0 and ran["captured"] == 0 and ran["replayed"] > 0, ran
+    solo = [generate(eng, p, seed=s, **kw) for p, s in zip(prompts, [5, 6, 7])]
+    assert [b.tokens for b in batched] == [s.tokens for s in solo]

@@ -299,6 +299,16 @@ class Engine:
         self._staged = self._ahead = None
 
     @property
+    def keeps_batch_graphs(self) -> bool:
+        """Whether batched denoises replay graphs kept by their shape (CUDA, graphs on): warmup.warm_up_batches."""
+        return self.use_graphs and self.device.type == "cuda"
+
+    @property
+    def batch_graphs_kept(self) -> int:
+        """How many batched denoise graphs this engine keeps (the least recently used goes first)."""
+        return self._batch_graphs.keep
+
+    @property
     def batch_graph_counts(self) -> dict:
         """How this engine's batched forwards have run: "eager" (no graph yet), "captured", "replayed"."""
         return dict(self._batch_graphs.counts)

@@ -210,7 +210,7 @@ class Worker:
         """Make every slot's cache now and warm it up (warmup.py: kernels compiled, a denoise graph per context
         bucket) with the settings requests will use, on the worker thread, ahead of any request queued later.
         -> seconds taken."""
-        from ..warmup import warm_up
+        from ..warmup import warm_up, warm_up_batches
 
         stop = threading.Event()
 
@@ -221,6 +221,9 @@ class Worker:
                 if not slot.ids:  # a slot holding a conversation keeps it
                     t += warm_up(self.model, slot.cache, settings, should_stop=stop.is_set,
                                  progress=None if progress is None else (lambda m, i=i: progress(f"slot {i}: {m}")))
+            empty = [s.cache for s in self.slots if not s.ids][:self.max_batch]
+            if len(empty) >= 2:  # the batch sizes its empty slots can make (a kept conversation is left alone)
+                t += warm_up_batches(self.model, empty, settings, should_stop=stop.is_set, progress=progress)
             return t
 
         call = _Call(run)
