@@ -11,7 +11,8 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
   throughput  --clients streaming clients (httpx, one thread each), each a distinct --prompt-token prompt through
               /v1/completions, --reply tokens back; once with --max-batch 1 (one request at a time) and once with
               --batch, in this process: aggregate completion tokens/s (first request sent to last [DONE]) and the
-              ratio. A warm-up pass (one block each) runs first unless --tiny, then --passes measured passes of the
+              ratio. Unless --tiny, the server warms up as `serve` does on CUDA (Worker.warm_up: each slot's graphs
+              and every batch size's), and a warm-up pass (one block each) runs, then --passes measured passes of the
               same load on one server; the last pass is the one reported (every pass is in the JSON): when requests
               land decides the batch sizes a pass meets, and a size met for the first time runs eagerly.
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
@@ -49,7 +50,7 @@ def log(*a):
 class Served:
     """A Worker + the app, served by uvicorn on a free local port in a thread of this process."""
 
-    def __init__(self, model, tokenizer, settings, **worker_kw):
+    def __init__(self, model, tokenizer, settings, warm: bool = False, **worker_kw):
         import uvicorn
 
         from diffgemma.server.app import create_app
@@ -57,6 +58,8 @@ class Served:
 
         self.trace: list = []
         self.worker = Worker(model, trace=self.trace, **worker_kw)
+        # what `serve` does before it listens on CUDA (--warmup auto): every slot's graphs, every batch size's
+        self.warm_s = round(self.worker.warm_up(settings), 3) if warm else None
         app = create_app(self.worker, tokenizer, "bench", settings)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -111,7 +114,7 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[fl
 
 def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     ctx = a.prompt + a.reply + 2 * model.config.canvas_length
-    s = Served(model, tokenizer, settings, slots=a.clients, max_tokens=ctx, max_batch=max_batch,
+    s = Served(model, tokenizer, settings, warm=not a.tiny, slots=a.clients, max_tokens=ctx, max_batch=max_batch,
                prefill_chunk=a.chunk, busy_prefill_chunk=a.busy, max_queue=a.clients)
     C = model.config.canvas_length
     work = len(prompts) * -(-a.reply // C) * a.steps
@@ -138,7 +141,7 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
                            "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]})
     finally:
         s.close()
-    out = {"max_batch": max_batch, **passes[-1], "passes": passes}
+    out = {"max_batch": max_batch, "warm_up_s": s.warm_s, **passes[-1], "passes": passes}
     log(f"  max_batch {max_batch}: {out}")
     return out
 
