@@ -78,10 +78,11 @@ class Served:
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict) -> None:
-    """One streaming completion; out gets its completion token count and the seconds it took."""
+    """One streaming completion; out gets its completion token count, the seconds it took, and the perf_counter
+    times of its start, its first text and its end."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
-    t = time.perf_counter()
+    t = out["t_start"] = time.perf_counter()
     with httpx.Client(timeout=None) as client, client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -90,13 +91,17 @@ def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict) -
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
+                if "t_text" not in out and any(c.get("text") for c in chunk.get("choices") or []):
+                    out["t_text"] = time.perf_counter()
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"]["completion_tokens"]
-    out["s"] = time.perf_counter() - t
+    out["t_end"] = time.perf_counter()
+    out["s"] = out["t_end"] - t
 
 
-def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """All prompts at once, one client thread each -> (wall seconds, completion tokens)."""
+def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float, list[dict]]:
+    """All prompts at once, one client thread each -> (wall seconds, completion tokens, the perf_counter time the
+    first thread started, each client's record: see stream)."""
     outs = [{} for _ in prompts]
     threads = [threading.Thread(target=stream, args=(url, p, max_tokens, i, o))
                for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -109,7 +114,16 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     missing = [i for i, o in enumerate(outs) if "tokens" not in o]
     if missing:
         raise RuntimeError(f"clients {missing} got no usage chunk")
-    return wall, sum(o["tokens"] for o in outs)  # usage leaves padding out: the demo model pads a random prompt's reply
+    # usage leaves padding out: the demo model pads a random prompt's reply
+    return wall, sum(o["tokens"] for o in outs), t, outs
+
+
+def timeline(t0: float, trace: list, outs: list[dict]) -> dict:
+    """A pass's events in ms from its start: the scheduler's trace (prefill / forward / block) and each client's
+    start, first text and end."""
+    ms = lambda t: round((t - t0) * 1e3, 2)  # noqa: E731
+    return {"scheduler": [[ms(e[0]), e[1], list(e[2]) if isinstance(e[2], tuple) else e[2], *e[3:]] for e in trace],
+            "clients": [[ms(o["t_start"]), ms(o.get("t_text", o["t_end"])), ms(o["t_end"])] for o in outs]}
 
 
 def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
@@ -125,7 +139,7 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
         for _ in range(a.passes):
             s.trace.clear()
             counts0 = getattr(model, "batch_graph_counts", {})
-            wall, usage_tokens = run_clients(s.url, prompts, a.reply)
+            wall, usage_tokens, t0, outs = run_clients(s.url, prompts, a.reply)
             counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
             batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
             times = [e[0] for e in s.trace if e[1] == "forward"]
@@ -138,11 +152,12 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
                            "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
                            # how the batched forwards ran (a shape seen once runs eagerly, then is captured)
                            "batch_graphs": counts,
-                           "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)]})
+                           "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)],
+                           "timeline": timeline(t0, s.trace, outs)})
     finally:
         s.close()
     out = {"max_batch": max_batch, "warm_up_s": s.warm_s, **passes[-1], "passes": passes}
-    log(f"  max_batch {max_batch}: {out}")
+    log(f"  max_batch {max_batch}: { {k: v for k, v in out.items() if k not in ('passes', 'timeline')} }")
     return out
 
 
