@@ -125,6 +125,22 @@ def test_truncate_then_reprefill_matches_straight_prefill(ref):
     assert torch.equal(eng.denoise(rewound, canvas), eng.denoise(straight, canvas))
 
 
+def test_a_commit_is_the_prefill_of_its_ids(ref):
+    """Engine.commit (a block's kept ids) writes what prefill writes; off CUDA it checks their range as prefill does
+    (tests/gpu/test_commit_graph_gpu.py: on CUDA it skips that host read)."""
+    cfg = ref.config
+    eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32)
+    prompt, block = torch.randint(0, cfg.vocab_size, (2 * cfg.sliding_window,)), torch.randint(0, cfg.vocab_size, (5,))
+    a, b = eng.new_cache(128), eng.new_cache(128)
+    for cache in (a, b):
+        eng.prefill(cache, prompt)
+    eng.prefill(a, block)
+    eng.commit(b, block)
+    assert b.fingerprint() == a.fingerprint()
+    with pytest.raises(InputError, match=r"commit ids: ids must be in \[0, "):
+        eng.commit(b, torch.tensor([cfg.vocab_size]))
+
+
 def test_live_window_mask_is_the_slot_positions_mask(ref):
     """The sliding canvas's live window (attention's ring_length: slot arithmetic on the cache length) names the
     same keys as the mask made from the cache's slot positions, through prefills that wrap the ring in and across

@@ -8,7 +8,7 @@ loop against the pre-fusion host loop, and a count of every host read the loop m
   events and results (torch path), and the fused (Triton-interpreted) path gives the same tokens.
 - The sync count: every Python-level way to read a tensor on the host (item/tolist/bool/float/int/index/
   numpy, torch.equal, nonzero, boolean-mask indexing) is counted outside the model's own forward; between
-  two steps of a block only the denoiser's `read_status` may read, once; per attempt `_read_block` reads once.
+  two steps of a block only the denoiser's `read_status` may read, once; per attempt a `BlockRead` reads once.
 """
 
 import os
@@ -720,7 +720,7 @@ def test_one_host_read_per_step_and_one_per_block_attempt(tiny_model, monkeypatc
     for name in ("denoise", "prefill", "embed"):  # the forward is not the loop's to count
         counter.silence(monkeypatch, model, name)
     counter.silence(monkeypatch, denoiser_mod, "read_status", status_reads)
-    counter.silence(monkeypatch, generation, "_read_block", block_reads)
+    counter.silence(monkeypatch, generation.BlockRead, "run", block_reads)
 
     stream = generate_stream(model, prompt, settings=s)
     first = next(stream)  # prompt checks (range of input ids) happen before the first step: call-level
@@ -742,7 +742,7 @@ def test_one_host_read_per_step_and_one_per_block_attempt(tiny_model, monkeypatc
             prev = event
         elif isinstance(event, DoneEvent):
             result = event.result
-    assert counter.count == 0, counter.where  # block bookkeeping reads only through _read_block
+    assert counter.count == 0, counter.where  # block bookkeeping reads only through its BlockRead
     assert len(status_reads) == steps == result.forwards
     assert len(block_reads) == attempts == len(result.steps_per_block) + result.retries
 

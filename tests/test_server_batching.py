@@ -16,7 +16,7 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import diffgemma  # noqa: E402
-from diffgemma import cli, oplog  # noqa: E402
+from diffgemma import batch as batch_mod, cli, oplog  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.events import CancelledEvent, DoneEvent, ErrorEvent, StartEvent  # noqa: E402
 from diffgemma.model.denoiser import StepStatus  # noqa: E402
@@ -73,10 +73,11 @@ def forwards(trace) -> list[tuple]:
 
 
 def spy_status_reads(monkeypatch, trace, poison=None):
-    """Put each read_statuses call in the scheduler's trace as (time, "status", its number of requests); poison(k,
+    """Put each read_statuses call (batch.read_asks makes them) in the scheduler's trace as (time, "status", its number
+    of requests); poison(k,
     asks) -> a request index whose StepStatus is replaced by a stop code no step knows, "raise" (the read fails), or
     None."""
-    real = scheduler_mod.read_statuses
+    real = batch_mod.read_statuses
     calls = itertools.count()
 
     def spy(asks):
@@ -89,7 +90,7 @@ def spy_status_reads(monkeypatch, trace, poison=None):
             out[bad] = StepStatus(code=10**6, mean_entropy=0.0)
         return out
 
-    monkeypatch.setattr(scheduler_mod, "read_statuses", spy)
+    monkeypatch.setattr(batch_mod, "read_statuses", spy)
 
 
 def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base, monkeypatch):
@@ -118,6 +119,31 @@ def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base,
         assert end.result.tokens == solo.tokens
         assert end.result.steps_per_block == solo.steps_per_block and end.result.stop_reasons == solo.stop_reasons
         assert sum(job.id in f for f in fw) == solo.forwards  # a request steps only while it runs
+
+
+def test_requests_ending_blocks_together_read_them_in_one_wait_before_committing(model, base, monkeypatch):
+    """Three requests that step together end each block in the same round: the scheduler reads their three blocks in
+    one host wait (batch.read_asks) and only then do they commit, so no block event waits for another request's
+    commit. Each gets its solo tokens."""
+    from test_status_batch import FIXED, spy_reads_and_commits
+
+    log = spy_reads_and_commits(monkeypatch, scheduler_mod)
+    C = model.config.canvas_length
+    settings = [base.replace(seed=60 + i, max_new_tokens=2 * C, max_denoising_steps=4, **FIXED) for i in range(3)]
+    worker = Worker(model, slots=3, max_tokens=2048, max_batch=3)
+    try:
+        gate = hold(worker)
+        jobs = [worker.submit(ids_of(model, p), s) for p, s in zip(PROMPTS, settings)]
+        gate.set()
+        ends = [finish(j)[-1] for j in jobs]
+    finally:
+        worker.close()
+    blocks = [k for k, e in enumerate(log) if e != "commit" and "BlockRead" in e]
+    assert [log[k] for k in blocks] == [["BlockRead"] * 3] * 2
+    for k in blocks:  # a slot keeps its cache: every block is committed, after the round's reads
+        assert log[k + 1: k + 4] == ["commit"] * 3, log[k - 1: k + 5]
+    for end, p, s in zip(ends, PROMPTS, settings):
+        assert end.result.tokens == alone(model, ids_of(model, p), s).tokens
 
 
 def test_a_request_joins_a_running_batch_mid_block(model, base):

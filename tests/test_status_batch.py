@@ -183,3 +183,35 @@ def test_a_round_of_two_batched_groups_keeps_the_first_groups_logits():
     for k, x in enumerate(got):
         assert x.shape == (len(forwards[k].canvas), 3)
         assert bool((x == k).all()), f"request {k} got another request's logits: {x[:, 0].tolist()}"
+
+
+FIXED = dict(confidence_threshold=0.0, plateau_steps=0, entropy_stop=0.0, confidence_trim=0.0, empty_reply_retry=0,
+             stop_ids=[])  # every block runs all its steps: requests that start together end blocks together
+
+
+def spy_reads_and_commits(monkeypatch, owner) -> list:
+    """A log of each read_asks call made through `owner` (the kinds of its asks) and each block's commit."""
+    from diffgemma import generation
+
+    log = []
+    read, commit = owner.read_asks, generation._commit
+    monkeypatch.setattr(owner, "read_asks", lambda asks: (log.append(sorted(type(a).__name__ for a in asks)),
+                                                          read(asks))[1])
+    monkeypatch.setattr(generation, "_commit", lambda *a: (log.append("commit"), commit(*a))[1])
+    return log
+
+
+def test_a_rounds_block_reads_wait_once_before_any_commit(tiny, monkeypatch):
+    """Requests that end a block in the same round read their blocks in one host wait (batch.read_asks) before any of
+    them commits, so no request's block read waits for another's commit; the tokens are the solo ones."""
+    s = GenerationSettings(max_new_tokens=16, max_denoising_steps=4, **FIXED)
+    seeds = [random.getrandbits(32) for _ in range(3)]
+    solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, seed in zip(PROMPTS, seeds)]
+    log = spy_reads_and_commits(monkeypatch, batch_mod)
+    batched = generate_batch(tiny, PROMPTS[:3], seeds=seeds, settings=s, max_batch=3)
+    assert [_result(r) for r in batched] == [_result(r) for r in solo]
+    blocks = [k for k, e in enumerate(log) if e != "commit" and "BlockRead" in e]
+    assert [log[k] for k in blocks] == [["BlockRead"] * 3] * 2  # two blocks, each read by all three at once
+    first = blocks[0]  # the first block is committed after the read, the last one (a lent cache) is not
+    assert log[first + 1: first + 5] == ["commit"] * 3 + [["Status"] * 3]
+    assert log.count("commit") == 3

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 from .errors import DiffgemmaError, InputError
 from .events import DoneEvent, GenerationResult
-from .generation import Forward, Status, _as_ids, cache_need, generate_steps, resolve_settings
-from .model.denoiser import read_statuses
+from .generation import BlockRead, Forward, Status, _as_ids, cache_need, generate_steps, resolve_settings
+from .model.denoiser import queue_copy, read_statuses, wait_statuses
 from .model.protocol import DenoiseModel
 from .settings import GenerationSettings
 
@@ -104,7 +104,7 @@ def generate_batch(
             if isinstance(item, Forward):
                 asks[i] = item
                 return
-            if isinstance(item, Status):
+            if isinstance(item, (Status, BlockRead)):
                 reads[i] = item
                 return
             if on_event is not None:
@@ -179,13 +179,25 @@ class CachePool:
 
 
 def _answer_statuses(reads: dict, advance) -> None:
-    """Answer the requests parked at a Status (`reads`: request -> its Status, emptied) with one host wait, and run
-    each on with advance(request, its StepStatus), in request order; again for any that asks for a status anew."""
+    """Answer the requests parked at a Status or a BlockRead (`reads`: request -> its ask, emptied) with one host wait
+    (read_asks), and run each on with advance(request, its answer), in request order; again for any that asks anew."""
     while reads:
         order = sorted(reads)
-        statuses = read_statuses([reads.pop(i) for i in order])
-        for i, status in zip(order, statuses):
-            advance(i, status)
+        answers = read_asks([reads.pop(i) for i in order])
+        for i, answer in zip(order, answers):
+            advance(i, answer)
+
+
+def read_asks(asks: list) -> list:
+    """Several requests' host reads in one wait: Status asks (read_statuses) and BlockRead asks (a block's values),
+    each answered as its own run() would. The blocks' copies are queued first, so a request's block read never waits
+    for what another request queues after its own read (its block's commit)."""
+    blocks = [k for k, a in enumerate(asks) if isinstance(a, BlockRead)]
+    pending = [queue_copy(asks[k].packed) for k in blocks]
+    rest = [a for a in asks if not isinstance(a, BlockRead)]
+    statuses = iter(read_statuses(rest) if rest else [])
+    values = dict(zip(blocks, wait_statuses(pending)))
+    return [values[k] if k in values else next(statuses) for k in range(len(asks))]
 
 
 def _batch_limit(model, max_batch: int | None, n: int) -> int:

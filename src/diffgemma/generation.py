@@ -38,7 +38,8 @@ are deterministic across processes.
 Host syncs: a denoise step does all its sampler work on the model's device (row stats, accept mask, LCG renoise,
 stop rules, the sparse-SC survivor count) and the host reads ONE small status per step (Denoiser.read_status: stop
 code, mean entropy, survivor count). Block-level work (the degenerate-opening check, the stop scan, the trim, the
-prefill of the kept tokens) reads the block's result once per attempt (`_read_block`).
+prefill of the kept tokens) reads the block's result once per attempt: a `BlockRead` asked of the driver, which reads
+the blocks of a batch's requests with one host wait.
 """
 
 from __future__ import annotations
@@ -82,10 +83,6 @@ class _Proposal:
     steps: int
     stop_reason: str
 
-
-def _read_block(packed: torch.Tensor) -> list[float]:
-    """The per-attempt read of a proposed block: [committed ids | argmax ids | max probs] as float64."""
-    return packed.tolist()
 
 
 def resolve_settings(model: DenoiseModel, settings: GenerationSettings | None,
@@ -139,7 +136,7 @@ def generate_stream(
             except StopIteration:
                 return
             answer = None  # one [C, V] f32 alive at a time: the request dropped its last step's before asking
-            if isinstance(item, (Forward, Status)):
+            if isinstance(item, (Forward, Status, BlockRead)):
                 answer = item.run()
             else:
                 yield item
@@ -177,6 +174,19 @@ class Status:
 
     def run(self):
         return self.den.read_status(self.code, self.mean_h, self.plan, self.canvas)
+
+
+@dataclass
+class BlockRead:
+    """A request's ask for its block's one host read, yielded by generate_steps when an attempt's steps are done and
+    answered with send(the values): the proposal packed as float64, [committed ids | argmax ids | max probs]. By
+    generate_stream at once (run()), or by a batch driver with the other requests' reads of the round in one host
+    wait (batch.read_asks), so that no request's read waits for the commit another request queued before it."""
+
+    packed: torch.Tensor
+
+    def run(self) -> list[float]:
+        return self.packed.tolist()
 
 
 def cache_need(model: DenoiseModel, prompt_tokens: int, s: GenerationSettings) -> int:
@@ -262,7 +272,7 @@ def generate_steps(
             # one read per attempt: committed ids (+ argmax and max probs for the trim)
             parts = [proposal.committed] if proposal.p_max is None else [proposal.committed, proposal.argmax,
                                                                          proposal.p_max]
-            flat = _read_block(torch.cat([x.double() for x in parts]))
+            flat = yield BlockRead(torch.cat([x.double() for x in parts]))
             committed = [int(x) for x in flat[:length]]
             degenerate = committed[0] in control_ids
             if block == 0 and degenerate and attempt < s.empty_reply_retry:
@@ -299,7 +309,7 @@ def generate_steps(
                 or block + 1 >= max_blocks)
         if keep and (keep_cache or not last):
             t = time.perf_counter()
-            model.prefill(cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
+            _commit(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
             timings["prefill_s"] += time.perf_counter() - t
         tokens.extend(keep)
         steps_per_block.append(proposal.steps)
@@ -408,6 +418,12 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
     committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
     p_max = stats.max_prob() if s.confidence_trim > 0 else None
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
+
+
+def _commit(model, cache, ids: torch.Tensor) -> None:
+    """Append a block's kept ids (the sampler's, on the model's device) to the cache: the model's `commit` where it
+    has one (the CUDA engine's skips the host range check, which would wait for the GPU), else its prefill."""
+    (getattr(model, "commit", None) or model.prefill)(cache, ids)
 
 
 def _as_ids(input_ids, vocab: int, device) -> torch.Tensor:

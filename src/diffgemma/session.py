@@ -20,7 +20,7 @@ from . import oplog
 from .config import cache_tokens
 from .errors import InputError
 from .events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent, StepEvent
-from .generation import Forward, Status, _as_ids, generate_steps
+from .generation import BlockRead, Forward, Status, _as_ids, generate_steps
 from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
 from .settings import settings_for_call
 from .slots import Slot, reuse_prefix, rewind
@@ -49,8 +49,8 @@ class Prefill:
 
 
 def drive(steps):
-    """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward and Status on the request's own
-    denoiser, each Prefill at once -> the coroutine's return value. An exception in a forward or a status read (Ctrl-C
+    """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward, Status and BlockRead on the
+    request's own denoiser, each Prefill at once -> the coroutine's return value. An exception in a forward or a status read (Ctrl-C
     included) is thrown into the coroutine, which journals it as it would one of its own."""
     answer, thrown = None, None
     try:
@@ -60,7 +60,7 @@ def drive(steps):
             except StopIteration as stop:
                 return stop.value
             answer, thrown = None, None
-            if isinstance(ask, (Forward, Status)):
+            if isinstance(ask, (Forward, Status, BlockRead)):
                 try:
                     answer = ask.run()
                 except BaseException as e:  # noqa: B036 - handed to the coroutine, which passes it on
@@ -152,7 +152,7 @@ def generation_steps(model, slot: Slot, keep: int, prompt: list[int], settings, 
                     slot.ids = full[:kept]
                     return emit(CancelledEvent(blocks=blocks, kept=kept))
                 continue
-            if isinstance(event, Status):  # the step's status, read by its driver (with other requests' in a batch)
+            if isinstance(event, (Status, BlockRead)):  # host reads, by its driver (with other requests' in a batch)
                 answer = yield event
                 continue
             if isinstance(event, DoneEvent):

@@ -146,3 +146,29 @@ def test_every_short_prefill_attention_call_matches_the_reference(engine, monkey
         print(f"q {e[0]} keys {e[1]} window {e[2]}: flash {e[3]:.1e}, tiles {e[4]:.1e}")
     assert errors and all(e[3] < 1e-2 for e in errors), "the flash kernel is off the reference"
     assert all(e[4] < 1e-2 for e in errors), "the tile kernels are off the reference"
+
+
+def test_a_commit_writes_the_prefills_cache_without_a_host_wait(engine):
+    """Engine.commit (a block's kept ids, on the device) is the graphed prefill without the host range check: the
+    same cache bits, and no synchronizing call (torch's sync debug mode raises on one), where prefill's check reads
+    the ids' range from the device."""
+    V = engine.config.vocab_size
+    prompt = torch.randint(0, V, (300,), device=DEV)
+    a, b = prefilled(engine, prompt), prefilled(engine, prompt)
+    ids = torch.randint(0, V, (CANVAS,), device=DEV)
+    commit(engine, a, ids, padded=True)  # captures the bucket's graph on a
+    engine.prefill(b, ids)  # and on b
+    more = torch.randint(0, V, (CANVAS,), device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.commit(a, more)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            engine.prefill(b, more)  # the check this test proves commit skips
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine.prefill(b, more)
+    torch.cuda.synchronize()
+    for x, y in zip(cache_state(a)[3], cache_state(b)[3]):
+        assert torch.equal(x, y)
+    assert cache_state(a)[:2] == cache_state(b)[:2]

@@ -92,6 +92,18 @@ def queue_status(make_status, side: SideStream | None = None) -> PendingStatus:
     return PendingStatus(host, copied)
 
 
+def queue_copy(values: torch.Tensor) -> PendingStatus:
+    """The queue half of a plain read (a block's values): on CUDA a copy to pinned memory queued on the current stream
+    after its work so far, which wait_statuses completes; elsewhere the values themselves."""
+    if not values.is_cuda:
+        return PendingStatus(values)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return PendingStatus(host, copied)
+
+
 def release_status(side: SideStream | None = None, overlap=None, then=None) -> None:
     """Between the queue half and the wait: queue `overlap` (the SC product) on the current stream, not behind the
     status copy, join `side` (the bookkeeping's results are the main stream's from here), then call `then`."""

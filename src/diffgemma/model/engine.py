@@ -176,6 +176,17 @@ class Engine:
             cache.check_room(len(ids))
             self.forward.prefill(cache, ids, embeds, image_groups)
             return
+        self._append(cache, ids)
+
+    @torch.no_grad()
+    def commit(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+        """Append a block this engine sampled: prefill of its kept ids. On CUDA they are the sampler's, in range by
+        construction, so not checked on the host: that read would wait for the GPU before every commit (in a batched
+        round, before each request's commit in turn, holding back the others' block events)."""
+        on_device = isinstance(ids, torch.Tensor) and ids.is_cuda
+        self._append(cache, check_ids(self, ids, "commit ids", check_range=not on_device))
+
+    def _append(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
         cache.check_room(len(ids))
         pad = self.prefill_pad(cache, len(ids))
         if pad is None:

@@ -169,6 +169,11 @@ class LeadEngine(ExpertParallelEngine):
                     self._payload(t)
         self._run(super().prefill, cache, ids, embeds, image_groups)
 
+    def commit(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
+        if self.group.size > 1:  # the followers append it too, as a prefill
+            return self.prefill(cache, ids)
+        return super().commit(cache, ids)
+
     def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                     sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if self.group.size == 1:

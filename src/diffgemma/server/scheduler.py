@@ -2,8 +2,9 @@
 that owns the model (worker.py). docs/ARCHITECTURE.md, 'Continuous batching'.
 
 Each running request is session.run_turn_steps on its own KV slot: a coroutine that asks for prompt chunks to be
-prefilled (`Prefill`), for denoise forwards (`Forward`) and for each step's status read (`Status`), and runs
-everything else of its turn itself (sampler, stop rules, commits, tool-call regeneration, the op-log). A round:
+prefilled (`Prefill`), for denoise forwards (`Forward`), for each step's status read (`Status`) and each block's read
+(`BlockRead`), and runs everything else of its turn itself (sampler, stop rules, commits, tool-call regeneration,
+the op-log). A round:
 
     admit   queued requests join, in arrival order, while fewer than max_batch run and a slot is free (a slot
             serves one request at a time: the one sharing the longest prefix, worker.pick)
@@ -15,7 +16,8 @@ everything else of its turn itself (sampler, stop rules, commits, tool-call rege
             then) prefills nothing, so no step waits for a commit and a chunk; never two such rounds in a row
     denoise one batched forward over every canvas asked for (batch.py's forward); each request takes its logits
             and queues its step's device work up to its status read; one host wait reads every request's status
-            (model/denoiser.read_statuses); each takes its status and runs on to its next forward or prefill; a
+            (batch.read_asks); each takes its status and runs on to its next forward, or, at a block's end, to its
+            block read, which the requests ending a block then make in one more wait before any commits; a
             request whose turn is over leaves at once, freeing its slot
 
 A request cancelled by its client stops before its next step (its forward withdrawn) or prompt chunk; the others
@@ -33,10 +35,9 @@ import threading
 import time
 from collections import deque
 
-from ..batch import _forward as batched_forward
+from ..batch import _forward as batched_forward, read_asks
 from ..events import BlockEvent, CancelledEvent, ErrorEvent, StepEvent
-from ..generation import Forward, Status
-from ..model.denoiser import read_statuses
+from ..generation import BlockRead, Forward, Status
 from ..session import Prefill, run_turn_steps
 from ..slots import rewind, reuse_prefix
 
@@ -110,7 +111,7 @@ class _Running:
     def __init__(self, job: Job, slot: int, steps, one_chunk: bool = False):
         self.job, self.slot, self.steps = job, slot, steps
         self.one_chunk = one_chunk  # its whole prompt is one chunk: prefilled in the round it joins
-        self.ask = None  # a Prefill, a Forward or a Status
+        self.ask = None  # a Prefill, a Forward, a Status or a BlockRead
         self.t0 = time.perf_counter()
 
 
@@ -239,10 +240,11 @@ class Scheduler:
         self._read_statuses()  # each request holds its own logits until its status is read
 
     def _read_statuses(self) -> None:
-        """Answer every request parked at its step's Status with one host wait (read_statuses), and run each on; again
-        while any asks anew. A failed read is each parked request's own failure, as a failed forward is."""
-        while parked := [r for r in self.running if isinstance(r.ask, Status)]:
-            self._answer(parked, read_statuses)
+        """Answer every request parked at its step's Status or its block's BlockRead with one host wait (read_asks),
+        and run each on; again while any asks anew (a request whose block ended reads the block after its status).
+        A failed read is each parked request's own failure, as a failed forward is."""
+        while parked := [r for r in self.running if isinstance(r.ask, (Status, BlockRead))]:
+            self._answer(parked, read_asks)
 
     def _answer(self, rs: list, call) -> None:
         """Take the asks of requests `rs`, answer them with call(asks) (one answer per ask, in order) and run each
