@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import options
 from ..errors import InputError
+from .limits import BUSY_PREFILL_CHUNK, MAX_QUEUE, PREFILL_CHUNK
 
 
 def add_subcommands(subparsers) -> None:
@@ -24,16 +25,16 @@ def add_subcommands(subparsers) -> None:
                    help="requests denoised together in one forward (continuous batching; default: what the model's "
                         "forward takes, 8 where it takes any number, and on CUDA no more than the free memory holds "
                         "slots for; 1: one request at a time)")
-    s.add_argument("--max-queue", type=int, default=64,
+    s.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help="requests waiting for a place in the batch; more are refused with 503 and Retry-After "
-                        "(default 64)")
-    s.add_argument("--prefill-chunk-tokens", type=int, default=1024,
+                        f"(default {MAX_QUEUE})")
+    s.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK,
                    help="prompt tokens prefilled per scheduler round, between the running requests' denoise steps "
-                        "(default 1024: the longest prefill that runs as a CUDA graph)")
-    s.add_argument("--busy-prefill-tokens", type=int, default=256,
+                        f"(default {PREFILL_CHUNK}: the longest prefill that runs as a CUDA graph)")
+    s.add_argument("--busy-prefill-tokens", type=int, default=BUSY_PREFILL_CHUNK,
                    help="the same while other requests are generating, and the chunk of a long prompt joining "
-                        "them, so their steps wait for one short chunk at most (default 256; at most "
-                        "--prefill-chunk-tokens)")
+                        f"them, so their steps wait for one short chunk at most (default {BUSY_PREFILL_CHUNK}; at "
+                        "most --prefill-chunk-tokens)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="context of each slot: prompt + reply tokens (default 8192, or the model's "
                         "max_position_embeddings if smaller; more than that is refused)")
@@ -153,8 +154,8 @@ def listen(host: str, port: int):
 
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
-          fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = 64,
-          prefill_chunk: int = 1024, busy_prefill_chunk: int = 256) -> int:
+          fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = MAX_QUEUE,
+          prefill_chunk: int = PREFILL_CHUNK, busy_prefill_chunk: int = BUSY_PREFILL_CHUNK) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header

@@ -28,18 +28,11 @@ from ..config import cache_tokens
 from ..errors import DiffgemmaError, InputError
 from ..model.engine_batch import KEPT_GRAPHS
 from ..slots import Slot, usable_prefix
+from .limits import BUSY_PREFILL_CHUNK, MAX_QUEUE, PREFILL_CHUNK
 from .scheduler import Job, Scheduler
 
 __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 
-# prompt tokens prefilled a round while other requests denoise: the longest padded prefill
-# (EngineOptions.prefill_pads), which replays a graph; a longer chunk runs eagerly and stalls the running streams
-# longer (docs/ARCHITECTURE.md, 'Limits and the queue')
-PREFILL_CHUNK = 1024
-# while other requests generate: the canvas-sized padded prefill, the shortest graphed one, so a running stream's
-# step waits for at most one short chunk (docs/ARCHITECTURE.md, 'Limits and the queue')
-BUSY_PREFILL_CHUNK = 256
-MAX_QUEUE = 64
 
 
 class QueueFull(DiffgemmaError):
