@@ -54,6 +54,14 @@ def hold(worker) -> threading.Event:
     return gate
 
 
+def together(worker, prompts: list, settings: list) -> tuple[list, list]:
+    """Submit the requests while the worker is parked, so they join in one round -> (jobs, each one's last event)."""
+    gate = hold(worker)
+    jobs = [worker.submit(p, s) for p, s in zip(prompts, settings)]
+    gate.set()
+    return jobs, [finish(j)[-1] for j in jobs]
+
+
 def finish(job, timeout=120) -> list:
     events = [job.get(timeout=timeout)]
     while not isinstance(events[-1], (DoneEvent, CancelledEvent, ErrorEvent)):
@@ -102,10 +110,7 @@ def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base,
     spy_status_reads(monkeypatch, trace)
     worker = Worker(model, slots=4, max_tokens=2048, max_batch=4, trace=trace)
     try:
-        gate = hold(worker)
-        jobs = [worker.submit(ids_of(model, p), s) for p, s in zip(PROMPTS, settings)]
-        gate.set()
-        ends = [finish(j)[-1] for j in jobs]
+        jobs, ends = together(worker, [ids_of(model, p) for p in PROMPTS], settings)
     finally:
         worker.close()
     fw = forwards(trace)
@@ -132,10 +137,7 @@ def test_requests_ending_blocks_together_read_them_in_one_wait_before_committing
     settings = [base.replace(seed=60 + i, max_new_tokens=2 * C, max_denoising_steps=4, **FIXED) for i in range(3)]
     worker = Worker(model, slots=3, max_tokens=2048, max_batch=3)
     try:
-        gate = hold(worker)
-        jobs = [worker.submit(ids_of(model, p), s) for p, s in zip(PROMPTS, settings)]
-        gate.set()
-        ends = [finish(j)[-1] for j in jobs]
+        jobs, ends = together(worker, [ids_of(model, p) for p in PROMPTS], settings)
     finally:
         worker.close()
     blocks = [k for k, e in enumerate(log) if e != "commit" and "BlockRead" in e]
@@ -175,10 +177,7 @@ def test_a_request_whose_step_fails_fails_alone(model, base, monkeypatch):
     settings = [base.replace(seed=30 + i, max_new_tokens=96) for i in range(3)]
     prompts = [ids_of(model, PROMPTS[1])] * 3
     try:
-        gate = hold(worker)
-        jobs = [worker.submit(ids, s) for ids, s in zip(prompts, settings)]
-        gate.set()
-        ends = [finish(j)[-1] for j in jobs]
+        jobs, ends = together(worker, prompts, settings)
         emptied = [k for k, slot in enumerate(worker.slots) if slot.ids == [] and slot.cache.length == 0]
     finally:
         worker.close()
@@ -195,10 +194,7 @@ def test_a_failed_status_read_fails_the_requests_it_read_and_the_worker_goes_on(
     worker = Worker(model, slots=2, max_tokens=2048, max_batch=2, trace=trace)
     prompt = ids_of(model, PROMPTS[1])
     try:
-        gate = hold(worker)
-        jobs = [worker.submit(prompt, base.replace(seed=40 + i, max_new_tokens=64)) for i in range(2)]
-        gate.set()
-        ends = [finish(j)[-1] for j in jobs]
+        jobs, ends = together(worker, [prompt] * 2, [base.replace(seed=40 + i, max_new_tokens=64) for i in range(2)])
         probe = worker.submit(prompt, base.replace(seed=1, max_new_tokens=32))
         probe_end = finish(probe)[-1]
     finally:
@@ -418,10 +414,7 @@ def test_a_burst_of_one_chunk_prompts_starts_denoising_together(model, base):
     settings = [base.replace(seed=20 + i, max_new_tokens=32) for i in range(3)]
     run_s = base.replace(seed=5, max_new_tokens=192, stop_ids=[])
     try:
-        gate = hold(worker)
-        idle = [worker.submit(p, s) for p, s in zip(prompts, settings)]
-        gate.set()
-        idle_ends = [finish(j)[-1] for j in idle]
+        idle, idle_ends = together(worker, prompts, settings)
         idle_trace = list(trace)
         trace.clear()
         a = worker.submit(ids_of(model, PROMPTS[1]), run_s)
