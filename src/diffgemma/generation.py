@@ -84,7 +84,6 @@ class _Proposal:
     stop_reason: str
 
 
-
 def resolve_settings(model: DenoiseModel, settings: GenerationSettings | None,
                      overrides: dict[str, Any]) -> GenerationSettings:
     """Explicit settings (+ per-call overrides), or the model's generation_config <- env <- overrides."""
@@ -206,13 +205,14 @@ def generate_steps(
     batched: bool = False,
     scratch_cache: bool = False,
     **overrides: Any,
-) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward | Status, Any, None]:
+) -> Generator[StepEvent | BlockEvent | DoneEvent | Forward | Status | BlockRead, Any, None]:
     """One request's generation as a coroutine: it yields StepEvent, BlockEvent, a final DoneEvent and, where a step
     needs the model, a Forward, which the driver answers by send()ing that forward's logits ([C, V], as the request's
     denoiser returns them), then a Status, answered with the step's StepStatus (Status.run(), or several requests'
-    with one host wait: model/denoiser.read_statuses). Everything else of the algorithm (sampler, SC, stop rules,
-    re-rolls, commits, the cache) is the request's own, so one request gives the same tokens alone (generate_stream)
-    or batched (batch.py).
+    with one host wait: batch.read_asks); after a block attempt's last step a BlockRead, answered with the block's
+    values (BlockRead.run(), or with the round's other reads). Everything else of the algorithm (sampler, SC, stop
+    rules, re-rolls, commits, the cache) is the request's own, so one request gives the same tokens alone
+    (generate_stream) or batched (batch.py).
     batched: a scheduler may answer its forwards and status reads together with other requests' (batch.py, the
     server): the step then neither runs its next forward ahead nor lends the model's logits scratch, which are one
     request's devices. scratch_cache: `cache` (empty, with room for cache_need's tokens) stands in for the one this call
