@@ -9,9 +9,10 @@ reads its status on the host. The scheduler here only decides which requests ste
         one forward over the canvases every active request asked for (model.denoiser([cache, ...]))
         each request takes its logits and queues its step's device work (sampler, accept, renoise, stop rules, SC)
         up to its Status
-        one host wait for every request's status (model/denoiser.read_statuses)
-        each request takes its status and runs on (and when its block converges: commit, prefill of the kept
-        tokens, the next block's canvas) up to its next Forward
+        one host wait for every request's status (read_asks)
+        each request takes its status and runs on up to its next Forward, or, when its block converges, to its
+        BlockRead: the round's block reads share one more wait, then each commits its kept tokens and opens the
+        next block's canvas
         a request whose turn is over leaves; the next queued request joins
 
 A request whose block converges does not wait for the others: its next block's canvas is in the next round. The

@@ -163,7 +163,7 @@ class Forward:
 class Status:
     """A request's ask for its step's one host read, yielded by generate_steps after the step's device work and answered
     with send(StepStatus): by generate_stream on the request's own denoiser (run()), or by a batch driver together
-    with other requests' in one host wait (model/denoiser.read_statuses)."""
+    with other requests' in one host wait (batch.read_asks, through model/denoiser.read_statuses)."""
 
     den: Any  # the request's Denoiser
     code: torch.Tensor  # the stop rules' device code
