@@ -18,8 +18,8 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
               the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
               the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
-              others generate, at most --chunk): their p50 / p99 and both ratios. Unless --tiny, the same script runs first on other ids, so that no graph capture lands in the
-              measured pass.
+              others generate, at most --chunk): their p50 / p99 and both ratios. Unless --tiny, the same script
+              runs first on other ids, so that no graph capture lands in the measured pass.
 JSON (--json) holds every number; a short table is printed last.
 """
 

@@ -50,8 +50,8 @@ class Prefill:
 
 def drive(steps):
     """Run a step coroutine (generation_steps, run_turn_steps) alone: each Forward, Status and BlockRead on the
-    request's own denoiser, each Prefill at once -> the coroutine's return value. An exception in a forward or a status read (Ctrl-C
-    included) is thrown into the coroutine, which journals it as it would one of its own."""
+    request's own denoiser, each Prefill at once -> the coroutine's return value. An exception in a forward or a read
+    (Ctrl-C included) is thrown into the coroutine, which journals it as it would one of its own."""
     answer, thrown = None, None
     try:
         while True:

@@ -28,6 +28,13 @@ from .generation import generate
 FILLER_SEED = 0
 
 
+def bucket_lengths(buckets: list[int]):
+    """(bucket, the cache length a warm-up brings into it) for each context bucket, ascending: bucket k serves the
+    lengths above bucket k-1 up to its own; a short prompt in the first, just past the one below in the others."""
+    for low, top in zip([0] + buckets[:-1], buckets):
+        yield top, min(8, top) if low == 0 else low + 1
+
+
 def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False) -> float:
     """Run one short generation in every context bucket `cache` can reach, then empty it. `settings` are those
@@ -40,11 +47,9 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
     buckets = model.context_buckets(cache)
     filler = torch.Generator().manual_seed(FILLER_SEED)
     try:
-        for low, top in zip([0] + buckets[:-1], buckets):  # bucket `top` serves cache lengths in (low, top]
+        for top, target in bucket_lengths(buckets):
             if should_stop():
                 break
-            # a short prompt in the first bucket; in the others, just past the one below
-            target = min(8, top) if low == 0 else low + 1
             n = target - cache.length
             room = top - target  # the reply must not carry the cache into the next bucket
             if n < 1 or room < 1:  # nothing fits (a last bucket only a few tokens wide): nothing to capture there
@@ -76,10 +81,9 @@ def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] 
     buckets = model.context_buckets(caches[0])[:room]
     filler = torch.Generator().manual_seed(FILLER_SEED)
     try:
-        for low, top in zip([0] + buckets[:-1], buckets):
+        for _, target in bucket_lengths(buckets):
             if should_stop():
                 break
-            target = min(8, top) if low == 0 else low + 1
             if target + canvas > caches[0].max_tokens:
                 break
             if progress is not None:

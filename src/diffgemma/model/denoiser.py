@@ -84,17 +84,13 @@ def queue_status(make_status, side: SideStream | None = None) -> PendingStatus:
     if side is None or side.stream is None:
         return PendingStatus(make_status())
     with side.fork():
-        status = make_status()
-        host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-        host.copy_(status, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    return PendingStatus(host, copied)
+        return queue_copy(make_status())
 
 
 def queue_copy(values: torch.Tensor) -> PendingStatus:
-    """The queue half of a plain read (a block's values): on CUDA a copy to pinned memory queued on the current stream
-    after its work so far, which wait_statuses completes; elsewhere the values themselves."""
+    """The queue half of a plain read (a status packed on the side stream, a block's values): on CUDA a copy to pinned
+    memory queued on the current stream after its work so far, which wait_statuses completes; elsewhere the values
+    themselves."""
     if not values.is_cuda:
         return PendingStatus(values)
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

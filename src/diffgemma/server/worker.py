@@ -34,7 +34,6 @@ from .scheduler import Job, Scheduler
 __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
 
 
-
 class QueueFull(DiffgemmaError):
     """The server's queue is full: the request is refused now; `retry_after` seconds is a fair wait."""
 
