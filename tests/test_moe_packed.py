@@ -154,6 +154,7 @@ def test_expert_ffn_with_src_equals_expert_ffn_on_gathered_rows(monkeypatch, pac
     monkeypatch.setattr(mp, "pick_config", lambda m, e: (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG", (16, 16, 32, 4, 1))
     monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K", (16, 16, 32, 4, 1))
+    monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K_WIDE", (16, 16, 32, 4, 1))
     kernels = moe.expert_ffn(x, gu, dn, offs, src=src)
     assert torch.equal(kernels, moe.expert_ffn(x.index_select(0, src), gu, dn, offs))
     assert rel(kernels, want) < 1e-5
@@ -269,20 +270,27 @@ def test_expert_ffn_hands_the_down_gemm_f16_only_when_asked(monkeypatch):
 
 
 def test_expert_gemm_path_names_one_implementation_per_case(monkeypatch):
-    """The dispatcher's rule (ops/moe_paths.py): plain stacks stream at few rows per expert and go to
-    torch._grouped_mm otherwise; packed ones run their kernel at denoise and dequantize at prefill; no Triton: twins."""
+    """The dispatcher's rule (ops/moe_paths.py): plain stacks stream at few rows per expert (a down projection up to
+    a 1k prefill's) and go to torch._grouped_mm otherwise; packed ones run their kernel at denoise and dequantize at prefill; no Triton: twins."""
     from diffgemma.ops import moe_q4
 
     E, N, K = 4, 64, 64
     pw, _ = packed("q4", (E, N, K))
     tiled = moe_q4.to_tile_layout(pw)
-    plain = torch.randn(E, N, K)
+    long_k = moe_paths.STREAM_SHORT_K + 32
+    plain, plain_x = torch.randn(E, N, long_k), torch.randn(1, long_k)  # a gate_up projection's K
+    down = torch.randn(E, N, K)  # K <= STREAM_SHORT_K: a down projection's
     x = torch.randn(1, K)
     few, many = moe_paths.STREAM_MAX_ROWS * E, moe_paths.PREFILL_ROWS * E
-    assert moe_paths.expert_gemm_path(plain, few, x) == "torch" and moe_paths.expert_gemm_path(pw, few, x) == "twin"
+    wide = moe_paths.STREAM_SHORT_K_MAX_ROWS * E  # a 1k prefill's rows
+    assert moe_paths.expert_gemm_path(plain, few, plain_x) == "torch"
+    assert moe_paths.expert_gemm_path(pw, few, x) == "twin"
     monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
-    assert moe_paths.expert_gemm_path(plain, few, x) == "stream"
-    assert moe_paths.expert_gemm_path(plain, few + 1, x) == "torch"
+    assert moe_paths.expert_gemm_path(plain, few, plain_x) == "stream"
+    assert moe_paths.expert_gemm_path(plain, few + 1, plain_x) == "torch"
+    # a down projection streams up to a 1k prefill's rows too
+    assert moe_paths.expert_gemm_path(down, wide, x) == "stream"
+    assert moe_paths.expert_gemm_path(down, wide + 1, x) == "torch"
     assert moe_paths.expert_gemm_path(pw, many - 1, x) == "packed"
     assert moe_paths.expert_gemm_path(tiled, many - 1, x) == "q4-tiles"
     assert moe_paths.takes_f16_operand(tiled, many - 1, x) and not moe_paths.takes_f16_operand(pw, many - 1, x)
@@ -290,4 +298,5 @@ def test_expert_gemm_path_names_one_implementation_per_case(monkeypatch):
     monkeypatch.setenv(moe_paths.PACKED_PREFILL_ENV, "kernel")
     assert moe_paths.expert_gemm_path(tiled, many, x) == "q4-tiles"
     monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlass")
-    assert moe_paths.expert_gemm_path(plain, few, x) == "torch"
+    assert moe_paths.expert_gemm_path(plain, few, plain_x) == "torch"
+    assert moe_paths.expert_gemm_path(down, few, x) == "torch"

@@ -54,6 +54,37 @@ def test_stream_kernel_gathers_rows_through_src():
     assert rel(moe.grouped_mm(x, w, offs, src=src), moe_stream.grouped_mm_ref(x[src.long()], w, offs)) < 1e-6
 
 
+@interpreted
+def test_a_short_k_gemm_with_more_rows_than_denoise_takes_the_wide_row_tile(monkeypatch):
+    """A down projection (K <= SHORT_K) over more than STREAM_MAX_ROWS rows an expert (a 1k prefill's 64) runs the
+    kernel's CONFIG_SHORT_K_WIDE, at denoise's rows CONFIG_SHORT_K; through src too; the product is the twin's."""
+    E, N, K = 6, 32, 64
+    used = []
+    launch = moe_stream.launch_grouped
+
+    def spy(*a, **kw):
+        used.append(a[7:12])  # (BN, BM, BK, warps, stages)
+        return launch(*a, **kw)
+    monkeypatch.setattr(moe_stream, "launch_grouped", spy)
+    monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K", (16, 16, 32, 4, 1))  # small tiles: the interpreter's speed
+    monkeypatch.setattr(moe_stream, "CONFIG_SHORT_K_WIDE", (16, 32, 32, 4, 1))
+    w = torch.randn(E, N, K) * 0.1
+    for rows, config in ((moe_paths.STREAM_MAX_ROWS, (16, 16, 32, 4, 1)),
+                         (moe_paths.STREAM_MAX_ROWS + 1, (16, 32, 32, 4, 1))):
+        M = rows * E
+        xs, offs = torch.randn(M, K), ragged_offs(E, M)
+        used.clear()
+        out = moe_stream.grouped_mm_triton(xs, w, offs)
+        assert used == [config] and rel(out, moe_stream.grouped_mm_ref(xs, w, offs)) < 1e-5
+        T, k = M // 3, 3
+        src, offs = routes_of(T, k, E)
+        x = torch.randn(T, K)
+        used.clear()
+        assert torch.equal(moe_stream.grouped_mm_triton(x, w, offs, src=src),
+                           moe_stream.grouped_mm_triton(x.index_select(0, src), w, offs))
+        assert used == [config, config]
+
+
 def test_stream_and_packed_kernels_launch_order_does_not_change_the_result():
     """Experts launched most-routed first (the plan kernel's order): the same bits from the bf16 stream kernel and
     the packed one (q5 here: q4 on CUDA goes to ops/moe_q4.py, tested there); a wrong order is refused."""

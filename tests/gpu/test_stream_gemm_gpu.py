@@ -1,7 +1,7 @@
 """GPU check of the bf16 streaming expert GEMM (ops/moe_stream.py) at the real denoise shapes.
 
-Skips without CUDA. Held to torch._grouped_mm by ‖Δ‖/‖ref‖: both accumulate bf16 products in f32 and round
-the output to bf16, so only the summation order differs. Routing: balanced (16 rows per expert, what a
+Skips without CUDA. Held to torch._grouped_mm: bit for bit where the dispatcher streams (what keeps a token
+from depending on which of the two runs), and by ‖Δ‖/‖ref‖ where a check only needs the product. Routing: balanced (16 rows per expert, what a
 trained model's canvas does) and random top-8 (ragged, some experts with many rows, a few with none)."""
 
 import pytest
@@ -34,6 +34,27 @@ def test_stream_kernel_matches_grouped_mm_at_real_shapes(routing, N, K):
     r = rel(got, want)
     print(f"\n[stream gemm {routing} N={N} K={K}] rel {r:.2e}")
     assert r < 4e-3
+
+
+@pytest.mark.parametrize("routing", ["balanced", "random"])
+@pytest.mark.parametrize("T,N,K", [(256, 2 * Fe, H), (256, H, Fe), (1024, H, Fe)])
+def test_streamed_gemm_gives_torchs_bits_where_the_dispatcher_streams(routing, T, N, K):
+    """Where ops/moe_paths.py streams a bf16 expert GEMM (denoise's rows; a down projection at a 1k prefill's too)
+    the kernel's result equals torch._grouped_mm's bit for bit, through the dispatcher as through the kernel: which
+    of the two runs changes no token."""
+    from diffgemma.ops import moe, moe_paths
+
+    if routing == "balanced":
+        experts = (torch.arange(T * K_TOP, device="cuda") % E).view(T, K_TOP)
+    else:
+        experts = torch.randint(0, E, (T, K_TOP), device="cuda")
+    _, _, offs = moe_plan(experts, E)
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    xs = torch.randn(T * K_TOP, K, device="cuda", dtype=torch.bfloat16)
+    assert moe_paths.expert_gemm_path(w, T * K_TOP, xs) == "stream"
+    want = moe_stream.grouped_mm_ref(xs, w, offs)
+    assert torch.equal(moe_stream.grouped_mm_triton(xs, w, offs), want)
+    assert torch.equal(moe.grouped_mm(xs, w, offs), want)
 
 
 @pytest.mark.parametrize("routing", ["balanced", "random"])

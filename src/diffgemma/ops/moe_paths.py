@@ -3,7 +3,8 @@
 `expert_gemm_path(w, routes, x)` names the path for a GEMM of `routes` rows against the expert stack w:
 
   "torch"     a plain (bf16) stack where the streaming kernel does not apply: torch._grouped_mm (CUTLASS on CUDA)
-  "stream"    a plain stack on CUDA with few rows per expert (denoise): ops/moe_stream.py's weight-streaming kernel
+  "stream"    a plain stack on CUDA with few rows per expert (denoise; a down projection also at a 1k prefill's 64):
+              ops/moe_stream.py's weight-streaming kernel
   "twin"      a packed stack without Triton (CPU, DIFFGEMMA_NO_TRITON): dequantize in torch, then torch._grouped_mm
   "dequant"   a packed stack with many rows per expert (prefill): the layer's stack dequantized by a kernel into a
               bf16 scratch, then torch._grouped_mm, which is compute bound there and faster than dequantizing in
@@ -28,6 +29,13 @@ from .q4_tiles import LAYOUT
 # CUTLASS; the packed kernel switches to its "compute" tiles.
 STREAM_MAX_ROWS = 48
 
+# A down projection (K <= STREAM_SHORT_K: the experts' 704) streams up to this many rows per expert: a 1k prompt's
+# prefill chunk (1024 x 8 / 128 = 64), a batched denoise of 4 canvases. There the kernel, with a 64-row tile, beats
+# torch._grouped_mm on the H200 with balanced and with random routes, and gives its bits; gate_up (K 2816) does not
+# with random routes, so it keeps the lower bound.
+STREAM_SHORT_K = 1024
+STREAM_SHORT_K_MAX_ROWS = 64
+
 # Rows per expert at and above which a packed expert GEMM dequantizes the layer's stack to a bf16 scratch and
 # uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
 # in-kernel dequant streams the packed bytes once.
@@ -50,7 +58,8 @@ def dequantizes_for(rows_per_expert: float) -> bool:
 def expert_gemm_path(w, routes: int, x) -> str:
     """The path of a grouped GEMM of `routes` rows of x against the expert stack w (see the module docstring)."""
     if not isinstance(w, PackedWeight):
-        if use_triton(x) and routes <= STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton":
+        most = STREAM_SHORT_K_MAX_ROWS if w.shape[2] <= STREAM_SHORT_K else STREAM_MAX_ROWS
+        if use_triton(x) and routes <= most * w.shape[0] and expert_gemm_choice() == "triton":
             return "stream"
         return "torch"
     if not use_triton(x):

@@ -11,8 +11,10 @@ run with its RAW format (no decode): the product is computed transposed
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
 shapes (graph-safe, no host sync) and every SM streams weights.
 
-ops/moe.py runs it for bf16 expert stacks on CUDA when the rows per expert are few (denoise), and
-torch._grouped_mm otherwise (ops/moe_paths.py, "stream"; `DIFFGEMMA_EXPERT_GEMM=cutlass` turns it off).
+ops/moe.py runs it for bf16 expert stacks on CUDA when the rows per expert are few (denoise; the down projection
+also at a 1k prefill's 64), and torch._grouped_mm otherwise (ops/moe_paths.py, "stream"; `DIFFGEMMA_EXPERT_GEMM=
+cutlass` turns it off). On the H200 at the real shapes its results equal torch._grouped_mm's bit for bit, with
+every tile config tried (tests/gpu/test_stream_gemm_gpu.py), so which of the two runs changes no token.
 
   grouped_mm_ref      the twin: torch._grouped_mm (or its per-expert loop on builds without it)
   grouped_mm_triton   the kernel
@@ -23,14 +25,17 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from .grouped import grouped_mm_torch
+from .grouped import grouped_mm_torch, route_count
 from .moe_packed import RAW, launch_grouped
+from .moe_paths import STREAM_MAX_ROWS, STREAM_SHORT_K
 
 # (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
 # projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
-SHORT_K = 1024
+# a down projection with more rows an expert than denoise's (moe_paths.STREAM_SHORT_K_MAX_ROWS): 64-row tiles
+CONFIG_SHORT_K_WIDE = (64, 64, 64, 4, 3)
+SHORT_K = STREAM_SHORT_K
 
 
 def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -50,7 +55,10 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
         raise TensorError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}; expected the same dtype")
     E, N, K = w.shape
     x, w = x.contiguous(), w.contiguous()
-    BN, BM, BK, warps, stages = config or (CONFIG_SHORT_K if K <= SHORT_K else CONFIG)
+    if config is None:
+        wide = route_count(x, src) > STREAM_MAX_ROWS * E
+        config = (CONFIG_SHORT_K_WIDE if wide else CONFIG_SHORT_K) if K <= SHORT_K else CONFIG
+    BN, BM, BK, warps, stages = config
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
     return launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, w, w, w, w, tscale=1.0,
                           FMT=RAW, GS=32, PREFETCH=False)
