@@ -19,16 +19,22 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def grouped_operands(routing: str, tokens: int, N: int, K: int):
+    """(offs, w [E, N, K], x [tokens·top-k, K] grouped by expert) of `tokens` tokens routed "balanced" (the same rows
+    every expert) or "random" (top-k drawn with repeats: ragged, some experts empty)."""
+    if routing == "balanced":
+        experts = (torch.arange(tokens * K_TOP, device="cuda") % E).view(tokens, K_TOP)
+    else:
+        experts = torch.randint(0, E, (tokens, K_TOP), device="cuda")
+    _, _, offs = moe_plan(experts, E)
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    return offs, w, torch.randn(tokens * K_TOP, K, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("routing", ["balanced", "random"])
 @pytest.mark.parametrize("N,K", [(2 * Fe, H), (H, Fe)])  # gate_up, down
 def test_stream_kernel_matches_grouped_mm_at_real_shapes(routing, N, K):
-    if routing == "balanced":
-        experts = (torch.arange(T * K_TOP, device="cuda") % E).view(T, K_TOP)
-    else:
-        experts = torch.randint(0, E, (T, K_TOP), device="cuda")
-    _, _, offs = moe_plan(experts, E)
-    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    xs = torch.randn(T * K_TOP, K, device="cuda", dtype=torch.bfloat16)
+    offs, w, xs = grouped_operands(routing, T, N, K)
     got = moe_stream.grouped_mm_triton(xs, w, offs)
     want = moe_stream.grouped_mm_ref(xs, w, offs)
     r = rel(got, want)
@@ -44,13 +50,7 @@ def test_streamed_gemm_gives_torchs_bits_where_the_dispatcher_streams(routing, T
     of the two runs changes no token."""
     from diffgemma.ops import moe, moe_paths
 
-    if routing == "balanced":
-        experts = (torch.arange(T * K_TOP, device="cuda") % E).view(T, K_TOP)
-    else:
-        experts = torch.randint(0, E, (T, K_TOP), device="cuda")
-    _, _, offs = moe_plan(experts, E)
-    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    xs = torch.randn(T * K_TOP, K, device="cuda", dtype=torch.bfloat16)
+    offs, w, xs = grouped_operands(routing, T, N, K)
     assert moe_paths.expert_gemm_path(w, T * K_TOP, xs) == "stream"
     want = moe_stream.grouped_mm_ref(xs, w, offs)
     assert torch.equal(moe_stream.grouped_mm_triton(xs, w, offs), want)
