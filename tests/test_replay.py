@@ -216,6 +216,12 @@ def test_replay_takes_several_logs_and_folders(model, tmp_path, capsys):
     assert "a folder with no op-log" in capsys.readouterr().err
 
 
+def _sigint_default() -> None:
+    """In the child before it execs: SIGINT back to its default, so Python installs its Ctrl-C handler. A test run
+    started as a shell's background job (`cmd &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _ask_until_first_block(directory: Path, sig) -> tuple[subprocess.Popen, Path]:
     """`diffgemma ask --log-dir directory` in a subprocess, sent `sig` once its log holds a block."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(diffgemma.__file__).parents[1]),
@@ -224,7 +230,7 @@ def _ask_until_first_block(directory: Path, sig) -> tuple[subprocess.Popen, Path
         [sys.executable, "-m", "diffgemma.cli", "ask", "Count from 1 to 200.", "--device", "cpu",
          "--log-dir", str(directory), "--max-new-tokens", "2000", "--set", "canvas_length=4",
          "--set", "max_denoising_steps=2", "--set", "stop_ids=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=_sigint_default)
     deadline = time.monotonic() + 120
     try:
         while True:
