@@ -56,7 +56,7 @@ def test_stream_kernel_gathers_rows_through_src():
 
 @interpreted
 def test_a_short_k_gemm_with_more_rows_than_denoise_takes_the_wide_row_tile(monkeypatch):
-    """A down projection (K <= SHORT_K) over more than STREAM_MAX_ROWS rows an expert (a 1k prefill's 64) runs the
+    """A down projection (K <= moe_paths.STREAM_SHORT_K) over more than STREAM_MAX_ROWS rows an expert (a 1k prefill's 64) runs the
     kernel's CONFIG_SHORT_K_WIDE, at denoise's rows CONFIG_SHORT_K; through src too; the product is the twin's."""
     E, N, K = 6, 32, 64
     used = []

@@ -35,7 +35,6 @@ CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
 # a down projection with more rows an expert than denoise's (moe_paths.STREAM_SHORT_K_MAX_ROWS): 64-row tiles
 CONFIG_SHORT_K_WIDE = (64, 64, 64, 4, 3)
-SHORT_K = STREAM_SHORT_K
 
 
 def grouped_mm_ref(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -57,7 +56,7 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     x, w = x.contiguous(), w.contiguous()
     if config is None:
         wide = route_count(x, src) > STREAM_MAX_ROWS * E
-        config = (CONFIG_SHORT_K_WIDE if wide else CONFIG_SHORT_K) if K <= SHORT_K else CONFIG
+        config = (CONFIG_SHORT_K_WIDE if wide else CONFIG_SHORT_K) if K <= STREAM_SHORT_K else CONFIG
     BN, BM, BK, warps, stages = config
     # the packed grouped GEMM with its RAW format: same grid and loops, the weight tile loaded as it is
     return launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, w, w, w, w, tscale=1.0,
