@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 from dataclasses import dataclass
 
 from ..vision.preprocess import MAX_IMAGE_PIXELS
 from .errors import RequestError
+
+log = logging.getLogger("diffgemma.server")
 
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
@@ -60,7 +63,9 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
 
 
 def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
-    """GET an http(s) image with the byte cap and the timeout; no redirects, no other schemes."""
+    """GET an http(s) image with the byte cap and the timeout (each wait at most url_timeout_s, and no more pieces
+    read past it); no redirects, no other schemes. Blocking: the server prepares requests in a thread pool
+    (prepare.py), so a URL that never answers holds its own request only."""
     import time
 
     import httpx
@@ -81,6 +86,8 @@ def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
                         raise _bad(f"{url!r} is over this server's limit of {limits.max_bytes} bytes", where)
                     if time.monotonic() > deadline:
                         raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where)
+    except httpx.TimeoutException:
+        raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where) from None
     except httpx.HTTPError as e:
         raise _bad(f"cannot fetch {url!r} ({type(e).__name__}: {e})", where) from None
     if not data:
@@ -138,14 +145,15 @@ def count_images(messages, limits: ImageLimits | None) -> int:
 
 def prepare(model, messages: list[dict], limits: ImageLimits | None) -> list[dict]:
     """Decode every image of the request (each a 400 naming its message part): the messages the Session takes."""
-    from ..errors import InputError
+    from ..errors import DiffgemmaError, InputError
     from ..vision.prompt import prepare_parts, vision_for
 
     limits = limits or ImageLimits()
     try:
         vision = vision_for(model)
-    except InputError as e:
-        raise RequestError(400, f"messages: {e}", "messages") from None
+    except DiffgemmaError as e:  # why (its files, its config) is the operator's to read, in the server's log
+        log.info("a request with images refused: %s", e)
+        raise RequestError(400, "messages: this model cannot take images; send text only", "messages") from None
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):
