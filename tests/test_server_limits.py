@@ -493,3 +493,38 @@ def test_serve_takes_a_body_limit_and_defaults_to_room_for_its_images(monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["diffgemma: error: --max-body-mb 0.0: expected a positive number"] or \
         (len(err) == 1 and "--max-body-mb 0.0: expected a positive number" in err[0]), err
+
+
+# ------------------------------------------------------------------------------------- data URLs in pieces
+
+def test_data_urls_decode_piecewise_as_base64_does_whole(monkeypatch):
+    """decode_data_url decodes base64 a piece at a time (the interpreter is free between pieces): on random data,
+    wrapped or not, with a character corrupted anywhere (padding at a piece's end included), it accepts and refuses
+    exactly what base64's strict decoder does on the whole text without its whitespace."""
+    import base64
+    import random
+
+    from diffgemma.server import images
+    from diffgemma.server.errors import RequestError
+
+    monkeypatch.setattr(images, "_PIECE", 16)
+    rng = random.Random(0)
+    limits = ImageLimits(max_bytes=4000)
+
+    def whole(text):
+        try:
+            return base64.b64decode("".join(text.split()), validate=True) or None
+        except ValueError:
+            return None
+
+    for _ in range(400):
+        data = rng.randbytes(rng.choice([0, 1, 2, 3, 11, 12, 13, rng.randrange(200)]))
+        text = base64.encodebytes(data).decode() if rng.random() < 0.3 else base64.b64encode(data).decode()
+        if text and rng.random() < 0.6:
+            k = rng.choice([rng.randrange(len(text)), min(len(text) - 1, 15), min(len(text) - 1, 31)])
+            text = text[:k] + rng.choice("=-*\n A/+") + text[k + 1:]
+        try:
+            got = images.decode_data_url("data:image/png;base64," + text, "x", limits)
+        except RequestError:
+            got = None
+        assert got == whole(text), text

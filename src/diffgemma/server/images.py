@@ -23,7 +23,9 @@ from .errors import RequestError
 log = logging.getLogger("diffgemma.server")
 
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
-_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
+# a data URL's part before its first comma (its base64 data follows the comma)
+_DATA_HEADER = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64")
+_PIECE = 1 << 20  # base64 characters decoded per call, a multiple of 4
 
 
 @dataclass(frozen=True)
@@ -42,17 +44,19 @@ def _bad(message: str, where: str) -> RequestError:
 
 
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
-    m = _DATA_URL.fullmatch(url)
+    header, comma, text = url.partition(",")
+    m = _DATA_HEADER.fullmatch(header) if comma else None
     if m is None:
         raise _bad("not a base64 data URL (expected data:image/png;base64,...)", where)
     media = (m.group("type") or "").lower()
     if media not in MEDIA_TYPES:
         raise _bad(f"media type {media or 'none'!r}; expected image/png, image/jpeg or image/webp", where)
-    text = re.sub(r"\s+", "", m.group("data"))
-    if len(text) * 3 // 4 > limits.max_bytes + 3:
-        raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
+    if len(text) * 3 // 4 > limits.max_bytes + 3:  # over, unless whitespace (wrapped lines) makes it look longer
+        text = _without_whitespace(text)
+        if len(text) * 3 // 4 > limits.max_bytes + 3:
+            raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
     try:
-        data = base64.b64decode(text, validate=True)
+        data = _b64decode(text)
     except (binascii.Error, ValueError):
         raise _bad("the data URL's base64 does not decode", where) from None
     if not data:
@@ -60,6 +64,37 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
     if len(data) > limits.max_bytes:
         raise _bad(f"the image is {len(data)} bytes, over this server's limit of {limits.max_bytes} bytes", where)
     return data
+
+
+def _pieces(text: str):
+    return (text[i:i + _PIECE] for i in range(0, len(text), _PIECE))
+
+
+def _without_whitespace(text: str) -> str:
+    return "".join("".join(piece.split()) for piece in _pieces(text))
+
+
+def _b64decode(text: str) -> bytes:
+    """Strict base64, whitespace anywhere allowed (data URLs may wrap lines) -> the bytes; binascii.Error or
+    ValueError when it does not decode. Decoded _PIECE characters at a time (whole 4-character groups), so a large
+    image leaves the interpreter to the server's other threads between pieces."""
+    try:
+        return _b64decode_strict(text)
+    except (binascii.Error, ValueError):
+        compact = _without_whitespace(text)
+        if len(compact) == len(text):
+            raise
+        return _b64decode_strict(compact)
+
+
+def _b64decode_strict(text: str) -> bytes:
+    out = []
+    for i in range(0, len(text), _PIECE):
+        piece = text[i:i + _PIECE]
+        if piece.endswith("=") and i + _PIECE < len(text):  # padding is only at the very end
+            raise binascii.Error("padding before the end of the data")
+        out.append(base64.b64decode(piece, validate=True))
+    return b"".join(out)
 
 
 def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
