@@ -80,26 +80,31 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)
     handlers.install(app)
     if api_key:
-        _require_key(app, api_key)
+        app.add_middleware(_RequireKey, api_key=api_key)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before anything reads the body
     app.include_router(_info_routes(worker, model_id))
     app.include_router(_generation_routes(served))
     return app
 
 
-def _require_key(app: FastAPI, api_key: str) -> None:
-    """Every request but /health must carry `Authorization: Bearer <api_key>`; a 401 otherwise."""
-    want = api_key.encode()
+class _RequireKey:
+    """ASGI middleware: every HTTP request but /health must carry `Authorization: Bearer <api_key>`; a 401
+    otherwise, sent before anything reads the request's body."""
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        given = given.strip().encode() if scheme.lower() == "bearer" else b""
-        if request.url.path != "/health" and not hmac.compare_digest(given, want):  # everything but /health
-            return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
-                                           "'Authorization: Bearer <key>'", "type": "authentication_error",
-                                           "param": None, "code": "invalid_api_key"}}, status_code=401)
-        return await call_next(request)
+    def __init__(self, app, api_key: str):
+        self.app, self.want = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"").decode("latin-1")
+            scheme, _, given = header.strip().partition(" ")
+            given = given.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+            if not hmac.compare_digest(given, self.want):
+                refusal = JSONResponse({"error": {"message": "a valid API key is needed: send the header "
+                                                  "'Authorization: Bearer <key>'", "type": "authentication_error",
+                                                  "param": None, "code": "invalid_api_key"}}, status_code=401)
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _info_routes(worker, model_id: str) -> APIRouter:

@@ -18,9 +18,9 @@ class BodyTooLarge(RequestError):
     """A request body over the server's limit: a 413 in OpenAI's error shape."""
 
     def __init__(self, limit: int):
-        super().__init__(413, f"the request body is over this server's limit of {limit} bytes "
-                              f"({limit / MB:.1f} MB); send less (large images: fewer or smaller ones)",
-                         None, "request_too_large")
+        size = f"{limit} bytes" + (f" ({limit / MB:.1f} MB)" if limit >= MB else "")
+        super().__init__(413, f"the request body is over this server's limit of {size}; send less (large "
+                              f"images: fewer or smaller ones)", None, "request_too_large")
 
 
 class BodyLimit:

@@ -63,7 +63,6 @@ def parse_json(raw) -> object:
 def prepare_chat(served: Served, raw) -> PreparedChat:
     """A /v1/chat/completions body -> the request and its prompt ids, or RequestError."""
     req = parse_chat_request(parse_json(raw), served.model_id, served.base, served.policy)
-    del raw
     messages = req.messages
     if has_images(messages):  # decoded here: a bad image is the request's 400, before it is queued
         images.count_images(messages, served.policy.images)
