@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -97,12 +98,12 @@ def _run_serve(args) -> int:
         raise InputError(str(e)) from None
     if args.max_images < 0:
         raise InputError(f"--max-images {args.max_images}: expected a number >= 0")
-    if not args.max_image_mb > 0:
+    if not (args.max_image_mb > 0 and math.isfinite(args.max_image_mb)):
         raise InputError(f"--max-image-mb {args.max_image_mb}: expected a positive number")
     image_limits = ImageLimits(max_bytes=int(args.max_image_mb * MB), max_images=args.max_images,
                                allow_urls=args.allow_image_urls)
-    if args.max_body_mb is not None and not int(args.max_body_mb * MB) >= 1:
-        raise InputError(f"--max-body-mb {args.max_body_mb}: expected a positive number")
+    if args.max_body_mb is not None and not (args.max_body_mb * MB >= 1 and math.isfinite(args.max_body_mb)):
+        raise InputError(f"--max-body-mb {args.max_body_mb}: expected a positive number (at least one byte)")
     max_body = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes) \
         if args.max_body_mb is None else int(args.max_body_mb * MB)
     options.validate_early(args)
