@@ -59,8 +59,8 @@ def base(model):
 class Live:
     """create_app over a Worker, served by uvicorn on a free loopback port in a thread."""
 
-    def __init__(self, model, base, **app_kw):
-        self.worker = Worker(model, slots=1, max_tokens=CONTEXT)
+    def __init__(self, model, base, context: int = CONTEXT, **app_kw):
+        self.worker = Worker(model, slots=1, max_tokens=context)
         app = create_app(self.worker, model.tokenizer, "diffgemma-demo", base, **app_kw)
         self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
@@ -119,7 +119,11 @@ def rss() -> int:
 
 class Watch:
     """Polls /health from its own thread every 20 ms while a test runs, and samples the RSS: the slowest /health
-    answer and the most memory seen. Stops by itself after `limit_s`."""
+    answer and the most memory seen. An answer's wait counts from when its poll was due (20 ms after the last
+    answer), so a stall that holds this thread too (the interpreter lock) is counted as a client outside would see
+    it. Stops by itself after `limit_s`."""
+
+    INTERVAL = 0.02
 
     def __init__(self, live: Live, limit_s: float = 20):
         self.live, self.limit_s = live, limit_s
@@ -130,9 +134,9 @@ class Watch:
     def _run(self):
         conn = http.client.HTTPConnection("127.0.0.1", self.live.port, timeout=5)
         end = time.monotonic() + self.limit_s
+        last = time.perf_counter()
         try:
-            while not self._stop.is_set() and time.monotonic() < end:
-                t = time.perf_counter()
+            while not self._stop.wait(self.INTERVAL) and time.monotonic() < end:
                 try:
                     conn.request("GET", "/health")
                     r = conn.getresponse()
@@ -140,10 +144,11 @@ class Watch:
                 except (OSError, http.client.HTTPException) as e:
                     ok, conn = False, http.client.HTTPConnection("127.0.0.1", self.live.port, timeout=5)
                     self.failures.append(repr(e))
-                self.slowest = max(self.slowest, time.perf_counter() - t)
+                now = time.perf_counter()
+                self.slowest = max(self.slowest, now - (last + self.INTERVAL))
+                last = now
                 self.answers += ok
                 self.peak = max(self.peak, rss())
-                self._stop.wait(0.02)
         finally:
             conn.close()
 
@@ -273,6 +278,28 @@ def test_text_no_context_can_hold_is_a_400_before_it_is_tokenized(small, model):
         f"can hold (at most {limit} characters)")
     assert took < 1.0, f"the 400 took {took:.2f} s"
     assert watch.answers >= 5 and not watch.failures and watch.slowest < 0.1, (watch.slowest, watch.failures)
+
+
+@pytest.mark.xfail(reason="Tokenizer.encode (tokenizers' encode) holds the interpreter lock while it runs; its "
+                          "encode_batch releases it: a one-line change in diffgemma/tokenizer.py")
+def test_health_answers_while_a_long_prompt_is_tokenized(model, base):
+    """Text just under the bound reaches the tokenizer (here 60,000 characters of words it has not seen, which the
+    demo tokenizer takes a good fraction of a second over); /health keeps answering within 100 ms meanwhile."""
+    import random
+
+    rng = random.Random(0)
+    words = (("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(3, 9))))
+             for _ in range(20000))
+    text = " ".join(words)[:60000]
+    live = Live(model, base, context=4096)
+    try:
+        assert max_prompt_chars(model.tokenizer, 4096) > len(text)
+        with Watch(live) as watch:
+            status, reply = live.request("POST", "/v1/completions", json.dumps({"prompt": text}).encode())
+        assert status == 400 and "over this server's context of 4096" in json.loads(reply)["error"]["message"]
+        assert watch.answers >= 5 and not watch.failures and watch.slowest < 0.1, (watch.slowest, watch.failures)
+    finally:
+        live.close()
 
 
 def test_a_50_mb_text_under_the_default_limit_is_refused_and_its_memory_given_back(default):
