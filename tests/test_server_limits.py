@@ -385,11 +385,17 @@ class FailingWorker:
         self.model = model
 
     def submit(self, ids, settings, tool_retries=0, images=None):
-        from diffgemma.server.worker import Job
+        return FailedJob()
 
-        job = Job(ids, settings)
-        job.put(ErrorEvent(CheckpointError(f"{embedded_model_path()}/model.safetensors: truncated at byte 12")))
-        return job
+
+class FailedJob:
+    """A job whose one event is a failure naming a server file."""
+
+    async def aget(self):
+        return ErrorEvent(CheckpointError(f"{embedded_model_path()}/model.safetensors: truncated at byte 12"))
+
+    def cancel(self):
+        pass
 
 
 def bad_requests() -> list[tuple[str, str, object]]:
