@@ -8,5 +8,8 @@ op-log of every generation (diffgemma/oplog.py) that `diffgemma replay` runs aga
   reply_text.py  reply tokens -> the assistant message, whole or as streaming deltas
   worker.py      the thread that owns the model; KV slots reused by longest common prefix; cancellation
   app.py         the FastAPI app (needs `pip install 'diffgemma[serve]'`)
+  prepare.py     a request body -> prompt ids (parse, checks, images, template, tokenizer), run off the event loop
+  body_limit.py  the request body's size limit (413), enforced before the body is held
+  text_limit.py  the most characters of text a context can hold, so longer text is refused before tokenizing
   commands.py    the `serve` and `replay` subcommands (their shared CLI helpers live in diffgemma/options.py)
 """

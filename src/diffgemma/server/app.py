@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions and /v1/completions (plain and streamed),
 /v1/models, /health.
 
-Handlers only translate: the request is checked and rendered here (protocol.py, the chat template), the
+Handlers only translate: the body is read within the size limit (body_limit.py), the request is checked and
+rendered in a thread pool (prepare.py: protocol.py's checks, images, the chat template, the tokenizer), the
 worker thread runs the generation (in its continuous batch), and its events (events.py) become a response or
 server-sent events. A full queue is a 503 with Retry-After. A streaming client that disconnects cancels its
 generation at its next denoise step (the next write fails). A
@@ -14,21 +15,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from ..reply import reply_parts
-from ..vision.prompt import has_images, render_prompt, vision_for
 from . import handlers, images, structured
+from .body_limit import BodyLimit, read_body
+from .limits import default_max_body_bytes
 from .openai_fields import Limits
-from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
-                       text_chunk, text_completion, usage)
+from .prepare import PreparedChat, Served, prepare_chat, prepare_completion
+from .protocol import Policy, RequestError, chunk, completion, new_id, text_chunk, text_completion, usage
 from .reply_text import CompletionDeltas, ReplyDeltas, completion_text, final_message, reply_token_count
+from .text_limit import max_prompt_chars
 from .worker import QueueFull
+
+log = logging.getLogger("diffgemma.server")
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
@@ -51,7 +58,7 @@ def metrics_exporter(worker):
 
 
 def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
-               limits=None, fresh_seed: bool = False, image_limits=None):
+               limits=None, fresh_seed: bool = False, image_limits=None, max_body_bytes: int | None = None):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
@@ -59,34 +66,58 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     bounds on a request's `diffgemma` settings (openai_fields.Limits; None: the model's canvas_length only).
     fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`
     field and journaled in the op-log), else the server's. image_limits: what a request's image_url parts may be
-    (images.ImageLimits; None: its defaults, URLs refused)."""
+    (images.ImageLimits; None: its defaults, URLs refused). max_body_bytes: the largest request body taken (a 413
+    beyond it, body_limit.py; None: what the image limits need, limits.default_max_body_bytes)."""
     app = FastAPI(title="diffgemma", version="1")
-    created = int(time.time())
     model_config = getattr(getattr(worker, "model", None), "config", None)
+    context = getattr(worker, "max_tokens", None)
     policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
-                    fresh_seed=fresh_seed, images=image_limits)
+                    fresh_seed=fresh_seed, images=image_limits, context_tokens=context,
+                    max_text_chars=None if context is None else max_prompt_chars(tokenizer, context))
+    served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate)
+    if max_body_bytes is None:
+        image_limits = image_limits or images.ImageLimits()
+        max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)
     handlers.install(app)
-
     if api_key:
-        want = api_key.encode()
+        app.add_middleware(_RequireKey, api_key=api_key)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before anything reads the body
+    app.include_router(_info_routes(worker, model_id))
+    app.include_router(_generation_routes(served))
+    return app
 
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-            given = given.strip().encode() if scheme.lower() == "bearer" else b""
-            if request.url.path != "/health" and not hmac.compare_digest(given, want):  # everything but /health
-                return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
-                                               "'Authorization: Bearer <key>'", "type": "authentication_error",
-                                               "param": None, "code": "invalid_api_key"}}, status_code=401)
-            return await call_next(request)
 
-    @app.get("/health")
+class _RequireKey:
+    """ASGI middleware: every HTTP request but /health must carry `Authorization: Bearer <api_key>`; a 401
+    otherwise, sent before anything reads the request's body."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.want = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"").decode("latin-1")
+            scheme, _, given = header.strip().partition(" ")
+            given = given.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+            if not hmac.compare_digest(given, self.want):
+                refusal = JSONResponse({"error": {"message": "a valid API key is needed: send the header "
+                                                  "'Authorization: Bearer <key>'", "type": "authentication_error",
+                                                  "param": None, "code": "invalid_api_key"}}, status_code=401)
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _info_routes(worker, model_id: str) -> APIRouter:
+    """/health, /metrics and /v1/models."""
+    router = APIRouter()
+    created = int(time.time())
+    exporter = metrics_exporter(worker)
+
+    @router.get("/health")
     async def health():
         return {"status": "ok"}
 
-    exporter = metrics_exporter(worker)
-
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics():
         body, media_type = exporter()
         return Response(content=body, media_type=media_type)
@@ -95,128 +126,146 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         return {"id": model_id, "object": "model", "created": created, "owned_by": "diffgemma",
                 "max_model_len": worker.max_tokens}
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{name:path}")
+    @router.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_id:
             raise RequestError(404, f"model {name!r} is not served here; this server serves {model_id!r}", "model",
                                "model_not_found")
         return model_card()
 
-    @app.post("/v1/chat/completions")
+    return router
+
+
+def _generation_routes(served: Served) -> APIRouter:
+    """/v1/chat/completions and /v1/completions: the body is read (within the size limit), prepared in a thread
+    (prepare.py), then queued on the worker and answered from its events."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_chat_request(await _json(request), model_id, base_settings, policy)
-        fmt, forced = req.response_format, req.tool_choice in ("required", "function")
-        messages, pictures = req.messages, {}
-        if has_images(messages):  # decoded here: a bad image is the request's 400, before it is queued
-            images.count_images(messages, image_limits)
-            messages = images.prepare(getattr(worker, "model", None), messages, image_limits)
-        messages = messages if fmt is None else structured.with_instruction(messages, fmt)
-        prefix = tokenizer.encode(structured.forced_call_text(req.forced_name)) if forced else []
-        try:
-            vision = vision_for(worker.model) if has_images(messages) else None
-            ids, pictures = render_prompt(tokenizer, vision, messages, tools=req.tools, add_generation_prompt=True,
-                                          enable_thinking=req.think)
-            ids = ids + prefix
-        except DiffgemmaError as e:
-            raise RequestError(400, str(e), "messages") from None
-        except Exception as e:  # the template's own errors (a missing field, a wrong type)
-            raise RequestError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
-                               "messages") from None
-        retries = tool_validate if req.tools is not None else 0
+        return await _chat_reply(served, request, await _prepared(prepare_chat, served, request))
 
-        def submit(settings):
-            return _submit(worker, "messages", ids, settings, retries, **({"images": pictures} if pictures else {}))
-
-        tools_on = req.tools is not None and req.tool_choice != "none"
-        stops = req.settings.stop_strings
-        extra = {"seed": req.settings.seed}
-        cid, t0 = new_id("chatcmpl-"), int(time.time())
-
-        def message_chunk(delta, finish=None, usage_=None, choices=True):
-            return dict(chunk(cid, model_id, t0, delta, finish, usage_, choices), diffgemma=extra)
-
-        def build(result):
-            canvas = req.settings.canvas_length or policy.model_canvas
-            return final_message(tokenizer, prefix + list(result.tokens), tools_on, stops, req.tools,
-                                 req.parallel_tool_calls, None if canvas is None else len(prefix) + canvas)
-
-        def counted(result, cached):
-            return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
-
-        # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
-        # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
-        validate_calls = retries > 0 and tools_on and not req.stream
-        if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
-            written = {}
-
-            def build_checked(result):
-                written["tokens"] = prefix + list(result.tokens)
-                return build(result)
-
-            def check(message, calls):
-                if forced:
-                    return structured.call_problem(calls, req.forced_name)
-                if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
-                    return "its tool calls do not fit the offered tools"
-                return None if calls or fmt is None else fmt.problem(message.get("content"))
-
-            async def generate(settings):
-                return await _result(submit(settings), request)
-
-            attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
-            done = await structured.checked(generate, req.settings, build_checked, check, attempts)
-            if not isinstance(done, tuple):
-                return done
-            cached, result, message, calls, attempts, problem = done
-            if problem is not None and (fmt is not None or forced):
-                raise structured.call_failed(attempts, problem) if forced else \
-                    structured.format_failed(fmt, attempts, problem)
-            extra["attempts"] = attempts
-            use = counted(result, cached)
-            if req.stream:
-                return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
-                                                             use if req.include_usage else None))
-            return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
-        job = submit(req.settings)
-        if req.stream:
-            deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
-            return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
-                                      first={"role": "assistant", "content": ""}, empty={}))
-        done = await _result(job, request)
-        if not isinstance(done, tuple):
-            return done
-        cached, result = done
-        message, calls = build(result)
-        return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
-
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion_request(await _json(request), model_id, base_settings, policy)
-        ids = prompt_ids(tokenizer, req.prompt)
-        job = _submit(worker, "prompt", ids, req.settings)
-        stops = req.settings.stop_strings
-        extra = {"seed": req.settings.seed}
-        if req.stream:
-            cid, t0 = new_id("cmpl-"), int(time.time())
+        req, ids = await _prepared(prepare_completion, served, request)
+        return await _completion_reply(served, request, req, ids)
 
-            def piece(text, finish=None, usage_=None, choices=True):
-                return dict(text_chunk(cid, model_id, t0, text, finish, usage_, choices), diffgemma=extra)
+    return router
 
-            deltas = CompletionDeltas(tokenizer, stops)
-            return _streaming(_events(job, len(ids), req.include_usage, deltas, piece, first=None, empty=""))
-        done = await _result(job, request)
+
+async def _prepared(prepare, served: Served, request: Request):
+    """Read the body and run `prepare(served, body)` in the thread pool. A refusal leaves with nothing of the body
+    attached (no traceback into the frames that held it, no chained error holding the text)."""
+    raw = await read_body(request)
+    try:
+        return await run_in_threadpool(prepare, served, raw)
+    except RequestError as e:
+        error = e
+    finally:
+        del raw
+    error.__context__ = None
+    raise error.with_traceback(None)
+
+
+async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
+    """Queue a prepared chat and answer it: whole, streamed, or checked (response_format, a forced tool call, or
+    --tool-validate without streaming: regenerated while the reply fails its check)."""
+    req, ids, prefix, tokenizer, model_id = prep.req, prep.ids, prep.prefix, served.tokenizer, served.model_id
+    fmt, forced = req.response_format, req.tool_choice in ("required", "function")
+    retries = served.tool_validate if req.tools is not None else 0
+
+    def submit(settings):
+        return _submit(served.worker, "messages", ids, settings, retries,
+                       **({"images": prep.pictures} if prep.pictures else {}))
+
+    tools_on = req.tools is not None and req.tool_choice != "none"
+    stops = req.settings.stop_strings
+    extra = {"seed": req.settings.seed}
+    cid, t0 = new_id("chatcmpl-"), int(time.time())
+
+    def message_chunk(delta, finish=None, usage_=None, choices=True):
+        return dict(chunk(cid, model_id, t0, delta, finish, usage_, choices), diffgemma=extra)
+
+    def build(result):
+        canvas = req.settings.canvas_length or served.policy.model_canvas
+        return final_message(tokenizer, prefix + list(result.tokens), tools_on, stops, req.tools,
+                             req.parallel_tool_calls, None if canvas is None else len(prefix) + canvas)
+
+    def counted(result, cached):
+        return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
+
+    # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
+    # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
+    validate_calls = retries > 0 and tools_on and not req.stream
+    if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
+        written = {}
+
+        def build_checked(result):
+            written["tokens"] = prefix + list(result.tokens)
+            return build(result)
+
+        def check(message, calls):
+            if forced:
+                return structured.call_problem(calls, req.forced_name)
+            if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
+                return "its tool calls do not fit the offered tools"
+            return None if calls or fmt is None else fmt.problem(message.get("content"))
+
+        async def generate(settings):
+            return await _result(submit(settings), request)
+
+        attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
+        done = await structured.checked(generate, req.settings, build_checked, check, attempts)
         if not isinstance(done, tuple):
             return done
-        cached, result = done
-        return dict(text_completion(model_id, completion_text(tokenizer, result.tokens, stops), _finish(result, []),
-                                    usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)),
-                    diffgemma=extra)
+        cached, result, message, calls, attempts, problem = done
+        if problem is not None and (fmt is not None or forced):
+            raise structured.call_failed(attempts, problem) if forced else \
+                structured.format_failed(fmt, attempts, problem)
+        extra["attempts"] = attempts
+        use = counted(result, cached)
+        if req.stream:
+            return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
+                                                         use if req.include_usage else None))
+        return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
+    job = submit(req.settings)
+    if req.stream:
+        deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
+        return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
+                                  first={"role": "assistant", "content": ""}, empty={}))
+    done = await _result(job, request)
+    if not isinstance(done, tuple):
+        return done
+    cached, result = done
+    message, calls = build(result)
+    return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
 
-    return app
+
+async def _completion_reply(served: Served, request: Request, req, ids: list[int]):
+    """Queue a prepared /v1/completions request and answer it, whole or streamed."""
+    tokenizer, model_id = served.tokenizer, served.model_id
+    job = _submit(served.worker, "prompt", ids, req.settings)
+    stops = req.settings.stop_strings
+    extra = {"seed": req.settings.seed}
+    if req.stream:
+        cid, t0 = new_id("cmpl-"), int(time.time())
+
+        def piece(text, finish=None, usage_=None, choices=True):
+            return dict(text_chunk(cid, model_id, t0, text, finish, usage_, choices), diffgemma=extra)
+
+        deltas = CompletionDeltas(tokenizer, stops)
+        return _streaming(_events(job, len(ids), req.include_usage, deltas, piece, first=None, empty=""))
+    done = await _result(job, request)
+    if not isinstance(done, tuple):
+        return done
+    cached, result = done
+    return dict(text_completion(model_id, completion_text(tokenizer, result.tokens, stops), _finish(result, []),
+                                usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)),
+                diffgemma=extra)
 
 
 def _submit(worker, param: str, *args, **kw):
@@ -228,29 +277,6 @@ def _submit(worker, param: str, *args, **kw):
         raise RequestError(503, str(e), None, "server_busy", headers={"Retry-After": str(e.retry_after)}) from None
     except DiffgemmaError as e:
         raise RequestError(400, str(e), param) from None
-
-
-async def _json(request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the request body is not valid JSON ({e})") from None
-    except RecursionError:
-        raise RequestError(400, "the request body is nested too deeply") from None
-
-
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """A /v1/completions prompt -> token ids: text gets the model's BOS in front (as a chat rendering starts with
-    it) unless it spells BOS out itself; ids are taken as they are, each checked against the vocabulary."""
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-        bos = tokenizer.bos_id
-        return ids if bos is None or ids[:1] == [bos] else [bos] + ids
-    bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
-    if bad is not None:
-        raise RequestError(400, f"prompt: token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})",
-                           "prompt")
-    return list(prompt)
 
 
 def _streaming(events) -> StreamingResponse:
@@ -320,8 +346,10 @@ def _finish(result, calls) -> str:
 
 
 def _error_body(e: Exception) -> dict:
-    return {"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
-                      "param": None, "code": None}}
+    """A failed generation's 500: its kind for the client, the detail (which may name server files) in the log."""
+    log.error("generation failed", exc_info=e)
+    return {"error": {"message": f"generation failed ({type(e).__name__}); the server's log has the details",
+                      "type": "server_error", "param": None, "code": None}}
 
 
 async def _next(job, request):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
 
 from .. import options
 from ..errors import InputError
-from .limits import BUSY_PREFILL_CHUNK, MAX_QUEUE, PREFILL_CHUNK
+from .limits import BODY_SLACK_BYTES, BUSY_PREFILL_CHUNK, MAX_QUEUE, MB, PREFILL_CHUNK, default_max_body_bytes
 
 
 def add_subcommands(subparsers) -> None:
@@ -57,6 +58,10 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--max-images", type=int, default=8, help="images per request; more is refused with 400 (default 8)")
     s.add_argument("--max-image-mb", type=float, default=20.0,
                    help="bytes per image, in MB; more is refused with 400 (default 20)")
+    s.add_argument("--max-body-mb", type=float, default=None,
+                   help="the largest request body, in MB; a larger one is refused with 413 before it is read "
+                        f"(default: room for --max-images images of --max-image-mb as base64, plus "
+                        f"{BODY_SLACK_BYTES // MB} MB)")
     options.add_tool_validate_flag(s)
     options.add_gpus_flag(s)
     s.set_defaults(func=_run_serve)
@@ -93,10 +98,14 @@ def _run_serve(args) -> int:
         raise InputError(str(e)) from None
     if args.max_images < 0:
         raise InputError(f"--max-images {args.max_images}: expected a number >= 0")
-    if not args.max_image_mb > 0:
+    if not (args.max_image_mb > 0 and math.isfinite(args.max_image_mb)):
         raise InputError(f"--max-image-mb {args.max_image_mb}: expected a positive number")
-    image_limits = ImageLimits(max_bytes=int(args.max_image_mb * 1024 * 1024), max_images=args.max_images,
+    image_limits = ImageLimits(max_bytes=int(args.max_image_mb * MB), max_images=args.max_images,
                                allow_urls=args.allow_image_urls)
+    if args.max_body_mb is not None and not (args.max_body_mb * MB >= 1 and math.isfinite(args.max_body_mb)):
+        raise InputError(f"--max-body-mb {args.max_body_mb}: expected a positive number (at least one byte)")
+    max_body = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes) \
+        if args.max_body_mb is None else int(args.max_body_mb * MB)
     options.validate_early(args)
     try:
         import fastapi  # noqa: F401
@@ -130,7 +139,7 @@ def _run_serve(args) -> int:
                  slots=slots, max_tokens=max_tokens, log_dir=args.log_dir, tool_validate=args.tool_validate,
                  warmup=warmup, api_key=api_key, limits=limits, fresh_seed=not seed_fixed, image_limits=image_limits,
                  max_batch=max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk_tokens,
-                 busy_prefill_chunk=args.busy_prefill_tokens)
+                 busy_prefill_chunk=args.busy_prefill_tokens, max_body_bytes=max_body)
 
 
 def listen(host: str, port: int):
@@ -155,7 +164,8 @@ def listen(host: str, port: int):
 def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_tokens: int, log_dir=None,
           tool_validate: int = 0, warmup: bool = False, api_key: str | None = None, limits=None,
           fresh_seed: bool = False, image_limits=None, max_batch: int | None = None, max_queue: int = MAX_QUEUE,
-          prefill_chunk: int = PREFILL_CHUNK, busy_prefill_chunk: int = BUSY_PREFILL_CHUNK) -> int:
+          prefill_chunk: int = PREFILL_CHUNK, busy_prefill_chunk: int = BUSY_PREFILL_CHUNK,
+          max_body_bytes: int | None = None) -> int:
     import uvicorn
 
     from ..oplog import OpLog, header
@@ -176,7 +186,7 @@ def serve(model, settings, *, host: str, port: int, name: str, slots: int, max_t
             seconds = worker.warm_up(settings, progress=lambda m: print(f"  warm-up {m}", file=sys.stderr))
             print(f"diffgemma serve: warm in {seconds:.1f} s", file=sys.stderr)
         app = create_app(worker, model.tokenizer, name, settings, tool_validate=tool_validate, api_key=api_key,
-                         limits=limits, fresh_seed=fresh_seed, image_limits=image_limits)
+                         limits=limits, fresh_seed=fresh_seed, image_limits=image_limits, max_body_bytes=max_body_bytes)
         print(f"diffgemma serve: {name} on http://{host}:{port}/v1; batch {worker.max_batch}, {slots} slot(s)"
               + ("; API key required" if api_key else "")
               + (f"; op-log {log.path}" if log else ""), file=sys.stderr)

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 from dataclasses import dataclass
 
 from ..vision.preprocess import MAX_IMAGE_PIXELS
 from .errors import RequestError
 
+log = logging.getLogger("diffgemma.server")
+
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
-_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
+# a data URL's part before its first comma (its base64 data follows the comma)
+_DATA_HEADER = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64")
+_PIECE = 1 << 20  # base64 characters decoded per call, a multiple of 4
 
 
 @dataclass(frozen=True)
@@ -39,17 +44,19 @@ def _bad(message: str, where: str) -> RequestError:
 
 
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
-    m = _DATA_URL.fullmatch(url)
+    header, comma, text = url.partition(",")
+    m = _DATA_HEADER.fullmatch(header) if comma else None
     if m is None:
         raise _bad("not a base64 data URL (expected data:image/png;base64,...)", where)
     media = (m.group("type") or "").lower()
     if media not in MEDIA_TYPES:
         raise _bad(f"media type {media or 'none'!r}; expected image/png, image/jpeg or image/webp", where)
-    text = re.sub(r"\s+", "", m.group("data"))
-    if len(text) * 3 // 4 > limits.max_bytes + 3:
-        raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
+    if len(text) * 3 // 4 > limits.max_bytes + 3:  # over, unless whitespace (wrapped lines) makes it look longer
+        text = _without_whitespace(text)
+        if len(text) * 3 // 4 > limits.max_bytes + 3:
+            raise _bad(f"the image is over this server's limit of {limits.max_bytes} bytes", where)
     try:
-        data = base64.b64decode(text, validate=True)
+        data = _b64decode(text)
     except (binascii.Error, ValueError):
         raise _bad("the data URL's base64 does not decode", where) from None
     if not data:
@@ -59,8 +66,41 @@ def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
     return data
 
 
+def _pieces(text: str):
+    return (text[i:i + _PIECE] for i in range(0, len(text), _PIECE))
+
+
+def _without_whitespace(text: str) -> str:
+    return "".join("".join(piece.split()) for piece in _pieces(text))
+
+
+def _b64decode(text: str) -> bytes:
+    """Strict base64, whitespace anywhere allowed (data URLs may wrap lines) -> the bytes; binascii.Error or
+    ValueError when it does not decode. Decoded _PIECE characters at a time (whole 4-character groups), so a large
+    image leaves the interpreter to the server's other threads between pieces."""
+    try:
+        return _b64decode_strict(text)
+    except (binascii.Error, ValueError):
+        compact = _without_whitespace(text)
+        if len(compact) == len(text):
+            raise
+        return _b64decode_strict(compact)
+
+
+def _b64decode_strict(text: str) -> bytes:
+    out = []
+    for i in range(0, len(text), _PIECE):
+        piece = text[i:i + _PIECE]
+        if piece.endswith("=") and i + _PIECE < len(text):  # padding is only at the very end
+            raise binascii.Error("padding before the end of the data")
+        out.append(base64.b64decode(piece, validate=True))
+    return b"".join(out)
+
+
 def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
-    """GET an http(s) image with the byte cap and the timeout; no redirects, no other schemes."""
+    """GET an http(s) image with the byte cap and the timeout (each wait at most url_timeout_s, and no more pieces
+    read past it); no redirects, no other schemes. Blocking: the server prepares requests in a thread pool
+    (prepare.py), so a URL that never answers holds its own request only."""
     import time
 
     import httpx
@@ -81,6 +121,8 @@ def fetch_url(url: str, where: str, limits: ImageLimits) -> bytes:
                         raise _bad(f"{url!r} is over this server's limit of {limits.max_bytes} bytes", where)
                     if time.monotonic() > deadline:
                         raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where)
+    except httpx.TimeoutException:
+        raise _bad(f"fetching {url!r} took over {limits.url_timeout_s:g} s", where) from None
     except httpx.HTTPError as e:
         raise _bad(f"cannot fetch {url!r} ({type(e).__name__}: {e})", where) from None
     if not data:
@@ -138,14 +180,15 @@ def count_images(messages, limits: ImageLimits | None) -> int:
 
 def prepare(model, messages: list[dict], limits: ImageLimits | None) -> list[dict]:
     """Decode every image of the request (each a 400 naming its message part): the messages the Session takes."""
-    from ..errors import InputError
+    from ..errors import DiffgemmaError, InputError
     from ..vision.prompt import prepare_parts, vision_for
 
     limits = limits or ImageLimits()
     try:
         vision = vision_for(model)
-    except InputError as e:
-        raise RequestError(400, f"messages: {e}", "messages") from None
+    except DiffgemmaError as e:  # why (its files, its config) is the operator's to read, in the server's log
+        log.info("a request with images refused: %s", e)
+        raise RequestError(400, "messages: this model cannot take images; send text only", "messages") from None
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):

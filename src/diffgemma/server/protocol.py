@@ -38,6 +38,8 @@ class Policy:
     model_canvas: int | None = None  # the model's canvas_length: canvas_length's limit unless limits give one
     fresh_seed: bool = False
     images: ImageLimits | None = None  # what a request's image_url parts may be (images.py; None: the defaults)
+    context_tokens: int | None = None  # the server's context: a prompt holds fewer tokens
+    max_text_chars: int | None = None  # the most characters of text that context can hold (text_limit.py)
 
 
 @dataclass
@@ -82,6 +84,43 @@ def _text(content, where: str) -> str:
             out.append(part["text"])
         return "".join(out)
     raise _bad(f"{where}.content: expected a string or a list of text parts", where)
+
+
+def _text_chars(content) -> int:
+    """The characters of text in a message's content (a string, or the text parts of a list); 0 for anything else
+    (convert_messages refuses what is malformed)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def check_text_fits(messages, policy: Policy | None) -> None:
+    """Refuse (400) text no prompt of the server's context can hold, before anything renders or tokenizes it: a
+    message's text, or all of them together, longer than the policy's max_text_chars, or more messages than the
+    context has tokens."""
+    if policy is None or not isinstance(messages, list):
+        return
+    ctx, limit = policy.context_tokens, policy.max_text_chars
+    if ctx is not None and len(messages) > ctx:
+        raise _bad(f"messages: {len(messages)} messages, more than this server's context of {ctx} tokens can hold",
+                   "messages")
+    if limit is None:
+        return
+    total = 0
+    for i, m in enumerate(messages):
+        n = _text_chars(m.get("content")) if isinstance(m, dict) else 0
+        if n > limit:
+            raise too_long(f"messages[{i}].content", n, policy)
+        total += n
+    if total > limit:
+        raise too_long("messages", total, policy)
+
+
+def too_long(where: str, chars: int, policy: Policy) -> RequestError:
+    return _bad(f"{where}: {chars} characters of text, more than this server's context of {policy.context_tokens} "
+                f"tokens can hold (at most {policy.max_text_chars} characters)", where.split(".")[0].split("[")[0])
 
 
 def _arguments(raw, where: str) -> dict:
@@ -262,6 +301,7 @@ def parse_chat_request(body, model_id: str, base: GenerationSettings, policy: Po
             raise _bad(f"reasoning_effort {effort!r} asks for thinking {'on' if by_effort else 'off'} but "
                        f"chat_template_kwargs.enable_thinking is {think}", "reasoning_effort")
         think = by_effort
+    check_text_fits(body.get("messages"), policy)
     messages = convert_messages(body.get("messages"), policy.images if policy else None)
     return ChatRequest(messages=messages, tools=tools, think=bool(think), stream=stream, include_usage=include_usage,
                        settings=settings, tool_choice=tool_choice, forced_name=forced,
@@ -284,6 +324,9 @@ def parse_completion_request(body, model_id: str, base: GenerationSettings,
     ids_ok = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) or ids_ok) or not prompt:
         raise _bad("prompt: expected one non-empty prompt: a string or a list of token ids", "prompt")
+    limit = policy.max_text_chars if policy is not None else None
+    if isinstance(prompt, str) and limit is not None and len(prompt) > limit:
+        raise too_long("prompt", len(prompt), policy)
     return CompletionRequest(prompt=prompt, stream=stream, include_usage=include_usage, settings=settings)
 
 
