@@ -11,6 +11,7 @@ import torch
 from .checkpoint import SafetensorsSource, TensorSource, expected_tensors, iter_with_progress, read_json, unknown_tensors, validate
 from .config import ModelConfig
 from .errors import CheckpointError, InputError
+from .quant.hub import refuse_file
 
 # Show a progress bar when the weights are big enough for the load to take more than a moment.
 PROGRESS_BYTES = 512 * 2**20
@@ -35,10 +36,19 @@ def resolve_path(path) -> Path:
 
 
 def open_source(directory: Path) -> TensorSource:
-    """Pick the TensorSource for a directory: a quantized pack or an HF safetensors checkpoint."""
+    """Pick the TensorSource for a directory: a quantized pack, a published quantized checkpoint (quant/hub.py)
+    or an HF safetensors checkpoint."""
+    from .quant.hub import detect
     from .quant.source import is_pack, open_pack
 
-    return open_pack(directory) if is_pack(directory) else SafetensorsSource(directory)
+    if is_pack(directory):
+        return open_pack(directory)
+    scheme = detect(directory)
+    if scheme is None:
+        return SafetensorsSource(directory)
+    from .quant.hub_source import open_hub
+
+    return open_hub(directory, scheme)
 
 
 def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
@@ -56,6 +66,7 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     if engine not in ("auto", "fast", "reference"):
         raise InputError(f"load: engine must be 'auto', 'fast' or 'reference', got {engine!r}")
     directory = resolve_path(path)
+    refuse_file(directory)
     if not directory.exists():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     if not directory.is_dir():

@@ -1,0 +1,186 @@
+"""Published quantized checkpoints (docs/FORMATS.md) on the CPU: tiny ones made by the formats' own libraries
+(tools/make_hub_checkpoints.py, committed under tests/data/hub/).
+
+For each: our dequantization equals the library's own (its decompressor's output, stored beside the checkpoint);
+the reference path's logits equal transformers' forward on the same dequantized weights within f32 rounding; the
+fast engine's torch path, on the 4-bit records it converts the experts to, matches the reference on the weights
+those records hold, and the conversion moves the weights no further than docs/FORMATS.md says.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import diffgemma
+from diffgemma.checkpoint import expected_tensors
+from diffgemma.model.engine import build_engine
+from diffgemma.model.engine_weights import DictSource
+from diffgemma.quant import codecs
+from diffgemma.quant.hub_source import HubSource, fp8_weight
+
+pytest.importorskip("transformers")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+HUB = Path(__file__).parent / "data" / "hub"
+NAMES = sorted(p.name for p in HUB.iterdir() if (p / "config.json").is_file()) if HUB.is_dir() else []
+TOL_F32 = 1e-3  # tests/test_reference_parity.py's bound for the same math re-associated
+
+
+def _load_quiet(path, **kw):
+    return diffgemma.load(path, **kw)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def hub(request):
+    path = HUB / request.param
+    model = _load_quiet(path)
+    return request.param, path, model
+
+
+def _dequantized(model) -> dict:
+    return model.source_weights if hasattr(model, "source_weights") else None
+
+
+def _state_dict(path) -> dict:
+    """Every tensor the text forward reads, dequantized by our HubSource, in float32."""
+    src = diffgemma.loader.open_source(path)
+    assert isinstance(src, HubSource)
+    cfg = diffgemma.config.ModelConfig.from_file(path / "config.json")
+    return {n: src.get(n, dtype=torch.float32) for n in expected_tensors(cfg)}
+
+
+def _transformers_model(path, weights):
+    """transformers' DiffusionGemma with the config minus its quantization block, holding `weights`."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    hf = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig.from_dict(cfg)).eval().float()
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    assert not unexpected
+    assert all("vision" in m or "lm_head" in m or "encoder.language_model" in m and "layer_scalar" not in m
+               for m in missing), missing
+    return hf
+
+
+def test_every_format_is_present():
+    assert {"ct_fp8_dynamic", "ct_nvfp4", "ct_nvfp4a16", "ct_w4a16", "ct_w4a16_asym"} <= set(NAMES)
+
+
+def test_dequantization_equals_the_librarys(hub):
+    name, path, _ = hub
+    src = diffgemma.loader.open_source(path)
+    probes = load_file(str(path / "library_dequant.safetensors"))
+    assert probes
+    for key, lib in probes.items():
+        mod = key[:-len(".weight")]
+        ours = src._dequant(mod)  # the per-module decode the stacked names are built from
+        assert ours.shape == lib.shape and ours.dtype == torch.float32
+        # fp8 / int4 products are exact in f32; nvfp4's e2m1 · s / global_scale: ours rounds once, the library
+        # twice (scale / global_scale, then the product), so they may differ by one f32 ulp.
+        tol = 2.0 ** -22 * lib.abs() if "nvfp4" in name else torch.zeros_like(lib)
+        assert ((ours - lib).abs() <= tol).all(), f"{name} {key}: max |Δ| {(ours - lib).abs().max():.3g}"
+
+
+def test_experts_stack_gate_before_up(hub):
+    _, path, _ = hub
+    src = diffgemma.loader.open_source(path)
+    gu = src.get("model.decoder.layers.1.experts.gate_up_proj")
+    F = gu.shape[1] // 2
+    for e in range(gu.shape[0]):
+        torch.testing.assert_close(gu[e, :F], src._dequant(f"model.decoder.layers.1.experts.{e}.gate_proj"), rtol=0, atol=0)
+        torch.testing.assert_close(gu[e, F:], src._dequant(f"model.decoder.layers.1.experts.{e}.up_proj"), rtol=0, atol=0)
+
+
+def _two_blocks_ours(model, prompt, canvas1, sc1, block1, canvas2):
+    cache = model.new_cache(128)
+    model.prefill(cache, prompt)
+    a = model.denoise(cache, canvas1)
+    b = model.denoise(cache, canvas1, sc_logits=sc1)
+    model.prefill(cache, block1)
+    return a, b, model.denoise(cache, canvas2)
+
+
+def _two_blocks_hf(hf, prompt, canvas1, sc1, block1, canvas2):
+    cache = DynamicCache(config=hf.config.text_config)
+    with torch.no_grad():
+        a = hf(input_ids=prompt[None], cache=cache, decoder_input_ids=canvas1[None]).logits[0]
+        b = hf(cache=cache, decoder_input_ids=canvas1[None], self_conditioning_logits=sc1[None]).logits[0]
+        c = hf(input_ids=block1[None], cache=cache, decoder_input_ids=canvas2[None]).logits[0]
+    return a, b, c
+
+
+def _case(cfg):
+    V, C = cfg.vocab_size, cfg.canvas_length
+    return (torch.randint(0, V, (2 * cfg.sliding_window,)), torch.randint(0, V, (C,)), torch.randn(C, V) * 4,
+            torch.randint(0, V, (C,)), torch.randint(0, V, (C,)))
+
+
+def test_reference_matches_transformers_on_the_dequantized_weights(hub):
+    _, path, model = hub
+    hf = _transformers_model(path, _state_dict(path))
+    case = _case(model.config)
+    for what, e, g in zip(("prefill+denoise", "SC", "block 2"), _two_blocks_hf(hf, *case), _two_blocks_ours(model, *case)):
+        err = (g - e).abs().max().item()
+        assert err <= TOL_F32, f"{what}: max |Δlogits| = {err:.3g}"
+        assert g.std() > 1e-3
+
+
+def _record_weights(src: HubSource, cfg) -> dict:
+    """The weights the fast engine holds: experts decoded from the converted records, the rest as get() gives."""
+    out = {}
+    for n in expected_tensors(cfg):
+        kind = src.kind(n)
+        out[n] = codecs.decode(kind, src.record(n), src.shape(n)) if kind != "raw" else src.get(n, torch.float32)
+    return out
+
+
+def test_fast_engine_on_converted_records_matches_reference(hub):
+    name, path, model = hub
+    cfg = model.config
+    src = diffgemma.loader.open_source(path)
+    eng = build_engine(cfg, src, "cpu", torch.float32, kv_dtype=torch.float32)
+    expect_kind = {"nvfp4": "nvfp4", "w4a16": "q4", "int4": "q4"}
+    kind = next((k for tag, k in expect_kind.items() if tag in name), None)
+    gu = eng.w.layers[0].experts_gu
+    assert getattr(gu, "fmt", None) == kind  # FP8 stays a tensor here (the FP8 engine takes Fp8Weight)
+    held = _record_weights(diffgemma.loader.open_source(path), cfg)
+    ref = diffgemma.model.reference.ReferenceModel(cfg, held, device="cpu", dtype=torch.float32)
+    case = _case(cfg)
+    for e, g in zip(_two_blocks_ours(ref, *case), _two_blocks_ours(eng, *case)):
+        assert (g - e).abs().max().item() <= TOL_F32
+    exact = _state_dict(path)
+    for n, w in held.items():  # what the conversion changed: docs/FORMATS.md's bounds
+        d = (w - exact[n]).abs().max().item()
+        if "nvfp4" in name:  # block scales re-rounded to e4m3 where experts' global scales differ: <= 2^-4 relative
+            assert d <= 2.0 ** -4 * exact[n].abs().max().item() + 1e-30, n
+        else:  # int4: scale and min = -zero * scale in float16
+            assert d <= 2.0 ** -10 * exact[n].abs().max().item() + 1e-30, n
+
+
+def test_fp8_weights_for_the_fp8_engine():
+    path = HUB / "ct_fp8_dynamic"
+    src = diffgemma.loader.open_source(path)
+    gu = fp8_weight(src, "model.decoder.layers.0.experts.gate_up_proj")
+    q = fp8_weight(src, "model.decoder.layers.1.self_attn.q_proj.weight")
+    assert gu.weight.dtype == torch.float8_e4m3fn and gu.scale.shape == gu.shape[:-1] and len(gu.shape) == 3
+    torch.testing.assert_close(gu.dequantize(), src.get("model.decoder.layers.0.experts.gate_up_proj"), rtol=0, atol=0)
+    torch.testing.assert_close(q.dequantize(), src.get("model.decoder.layers.1.self_attn.q_proj.weight"), rtol=0, atol=0)
+    assert fp8_weight(src, "model.decoder.embed_tokens.weight") is None  # left unquantized by the recipe
+    assert fp8_weight(DictSource({}), "x") is None  # any other source: no FP8 form
+
+
+def test_stderr_names_the_format(capsys):
+    _load_quiet(HUB / "ct_w4a16")
+    err = capsys.readouterr().err
+    assert "int4 (group 32, symmetric)" in err and "experts=ct-int4" in err
+
+
+def _copy(name, tmp_path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(HUB / name, dst)
+    return dst
