@@ -184,3 +184,67 @@ def _copy(name, tmp_path) -> Path:
     dst = tmp_path / name
     shutil.copytree(HUB / name, dst)
     return dst
+
+
+def _one_line(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_truncated_shard_is_one_line_naming_the_file(tmp_path):
+    path = _copy("ct_nvfp4", tmp_path)
+    shard = path / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) - 100])
+    with pytest.raises(diffgemma.errors.CheckpointError) as e:
+        _load_quiet(path)
+    assert str(shard) in _one_line(e) and "truncated" in str(e.value)
+
+
+def test_corrupted_shard_header_is_one_line_naming_the_file(tmp_path):
+    path = _copy("autoround_int4", tmp_path)
+    shard = path / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"\x00" * 32  # the JSON header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(diffgemma.errors.CheckpointError) as e:
+        _load_quiet(path)
+    assert str(shard) in _one_line(e)
+
+
+def _with_config(tmp_path, name, edit, file="config.json"):
+    path = _copy(name, tmp_path)
+    cfg = json.loads((path / file).read_text())
+    edit(cfg)
+    (path / file).write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("name,edit,named", [
+    ("ct_fp8_dynamic", lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), "bitsandbytes"),
+    ("ct_w4a16", lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8),
+     "int 8-bit"),
+    ("ct_fp8_dynamic", lambda c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(
+        dynamic=False, strategy="tensor"), "static"),
+    ("ct_fp8_dynamic", lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+        strategy="block"), "block"),
+    ("autoround_int4", lambda c: c["quantization_config"].update(bits=2), "2-bit"),
+    ("modelopt_nvfp4", lambda c: c["quantization_config"].update(quant_algo="FP8"), "FP8"),
+])
+def test_unsupported_scheme_is_refused_naming_it(tmp_path, name, edit, named):
+    path = _with_config(tmp_path, name, edit)
+    with pytest.raises(diffgemma.errors.CheckpointError) as e:
+        _load_quiet(path)
+    msg = _one_line(e)
+    assert named in msg and "unsupported quantization" in msg and "diffgemma loads" in msg
+    assert "ModelOpt NVFP4" in msg  # the list of what is supported
+
+
+def test_gguf_is_refused_naming_it(tmp_path):
+    f = tmp_path / "model-Q4_K_M.gguf"
+    f.write_bytes(b"GGUF" + b"\x00" * 60)
+    for target in (f, tmp_path):
+        with pytest.raises(diffgemma.errors.CheckpointError) as e:
+            _load_quiet(target)
+        assert "GGUF" in _one_line(e) and "model-Q4_K_M.gguf" in str(e.value)

@@ -157,6 +157,10 @@ class SafetensorsSource:
     def file_of(self, name: str) -> Path:
         return self._files[self._where[name]]
 
+    def files(self) -> list[Path]:
+        """The shard files this checkpoint's tensors are read from."""
+        return list(self._files.values())
+
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self._files.values())
 

@@ -107,11 +107,17 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
                                 len(expected_tensors(cfg)))
         return build_parallel_engine(cfg, share, group, dtype, generation_config=generation_config, path=directory,
                                      tokenizer=tokenizer, options=options)
+    from .quant.hub_source import describe_formats
+
+    formats = describe_formats(source, fast, dtype)
     if fast:
         from .model.engine import build_engine
 
-        return build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device, dtype,
-                            generation_config=generation_config, path=directory, tokenizer=tokenizer, options=options)
+        model = build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device,
+                             dtype, generation_config=generation_config, path=directory, tokenizer=tokenizer,
+                             options=options)
+        model.weight_formats = formats
+        return model
     names = list(expected_tensors(cfg))
     weights = {}
     for name in iter_with_progress(names, len(names), progress, desc=f"loading {directory.name}"):
@@ -119,8 +125,10 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
 
     from .model.reference import ReferenceModel
 
-    return ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
-                          path=directory, tokenizer=tokenizer)
+    model = ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
+                           path=directory, tokenizer=tokenizer)
+    model.weight_formats = formats  # `ask --stats` (quant/hub_source.describe_formats)
+    return model
 
 
 class _ProgressSource:

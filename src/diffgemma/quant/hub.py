@@ -49,9 +49,14 @@ def _refuse(where, what: str) -> CheckpointError:
 
 
 def refuse_file(path: Path) -> None:
-    """A single file given where a checkpoint directory is expected: name a GGUF file as such."""
+    """A GGUF file, or a directory holding GGUF files and no safetensors, where a checkpoint directory is expected:
+    refused, naming it."""
     if path.is_file() and (path.suffix.lower() == ".gguf" or _magic(path) == b"GGUF"):
         raise _refuse(path, "GGUF (a llama.cpp file)")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not any(path.glob("*.safetensors")):
+            raise _refuse(ggufs[0], "GGUF (a llama.cpp file)")
 
 
 def _magic(path: Path) -> bytes:
@@ -65,9 +70,7 @@ def _magic(path: Path) -> bytes:
 def detect(directory: Path) -> HubScheme | None:
     """The published quantized format of `directory`, None when it declares none (docstring above)."""
     directory = Path(directory)
-    ggufs = sorted(directory.glob("*.gguf"))
-    if ggufs and not (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").is_file():
-        raise _refuse(ggufs[0], "GGUF (a llama.cpp file)")
+    refuse_file(directory)
     cfg = _read(directory / "config.json")
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     modelopt = _read(directory / "hf_quant_config.json")

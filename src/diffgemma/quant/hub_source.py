@@ -323,6 +323,26 @@ class HubSource:
         return {cls: "/".join(sorted(v)) for cls, v in out.items()}
 
 
+def describe_formats(source, fast: bool, dtype: torch.dtype) -> str:
+    """'class=stored->runs as, ...' for `ask --stats`: each weight class's stored format and what the loaded model
+    computes with (the engine's packed nvfp4 / q4 records, else `dtype` values)."""
+    stored = source.formats() if hasattr(source, "formats") else {}
+    kinds: dict[str, set] = {}
+    for name in source.keys():
+        cls = tensor_class(name)
+        if cls is not None and not cls.startswith("vision"):
+            kind = source.kind(name) if hasattr(source, "kind") else "raw"
+            kinds.setdefault("experts" if cls.startswith("experts") else cls, set()).add(kind)
+    run = str(dtype).replace("torch.", "")
+    out = []
+    for cls in sorted(kinds):
+        packed = sorted(k for k in kinds[cls] if k != "raw")
+        runs = "/".join(packed) if fast and packed and cls in ("experts", "sc") else run
+        have = stored.get(cls) or "/".join(packed or ["raw"])
+        out.append(f"{cls}={have}->{runs}")
+    return ", ".join(out)
+
+
 def open_hub(directory, scheme: HubScheme) -> HubSource:
     """The loader's entry point (diffgemma.loader.open_source): a HubSource, with one line on stderr saying what
     the checkpoint holds."""
