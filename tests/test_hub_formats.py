@@ -248,3 +248,32 @@ def test_gguf_is_refused_naming_it(tmp_path):
         with pytest.raises(diffgemma.errors.CheckpointError) as e:
             _load_quiet(target)
         assert "GGUF" in _one_line(e) and "model-Q4_K_M.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize("scale_form", ["rows", "pair"])
+def test_fused_fp8_experts_load_like_the_split_ones(tmp_path, scale_form):
+    """The fused-expert FP8 form (experts.gate_up_proj in e4m3 + experts.gate_up_proj_scale), made here from the
+    split checkpoint, gives the same weights; the scale as [E, 2F, 1] rows or llmcompressor's [E, F, 2] pair."""
+    from safetensors.torch import save_file
+
+    path = _copy("ct_fp8_dynamic", tmp_path)
+    t = load_file(str(path / "model.safetensors"))
+    for layer in range(2):
+        p = f"model.decoder.layers.{layer}.experts"
+        E = 1 + max(int(k.split(".")[5]) for k in t if k.startswith(p + "."))
+        pop = lambda e, proj, s="": t.pop(f"{p}.{e}.{proj}.weight{s}")  # noqa: E731
+        gate = [(pop(e, "gate_proj"), pop(e, "gate_proj", "_scale")) for e in range(E)]
+        up = [(pop(e, "up_proj"), pop(e, "up_proj", "_scale")) for e in range(E)]
+        down = [(pop(e, "down_proj"), pop(e, "down_proj", "_scale")) for e in range(E)]
+        t[p + ".gate_up_proj"] = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(gate, up)])
+        if scale_form == "rows":
+            t[p + ".gate_up_proj_scale"] = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(gate, up)])
+        else:
+            t[p + ".gate_up_proj_scale"] = torch.stack([torch.cat([g[1], u[1]], -1) for g, u in zip(gate, up)])
+        t[p + ".down_proj"] = torch.stack([d[0] for d in down])
+        t[p + ".down_proj_scale"] = torch.stack([d[1] for d in down])
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+    fused, split = diffgemma.loader.open_source(path), diffgemma.loader.open_source(HUB / "ct_fp8_dynamic")
+    for name in ("model.decoder.layers.1.experts.gate_up_proj", "model.decoder.layers.0.experts.down_proj"):
+        assert torch.equal(fused.get(name), split.get(name))
+        assert torch.equal(fp8_weight(fused, name).scale, fp8_weight(split, name).scale)

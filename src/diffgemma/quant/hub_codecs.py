@@ -2,8 +2,9 @@
 own records (codecs.py) where one holds the same values.
 
 Every `dequant_*` takes one linear's stored tensors ([N, K] weights, "out" rows, "in" columns) and returns the
-float32 weight; products of a few-bit value and a scale are computed in float64 and rounded once, so the result
-is the real value rounded to float32 (exact wherever float32 holds it: fp8, int4 and GPTQ always are).
+float32 weight: the real value rounded once to float32. That is exact for the published scale dtypes (fp8 and int4
+with bfloat16 / float16 scales: at most 4 + 11 significant bits); nvfp4's division by a global scale, and a
+float32 fp8 scale, round once.
 
   fp8        w = e4m3 · scale                      scale [N, 1] / [N] (channel) or one value (tensor)
   nvfp4 (ct) w = e2m1 · e4m3(scale) / global_scale packed nibbles [N, K/2] (element 2j low), scale [N, K/16]
@@ -39,7 +40,8 @@ def _need(cond: bool, what: str):
 
 
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [N, K] times a per-row ([N, 1] / [N]) or per-tensor scale -> float32 [N, K] (exact)."""
+    """e4m3 [N, K] times a per-row ([N, 1] / [N]) or per-tensor scale -> float32 [N, K], one rounding (none for
+    bfloat16 / float16 scales)."""
     _need(weight.dtype == torch.float8_e4m3fn, f"fp8 weight has dtype {weight.dtype}, expected float8_e4m3fn")
     return weight.float() * fp8_row_scales(scale, weight.shape[0]).unsqueeze(-1)
 

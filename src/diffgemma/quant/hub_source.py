@@ -274,16 +274,21 @@ class HubSource:
         return None
 
     def _fused_scale(self, name: str, shape) -> torch.Tensor:
+        """The float32 [E, N] row scales of a fused FP8 expert stack: stored per row ([E, N] / [E, N, 1]), per expert,
+        per tensor, or as llmcompressor's repacked gate ‖ up pair ([E, N/2, 2]: gate's scales then up's)."""
+        e, n = shape[0], shape[1]
         for key in (name + "_scale", name + ".weight_scale", name + "_weight_scale"):
-            if key in self._raw_keys:
-                s = self.raw.get(key).float()
-                e, n = shape[0], shape[1]
-                if s.numel() == e * n:
-                    return s.reshape(e, n).contiguous()
-                if s.numel() in (1, e):
-                    return s.reshape(-1, 1).expand(e, n).contiguous()
-                raise TensorError(f"{self.raw.file_of(key)}: {key} has shape {list(s.shape)}; expected one scale "
-                                  f"per row ({e}x{n}), per expert or per tensor")
+            if key not in self._raw_keys:
+                continue
+            s = self.raw.get(key).float()
+            if s.dim() == 3 and tuple(s.shape) == (e, n // 2, 2) and name.endswith("gate_up_proj"):
+                return torch.cat([s[..., 0], s[..., 1]], 1).contiguous()
+            if s.numel() == e * n and (s.dim() < 3 or s.shape[-1] == 1):
+                return s.reshape(e, n).contiguous()
+            if s.numel() in (1, e):
+                return s.reshape(-1, 1).expand(e, n).contiguous()
+            raise TensorError(f"{self.raw.file_of(key)}: {key} has shape {list(s.shape)}; expected one scale per row "
+                              f"([{e}, {n}]), per expert or per tensor")
         raise TensorError(f"{self.raw.file_of(name)}: fp8 tensor {name!r} has no {name}_scale beside it")
 
     def _convert(self, name: str) -> memoryview:
