@@ -78,15 +78,20 @@ def unpack_int4_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return q[:, :cols].to(torch.uint8)
 
 
+def groups(k: int, group: int) -> int:
+    """Groups along K: the last one may be partial (K = 704 in groups of 128: 5 whole and one of 64)."""
+    return -(-k // group)
+
+
 def ct_int4_codes(packed, scale, zero_point, shape, group: int):
-    """compressed-tensors pack-quantized -> (codes uint8 [N, K] 0..15, scale f32 [N, K/g], zero f32 [N, K/g])
-    with w = (code - zero) · scale: stored nibbles are q + 8, so zero = 8 + zp (8 when symmetric)."""
+    """compressed-tensors pack-quantized -> (codes uint8 [N, K] 0..15, scale f32 [N, G], zero f32 [N, G]), G the
+    groups along K, with w = (code - zero) · scale: stored nibbles are q + 8, so zero = 8 + zp (8 when symmetric)."""
     n, k = shape
-    _need(k % group == 0 and tuple(scale.shape) == (n, k // group),
-          f"int4 scale {list(scale.shape)}: expected [{n}, {k // group}] for group {group}")
+    g = groups(k, group)
+    _need(tuple(scale.shape) == (n, g), f"int4 scale {list(scale.shape)}: expected [{n}, {g}] for group {group}")
     codes = unpack_int4_rows(packed, k)
     if zero_point is None:
-        zero = torch.full((n, k // group), 8.0)
+        zero = torch.full((n, g), 8.0)
     else:
         zp = unpack_int4_rows(zero_point.t().contiguous(), n).t()  # packed along N
         zero = zp.float()  # stored zp + 8
@@ -94,21 +99,22 @@ def ct_int4_codes(packed, scale, zero_point, shape, group: int):
 
 
 def gptq_int4_codes(qweight, qzeros, scales, group: int, zero_offset: int):
-    """GPTQ-style -> (codes uint8 [N, K], scale f32 [N, K/g], zero f32 [N, K/g]); w = (code - zero) · scale where
+    """GPTQ-style -> (codes uint8 [N, K], scale f32 [N, G], zero f32 [N, G]); w = (code - zero) · scale where
     zero = stored zero + zero_offset (1 for the original GPTQ export, 0 for the fixed one)."""
     kw, n = qweight.shape
     k = kw * 8
-    _need(k % group == 0 and tuple(scales.shape) == (k // group, n),
-          f"gptq scales {list(scales.shape)}: expected [{k // group}, {n}] for group {group}")
+    _need(tuple(scales.shape) == (groups(k, group), n),
+          f"gptq scales {list(scales.shape)}: expected [{groups(k, group)}, {n}] for group {group}")
     codes = unpack_int4_rows(qweight.t().contiguous(), k)  # qweight packs along K: transpose to rows = N
     zero = unpack_int4_rows(qzeros, n).t().float() + zero_offset
     return codes, scales.t().float().contiguous(), zero.contiguous()
 
 
 def dequant_int4(codes, scale, zero, group: int) -> torch.Tensor:
-    n, k = codes.shape
-    q = codes.reshape(n, k // group, group).float() - zero.unsqueeze(-1)
-    return (q * scale.unsqueeze(-1)).reshape(n, k)
+    """(code - zero) · scale, each group's pair over its `group` columns (the last group may be partial)."""
+    k = codes.shape[1]
+    z = zero.repeat_interleave(group, 1)[:, :k]
+    return (codes.float() - z) * scale.repeat_interleave(group, 1)[:, :k]
 
 
 # ------------------------------------------------------------------------------------- engine records
@@ -153,7 +159,7 @@ def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:
     """codecs' q4 record from int4 parts (codes uint8 [n, K] 0..15, scale f32 [n, K/g], zero f32 [n, K/g])
     stacked row-wise; each group of g becomes g/32 q4 groups (scale, min = -zero · scale) in float16."""
     _need(group % codecs.GROUP["q4"] == 0, f"int4 group size {group} does not split into q4's groups of 32")
-    rep = group // codecs.GROUP["q4"]
+    rep, q4_groups = group // codecs.GROUP["q4"], shape[-1] // codecs.GROUP["q4"]
     codes = torch.cat([c for c, _, _ in parts])
     scale = torch.cat([s for _, s, _ in parts]).double()
     mn = -torch.cat([z for _, _, z in parts]).double() * scale
@@ -161,8 +167,8 @@ def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:
     note.add(scale, s16.double())
     note.add(mn, m16.double())
     planes = {"codes": pack_nibbles(codes).numpy(),
-              "scale": s16.repeat_interleave(rep, 1).contiguous().view(torch.uint8).numpy(),
-              "min": m16.repeat_interleave(rep, 1).contiguous().view(torch.uint8).numpy()}
+              "scale": s16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8).numpy(),
+              "min": m16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8).numpy()}
     return memoryview(codecs.assemble("q4", shape, planes))
 
 

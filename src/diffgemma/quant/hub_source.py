@@ -170,7 +170,7 @@ class HubSource:
         fmt = self._module_kind(what[0][0])
         if fmt in ("ct-nvfp4", "mo-nvfp4"):
             return "nvfp4"
-        if fmt in ("ct-int4", "gptq") and self.scheme.group_size % 32 == 0:
+        if fmt in ("ct-int4", "gptq") and self.scheme.group_size % 32 == 0 and self.shape(name)[-1] % 32 == 0:
             return "q4"
         return "raw"
 
