@@ -134,14 +134,13 @@ def test_verify_on_published_checkpoints(capsys, tmp_path):
     assert "model.safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def fp8_with_tokenizer(tmp_path_factory):
-    """The published-format FP8 tiny checkpoint grown to the demo tokenizer's vocabulary (its embedding is one of
-    the tensors the recipe leaves unquantized; the quantized tensors are untouched)."""
+def _with_tokenizer(name, tmp_path_factory):
+    """A published-format tiny checkpoint grown to the demo tokenizer's vocabulary (its embedding is one of the
+    tensors the recipes leave unquantized; the quantized tensors are untouched)."""
     demo = embedded_model_path()
     vocab = json.loads((demo / "config.json").read_text())["text_config"]["vocab_size"]
-    path = tmp_path_factory.mktemp("fp8tok") / "m"
-    shutil.copytree(HUB / "ct_fp8_dynamic", path)
+    path = tmp_path_factory.mktemp(name) / "m"
+    shutil.copytree(HUB / name, path)
     tensors = load_file(str(path / "model.safetensors"))
     for k in [k for k in tensors if k.endswith("embed_tokens.weight")]:
         tensors[k] = (torch.randn(vocab, tensors[k].shape[1]) * 0.2).to(tensors[k].dtype)
@@ -149,17 +148,45 @@ def fp8_with_tokenizer(tmp_path_factory):
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["vocab_size"] = vocab
     (path / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(demo / name, path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(demo / f, path)
     return path
 
 
-@pytest.mark.parametrize("device_engine", [["--device", "cpu"]])
-def test_ask_answers_on_a_published_fp8_checkpoint(fp8_with_tokenizer, capsys, device_engine):
-    code = main(["ask", "Hello there", "--model", str(fp8_with_tokenizer), "--max-new-tokens", "12",
-                 "--set", "max_denoising_steps=3", "--stats", *device_engine])
+@pytest.fixture(scope="module")
+def fp8_with_tokenizer(tmp_path_factory):
+    return _with_tokenizer("ct_fp8_dynamic", tmp_path_factory)
+
+
+@pytest.mark.parametrize("name,stored", [("ct_fp8_dynamic", "fp8"), ("ct_nvfp4", "ct-nvfp4")])
+def test_ask_answers_on_a_published_checkpoint(name, stored, tmp_path_factory, capsys):
+    path = _with_tokenizer(name, tmp_path_factory)
+    code = main(["ask", "Hello there", "--model", str(path), "--max-new-tokens", "12",
+                 "--set", "max_denoising_steps=3", "--stats", "--device", "cpu"])
     out, err = capsys.readouterr()
     assert code == 0 and out.endswith("\n")
     weights = [ln for ln in err.splitlines() if ln.startswith("[weights: ")]
-    assert weights and "experts=fp8->float32" in weights[0] and "attn=fp8->float32" in weights[0]
+    assert weights and f"experts={stored}->float32" in weights[0] and f"attn={stored}->float32" in weights[0]
     assert err.strip().splitlines()[-1].startswith("[blocks=")
+
+
+def test_serve_answers_on_a_published_fp8_checkpoint(fp8_with_tokenizer):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from diffgemma.server.app import create_app
+    from diffgemma.server.commands import served_name
+    from diffgemma.server.worker import Worker
+    from diffgemma.settings import GenerationSettings
+
+    model = diffgemma.load(fp8_with_tokenizer)
+    worker = Worker(model, slots=1, max_tokens=512)
+    try:
+        base = GenerationSettings.resolve(model.generation_config, env={})
+        client = TestClient(create_app(worker, model.tokenizer, served_name(model), base))
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        worker.close()
