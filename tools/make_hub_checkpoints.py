@@ -98,6 +98,56 @@ def make_ct(base: Path, name: str, out: Path) -> None:
         oneshot(model=model, recipe=recipe)
     model.save_pretrained(str(out), save_compressed=True)
     write_ct_probes(out)
+    if name in FAKEQUANT:
+        from safetensors.torch import save_file
+
+        save_file(library_fakequant_logits(base, name, out), str(out / "library_fakequant.safetensors"))
+
+
+# Checkpoints that also ship the library's own weights-and-activations fake-quant forward (the FP8 engine's GPU
+# test compares its per-token FP8 activations with it).
+FAKEQUANT = ("ct_fp8_dynamic",)
+
+
+@torch.no_grad()
+def library_fakequant_logits(base: Path, name: str, out: Path) -> dict:
+    """llmcompressor's quantized forward on exactly the saved checkpoint's weights, in float32, on a fixed prompt and
+    canvas (one prefill, one denoise): {prompt, canvas, logits_fakequant (weights QDQ + activations quantized per
+    token on the fly), logits_weights_only (the same with activation quantization off)}.
+
+    A fresh oneshot model (same recipe) gets each quantized linear's weight set to the checkpoint's e4m3 · scale in
+    float32 (its compressor divides in bf16, so a float32 re-quantization of the original weights could pick other
+    codes); the forward's weight QDQ then gives back those same values."""
+    from llmcompressor import oneshot
+    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from safetensors.torch import load_file
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    with load_quantizable_moe(DiffusionGemmaForBlockDiffusion):
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(base), dtype=torch.bfloat16)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=CT_SCHEMES[name][0],
+                                                     ignore=CT_SCHEMES[name][1]))
+    saved = load_file(str(out / "model.safetensors"))
+    model.float().eval()
+    for mod_name, mod in model.named_modules():
+        if mod_name + ".weight_scale" in saved:
+            mod.weight.data = saved[mod_name + ".weight"].float() * saved[mod_name + ".weight_scale"].float()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    prompt = torch.randint(0, HUB["vocab_size"], (12,), generator=gen)
+    canvas = torch.randint(0, HUB["vocab_size"], (model.config.canvas_length,), generator=gen)
+
+    def forward():
+        cache = DynamicCache(config=model.config.text_config)
+        return model(input_ids=prompt[None], cache=cache, decoder_input_ids=canvas[None]).logits[0].contiguous()
+
+    full = forward()
+    for mod in model.modules():
+        scheme = getattr(mod, "quantization_scheme", None)
+        if scheme is not None:
+            mod.quantization_scheme = scheme.model_copy(update={"input_activations": None})
+    return {"prompt": prompt, "canvas": canvas, "logits_fakequant": full, "logits_weights_only": forward()}
 
 
 def write_ct_probes(out: Path) -> None:
