@@ -335,3 +335,18 @@ def test_reference_equals_the_librarys_own_forward_on_the_fp8_checkpoint():
     ours = model.denoise(cache, ref["canvas"])
     assert (ours - ref["logits_weights_only"]).abs().max().item() <= TOL_F32
     assert (ours - ref["logits_fakequant"]).abs().max().item() > 10 * TOL_F32
+
+
+@pytest.mark.parametrize("name", ["ct_fp8_dynamic", "ct_nvfp4", "autoround_int4"])
+def test_expert_parallel_share_of_a_hub_checkpoint(name):
+    """An expert-parallel rank's share (parallel/expert.ExpertShard) of a split-expert checkpoint: the experts it
+    owns, as dequantized tensors and as the engine's records."""
+    from diffgemma.parallel.expert import ExpertShard
+
+    src = diffgemma.loader.open_source(HUB / name)
+    share = ExpertShard(diffgemma.loader.open_source(HUB / name), 2, 2)
+    for n in ("model.decoder.layers.0.experts.gate_up_proj", "model.decoder.layers.1.experts.down_proj"):
+        assert torch.equal(share.get(n), src.get(n)[2:4])
+        if src.kind(n) != "raw":
+            dec = codecs.decode(src.kind(n), share.record(n), share.shape(n))
+            assert torch.equal(dec, codecs.decode(src.kind(n), src.record(n), src.shape(n))[2:4])

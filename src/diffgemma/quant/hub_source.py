@@ -140,7 +140,9 @@ class HubSource:
     def nbytes(self) -> int:
         return self.raw.nbytes()
 
-    def file_of(self, name: str) -> Path:
+    def shard_of(self, name: str) -> Path:
+        """The file holding (the first part of) `name`. Not `file_of`: the parallel loader reads a `file_of` source's
+        expert stacks as slices of one stored tensor, which a split checkpoint does not have."""
         plan = self._plans[name]
         first = plan[1] if plan[0] in ("raw", "fp8-fused") else (plan[1] if plan[0] == "linear" else plan[1][0][0])
         key = first if first in self._raw_keys else next(k for k in self._raw_keys if k.startswith(first + "."))
@@ -302,6 +304,10 @@ class HubSource:
             rec = hc.q4_record([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
         else:
             raise CheckpointError(f"{self.path}: {name!r} has no packed form for the engine")
+        if not self.notes:
+            self.notes.append(f"diffgemma: {self.path.name}: converting the expert stacks to the engine's {fmt} "
+                              "records at load (docs/FORMATS.md)")
+            print(self.notes[-1], file=sys.stderr)
         if note.count:
             msg = (f"diffgemma: {self.path.name}: {name}: {note.count} of {note.total} scale values rounded when "
                    f"converting to the engine's {fmt} record (largest change {note.worst:.3g}); docs/FORMATS.md")

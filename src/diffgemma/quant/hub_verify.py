@@ -52,7 +52,7 @@ def verify_hub(directory, scheme: HubScheme) -> str:
         for name in names:
             t = src.get(name, dtype=torch.float32)
             if not torch.isfinite(t).all():
-                raise CheckpointError(f"{src.file_of(name)}: tensor {name!r} dequantizes to non-finite values; the "
+                raise CheckpointError(f"{src.shard_of(name)}: tensor {name!r} dequantizes to non-finite values; the "
                                       "file is corrupted — re-download it")
         shards = sorted(src.raw.source.files())
         hashed = 0
