@@ -135,7 +135,8 @@ def _record_weights(src: HubSource, cfg) -> dict:
     out = {}
     for n in expected_tensors(cfg):
         kind = src.kind(n)
-        out[n] = codecs.decode(kind, src.record(n), src.shape(n)) if kind != "raw" else src.get(n, torch.float32)
+        packed = kind not in ("raw", "fp8")  # fp8: the FP8 engine's (tests/gpu); here get() as the engine on main
+        out[n] = codecs.decode(kind, src.record(n), src.shape(n)) if packed else src.get(n, torch.float32)
     return out
 
 
@@ -172,6 +173,9 @@ def test_fp8_weights_for_the_fp8_engine():
     torch.testing.assert_close(q.dequantize(), src.get("model.decoder.layers.1.self_attn.q_proj.weight"), rtol=0, atol=0)
     assert fp8_weight(src, "model.decoder.embed_tokens.weight") is None  # left unquantized by the recipe
     assert fp8_weight(DictSource({}), "x") is None  # any other source: no FP8 form
+    assert src.kind("model.decoder.layers.0.experts.gate_up_proj") == "fp8"
+    assert src.kind("model.decoder.layers.1.self_attn.q_proj.weight") == "fp8"
+    assert src.kind("model.decoder.embed_tokens.weight") == "raw"
 
 
 def test_stderr_names_the_format(capsys):
@@ -347,6 +351,16 @@ def test_expert_parallel_share_of_a_hub_checkpoint(name):
     share = ExpertShard(diffgemma.loader.open_source(HUB / name), 2, 2)
     for n in ("model.decoder.layers.0.experts.gate_up_proj", "model.decoder.layers.1.experts.down_proj"):
         assert torch.equal(share.get(n), src.get(n)[2:4])
-        if src.kind(n) != "raw":
+        if src.kind(n) not in ("raw", "fp8"):
             dec = codecs.decode(src.kind(n), share.record(n), share.shape(n))
             assert torch.equal(dec, codecs.decode(src.kind(n), src.record(n), src.shape(n))[2:4])
+
+
+def test_weight_formats_say_what_the_loaded_model_holds():
+    fast = diffgemma.load(HUB / "ct_nvfp4", engine="fast", dtype=torch.float32)
+    assert "experts=ct-nvfp4->nvfp4" in fast.weight_formats and "attn=ct-nvfp4->float32" in fast.weight_formats
+    assert "sc=bfloat16->float32" in fast.weight_formats
+    int4 = diffgemma.load(HUB / "autoround_int4", engine="fast", dtype=torch.float32)
+    assert "experts=gptq->q4" in int4.weight_formats
+    ref = diffgemma.load(HUB / "modelopt_nvfp4")
+    assert "experts=mo-nvfp4->float32" in ref.weight_formats and "attn=bfloat16->float32" in ref.weight_formats

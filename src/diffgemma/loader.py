@@ -109,14 +109,13 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
                                      tokenizer=tokenizer, options=options)
     from .quant.hub_source import describe_formats
 
-    formats = describe_formats(source, fast, dtype)
     if fast:
         from .model.engine import build_engine
 
         model = build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device,
                              dtype, generation_config=generation_config, path=directory, tokenizer=tokenizer,
                              options=options)
-        model.weight_formats = formats
+        model.weight_formats = describe_formats(source, model, dtype)  # `ask --stats`
         return model
     names = list(expected_tensors(cfg))
     weights = {}
@@ -127,7 +126,7 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
 
     model = ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
                            path=directory, tokenizer=tokenizer)
-    model.weight_formats = formats  # `ask --stats` (quant/hub_source.describe_formats)
+    model.weight_formats = describe_formats(source, model, dtype)  # `ask --stats` (quant/hub_source.py)
     return model
 
 

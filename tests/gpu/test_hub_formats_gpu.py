@@ -27,7 +27,7 @@ NAMES = sorted(p.name for p in HUB.iterdir() if (p / "config.json").is_file())
 
 def _record_weights(src, cfg) -> dict:
     """What the engine holds: experts decoded from the converted records, the rest as get() gives (f32)."""
-    return {n: codecs.decode(src.kind(n), src.record(n), src.shape(n)) if src.kind(n) != "raw"
+    return {n: codecs.decode(src.kind(n), src.record(n), src.shape(n)) if src.kind(n) not in ("raw", "fp8")
             else src.get(n, torch.float32) for n in expected_tensors(cfg)}
 
 

@@ -32,6 +32,7 @@ from .policy import tensor_class
 
 _EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 _VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+FP8 = "fp8"  # the kind of a tensor fp8_weight() hands out (the FP8 engine's, model/engine_weights.py)
 _PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -165,8 +166,11 @@ class HubSource:
         return self.raw.dtype(what) if kind == "raw" else torch.float32
 
     def kind(self, name: str) -> str:
-        """'nvfp4' / 'q4' for expert stacks the engine's 4-bit kernels hold (record() converts), else 'raw'."""
+        """'nvfp4' / 'q4' for expert stacks the engine's 4-bit kernels hold (record() converts), 'fp8' for a tensor
+        fp8_weight() hands out, else 'raw'."""
         kind, what = self._plan_of(name)
+        if self._is_fp8(kind, what):
+            return FP8
         if kind != "stack":
             return "raw"
         fmt = self._module_kind(what[0][0])
@@ -258,6 +262,13 @@ class HubSource:
                               f"{mod}: {e}") from None
 
     # ------------------------------------------------------------------------------ engine forms
+    def _is_fp8(self, kind: str, what) -> bool:
+        if kind == "fp8-fused":
+            return True
+        if kind == "linear":
+            return self._module_kind(what) == "fp8"
+        return kind == "stack" and all(self._module_kind(m) == "fp8" for row in what for m in row)
+
     def fp8_weight(self, name: str, device="cpu") -> Fp8Weight | None:
         """`name` as an Fp8Weight ([N, K] or a stacked [E, N, K]) when every part of it is FP8, else None."""
         kind, what = self._plan_of(name)
@@ -334,23 +345,32 @@ class HubSource:
         return {cls: "/".join(sorted(v)) for cls, v in out.items()}
 
 
-def describe_formats(source, fast: bool, dtype: torch.dtype) -> str:
-    """'class=stored->runs as, ...' for `ask --stats`: each weight class's stored format and what the loaded model
-    computes with (the engine's packed nvfp4 / q4 records, else `dtype` values)."""
+def describe_formats(source, model, dtype: torch.dtype) -> str:
+    """'class=stored->held, ...' for `ask --stats`: each weight class's stored format and what the loaded model holds
+    (the fast engine's weights as built: an nvfp4 / q4 / q8 record, fp8, or a dtype; the reference: `dtype`)."""
     stored = source.formats() if hasattr(source, "formats") else {}
     kinds: dict[str, set] = {}
     for name in source.keys():
         cls = tensor_class(name)
         if cls is not None and not cls.startswith("vision"):
-            kind = source.kind(name) if hasattr(source, "kind") else "raw"
-            kinds.setdefault("experts" if cls.startswith("experts") else cls, set()).add(kind)
-    run = str(dtype).replace("torch.", "")
+            kinds.setdefault("experts" if cls.startswith("experts") else cls, set()).add(
+                source.kind(name) if hasattr(source, "kind") else "raw")
+    w = getattr(model, "w", None)
+    held = {}
+    if w is not None and getattr(w, "layers", None):
+        layer = w.layers[0]
+        held = {"experts": layer.experts_gu, "attn": layer.o, "dense": layer.mlp_down, "sc": w.sc_down}
     out = []
     for cls in sorted(kinds):
-        packed = sorted(k for k in kinds[cls] if k != "raw")
-        runs = "/".join(packed) if fast and packed and cls in ("experts", "sc") else run
-        have = stored.get(cls) or "/".join(packed or ["raw"])
-        out.append(f"{cls}={have}->{runs}")
+        t = held.get(cls)
+        if t is None:
+            runs = str(dtype)
+        elif getattr(t, "fmt", None):
+            runs = t.fmt
+        else:
+            runs = str(getattr(t, "weight", t).dtype)
+        runs = FP8 if "float8" in runs else runs.replace("torch.", "")
+        out.append(f"{cls}={stored.get(cls) or '/'.join(sorted(kinds[cls]))}->{runs}")
     return ", ".join(out)
 
 
