@@ -364,3 +364,15 @@ def test_weight_formats_say_what_the_loaded_model_holds():
     assert "experts=gptq->q4" in int4.weight_formats
     ref = diffgemma.load(HUB / "modelopt_nvfp4")
     assert "experts=mo-nvfp4->float32" in ref.weight_formats and "attn=bfloat16->float32" in ref.weight_formats
+
+
+def test_modelopt_checkpoint_described_by_hf_quant_config_alone(tmp_path):
+    """ModelOpt's exports carry hf_quant_config.json; a config.json without quantization_config still loads."""
+    path = _with_config(tmp_path, "modelopt_nvfp4", lambda c: c.pop("quantization_config"))
+    src = diffgemma.loader.open_source(path)
+    assert src.scheme.format == "modelopt-nvfp4"
+    assert torch.equal(src.get("model.decoder.layers.0.experts.down_proj"),
+                       diffgemma.loader.open_source(HUB / "modelopt_nvfp4").get("model.decoder.layers.0.experts.down_proj"))
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W4A8_AWQ"}}))
+    with pytest.raises(diffgemma.errors.CheckpointError, match="ModelOpt quant_algo 'W4A8_AWQ'"):
+        _load_quiet(path)
