@@ -157,6 +157,10 @@ class SafetensorsSource:
     def file_of(self, name: str) -> Path:
         return self._files[self._where[name]]
 
+    def files(self) -> list[Path]:
+        """The shard files this checkpoint's tensors are read from."""
+        return list(self._files.values())
+
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self._files.values())
 
@@ -186,7 +190,7 @@ class SafetensorsSource:
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}

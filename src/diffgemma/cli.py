@@ -197,6 +197,8 @@ def cmd_ask(args) -> int:
         if not Path(path).expanduser().is_file():
             raise InputError(f"--image {path}: no such file")
     model, settings, session = _open_session(args)
+    if args.stats and getattr(model, "weight_formats", None):  # class=stored->computed (docs/FORMATS.md)
+        print(f"[weights: {model.weight_formats}]", file=sys.stderr)
     view = CanvasView(model.tokenizer) if args.show_canvas else None
     images = [Path(p).expanduser() for p in args.images] or None
     reply = session.ask(args.prompt, images=images, settings=settings, on_step=view)

@@ -11,6 +11,7 @@ import torch
 from .checkpoint import SafetensorsSource, TensorSource, expected_tensors, iter_with_progress, read_json, unknown_tensors, validate
 from .config import ModelConfig
 from .errors import CheckpointError, InputError
+from .quant.hub import refuse_file
 
 # Show a progress bar when the weights are big enough for the load to take more than a moment.
 PROGRESS_BYTES = 512 * 2**20
@@ -35,10 +36,19 @@ def resolve_path(path) -> Path:
 
 
 def open_source(directory: Path) -> TensorSource:
-    """Pick the TensorSource for a directory: a quantized pack or an HF safetensors checkpoint."""
+    """Pick the TensorSource for a directory: a quantized pack, a published quantized checkpoint (quant/hub.py)
+    or an HF safetensors checkpoint."""
+    from .quant.hub import detect
     from .quant.source import is_pack, open_pack
 
-    return open_pack(directory) if is_pack(directory) else SafetensorsSource(directory)
+    if is_pack(directory):
+        return open_pack(directory)
+    scheme = detect(directory)
+    if scheme is None:
+        return SafetensorsSource(directory)
+    from .quant.hub_source import open_hub
+
+    return open_hub(directory, scheme)
 
 
 def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bool | None = None,
@@ -56,6 +66,7 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
     if engine not in ("auto", "fast", "reference"):
         raise InputError(f"load: engine must be 'auto', 'fast' or 'reference', got {engine!r}")
     directory = resolve_path(path)
+    refuse_file(directory)
     if not directory.exists():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     if not directory.is_dir():
@@ -96,11 +107,16 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
                                 len(expected_tensors(cfg)))
         return build_parallel_engine(cfg, share, group, dtype, generation_config=generation_config, path=directory,
                                      tokenizer=tokenizer, options=options)
+    from .quant.hub_source import describe_formats
+
     if fast:
         from .model.engine import build_engine
 
-        return build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device, dtype,
-                            generation_config=generation_config, path=directory, tokenizer=tokenizer, options=options)
+        model = build_engine(cfg, _ProgressSource(source, progress, directory.name, len(expected_tensors(cfg))), device,
+                             dtype, generation_config=generation_config, path=directory, tokenizer=tokenizer,
+                             options=options)
+        model.weight_formats = describe_formats(source, model, dtype)  # `ask --stats`
+        return model
     names = list(expected_tensors(cfg))
     weights = {}
     for name in iter_with_progress(names, len(names), progress, desc=f"loading {directory.name}"):
@@ -108,8 +124,10 @@ def load(path=None, device="cpu", dtype: torch.dtype | None = None, progress: bo
 
     from .model.reference import ReferenceModel
 
-    return ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
-                          path=directory, tokenizer=tokenizer)
+    model = ReferenceModel(cfg, weights, device=device, dtype=dtype, generation_config=generation_config,
+                           path=directory, tokenizer=tokenizer)
+    model.weight_formats = describe_formats(source, model, dtype)  # `ask --stats` (quant/hub_source.py)
+    return model
 
 
 class _ProgressSource:

@@ -23,7 +23,8 @@ def add_subcommands(subparsers) -> None:
                + ". Locked (always raw): " + ", ".join(LOCKED) + ".")
     q.add_argument("model_dir", type=Path, help="HF checkpoint directory (config.json + safetensors)")
     q.add_argument("-o", "--output", type=Path, required=True, help="pack directory to create (must not exist)")
-    q.add_argument("--profile", default="q4", help=f"one of {', '.join(PROFILES)} (default q4)")
+    q.add_argument("--profile", default="q4", help=f"one of {', '.join(PROFILES)} (default q4), or fp8: the "
+                                                   "compressed-tensors FP8 checkpoint the hub publishes (docs/FORMATS.md)")
     q.add_argument("--set", dest="sets", action="append", default=[], metavar="CLASS=FORMAT",
                    help="per-class format override on top of the profile (repeatable)")
     q.add_argument("--overlay", action="store_true",
@@ -47,13 +48,22 @@ def add_subcommands(subparsers) -> None:
                               description="Open a pack as the loader does (manifest, 64-byte alignment, blob size, an "
                                           "overlay's external shards), then read every tensor and check its sha256 "
                                           "against the manifest. Loading checks all but the hashes.")
-    v.add_argument("pack", type=Path, help="pack directory")
+    v.add_argument("pack", type=Path, help="pack directory, or a published quantized checkpoint (docs/FORMATS.md)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     v.set_defaults(func=_run_verify)
 
 
 def _run_quantize(args) -> int:
     from .quantize import quantize
+
+    if args.profile == "fp8":
+        from ..errors import SettingsError
+        from .hub_fp8 import quantize_fp8
+
+        if args.sets or args.overlay:
+            raise SettingsError("--profile fp8 writes the published compressed-tensors FP8 layout: no --set or --overlay")
+        print(quantize_fp8(args.model_dir, args.output, progress=not args.no_progress))
+        return 0
 
     out = quantize(args.model_dir, args.output, profile=args.profile, sets=args.sets, overlay=args.overlay,
                    progress=not args.no_progress)
@@ -75,7 +85,15 @@ def _run_repack(args) -> int:
 
 
 def _run_verify(args) -> int:
-    from .source import PackSource
+    from .hub import detect
+    from .source import PackSource, is_pack
+
+    scheme = None if is_pack(args.pack) else detect(args.pack)
+    if scheme is not None:  # a published quantized checkpoint (docs/FORMATS.md); anything else is read as a pack
+        from .hub_verify import verify_hub
+
+        print(verify_hub(args.pack, scheme))
+        return 0
 
     src = PackSource(args.pack)
     try:
