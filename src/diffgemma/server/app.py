@@ -23,7 +23,7 @@ from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from ..reply import reply_parts
 from ..vision.prompt import has_images, render_prompt, vision_for
-from . import handlers, images, structured
+from . import frames, handlers, images, playground, structured
 from .openai_fields import Limits
 from .protocol import (Policy, RequestError, chunk, completion, new_id, parse_chat_request, parse_completion_request,
                        text_chunk, text_completion, usage)
@@ -66,6 +66,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
                     fresh_seed=fresh_seed, images=image_limits)
     handlers.install(app)
+    app.include_router(playground.router(worker, base_settings, keyed=bool(api_key)))
 
     if api_key:
         want = api_key.encode()
@@ -74,7 +75,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         async def authorize(request: Request, call_next):
             scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
             given = given.strip().encode() if scheme.lower() == "bearer" else b""
-            if request.url.path != "/health" and not hmac.compare_digest(given, want):  # everything but /health
+            if request.url.path not in playground.PUBLIC and not hmac.compare_digest(given, want):
                 return JSONResponse({"error": {"message": "a valid API key is needed: send the header "
                                                "'Authorization: Bearer <key>'", "type": "authentication_error",
                                                "param": None, "code": "invalid_api_key"}}, status_code=401)
@@ -108,7 +109,9 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_chat_request(await _json(request), model_id, base_settings, policy)
+        body = await _json(request)
+        want_frames = frames.requested(body)  # taken out of the body's diffgemma settings
+        req = parse_chat_request(body, model_id, base_settings, policy)
         fmt, forced = req.response_format, req.tool_choice in ("required", "function")
         messages, pictures = req.messages, {}
         if has_images(messages):  # decoded here: a bad image is the request's 400, before it is queued
@@ -128,8 +131,9 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                                "messages") from None
         retries = tool_validate if req.tools is not None else 0
 
-        def submit(settings):
-            return _submit(worker, "messages", ids, settings, retries, **({"images": pictures} if pictures else {}))
+        def submit(settings, on_step=None):
+            return _submit(worker, "messages", ids, settings, retries, **({"images": pictures} if pictures else {}),
+                           **({"on_step": on_step} if on_step else {}))
 
         tools_on = req.tools is not None and req.tool_choice != "none"
         stops = req.settings.stop_strings
@@ -181,11 +185,13 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                 return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
                                                              use if req.include_usage else None))
             return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
-        job = submit(req.settings)
+        live = frames.FrameStream(tokenizer, req.settings, lambda: message_chunk({}, choices=False)) \
+            if want_frames and req.stream else None
+        job = submit(req.settings, None if live is None else frames.snapshot)
         if req.stream:
             deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
             return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
-                                      first={"role": "assistant", "content": ""}, empty={}))
+                                      first={"role": "assistant", "content": ""}, empty={}, live=live))
         done = await _result(job, request)
         if not isinstance(done, tuple):
             return done
@@ -272,10 +278,10 @@ async def _result(job, request):
             return JSONResponse(RequestError(499, "cancelled", code="cancelled").body(), status_code=499)
 
 
-async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty):
+async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty, live=None):
     """A job's events as server-sent events: `make(delta, finish, usage, choices)` builds a chunk from what
     `deltas` (ReplyDeltas or CompletionDeltas) gives; `first`, if any, opens the stream; `empty` is a chunk's
-    delta with nothing in it."""
+    delta with nothing in it. live: the stream's frames.FrameStream, when its request asked for frames."""
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -286,6 +292,8 @@ async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, fi
             yield sse(make(first))
         while True:
             event = await job.aget()
+            if live is not None and (text := live.sse(event)) is not None:
+                yield text
             if isinstance(event, StartEvent):
                 cached = event.cached_tokens
             elif isinstance(event, BlockEvent):
