@@ -25,7 +25,7 @@ from .errors import RequestError
 
 FIELD = "frames"  # the request's diffgemma.frames
 EVENT = "diffgemma.frame"  # the SSE event name
-ENTROPY_DIGITS = 4  # per-position entropies are sent rounded to this many decimals (nats)
+MILLI = 1000  # per-position entropies go as integers in thousandths of a nat (JSON writes ints fast)
 
 
 def requested(body) -> bool:
@@ -56,18 +56,20 @@ class Frame:
     mean_entropy: float
     stop_reason: str | None
     tokens: list[int]  # the step's argmax canvas
-    accepted: list[bool]  # the step's accept mask (the rest is renoised)
-    entropy: list[float] | None  # per-position entropy (nats), where the step carried it
+    accepted: list[int]  # the step's accept mask, 1 accepted, 0 renoised
+    entropy: list[int] | None  # per-position entropy in thousandths of a nat, where the step carried it
 
 
 def snapshot(event: StepEvent) -> Frame:
-    """A StepEvent -> its Frame: the canvas, the mask and the entropies stacked on the device and read in one copy
-    (as f64, which holds every token id exactly)."""
-    rows = [event.draft, event.accepted] + ([] if event.entropy is None else [event.entropy])
-    host = torch.stack([r.to(torch.float64) for r in rows]).cpu().tolist()
+    """A StepEvent -> its Frame: the canvas, the mask and the entropies (rounded to thousandths of a nat) stacked on
+    the device as f64, which holds every token id exactly, and read in one copy."""
+    rows = [event.draft.to(torch.float64), event.accepted.to(torch.float64)]
+    if event.entropy is not None:
+        rows.append(torch.round(event.entropy.to(torch.float64) * MILLI))
+    host = torch.stack(rows).cpu()
     return Frame(block=event.block, attempt=event.attempt, step=event.step, temperature=event.temperature,
-                 mean_entropy=event.mean_entropy, stop_reason=event.stop_reason, tokens=[int(t) for t in host[0]],
-                 accepted=[a != 0 for a in host[1]], entropy=host[2] if len(host) > 2 else None)
+                 mean_entropy=event.mean_entropy, stop_reason=event.stop_reason, tokens=host[0].long().tolist(),
+                 accepted=host[1].long().tolist(), entropy=host[2].long().tolist() if len(rows) > 2 else None)
 
 
 class FrameStream:
@@ -97,9 +99,9 @@ class FrameStream:
                    "max_steps": s.max_denoising_steps, "entropy_bound": s.entropy_bound,
                    "temperature": round(event.temperature, 6), "mean_entropy": round(event.mean_entropy, 6),
                    "stop_reason": event.stop_reason, "tokens": event.tokens, "pieces": self.pieces(event.tokens),
-                   "accepted": [int(a) for a in event.accepted]}
+                   "accepted": event.accepted}
             if event.entropy is not None:
-                out["entropy"] = [round(h, ENTROPY_DIGITS) for h in event.entropy]
+                out["entropy_milli"] = event.entropy
             return out
         if isinstance(event, BlockEvent):
             return {"type": "commit", "block": event.block, "tokens": event.tokens, "pieces": self.pieces(event.tokens),

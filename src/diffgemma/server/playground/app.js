@@ -253,7 +253,8 @@ const canvas = {
       accepted += ok;
       setPiece(cell, f.pieces[i], ok ? "acc" : "noise");
       // confidence exp(-H): 1 for a sure position, towards 0 as its entropy grows
-      cell.style.setProperty("--conf", f.entropy ? Math.exp(-f.entropy[i]).toFixed(3) : "1");
+      const nats = f.entropy_milli ? f.entropy_milli[i] / 1000 : 0;
+      cell.style.setProperty("--conf", Math.exp(-nats).toFixed(3));
     }
     const attempt = f.attempt ? ` (re-roll ${f.attempt})` : "";
     $("canvas-head").textContent =
