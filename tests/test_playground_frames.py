@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 import diffgemma  # noqa: E402
 from diffgemma import generation  # noqa: E402
 from diffgemma.events import StepEvent  # noqa: E402
-from diffgemma.server import app as app_module, frames, playground, protocol  # noqa: E402
+from diffgemma.server import app as app_module, playground, protocol  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import listen, served_name  # noqa: E402
 from diffgemma.server.reply_text import final_message  # noqa: E402
@@ -65,25 +65,20 @@ def raw_stream(client, **body) -> str:
         return b"".join(r.iter_bytes()).decode()
 
 
-def sse_events(raw: str) -> list[tuple[str | None, str]]:
-    """(event name or None, data) of each server-sent event."""
-    out = []
-    for block in raw.split("\n\n"):
-        if not block:
-            continue
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event: "):
-                name = line[7:]
-            else:
-                assert line.startswith("data: "), line
-                data.append(line[6:])
-        out.append((name, "\n".join(data)))
-    return out
+def chunks_of(raw: str) -> list[dict]:
+    """The stream's JSON chunks, in order (every event a single `data:` line; [DONE] last)."""
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-2:]
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2])
+    return [json.loads(e[6:]) for e in events[:-2]]
+
+
+def is_frame(chunk: dict) -> bool:
+    return "frame" in chunk.get("diffgemma", {})
 
 
 def frames_of(raw: str) -> list[dict]:
-    return [json.loads(d)["diffgemma"]["frame"] for name, d in sse_events(raw) if name == frames.EVENT]
+    return [c["diffgemma"]["frame"] for c in chunks_of(raw) if is_frame(c)]
 
 
 def test_without_frames_the_stream_is_the_same_bytes(model, pinned):
@@ -96,8 +91,9 @@ def test_without_frames_the_stream_is_the_same_bytes(model, pinned):
     assert "event:" not in plain and plain.endswith("data: [DONE]\n\n")
     assert raw_stream(client, diffgemma={"frames": False}, **body) == plain
     framed = raw_stream(client, diffgemma={"frames": True}, **body)
-    kept = "".join(b + "\n\n" for b in framed.split("\n\n") if b and not b.startswith(f"event: {frames.EVENT}\n"))
-    assert kept == plain  # frames only add events: every other byte is the same, the reply too
+    kept = "".join(e + "\n\n" for e in framed.split("\n\n") if e and not (e.startswith("data: {")
+                                                                       and is_frame(json.loads(e[6:]))))
+    assert kept == plain  # frames only add chunks: every other byte is the same, the reply too
     assert len(frames_of(framed)) >= 2
     one.close()
 
@@ -105,7 +101,7 @@ def test_without_frames_the_stream_is_the_same_bytes(model, pinned):
 def test_frames_tell_each_step_and_each_commit(client, model):
     tok = model.tokenizer
     raw = raw_stream(client, seed=3, diffgemma={"frames": True, "entropy_bound": 0.05})
-    events = sse_events(raw)
+    chunks = chunks_of(raw)
     got = frames_of(raw)
     C = model.config.canvas_length
     steps = [f for f in got if f["type"] == "step"]
@@ -124,11 +120,12 @@ def test_frames_tell_each_step_and_each_commit(client, model):
         assert own[-1]["stop_reason"] == c["stop_reason"] and all(f["stop_reason"] is None for f in own[:-1])
         assert c["tokens"] == own[-1]["tokens"][:len(c["tokens"])]  # what the block kept of its last canvas
         reply += c["tokens"]
-    text = "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for name, d in events
-                   if name is None and d.startswith("{") and json.loads(d)["choices"])
+    for c in chunks:
+        assert c["object"] == "chat.completion.chunk" and (c["choices"] == []) == is_frame(c)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == final_message(tok, reply, False)[0]["content"]  # the commits add up to the streamed reply
-    first_commit = next(i for i, (n, d) in enumerate(events) if n and '"type":"commit"' in d)
-    first_text = next(i for i, (n, d) in enumerate(events) if n is None and '"content": "a' in d)
+    first_commit = next(i for i, c in enumerate(chunks) if is_frame(c) and c["diffgemma"]["frame"]["type"] == "commit")
+    first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
     assert first_commit < first_text  # a block's commit frame comes before its text
 
 
@@ -171,7 +168,7 @@ def test_a_job_that_did_not_ask_drops_its_steps_unread():
 
 @pytest.mark.parametrize("body,needle", [
     ({"stream": True, "diffgemma": {"frames": "yes"}}, "diffgemma.frames: expected true or false, got 'yes'"),
-    ({"diffgemma": {"frames": True}}, "diffgemma.frames: frames are events of a stream"),
+    ({"diffgemma": {"frames": True}}, "diffgemma.frames: frames are chunks of a stream"),
     ({"stream": True, "diffgemma": {"frames": True, "entropy_bond": 1}}, "entropy_bond"),
 ])
 def test_bad_frames_requests_are_refused_by_name(client, body, needle):

@@ -7,10 +7,10 @@ the step's own status read, each StepEvent's canvas, accept mask and per-positio
 read and are queued as a Frame. A request that does not ask gets no `on_step`: its steps are dropped on the worker,
 their tensors never read, and its stream is what it would be without this module.
 
-On the event loop, FrameStream turns each Frame, and each committed block (BlockEvent), into one server-sent event
-named `diffgemma.frame`. Its data is a chat.completion.chunk with no choices (as a usage chunk is), the frame in its
-`diffgemma` object: the official OpenAI clients parse it as a chunk with nothing in it, and code that skips chunks
-without choices skips it.
+On the event loop, FrameStream turns each Frame, and each committed block (BlockEvent), into one more `data:` chunk
+of the stream: a chat.completion.chunk with no choices (as a usage chunk is), the frame in its `diffgemma` object.
+OpenAI clients parse it as a chunk with nothing in it, and code that skips chunks without choices skips it. It has
+no SSE event name: some versions of the openai client turn a named event into an object without the chunk's fields.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from ..events import BlockEvent, StepEvent
 from .errors import RequestError
 
 FIELD = "frames"  # the request's diffgemma.frames
-EVENT = "diffgemma.frame"  # the SSE event name
 MILLI = 1000  # per-position entropies go as integers in thousandths of a nat (JSON writes ints fast)
 
 
@@ -40,7 +39,7 @@ def requested(body) -> bool:
     if not isinstance(want, bool):
         raise RequestError(400, f"diffgemma.frames: expected true or false, got {want!r}", "diffgemma")
     if want and body.get("stream") is not True:
-        raise RequestError(400, "diffgemma.frames: frames are events of a stream; send \"stream\": true with them",
+        raise RequestError(400, "diffgemma.frames: frames are chunks of a stream; send \"stream\": true with them",
                            "diffgemma")
     return want
 
@@ -73,7 +72,7 @@ def snapshot(event: StepEvent) -> Frame:
 
 
 class FrameStream:
-    """The frame events of one stream. `head()` -> the chunk a frame rides in (id, object, created, model, and the
+    """The frame chunks of one stream. `head()` -> the chunk a frame rides in (id, object, created, model, and the
     stream's `diffgemma` object); `settings`: the request's GenerationSettings (each step frame names its step
     budget and entropy bound)."""
 
@@ -110,10 +109,10 @@ class FrameStream:
         return None
 
     def sse(self, event) -> str | None:
-        """The `diffgemma.frame` event for a Frame or a BlockEvent, or None for any other event."""
+        """The frame chunk (SSE text) for a Frame or a BlockEvent, or None for any other event."""
         frame = self.payload(event)
         if frame is None:
             return None
         data = self.head()
         data["diffgemma"] = dict(data.get("diffgemma") or {}, frame=frame)
-        return f"event: {EVENT}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+        return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

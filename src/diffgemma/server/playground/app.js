@@ -1,5 +1,5 @@
 // diffgemma playground: a chat over this server's /v1/chat/completions stream that draws the block being
-// denoised from the stream's `diffgemma.frame` events (docs/SERVING.md, 'Canvas frames'). Plain JavaScript,
+// denoised from the stream's frame chunks (docs/SERVING.md, 'Canvas frames'). Plain JavaScript,
 // no dependencies, nothing fetched from anywhere but this server.
 "use strict";
 
@@ -55,8 +55,8 @@ async function errorText(r) {
   }
 }
 
-// The server-sent events of a streamed response, as {event, data} (data: the event's text).
-async function* sseEvents(response) {
+// The data of each server-sent event of a streamed response, as text.
+async function* sseData(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
@@ -67,13 +67,11 @@ async function* sseEvents(response) {
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const block = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
-      let event = "message";
       const data = [];
       for (const line of block.split("\n")) {
-        if (line.startsWith("event:")) event = line.slice(6).trim();
-        else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+        if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
       }
-      if (data.length) yield { event, data: data.join("\n") };
+      if (data.length) yield data.join("\n");
     }
   }
 }
@@ -412,7 +410,7 @@ async function runTurn() {
       reply.error(await errorText(r));
       return;
     }
-    for await (const { event, data } of sseEvents(r)) {
+    for await (const data of sseData(r)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) {
@@ -420,7 +418,7 @@ async function runTurn() {
         return;
       }
       stats.seed(chunk.diffgemma?.seed);
-      if (event === "diffgemma.frame") {
+      if (chunk.diffgemma?.frame) {
         onFrame(chunk.diffgemma.frame, reply, stats);
         continue;
       }
