@@ -364,7 +364,7 @@ class Stats {
 
   server(running) {
     this.batch.max = Math.max(this.batch.max, running);
-    setStat("batch", `${running} running (up to ${this.batch.max} during this reply)`);
+    setStat("batch", `${running} running (max ${this.batch.max} this reply)`);
   }
 }
 
