@@ -3,9 +3,10 @@
 
 The page opens offline (nothing but this server is asked for anything), a prompt streams its reply with the canvas
 drawn step by step before the reply completes, the final text is the API's for the same seed, a setting changed in
-the panel takes effect, a tool call is drawn as a call with its arguments, Enter sends and Shift+Enter does not, the
-API key is asked for once and kept in the tab's sessionStorage, a phone-width window lays it out in one column, and
-the browser logs no error. A screenshot after a reply is kept (its path is printed; DGTEST_ARTIFACTS=DIR keeps it
+the panel takes effect, a tool call is drawn as a call with its arguments (and answered), the thought is folded
+away, Stop ends a reply and Reset the conversation, Enter sends and Shift+Enter does not, the API key is asked for
+once and kept in the tab's sessionStorage, a phone-width window lays it out in one column, and the browser logs no
+error. A screenshot after a reply is kept (its path is printed; DGTEST_ARTIFACTS=DIR keeps it
 there too).
 
 Needs Chromium and its WebDriver (Debian: apt-get install -y chromium chromium-driver) and selenium; skipped
@@ -241,6 +242,34 @@ def test_a_tool_call_is_drawn_with_its_arguments_and_answered(page, served):
     _, how = last_reply(page)
     assert how == "done"
     assert page.find_element(By.CSS_SELECTOR, ".msg.tool").text.endswith("17 C and sunny")
+
+
+def test_the_thought_is_folded_away(page, served):
+    live, _ = served
+    setting(page, "thinking", True)
+    send(page, "What is 17 + 25?")
+    reply, how = last_reply(page)
+    api = live.api("What is 17 + 25?", chat_template_kwargs={"enable_thinking": True})
+    assert how == "done" and api["reasoning_content"]
+    thought = reply.find_element(By.CSS_SELECTOR, "details.thought")
+    assert thought.is_displayed() and thought.get_attribute("open") is None  # there, and closed
+    assert thought.find_element(By.CSS_SELECTOR, ".thought-text").get_attribute("textContent") == \
+        api["reasoning_content"]
+    assert reply_text(reply) == api["content"]
+
+
+def test_stop_ends_the_reply_and_reset_clears_the_conversation(page):
+    send(page, "Write a poem about the sea.")  # the demo model runs every step of every block here
+    WebDriverWait(page, WAIT_S).until(lambda d: int(d.find_element(By.ID, "canvas").get_attribute("data-frame")) > 1)
+    page.find_element(By.ID, "stop").click()
+    _, how = last_reply(page)
+    assert how == "stopped" and page.find_element(By.ID, "send").is_displayed()
+    send(page, "What is 2+2?")  # the server let the stopped request go: the next one is answered
+    WebDriverWait(page, WAIT_S).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2)
+    assert last_reply(page)[1] == "done"
+    page.find_element(By.ID, "reset").click()
+    assert not page.find_elements(By.CSS_SELECTOR, ".msg")
+    assert page.find_element(By.ID, "canvas-head").text == "No block yet."
 
 
 def test_enter_sends_and_shift_enter_breaks_the_line(page):
