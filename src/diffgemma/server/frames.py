@@ -15,6 +15,7 @@ no SSE event name: some versions of the openai client turn a named event into an
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -59,13 +60,30 @@ class Frame:
     entropy: list[int] | None  # per-position entropy in thousandths of a nat, where the step carried it
 
 
+_copy_streams: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """A CUDA stream of the frames' own on `device` (nothing else queues work on it); a no-op context elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return torch.cuda.stream(_copy_streams[device])
+
+
 def snapshot(event: StepEvent) -> Frame:
     """A StepEvent -> its Frame: the canvas, the mask and the entropies (rounded to thousandths of a nat) stacked on
-    the device as f64, which holds every token id exactly, and read in one copy."""
-    rows = [event.draft.to(torch.float64), event.accepted.to(torch.float64)]
-    if event.entropy is not None:
-        rows.append(torch.round(event.entropy.to(torch.float64) * MILLI))
-    host = torch.stack(rows).cpu()
+    the device as f64, which holds every token id exactly, and read in one copy.
+
+    A StepEvent comes after its step's status read, a host wait that follows everything the step computed, so its
+    tensors are complete: the read runs on a stream of its own and does not wait for what the step queued after the
+    status (the self-conditioning input of the next step, a next forward launched ahead)."""
+    with _copy_stream(event.draft.device):
+        rows = [event.draft.to(torch.float64), event.accepted.to(torch.float64)]
+        if event.entropy is not None:
+            rows.append(torch.round(event.entropy.to(torch.float64) * MILLI))
+        host = torch.stack(rows).cpu()
     return Frame(block=event.block, attempt=event.attempt, step=event.step, temperature=event.temperature,
                  mean_entropy=event.mean_entropy, stop_reason=event.stop_reason, tokens=host[0].long().tolist(),
                  accepted=host[1].long().tolist(), entropy=host[2].long().tolist() if len(rows) > 2 else None)
