@@ -258,7 +258,8 @@ def test_the_thought_is_folded_away(page, served):
     assert reply_text(reply) == api["content"]
 
 
-def test_stop_ends_the_reply_and_reset_clears_the_conversation(page):
+def test_stop_ends_the_reply_and_reset_clears_the_conversation(page, served):
+    live, _ = served
     send(page, "Write a poem about the sea.")  # the demo model runs every step of every block here
     WebDriverWait(page, WAIT_S).until(lambda d: int(d.find_element(By.ID, "canvas").get_attribute("data-frame")) > 1)
     page.find_element(By.ID, "stop").click()
@@ -270,6 +271,15 @@ def test_stop_ends_the_reply_and_reset_clears_the_conversation(page):
     page.find_element(By.ID, "reset").click()
     assert not page.find_elements(By.CSS_SELECTOR, ".msg")
     assert page.find_element(By.ID, "canvas-head").text == "No block yet."
+    send(page, "Write a poem about the sea.")  # Reset while a reply runs: it stops, and the next turn starts afresh
+    WebDriverWait(page, WAIT_S).until(lambda d: int(d.find_element(By.ID, "canvas").get_attribute("data-frame")) > 1)
+    page.find_element(By.ID, "reset").click()
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_element(By.ID, "send").is_displayed())
+    send(page, "What is 2+2?")
+    reply, _ = last_reply(page)
+    assert len(page.find_elements(By.CSS_SELECTOR, ".msg")) == 2
+    assert page.execute_script("return state.messages.map(m => m.role)") == ["user", "assistant"]
+    assert reply_text(reply) == live.api("What is 2+2?")["content"]
 
 
 def test_enter_sends_and_shift_enter_breaks_the_line(page):

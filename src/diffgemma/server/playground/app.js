@@ -397,7 +397,8 @@ function busy(on) {
 
 async function runTurn() {
   const reply = new Reply();
-  const body = { messages: state.messages, stream: true, stream_options: { include_usage: true },
+  const conversation = state.messages; // Reset replaces it: a reply stopped by Reset is not kept
+  const body = { messages: conversation, stream: true, stream_options: { include_usage: true },
                  ...requestSettings() };
   const stats = new Stats(Boolean(body.diffgemma?.frames));
   const stopWatching = watchServer(stats);
@@ -443,6 +444,7 @@ async function runTurn() {
     state.abort = null;
     busy(false);
   }
+  if (state.messages !== conversation) return;
   state.messages.push(reply.message());
   state.pendingCalls = [...reply.toolCalls];
   composerMode();
