@@ -105,17 +105,20 @@ def browser(tmp_path_factory):
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
     driver.logged = []  # the browser's log entries, collected as each test reads them
+    driver.expected = []  # texts of the errors a test causes on purpose (the browser logs a refused request)
     yield driver
     driver.quit()
 
 
 @pytest.fixture
 def page(served, browser):
-    """The playground on the keyless server, freshly loaded; after the test, no browser errors."""
+    """The playground on the keyless server, freshly loaded; after the test, no browser errors but those it expects."""
     live, _ = served
     open_page(browser, live.url)
     yield browser
-    errors = [e for e in console(browser) if e["level"] == "SEVERE"]
+    errors = [e for e in console(browser) if e["level"] == "SEVERE"
+              and not any(text in e["message"] for text in browser.expected)]
+    browser.logged, browser.expected = [], []
     assert not errors, errors
 
 
@@ -224,6 +227,23 @@ def test_a_setting_takes_effect(page, served):
     history = [{"role": "user", "content": STORY}, {"role": "assistant", "content": short}]
     assert reply_text(reply) == live.api(STORY, history, seed=3, diffgemma={"entropy_bound": 0.01})["content"]
     assert page.find_element(By.ID, "canvas-head").text.endswith("entropy bound 0.01")
+
+
+def test_a_refused_request_shows_the_servers_reason_and_is_not_kept(page, served):
+    live, _ = served
+    setting(page, "max_denoising_steps", 100000)
+    page.expected.append("/v1/chat/completions - Failed to load resource: the server responded with a status of 400")
+    send(page, "What is 2+2?")
+    reply, how = last_reply(page)
+    assert how == "error"
+    assert "max_denoising_steps 100000: over this server's limit" in reply.find_element(By.CSS_SELECTOR,
+                                                                                        ".error-text").text
+    assert page.execute_script("return state.messages.length") == 0
+    setting(page, "max_denoising_steps", 48)
+    send(page, "What is 2+2?")
+    reply, how = last_reply(page)
+    assert how == "done" and reply_text(reply) == live.api("What is 2+2?")["content"]
+    assert page.execute_script("return state.messages.map(m => m.role)") == ["user", "assistant"]
 
 
 def test_a_tool_call_is_drawn_with_its_arguments_and_answered(page, served):

@@ -395,7 +395,9 @@ function busy(on) {
   $("stop").hidden = !on;
 }
 
-async function runTurn() {
+// One assistant turn over the conversation; a turn that fails cuts the conversation back to its first `sent`
+// messages, so that what it sent is not repeated by the next send.
+async function runTurn(sent) {
   const reply = new Reply();
   const conversation = state.messages; // Reset replaces it: a reply stopped by Reset is not kept
   const body = { messages: conversation, stream: true, stream_options: { include_usage: true },
@@ -409,6 +411,7 @@ async function runTurn() {
                                                    signal: state.abort.signal });
     if (!r.ok) {
       reply.error(await errorText(r));
+      conversation.splice(sent);
       return;
     }
     for await (const data of sseData(r)) {
@@ -416,6 +419,7 @@ async function runTurn() {
       const chunk = JSON.parse(data);
       if (chunk.error) {
         reply.error(chunk.error.message);
+        conversation.splice(sent);
         return;
       }
       stats.seed(chunk.diffgemma?.seed);
@@ -436,6 +440,7 @@ async function runTurn() {
   } catch (e) {
     if (e.name !== "AbortError") {
       reply.error(String(e));
+      conversation.splice(sent);
       return;
     }
     reply.finish("stopped");
@@ -474,12 +479,14 @@ async function send() {
   const text = $("prompt").value;
   if (state.abort || (!text.trim() && !state.images.length)) return;
   $("prompt").value = "";
+  let sent = state.messages.length; // a failed turn takes the user's message back out; tool results stay
   if (state.pendingCalls.length) {
     const c = state.pendingCalls.shift();
     state.messages.push({ role: "tool", tool_call_id: c.id, content: text });
     addMessage("tool", text);
     composerMode();
     if (state.pendingCalls.length) return; // the next call's result first
+    sent = state.messages.length;
   } else {
     const images = state.images.splice(0);
     renderAttachments();
@@ -489,7 +496,7 @@ async function send() {
     state.messages.push({ role: "user", content });
     addMessage("user", text, images);
   }
-  await runTurn();
+  await runTurn(sent);
 }
 
 function reset() {
