@@ -4,9 +4,10 @@
 The page opens offline (nothing but this server is asked for anything), a prompt streams its reply with the canvas
 drawn step by step before the reply completes, the final text is the API's for the same seed, a setting changed in
 the panel takes effect, a tool call is drawn as a call with its arguments (and answered), the thought is folded
-away, Stop ends a reply and Reset the conversation, Enter sends and Shift+Enter does not, the API key is asked for
-once and kept in the tab's sessionStorage, a phone-width window lays it out in one column, and the browser logs no
-error. A screenshot after a reply is kept (its path is printed; DGTEST_ARTIFACTS=DIR keeps it
+away, Stop ends a reply and Reset the conversation, a refused request shows the server's reason, an attached image
+goes out as an image part, Enter sends and Shift+Enter does not, the API key is asked for once and kept in the tab's
+sessionStorage, a phone-width window lays it out in one column, and the browser logs no error but those a test
+causes on purpose. A screenshot after a reply is kept (its path is printed; DGTEST_ARTIFACTS=DIR keeps it
 there too).
 
 Needs Chromium and its WebDriver (Debian: apt-get install -y chromium chromium-driver) and selenium; skipped
@@ -40,6 +41,7 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 import diffgemma  # noqa: E402
+from diffgemma.server import playground  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import listen, served_name  # noqa: E402
 from diffgemma.server.worker import Worker  # noqa: E402
@@ -85,13 +87,18 @@ class Live:
 
 @pytest.fixture(scope="module")
 def served():
+    """(the server, the same with an API key, the same telling the page its model takes images)."""
     model = diffgemma.load()
     worker = Worker(model, slots=2, max_tokens=1024)
     live = Live(worker, model)
     keyed = Live(worker, model, api_key=KEY)
-    yield live, keyed
-    keyed.close()
-    live.close()
+    seeing = Live(worker, model)
+    with pytest.MonkeyPatch.context() as mp:  # what the model offers is read once, at the page's first info request
+        mp.setattr(playground, "takes_images", lambda model: True)
+        assert httpx.get(seeing.url + "/playground/info").json()["vision"] is True
+    yield live, keyed, seeing
+    for server in (seeing, keyed, live):
+        server.close()
     worker.close()
 
 
@@ -113,7 +120,7 @@ def browser(tmp_path_factory):
 @pytest.fixture
 def page(served, browser):
     """The playground on the keyless server, freshly loaded; after the test, no browser errors but those it expects."""
-    live, _ = served
+    live = served[0]
     open_page(browser, live.url)
     yield browser
     errors = [e for e in console(browser) if e["level"] == "SEVERE"
@@ -175,7 +182,7 @@ new MutationObserver((records) => {
 
 
 def test_page_is_served_whole_and_asks_nothing_elsewhere(page, served):
-    live, _ = served
+    live = served[0]
     names = page.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert names and all(n.startswith(live.url + "/") for n in names), names
     assert page.find_element(By.ID, "model-name").text == "diffgemma-demo"
@@ -184,7 +191,7 @@ def test_page_is_served_whole_and_asks_nothing_elsewhere(page, served):
 
 
 def test_reply_streams_its_canvas_and_matches_the_api(page, served, tmp_path_factory):
-    live, _ = served
+    live = served[0]
     setting(page, "seed", 3)
     page.execute_script(WATCH)
     send(page, STORY)
@@ -212,7 +219,7 @@ def test_reply_streams_its_canvas_and_matches_the_api(page, served, tmp_path_fac
 
 
 def test_a_setting_takes_effect(page, served):
-    live, _ = served
+    live = served[0]
     setting(page, "seed", 3)
     setting(page, "max_new_tokens", 5)
     send(page, STORY)
@@ -230,7 +237,7 @@ def test_a_setting_takes_effect(page, served):
 
 
 def test_a_refused_request_shows_the_servers_reason_and_is_not_kept(page, served):
-    live, _ = served
+    live = served[0]
     setting(page, "max_denoising_steps", 100000)
     page.expected.append("/v1/chat/completions - Failed to load resource: the server responded with a status of 400")
     send(page, "What is 2+2?")
@@ -265,7 +272,7 @@ def test_a_tool_call_is_drawn_with_its_arguments_and_answered(page, served):
 
 
 def test_the_thought_is_folded_away(page, served):
-    live, _ = served
+    live = served[0]
     setting(page, "thinking", True)
     send(page, "What is 17 + 25?")
     reply, how = last_reply(page)
@@ -279,7 +286,7 @@ def test_the_thought_is_folded_away(page, served):
 
 
 def test_stop_ends_the_reply_and_reset_clears_the_conversation(page, served):
-    live, _ = served
+    live = served[0]
     send(page, "Write a poem about the sea.")  # the demo model runs every step of every block here
     WebDriverWait(page, WAIT_S).until(lambda d: int(d.find_element(By.ID, "canvas").get_attribute("data-frame")) > 1)
     page.find_element(By.ID, "stop").click()
@@ -334,7 +341,7 @@ def test_phone_width_is_one_column(page, served):
 
 
 def test_the_key_is_asked_once_and_kept_in_the_tab(browser, served):
-    _, keyed = served
+    keyed = served[1]
     browser.get(keyed.url + "/")
     dialog = WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.ID, "key-dialog").is_displayed()
                                                   and d.find_element(By.ID, "key-input"))
@@ -352,3 +359,23 @@ def test_the_key_is_asked_once_and_kept_in_the_tab(browser, served):
     browser.execute_script("sessionStorage.clear()")
     errors = [e for e in console(browser) if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def test_an_attached_image_goes_as_an_image_part(page, served, tmp_path):
+    from PIL import Image
+
+    seeing = served[2]
+    open_page(page, seeing.url)
+    assert page.find_element(By.ID, "attach-label").is_displayed()
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (32, 24), (200, 30, 30)).save(picture)
+    page.find_element(By.ID, "attach").send_keys(str(picture))
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments img"))
+    page.expected.append("/v1/chat/completions - Failed to load resource: the server responded with a status of 400")
+    send(page, "What is in this picture?")
+    reply, how = last_reply(page)
+    shown = page.find_element(By.CSS_SELECTOR, ".msg.user img").get_attribute("src")
+    assert shown.startswith("data:image/png;base64,")
+    assert not page.find_elements(By.CSS_SELECTOR, "#attachments img")  # sent with the message
+    # the demo model has no vision tower: the server took the image part, and refuses it by name
+    assert how == "error" and "cannot take images" in reply.find_element(By.CSS_SELECTOR, ".error-text").text
