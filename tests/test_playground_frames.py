@@ -229,7 +229,7 @@ def test_the_openai_client_parses_a_stream_with_frames(model, worker):
 def test_the_page_is_public_and_the_api_is_not(model, worker):
     base = GenerationSettings.resolve(model.generation_config, env={})
     keyed = TestClient(create_app(worker, model.tokenizer, served_name(model), base, api_key=KEY))
-    for path in ("/", "/playground/app.js", "/playground/style.css", "/playground/info"):
+    for path in ("/", "/playground/app.js", "/playground/canvas.js", "/playground/style.css", "/playground/info"):
         r = keyed.get(path)
         assert r.status_code == 200, (path, r.text)
         if path != "/playground/info":
@@ -249,7 +249,7 @@ def test_the_page_asks_nothing_of_other_hosts_and_ships_in_the_wheel():
 
     here = Path(playground.__file__).parent
     names = sorted(p.name for p in here.iterdir() if p.suffix in (".html", ".js", ".css"))
-    assert names == ["app.js", "index.html", "style.css"]
+    assert names == ["app.js", "canvas.js", "index.html", "style.css"]
     for name in names:
         text = (here / name).read_text()
         assert not re.search(r"https?:|//[a-z0-9.-]+\.[a-z]{2,}/|@import|url\(", text), name

@@ -1,7 +1,7 @@
 """The playground page at `/`: a chat that draws the live canvas (docs/SERVING.md, 'The playground').
 
-Plain HTML, CSS and JavaScript shipped in this package (index.html, style.css, app.js), served as they are: no build
-step, nothing fetched from elsewhere (the Content-Security-Policy allows this server only). The page, its two
+Plain HTML, CSS and JavaScript shipped in this package (index.html, style.css, canvas.js, app.js), served as they are: no build
+step, nothing fetched from elsewhere (the Content-Security-Policy allows this server only). The page, its
 files and `/playground/info` (what the page needs before it can ask anything: whether the server wants a key, the
 server's settings, the model's tools.json, whether it takes images, whether /metrics is there) are public, as
 /health is; everything the page asks of the API carries the key it asks for once, kept in the browser tab's
@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from ...errors import DiffgemmaError
 
 FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+         "/playground/canvas.js": ("canvas.js", "text/javascript; charset=utf-8"),
          "/playground/app.js": ("app.js", "text/javascript; charset=utf-8"),
          "/playground/style.css": ("style.css", "text/css; charset=utf-8")}
 INFO = "/playground/info"
