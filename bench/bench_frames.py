@@ -15,8 +15,9 @@ at once on a server stepping up to --batch requests together. In each, passes al
 frames on (off, on, off, on, ...; --passes of each, after one unmeasured pass of each, which leaves the prompts in
 the slots' caches for all), so that drift falls on both arms: per arm the median aggregate tokens/s (reply tokens /
 first request sent to last [DONE]), and on / off. The clients read every line but parse only the reply's chunks,
-not the frames (a front end's parsing happens elsewhere). Also timed: the worker's side of frames (frames.snapshot, the step's one device-to-host read), per
-step. The goal: frames on keep at least 0.95 of the tokens/s without them, in every section.
+not the frames (a front end's parsing happens elsewhere). Also timed: the worker's side of frames (frames.snapshot,
+the step's one device-to-host read), per step. The goal: frames on keep at least 0.95 of the tokens/s without
+them, in every section.
 """
 
 from __future__ import annotations
