@@ -30,6 +30,7 @@ class StepEvent:
     accepted: torch.Tensor  # [C] bool accept mask of this step
     mean_entropy: float
     stop_reason: str | None  # set on the block's last step
+    entropy: torch.Tensor | None = None  # [C] f32 per-position entropy (nats) of this step's logits
 
 
 @dataclass

@@ -405,7 +405,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         status = yield Status(den, code, mean_h, plan, canvas)  # the step's one host read (den.read_status)
         reason = REASONS[status.code]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
-                        accepted=mask, mean_entropy=status.mean_entropy, stop_reason=reason)
+                        accepted=mask, mean_entropy=status.mean_entropy, stop_reason=reason, entropy=h)
         if reason is None:  # the next step self-conditions on these tempered logits
             if sparse_sc:
                 sc_logits = None

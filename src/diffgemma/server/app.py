@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from ..reply import reply_parts
-from . import handlers, images, structured
+from . import frames, handlers, images, playground, structured
 from .body_limit import BodyLimit, read_body
 from .limits import default_max_body_bytes
 from .openai_fields import Limits
@@ -79,6 +79,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
         image_limits = image_limits or images.ImageLimits()
         max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)
     handlers.install(app)
+    app.include_router(playground.router(worker, base_settings, keyed=bool(api_key)))
     if api_key:
         app.add_middleware(_RequireKey, api_key=api_key)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before anything reads the body
@@ -88,14 +89,14 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
 
 
 class _RequireKey:
-    """ASGI middleware: every HTTP request but /health must carry `Authorization: Bearer <api_key>`; a 401
-    otherwise, sent before anything reads the request's body."""
+    """ASGI middleware: every HTTP request but /health and the playground's page (playground.PUBLIC) must carry
+    `Authorization: Bearer <api_key>`; a 401 otherwise, sent before anything reads the request's body."""
 
     def __init__(self, app, api_key: str):
         self.app, self.want = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path") != "/health":
+        if scope["type"] == "http" and scope.get("path") not in playground.PUBLIC:
             header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"").decode("latin-1")
             scheme, _, given = header.strip().partition(" ")
             given = given.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
@@ -178,9 +179,10 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
     fmt, forced = req.response_format, req.tool_choice in ("required", "function")
     retries = served.tool_validate if req.tools is not None else 0
 
-    def submit(settings):
+    def submit(settings, on_step=None):
         return _submit(served.worker, "messages", ids, settings, retries,
-                       **({"images": prep.pictures} if prep.pictures else {}))
+                       **({"images": prep.pictures} if prep.pictures else {}),
+                       **({"on_step": on_step} if on_step else {}))
 
     tools_on = req.tools is not None and req.tool_choice != "none"
     stops = req.settings.stop_strings
@@ -232,11 +234,13 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
             return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
                                                          use if req.include_usage else None))
         return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
-    job = submit(req.settings)
+    live = frames.FrameStream(tokenizer, req.settings, lambda: message_chunk({}, choices=False)) \
+        if prep.frames and req.stream else None
+    job = submit(req.settings, None if live is None else frames.snapshot)
     if req.stream:
         deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
         return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
-                                  first={"role": "assistant", "content": ""}, empty={}))
+                                  first={"role": "assistant", "content": ""}, empty={}, live=live))
     done = await _result(job, request)
     if not isinstance(done, tuple):
         return done
@@ -298,10 +302,10 @@ async def _result(job, request):
             return JSONResponse(RequestError(499, "cancelled", code="cancelled").body(), status_code=499)
 
 
-async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty):
+async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, first, empty, live=None):
     """A job's events as server-sent events: `make(delta, finish, usage, choices)` builds a chunk from what
     `deltas` (ReplyDeltas or CompletionDeltas) gives; `first`, if any, opens the stream; `empty` is a chunk's
-    delta with nothing in it."""
+    delta with nothing in it. live: the stream's frames.FrameStream, when its request asked for frames."""
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -312,6 +316,8 @@ async def _events(job, prompt_tokens: int, include_usage: bool, deltas, make, fi
             yield sse(make(first))
         while True:
             event = await job.aget()
+            if live is not None and (text := live.sse(event)) is not None:
+                yield text
             if isinstance(event, StartEvent):
                 cached = event.cached_tokens
             elif isinstance(event, BlockEvent):

@@ -32,7 +32,7 @@ def install(app: FastAPI) -> None:
     async def http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
             message = f"no route {request.method} {request.url.path}; this server serves /v1/chat/completions, " \
-                      f"/v1/completions, /v1/models and /health"
+                      f"/v1/completions, /v1/models, /health and a playground page at /"
         elif e.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:

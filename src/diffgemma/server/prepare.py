@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, ConfigError, DiffgemmaError
 from ..vision.prompt import has_images, render_prompt, vision_for
-from . import images, structured
+from . import frames, images, structured
 from .errors import RequestError
 from .protocol import ChatRequest, CompletionRequest, Policy, parse_chat_request, parse_completion_request
 
@@ -46,6 +46,7 @@ class PreparedChat:
     ids: list[int]  # the rendered prompt, with `prefix` at its end
     prefix: list[int]  # a forced tool call's opener, written into the prompt (structured.forced_call_text)
     pictures: dict  # the prompt's images by key (vision/prompt.py), or {}
+    frames: bool = False  # the stream carries canvas frames (frames.py)
 
 
 def parse_json(raw) -> object:
@@ -62,7 +63,9 @@ def parse_json(raw) -> object:
 
 def prepare_chat(served: Served, raw) -> PreparedChat:
     """A /v1/chat/completions body -> the request and its prompt ids, or RequestError."""
-    req = parse_chat_request(parse_json(raw), served.model_id, served.base, served.policy)
+    body = parse_json(raw)
+    want_frames = frames.requested(body)  # taken out of the body's diffgemma settings
+    req = parse_chat_request(body, served.model_id, served.base, served.policy)
     messages = req.messages
     if has_images(messages):  # decoded here: a bad image is the request's 400, before it is queued
         images.count_images(messages, served.policy.images)
@@ -84,7 +87,7 @@ def prepare_chat(served: Served, raw) -> PreparedChat:
     except Exception as e:  # the template's own errors (a missing field, a wrong type)
         raise RequestError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                            "messages") from None
-    return PreparedChat(req, ids + prefix, prefix, pictures)
+    return PreparedChat(req, ids + prefix, prefix, pictures, want_frames)
 
 
 def prepare_completion(served: Served, raw) -> tuple[CompletionRequest, list[int]]:

@@ -56,6 +56,7 @@ class Job:
         self.id = next(_job_ids)
         self.ids, self.settings, self.tool_retries = ids, settings, tool_retries
         self.images = images  # a prompt key's images (vision/prompt.py), or None
+        self.on_step = None  # StepEvent -> what to queue in its place (server/frames.py); None: steps are dropped
         self.events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         try:  # made by a handler on the server's event loop: aget() waits on it without a thread
@@ -94,9 +95,12 @@ class Job:
                 await self._ready.wait()
 
     def put(self, event) -> None:
-        """Hand an event to the job's reader; denoise steps stay on the worker (nobody downstream shows them)."""
+        """Hand an event to the job's reader; denoise steps stay on the worker unless the reader asked for them
+        (`on_step` turns each into what is queued)."""
         if isinstance(event, StepEvent):
-            return
+            if self.on_step is None:
+                return
+            event = self.on_step(event)
         self.events.put(event)
         if self._loop is not None:
             try:

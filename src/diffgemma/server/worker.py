@@ -139,7 +139,7 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None) -> Job:
+    def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None, on_step=None) -> Job:
         """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit (InputError) or
         the queue is full (QueueFull). tool_retries: regenerate a malformed tool call up to this many times
         (session.run_turn). images: with a prompt key (vision/prompt.py), its images."""
@@ -151,6 +151,7 @@ class Worker:
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
         job = Job(list(ids), settings, tool_retries, images)
+        job.on_step = on_step  # the job's StepEvents, for a reader that asked for them (Job.put)
         with self._lock:
             free = max(0, min(self.max_batch, len(self.slots)) - len(self.scheduler.running))
             if self._waiting >= self.max_queue + free:
