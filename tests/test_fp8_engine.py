@@ -1,0 +1,101 @@
+"""The engine with FP8 weights (ops/fp8_weight.Fp8Weight) on the CPU torch path, on tiny random checkpoints.
+
+Its projections, dense MLP and experts are the checkpoint's quantized per output row (Fp8QuantizedSource); the
+engine quantizes each FP8 GEMM's input per token. The oracle is the reference model on the dequantized weights
+with every such GEMM's input fake-quantized per row by the same rule (FakeQuantReference). f32 activations and KV
+cache: the two agree to f32 rounding, except where that rounding moves an activation across an e4m3 rounding
+boundary, a rare one-ulp (1/16) step of one input value. The unquantized-activation reference is checked to lie
+much further away, so the comparison can tell the two apart.
+"""
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma.model.engine import build_engine
+from diffgemma.model.engine_weights import DictSource, Fp8QuantizedSource, fp8_by_default
+from diffgemma.model.reference import ReferenceModel, matmul
+from diffgemma.ops.fp8_quant import fake_quant_rows
+from diffgemma.ops.fp8_weight import Fp8Weight
+from tiny_checkpoints import CONFIGS, build_model, save
+
+pytest.importorskip("transformers")
+
+
+class FakeQuantReference(ReferenceModel):
+    """The reference forward whose GEMMs against the FP8 tensors (by storage) fake-quantize their input per row."""
+
+    def __init__(self, ref, source):
+        w = {n: source.get(n, dtype=torch.float32) for n in ref.w}
+        super().__init__(ref.config, w, device="cpu", dtype=torch.float32)
+        self.fp8_storage = {w[n].untyped_storage().data_ptr() for n in w if fp8_by_default(n)}
+
+    def _layer(self, layer, x, pos, attend, denoise, with_ffn=True, mm=matmul, pad=None):
+        def fq_mm(a, w):
+            quantized = w.untyped_storage().data_ptr() in self.fp8_storage
+            return mm(fake_quant_rows(a) if quantized else a, w)
+
+        return super()._layer(layer, x, pos, attend, denoise, with_ffn, fq_mm, pad)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def models(request, tmp_path_factory):
+    hf = build_model(CONFIGS[request.param], canvas_length=8)
+    ref = diffgemma.load(save(hf, tmp_path_factory.mktemp(request.param)))
+    src = Fp8QuantizedSource(DictSource(ref.w))
+    eng = build_engine(ref.config, src, "cpu", torch.float32, kv_dtype=torch.float32)
+    plain = ReferenceModel(ref.config, {n: src.get(n, dtype=torch.float32) for n in ref.w}, device="cpu",
+                           dtype=torch.float32)
+    return eng, FakeQuantReference(ref, src), plain
+
+
+def _case(cfg, gen, T):
+    V, C = cfg.vocab_size, cfg.canvas_length
+    return (torch.randint(0, V, (T,), generator=gen), torch.randint(0, V, (C,), generator=gen),
+            torch.randn(C, V, generator=gen) * 4)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_engine_holds_fp8_weights(models):
+    eng = models[0]
+    lw = eng.w.layers[0]
+    for name in ("qkv", "o", "mlp_gu", "mlp_down", "experts_gu", "experts_down"):
+        assert isinstance(getattr(lw, name), Fp8Weight), name
+    assert isinstance(eng.w.embed, torch.Tensor) and isinstance(eng.w.sc_gu, torch.Tensor)
+    assert lw.router_w.dtype == torch.float32
+
+
+@pytest.mark.parametrize("window_multiple", [0.5, 3])
+def test_fp8_engine_matches_fake_quant_reference(models, window_multiple):
+    eng, fq, plain = models
+    gen = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    prompt, canvas, sc = _case(eng.config, gen, max(1, int(eng.config.sliding_window * window_multiple)))
+    outs = []
+    for m in (eng, fq, plain):
+        cache = m.new_cache(256)
+        m.prefill(cache, prompt)
+        outs.append((m.denoise(cache, canvas), m.denoise(cache, canvas, sc_logits=sc)))
+    for (g, e, p), name in zip(zip(*outs), ("no SC", "SC logits")):
+        err, far = _rel(g, e), _rel(p, e)
+        assert err < 5e-4, f"{name}: engine vs fake-quant reference, relative error {err:.3g}"
+        assert far > 5 * max(err, 1e-4), f"{name}: the unquantized-activation reference is as near ({far:.3g})"
+
+
+def test_fp8_batched_lanes_equal_solo(models):
+    eng = models[0]
+    cfg = eng.config
+    gen = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    lanes = []
+    for T in (3, 3 * cfg.sliding_window + 1, 2 * cfg.sliding_window):
+        cache = eng.new_cache(T + 4 * cfg.canvas_length)
+        prompt, canvas, sc = _case(cfg, gen, T)
+        eng.prefill(cache, prompt)
+        lanes.append((cache, canvas, sc))
+    solo = [eng.denoise(c, x, sc_logits=s) for c, x, s in lanes]
+    got = eng.denoise_batch([c for c, _, _ in lanes], [x for _, x, _ in lanes], sc_logits=[s for *_, s in lanes])
+    for i, (g, s) in enumerate(zip(got, solo)):
+        err = (g - s).abs().max().item()
+        assert err <= 1e-4, f"lane {i}: max |Δlogits| {err:.3g}"
