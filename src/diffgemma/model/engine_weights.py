@@ -36,7 +36,7 @@ import torch
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
 from ..ops import q4_tiles
-from ..ops.fp8_weight import Fp8Weight, quantize_fp8
+from ..ops.fp8_weight import Fp8Weight, has_scaled_grouped_mm, quantize_fp8
 from ..ops.packed_weight import EXPERT_FORMATS, PackedWeight
 from ..ops.route import router_pieces
 
@@ -193,6 +193,8 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             prefill_scalar=float(source.get(f"{ENCODER_LAYERS}{layer.index}.layer_scalar", dtype=torch.float32)),
             **norms,
         ))
+    if torch.device(device).type == "cuda" and any(isinstance(lw.experts_gu, Fp8Weight) for lw in layers):
+        has_scaled_grouped_mm(torch.device(device))  # probed here, never first inside a graph capture
     return EngineWeights(
         embed=get(d + "embed_tokens.weight"),
         final_norm=get(d + "norm.weight"),

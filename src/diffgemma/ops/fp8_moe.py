@@ -39,9 +39,14 @@ if HAVE_TRITON:
 
 # (BN, BM, BK, num_warps, num_stages). The K tile is chosen by K alone (a row's bits depend on the K tiling);
 # BM by the rows an expert gets (more rows: fewer passes over the weights). bench/fp8_check.py times alternatives.
+# IMPRECISE: the K-elements the tensor cores may sum in their own reduced-precision accumulator before the sum joins
+# the f32 accumulator (tl.dot's max_num_imprecise_acc, at most the K tile): one K tile's, 128 (as FP8 GEMMs without
+# fast accumulation promote). None: Triton's default for the device (on Hopper: never, the whole K in the tensor
+# cores' accumulator).
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 128, 8, 4)
 WIDE_BM = 64  # rows a pass above STREAM_MAX_ROWS rows an expert
+IMPRECISE = 128
 
 
 def _check(q, s, w, src):
@@ -81,7 +86,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gmm_kernel(q_ptr, sx_ptr, src_ptr, w_ptr, sw_ptr, out_ptr, offs_ptr, order_ptr, N, K, stride_q,
                         stride_o, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_SRC: tl.constexpr,
-                        HAS_ORDER: tl.constexpr):
+                        HAS_ORDER: tl.constexpr, IMPRECISE: tl.constexpr):
         g, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         n_ok = n < N
@@ -102,7 +107,7 @@ if HAVE_TRITON:
                              other=0.0)
                 w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :],
                             other=0.0)
-                acc = tl.dot(w, xt, acc)
+                acc = tl.dot(w, xt, acc, max_num_imprecise_acc=IMPRECISE)
             y = acc * xs[None, :] * ws[:, None]
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], y.to(out_ptr.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
@@ -114,7 +119,7 @@ def pick_config(routes: int, experts: int, K: int) -> tuple:
 
 
 def grouped_mm_fp8_triton(q, s, w: Fp8Weight, offs, src=None, order=None, config: tuple | None = None,
-                          out_dtype=torch.bfloat16) -> torch.Tensor:
+                          out_dtype=torch.bfloat16, imprecise: int | None = IMPRECISE) -> torch.Tensor:
     """q e4m3 [M, K] (rows grouped by expert) or [T, K] with src [M]; s f32 scales of q's rows; w Fp8Weight
     [E, N, K]; offs int32 [E]; order: the experts' launch order (the result does not depend on it) -> [M, N]."""
     M = _check(q, s, w, src)
@@ -128,7 +133,9 @@ def grouped_mm_fp8_triton(q, s, w: Fp8Weight, offs, src=None, order=None, config
     _fp8_gmm_kernel[(triton.cdiv(N, BN), E)](
         q, s.contiguous(), q if src is None else src.contiguous(), w.weight.contiguous(), w.scale.contiguous(), out,
         offs, order_operand(order, offs, E), N, K, q.stride(0), out.stride(0), BN=BN, BM=BM, BK=BK,
-        HAS_SRC=src is not None, HAS_ORDER=order is not None, num_warps=warps, num_stages=stages)
+        HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        IMPRECISE=None if imprecise is None else min(imprecise, BK), num_warps=warps,
+        num_stages=stages)
     return out
 
 
