@@ -25,9 +25,9 @@ pytest.importorskip("transformers")
 class FakeQuantReference(ReferenceModel):
     """The reference forward whose GEMMs against the FP8 tensors (by storage) fake-quantize their input per row."""
 
-    def __init__(self, ref, source):
-        w = {n: source.get(n, dtype=torch.float32) for n in ref.w}
-        super().__init__(ref.config, w, device="cpu", dtype=torch.float32)
+    def __init__(self, cfg, names, source, device="cpu"):
+        w = {n: source.get(n, dtype=torch.float32, device=device) for n in names}
+        super().__init__(cfg, w, device=device, dtype=torch.float32)
         self.fp8_storage = {w[n].untyped_storage().data_ptr() for n in w if fp8_by_default(n)}
 
     def _layer(self, layer, x, pos, attend, denoise, with_ffn=True, mm=matmul, pad=None):
@@ -46,7 +46,7 @@ def models(request, tmp_path_factory):
     eng = build_engine(ref.config, src, "cpu", torch.float32, kv_dtype=torch.float32)
     plain = ReferenceModel(ref.config, {n: src.get(n, dtype=torch.float32) for n in ref.w}, device="cpu",
                            dtype=torch.float32)
-    return eng, FakeQuantReference(ref, src), plain
+    return eng, FakeQuantReference(ref.config, ref.w, src), plain
 
 
 def _case(cfg, gen, T):
