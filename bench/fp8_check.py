@@ -169,6 +169,11 @@ def section_kernels(cfg, dev):
         q, s = fp8_quant.quantize_rows_triton(x)
         qr, sr = fp8_quant.quantize_rows_ref(x)
         out["quantize"][f"{M}x{K}"] = {"values_bits_equal": bits_equal(q, qr), "scales_equal": torch.equal(s, sr)}
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    gu = (torch.randn(16384, 2 * cfg.moe_intermediate_size, device=dev, generator=gen) * 2).to(BF16)
+    q, s = fp8_quant.gelu_mul_quant_triton(gu)
+    q2, s2 = fp8_quant.quantize_rows_triton(gelu_mul_triton(gu))
+    out["gelu_mul_quant_bits_equal_two_steps"] = bits_equal(q, q2) and torch.equal(s, s2)
     for name, (N, K) in linear_shapes(cfg).items():
         try:
             out[name] = check_linear(N, K, dev, gen)

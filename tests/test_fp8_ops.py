@@ -11,6 +11,7 @@ import torch
 from diffgemma.errors import TensorError
 from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe
 from diffgemma.ops._backend import HAVE_TRITON
+from diffgemma.ops.gelu_mul import gelu_mul_triton
 from diffgemma.ops.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_fp8, row_scale
 
 # the kernels on CPU tensors: in the Triton interpreter (tests/gpu/test_fp8_gpu.py runs them natively)
@@ -156,3 +157,26 @@ def test_expert_ffn_dispatches_fp8():
     g1 = moe.grouped_mm(x, gu, offs, src=src, glu=True)
     torch.testing.assert_close(g1, moe.gelu_mul(fp8_moe.grouped_mm_fp8_ref(
         *fp8_quant.quantize_rows_ref(x), gu, offs, src=src, out_dtype=torch.float32)), rtol=0, atol=0)
+
+
+@needs_triton
+def test_gelu_mul_quant_kernel_equals_the_two_steps():
+    g = torch.Generator().manual_seed(7)
+    gu = (torch.randn(6, 2 * 40, generator=g) * 3).to(torch.bfloat16)
+    q, s = fp8_quant.gelu_mul_quant_triton(gu)
+    _, s2 = fp8_quant.gelu_mul_quant_ref(gu)  # the twin: torch's gelu, within its rounding
+    torch.testing.assert_close(s, s2, rtol=2 ** -7, atol=0)
+    q3, s3 = fp8_quant.quantize_rows_triton(gelu_mul_triton(gu))
+    assert torch.equal(s, s3) and torch.equal(_bits(q), _bits(q3))  # the fused kernel = gelu_mul then quantize
+
+
+def test_gated_mlp_fp8_is_the_fake_quant_mlp():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 32, generator=g)
+    gu, dn = quantize_fp8(torch.randn(48, 32, generator=g) * 0.2), quantize_fp8(torch.randn(32, 24, generator=g) * 0.2)
+    got = fp8_linear.gated_mlp(x, gu, dn)
+    h = fp8_quant.fake_quant_rows(x) @ gu.dequantize().T
+    h = moe.F.gelu(h[:, :24], approximate="tanh") * h[:, 24:]
+    torch.testing.assert_close(got, fp8_quant.fake_quant_rows(h) @ dn.dequantize().T, rtol=1e-5, atol=1e-5)
+    w1, w2 = torch.randn(48, 32, generator=g), torch.randn(32, 24, generator=g)
+    assert torch.equal(fp8_linear.gated_mlp(x, w1, w2), moe.gelu_mul(x @ w1.T) @ w2.T)  # plain weights: as before

@@ -72,6 +72,16 @@ def test_quantize_rows_kernel_bits(M, K):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
+@pytest.mark.parametrize("M,F", [(2048, Fe), (16384, Fe), (256, 2112)])
+def test_gelu_mul_quant_kernel_bits(M, F):
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    gu = (torch.randn(M, 2 * F, device=DEV) * 2).to(torch.bfloat16)
+    q, s = fp8_quant.gelu_mul_quant_triton(gu)
+    q2, s2 = fp8_quant.quantize_rows_triton(gelu_mul_triton(gu))
+    assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert rel(q.float() * s[:, None], fp8_quant.fake_quant_rows(fp8_quant.gelu_mul_ref(gu))) < 2e-2
+
+
 @needs_fp8
 @pytest.mark.parametrize("name", sorted(LINEARS))
 def test_scaled_mm_linear_vs_twin_and_rows(name):

@@ -33,12 +33,11 @@ import torch
 
 from ..config import ModelConfig
 from ..ops import moe_paths
-from ..ops.fp8_linear import linear
+from ..ops.fp8_linear import gated_mlp, linear
 from ..ops.fp8_weight import Fp8Weight
 from ..ops.packed_weight import PackedWeight
 from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
-from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
 from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
@@ -363,7 +362,7 @@ class Forward:
 
     def _sc_mlp(self, s):
         """The self-conditioning MLP (gate||up, gelu.up, down); plain or packed q8 weights."""
-        return linear(gelu_mul(linear(s, self.w.sc_gu)), self.w.sc_down)
+        return gated_mlp(s, self.w.sc_gu, self.w.sc_down)
 
     def _canvas_rows(self, C: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(arange(C), R + arange(C)) on the device, made once per shape: constants a graph reads."""
@@ -462,7 +461,7 @@ class Forward:
         rows = len(dense_in) if rows is None else rows
         carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and rows <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
-            return linear(gelu_mul(linear(dense_in, lw.mlp_gu)), lw.mlp_down)
+            return gated_mlp(dense_in, lw.mlp_gu, lw.mlp_down)
 
     def _route(self, lw, router_in):
         """The router chain: the mixing weights and the plan the expert GEMMs read (src, inv, offs, order)."""

@@ -8,9 +8,12 @@ on its own row of x alone.
   fp8_linear_ref        the twin: the same quantized values, multiplied in float32 by torch
   fp8_linear_scaled_mm  torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], bf16 out)
   fp8_linear            the dispatcher: torch._scaled_mm on a CUDA device that has FP8 tensor cores (compute
-                        capability 8.9+) for bf16 activations, the twin elsewhere
+                        capability 8.9+) for bf16 activations, the twin's product elsewhere
+  fp8_linear_quantized  the same GEMM on an input already quantized (q, s)
   linear                x @ Wᵀ for any weight the engine holds: an Fp8Weight here, a plain or packed one through
                         ops/q8_linear.linear
+  gated_mlp             down(gelu_tanh(gate(x)) · up(x)) for any weights (gate ‖ up stacked); with an FP8 down
+                        projection, gelu·up comes quantized per row from one kernel (ops/fp8_quant.gelu_mul_quant)
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from .fp8_quant import quantize_rows, quantize_rows_ref
+from .fp8_quant import gelu_mul_quant, quantize_rows, quantize_rows_ref
 from .fp8_weight import Fp8Weight, has_fp8_mma
+from .gelu_mul import gelu_mul
 from .q8_linear import linear as dense_or_packed_linear
 
 
@@ -48,13 +52,18 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype |
                             out_dtype=out_dtype or x.dtype)
 
 
+def fp8_linear_quantized(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """(q e4m3 [M, K], s f32 [M]) @ (w.weight · w.scale)ᵀ -> [M, N] in out_dtype."""
+    if (q.is_cuda and out_dtype == torch.bfloat16 and has_fp8_mma(q.device) and q.shape[1] % 16 == 0
+            and w.shape[0] % 16 == 0):
+        return torch._scaled_mm(q, w.weight.T, scale_a=s[:, None], scale_b=w.scale[None, :], out_dtype=out_dtype)
+    return scaled_product_ref(q, s, w.weight, w.scale, out_dtype)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] @ (w.weight · w.scale)ᵀ -> [M, N] in out_dtype (default x's), x quantized per row on the way."""
-    out_dtype = out_dtype or x.dtype
-    if (x.is_cuda and x.dtype == torch.bfloat16 and out_dtype == torch.bfloat16 and has_fp8_mma(x.device)
-            and x.shape[1] % 16 == 0 and w.shape[0] % 16 == 0):
-        return fp8_linear_scaled_mm(x, w, out_dtype)
-    return fp8_linear_ref(x, w, out_dtype)
+    _check(x, w)
+    return fp8_linear_quantized(*quantize_rows(x), w, out_dtype or x.dtype)
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -62,3 +71,11 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w)
     return dense_or_packed_linear(x, w)
+
+
+def gated_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """gelu_tanh(gate) · up -> down projection, gate ‖ up one [2F, K] weight; any weights linear takes."""
+    h = linear(x, gate_up)
+    if isinstance(down, Fp8Weight):
+        return fp8_linear_quantized(*gelu_mul_quant(h), down, x.dtype)
+    return linear(gelu_mul(h), down)

@@ -11,7 +11,7 @@ activations quantized per token (ops/fp8_quant.py) before each grouped GEMM.
                          grid is fixed by shapes (graph-safe, no host sync). The K tile depends on K alone, so a row's
                          bits do not depend on how many rows share its expert.
   grouped_mm_fp8         the dispatcher: the path ops/moe_paths.fp8_expert_path names
-  expert_ffn_fp8         quantize per token -> gate ‖ up GEMM -> gelu·up -> quantize per route -> down GEMM
+  expert_ffn_fp8         quantize per token -> gate ‖ up GEMM -> gelu·up quantized per route (one kernel) -> down GEMM
 
 With src (one row of x per token, src [M] naming each route's token) the token rows are quantized once and the
 kernel gathers them in its loads; the torch paths gather the quantized rows and their scales first.
@@ -24,9 +24,9 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .fp8_linear import scaled_product_ref
-from .fp8_quant import quantize_rows, quantize_rows_ref
+from .fp8_quant import gelu_mul_quant, quantize_rows, quantize_rows_ref
 from .fp8_weight import FP8_DTYPE, Fp8Weight
-from .gelu_mul import gelu_mul, gelu_mul_ref
+from .gelu_mul import gelu_mul_ref
 from .grouped import route_count, routed
 from .moe_paths import STREAM_MAX_ROWS, STREAM_SHORT_K, fp8_expert_path
 from .moe_plan import order_operand
@@ -157,9 +157,8 @@ def expert_ffn_fp8(x, gate_up: Fp8Weight, down: Fp8Weight, offs, src=None, order
     src [M] -> [M, H] in out_dtype (default x's). Each GEMM's input is quantized per row on the way in."""
     out_dtype = out_dtype or x.dtype
     q, s = quantize_rows(x.to(out_dtype))
-    h = gelu_mul(grouped_mm_fp8(q, s, gate_up, offs, src=src, order=order, out_dtype=out_dtype,
-                                path_routes=path_routes))
-    q, s = quantize_rows(h)
+    gu = grouped_mm_fp8(q, s, gate_up, offs, src=src, order=order, out_dtype=out_dtype, path_routes=path_routes)
+    q, s = gelu_mul_quant(gu)
     return grouped_mm_fp8(q, s, down, offs, order=order, out_dtype=out_dtype, path_routes=path_routes)
 
 
