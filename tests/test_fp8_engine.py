@@ -13,7 +13,7 @@ import torch
 
 import diffgemma
 from diffgemma.model.engine import build_engine
-from diffgemma.model.engine_weights import DictSource, Fp8QuantizedSource, fp8_by_default
+from diffgemma.model.engine_weights import LM_HEAD, DictSource, Fp8QuantizedSource, fp8_by_default
 from diffgemma.model.reference import ReferenceModel, matmul
 from diffgemma.ops.fp8_quant import fake_quant_rows
 from diffgemma.ops.fp8_weight import Fp8Weight
@@ -99,3 +99,25 @@ def test_fp8_batched_lanes_equal_solo(models):
     for i, (g, s) in enumerate(zip(got, solo)):
         err = (g - s).abs().max().item()
         assert err <= 1e-4, f"lane {i}: max |Δlogits| {err:.3g}"
+
+
+def test_a_checkpoints_fp8_lm_head_is_used(models):
+    """A source with an FP8 `lm_head.weight` (here the embedding quantized) gives the engine an FP8 lm_head: the
+    logits are those of the fake-quantized head, near the tied embedding's, and lanes stay their solo selves."""
+    eng, fq, _ = models
+    names = fq.w
+    inner = DictSource({**names, LM_HEAD: names["model.decoder.embed_tokens.weight"]})
+    src = Fp8QuantizedSource(inner, which=lambda n: fp8_by_default(n) or n == LM_HEAD)
+    head_eng = build_engine(eng.config, src, "cpu", torch.float32, kv_dtype=torch.float32)
+    assert isinstance(head_eng.w.lm_head, Fp8Weight) and eng.w.lm_head is None
+    gen = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    prompt, canvas, _ = _case(eng.config, gen, 5)
+    raw = []
+    for m in (eng, head_eng):
+        caches = [m.new_cache(64), m.new_cache(64)]
+        for c in caches:
+            m.prefill(c, prompt)
+        raw.append(m.denoise_raw(caches[0], canvas))
+        batched = m.denoise_batch_raw(caches, [canvas, canvas])
+        assert (batched[1] - raw[-1]).abs().max() <= 1e-4
+    assert 0 < _rel(raw[1], raw[0]) < 0.1

@@ -86,6 +86,7 @@ class EngineWeights:
     sc_gu: torch.Tensor | PackedWeight
     sc_down: torch.Tensor | PackedWeight
     layers: list
+    lm_head: Fp8Weight | None = None  # a checkpoint's own FP8 lm_head; None: the tied embedding
 
 
 def inv_freq_for(layer) -> torch.Tensor:
@@ -129,6 +130,7 @@ def _packed(source, name, device) -> PackedWeight:
 
 
 FP8 = "fp8"  # the `kind` of a tensor a source hands out as an Fp8Weight
+LM_HEAD = "lm_head.weight"  # held (as an Fp8Weight) only where a checkpoint has it in FP8; else tied to the embedding
 
 
 def fused_linear(source, names, device, get):
@@ -193,6 +195,7 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             prefill_scalar=float(source.get(f"{ENCODER_LAYERS}{layer.index}.layer_scalar", dtype=torch.float32)),
             **norms,
         ))
+    head = LM_HEAD if LM_HEAD in source.keys() and tensor_kind(source, LM_HEAD) == FP8 else None
     if torch.device(device).type == "cuda" and any(isinstance(lw.experts_gu, Fp8Weight) for lw in layers):
         has_scaled_grouped_mm(torch.device(device))  # probed here, never first inside a graph capture
     return EngineWeights(
@@ -202,6 +205,7 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         sc_gu=sc_gu,
         sc_down=sc_down,
         layers=layers,
+        lm_head=None if head is None else source.fp8_weight(head, device),
     )
 
 

@@ -259,7 +259,7 @@ class Forward:
         x, h = self._canvas_input(ids, mode, sc)
         attend = self._canvas_attention(cache, len(ids), key_rows)
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
-        return h @ self.w.embed.T
+        return h @ self.w.embed.T if self.w.lm_head is None else linear(h, self.w.lm_head)
 
     def denoise_batch(self, caches, ids, sc, has_sc, lens, key_rows, out=None) -> torch.Tensor:
         """B canvases, each against its own cache, in one forward -> raw logits [sum(lens), V] (lane b's rows follow
@@ -301,6 +301,9 @@ class Forward:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         finally:
             self._lane_rows = None
+        if self.w.lm_head is not None:  # a checkpoint's FP8 lm_head
+            y = linear(h, self.w.lm_head)
+            return y if out is None else out.copy_(y)
         return torch.matmul(h, self.w.embed.T, out=out)
 
     def _lane_streams(self, n: int):
