@@ -71,7 +71,8 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
-    (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
+    (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM), or FP8 ones
+    (ops/fp8_weight.Fp8Weight: ops/fp8_moe.expert_ffn_fp8). order: the experts'
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (ops/moe_paths.takes_f16_operand); gelu·up hands the down GEMM
     its input the same way when that GEMM takes it, unless f16_operands is False (the ops-level twin switch the tests and bench_pack use; the engine
