@@ -10,17 +10,20 @@ hidden 2816, 128 experts top-8 of F 704, dense 2112, 16 heads, sliding hd 256 / 
 vocab 262144, canvas 256).
 
   env      torch / device, FP8 tensor cores, torch._scaled_mm and torch._scaled_grouped_mm availability
-  kernels  at the real shapes: per-row quantization kernel vs twin (bits); torch._scaled_mm vs the twin per linear;
+  kernels  at the real shapes: per-row quantization kernel vs twin (bits); torch._scaled_mm and the Triton FP8
+           linear vs the twin per linear, their rows alone vs inside 2048 (bits), the Triton one across tiles;
            the grouped FP8 kernel and torch._scaled_grouped_mm vs the twin (gate_up, down); batch invariance:
            a lane's 256 rows alone vs inside 2048 (_scaled_mm; the grouped kernel with its routes), the grouped
            kernel's row tile (BM 32 vs 64), the kernel vs torch._scaled_grouped_mm bit for bit
   gemms    µs per call (CUDA-graph replay) at 256 rows (B=1) and 2048 (B=8): bf16 cuBLAS vs FP8 _scaled_mm (with
-           and without the activation quantization) per linear family; the expert GEMMs: bf16 torch._grouped_mm and
+           and without the activation quantization) and the Triton FP8 linear (a few tiles) per linear family; the
+           expert GEMMs: bf16 torch._grouped_mm and
            the bf16 streaming kernel vs FP8 torch._scaled_grouped_mm and the FP8 kernel (a few tile configs),
            balanced routes
   engine   random full-size weights, balanced routing, 1k context: denoise step B=1 and batched B=8 forward for
            bf16, fp8 (the same weights quantized per row) and q4 (random q4 records: timing only); fp8 with the
-           expert GEMMs forced to torch._scaled_grouped_mm (DIFFGEMMA_EXPERT_GEMM=cutlass) as an A/B; with the
+           expert GEMMs forced to torch._scaled_grouped_mm (DIFFGEMMA_EXPERT_GEMM=cutlass) as an A/B, and with the
+           linears on the Triton FP8 GEMM (ops/fp8_linear.KERNEL = "triton", its lanes' bits too); with the
            model's own routing: FP8 vs bf16 logits (softcapped) cosine and argmax agreement, and the FP8 lanes of a
            batched denoise vs their solo denoise (bit-identical count)
   memory   fp8, 8 lanes of 8k context, one batched step: peak allocated GiB (skipped when the time budget is spent)
@@ -121,6 +124,14 @@ def check_linear(N, K, dev, gen):
     for lo, n in ((0, 256), (768, 256), (1792, 256), (0, 512)):
         r[f"rows_{lo}+{n}_alone_bits_equal"] = bits_equal(fp8_linear.fp8_linear_scaled_mm(x[lo:lo + n], w),
                                                           fast[lo:lo + n])
+    q, s = fp8_quant.quantize_rows(x)
+    tri = fp8_linear.fp8_linear_triton(q, s, w)
+    r["triton_rel_vs_twin"] = rel(tri, fp8_linear.fp8_linear_ref(x, w))
+    r["triton_rows_768+256_alone_bits_equal"] = bits_equal(fp8_linear.fp8_linear_triton(q[768:1024], s[768:1024], w),
+                                                           tri[768:1024])
+    r["triton_config_128x128_bits_equal"] = bits_equal(fp8_linear.fp8_linear_triton(q, s, w,
+                                                                                    config=(128, 128, 128, 8, 3)), tri)
+    r["triton_vs_scaled_mm_share_bits_equal"] = round((tri == fast).float().mean().item(), 4)
     return r
 
 
@@ -215,11 +226,15 @@ def time_linear(N, K, dev, gen, reps):
                                                                             scale_b=w8.scale[None, :], out_dtype=BF16),
                                                    reps),
                       "quantize_us": graph_us(lambda: fp8_quant.quantize_rows(x), reps)}
+        for c in LINEAR_CONFIGS:
+            r[f"fp8_triton_{'_'.join(map(str, c))}_us"] = graph_us(
+                lambda: fp8_linear.fp8_linear_triton(q, s, w8, config=c), reps)
         if isinstance(r["bf16_us"], float) and isinstance(r["fp8_us"], float):
             r["fp8_speedup"] = round(r["bf16_us"] / r["fp8_us"], 3)
     return out
 
 
+LINEAR_CONFIGS = [fp8_linear.CONFIG, (128, 128, 128, 8, 3), (64, 256, 128, 8, 3)]
 TRITON_CONFIGS = [(64, 32, 128, 4, 4), (128, 32, 128, 8, 4), (64, 32, 256, 4, 3), (128, 64, 128, 8, 3)]
 
 
@@ -341,6 +356,12 @@ def section_engine(cfg, dev, tiny, reps, res, dump):
                     r["experts_torch_grouped"] = engine_timings(eng, cfg, dev, reps, ctx, B)
                 finally:
                     del os.environ["DIFFGEMMA_EXPERT_GEMM"]
+                fp8_linear.KERNEL = "triton"
+                try:
+                    r["linears_triton"] = engine_timings(eng, cfg, dev, reps, ctx, B)
+                    r["linears_triton"]["lanes_bit_identical"] = engine_logits(eng, cfg, ctx, B)[1]
+                finally:
+                    fp8_linear.KERNEL = "scaled_mm"
             if kind != "q4":
                 logits, r["lanes_bit_identical"] = engine_logits(eng, cfg, ctx, B)
                 if kind == "bf16":

@@ -106,7 +106,8 @@ def test_grouped_kernel_equals_twin(with_src):
 
 @needs_triton
 def test_grouped_kernel_rows_independent_of_tile():
-    """A row's result does not depend on the other rows of its expert nor on the row tile (BM)."""
+    """A row's result does not depend on the other rows of its expert, and hardly on the row tile (BM: bit for bit
+    on the GPU, tests/gpu/test_fp8_gpu.py; the interpreter's tile products follow the tile shape)."""
     g = torch.Generator().manual_seed(4)
     E, N, K = 2, 32, 64
     w = quantize_fp8(torch.randn(E, N, K, generator=g) * 0.05)
@@ -114,7 +115,7 @@ def test_grouped_kernel_rows_independent_of_tile():
     offs = torch.tensor([25, 40], dtype=torch.int32)
     a = fp8_moe.grouped_mm_fp8_triton(q, s, w, offs, config=(16, 16, 32, 4, 1))
     b = fp8_moe.grouped_mm_fp8_triton(q, s, w, offs, config=(16, 32, 32, 4, 1))
-    assert torch.equal(a, b)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     one = fp8_moe.grouped_mm_fp8_triton(q[:1], s[:1], w, torch.tensor([1, 1], dtype=torch.int32),
                                         config=(16, 16, 32, 4, 1))
     assert torch.equal(one[0], a[0])
@@ -180,3 +181,19 @@ def test_gated_mlp_fp8_is_the_fake_quant_mlp():
     torch.testing.assert_close(got, fp8_quant.fake_quant_rows(h) @ dn.dequantize().T, rtol=1e-5, atol=1e-5)
     w1, w2 = torch.randn(48, 32, generator=g), torch.randn(32, 24, generator=g)
     assert torch.equal(fp8_linear.gated_mlp(x, w1, w2), moe.gelu_mul(x @ w1.T) @ w2.T)  # plain weights: as before
+
+
+@needs_triton
+def test_linear_kernel_equals_twin_and_rows_are_independent():
+    g = torch.Generator().manual_seed(9)
+    w = quantize_fp8(torch.randn(40, 96, generator=g) * 0.1)
+    q, s = fp8_quant.quantize_rows_ref(torch.randn(37, 96, generator=g))
+    want = fp8_linear.scaled_product_ref(q, s, w.weight, w.scale, torch.float32)
+    a = fp8_linear.fp8_linear_triton(q, s, w, torch.float32, config=(16, 16, 32, 4, 1))
+    torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+    # other row / column tiles: the same values (bit for bit on the GPU's tensor cores, tests/gpu/test_fp8_gpu.py;
+    # the interpreter's tile products go through a BLAS whose order follows the tile shape)
+    b = fp8_linear.fp8_linear_triton(q, s, w, torch.float32, config=(32, 32, 32, 4, 1))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fp8_linear.fp8_linear_triton(q[5:9], s[5:9], w, torch.float32, config=(16, 16, 32, 4, 1)),
+                       a[5:9])

@@ -97,6 +97,20 @@ def test_scaled_mm_linear_vs_twin_and_rows(name):
 
 
 @needs_fp8
+@pytest.mark.parametrize("name", sorted(LINEARS))
+def test_triton_linear_vs_twin_and_rows(name):
+    N, K = LINEARS[name]
+    w = quantize_fp8(torch.randn(N, K, device=DEV) * 0.02)
+    x = torch.randn(2048, K, device=DEV).to(torch.bfloat16)
+    q, s = fp8_quant.quantize_rows(x)
+    got = fp8_linear.fp8_linear_triton(q, s, w)
+    assert rel(got, fp8_linear.fp8_linear_ref(x, w)) < 4e-3
+    assert torch.equal(fp8_linear.fp8_linear_triton(q, s, w, config=(128, 128, 128, 8, 3)), got)
+    for a in (0, 768, 1792):
+        assert torch.equal(fp8_linear.fp8_linear_triton(q[a:a + 256], s[a:a + 256], w), got[a:a + 256]), a
+
+
+@needs_fp8
 @pytest.mark.parametrize("kind", ["balanced", "random"])
 @pytest.mark.parametrize("N,K", [(2 * Fe, H), (H, Fe)])
 def test_grouped_fp8_vs_twin(kind, N, K):
