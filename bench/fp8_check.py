@@ -349,6 +349,7 @@ def section_engine(cfg, dev, tiny, reps, res, dump):
             sync(dev)
             r["build_s"] = round(time.time() - t, 1)
             r.update(engine_timings(eng, cfg, dev, reps, ctx, B))
+            r["graph_error"] = eng.graph_error
             log(f"  [{kind}] {r}")
             if kind == "fp8" and dev.type == "cuda":
                 os.environ["DIFFGEMMA_EXPERT_GEMM"] = "cutlass"

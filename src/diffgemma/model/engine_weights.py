@@ -36,7 +36,7 @@ import torch
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
 from ..ops import q4_tiles
-from ..ops.fp8_weight import Fp8Weight, has_scaled_grouped_mm, quantize_fp8
+from ..ops.fp8_weight import Fp8Weight, has_fp8_mma, has_scaled_grouped_mm, quantize_fp8
 from ..ops.packed_weight import EXPERT_FORMATS, PackedWeight
 from ..ops.route import router_pieces
 
@@ -196,8 +196,10 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             **norms,
         ))
     head = LM_HEAD if LM_HEAD in source.keys() and tensor_kind(source, LM_HEAD) == FP8 else None
-    if torch.device(device).type == "cuda" and any(isinstance(lw.experts_gu, Fp8Weight) for lw in layers):
-        has_scaled_grouped_mm(torch.device(device))  # probed here, never first inside a graph capture
+    if torch.device(device).type == "cuda" and any(isinstance(lw.qkv, Fp8Weight) or isinstance(lw.experts_gu, Fp8Weight)
+                                                   for lw in layers):
+        has_fp8_mma(torch.device(device))  # probed here, never first inside a graph capture
+        has_scaled_grouped_mm(torch.device(device))
     return EngineWeights(
         embed=get(d + "embed_tokens.weight"),
         final_norm=get(d + "norm.weight"),
@@ -266,15 +268,15 @@ class Fp8QuantizedSource:
     def kind(self, name) -> str:
         return FP8 if self.which(name) else tensor_kind(self.inner, name)
 
-    def fp8_weight(self, name, device) -> Fp8Weight:
+    def fp8_weight(self, name, device=None) -> Fp8Weight:
         fw = self._made.get(name)
         if fw is None:
             fw = quantize_fp8(self.inner.get(name, dtype=torch.float32, device=device))
             if self.cache:
                 self._made[name] = fw
-        return fw.to(device)
+        return fw if device is None else fw.to(device)
 
-    def get(self, name, dtype=None, device="cpu"):
+    def get(self, name, dtype=None, device=None):
         if not self.which(name):
             return self.inner.get(name, dtype=dtype, device=device)
-        return self.fp8_weight(name, device).dequantize(dtype or torch.float32).to(device)
+        return self.fp8_weight(name, device).dequantize(dtype or torch.float32)
