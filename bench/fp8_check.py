@@ -461,6 +461,9 @@ def main():
             res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         log(f"== {name}: {time.time() - t:.1f}s")
         dump()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     text = summary(res)
     (out_dir / "fp8_check.txt").write_text(text + "\n")
     print(text, flush=True)

@@ -35,7 +35,7 @@ from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe  # noqa: E402
 from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, quantize_fp8  # noqa: E402
 
 from bench.fixtures import RandomSource  # noqa: E402
-from test_fp8_engine import FakeQuantReference  # noqa: E402
+from fp8_reference import FakeQuantReference  # noqa: E402
 from tiny_checkpoints import MID  # noqa: E402
 
 DEV = torch.device("cuda")
