@@ -48,7 +48,7 @@ from bench.runner import log, shapes, sync
 from diffgemma.model.engine import build_engine
 from diffgemma.model.engine_weights import Fp8QuantizedSource
 from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe_stream
-from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, quantize_fp8
+from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, probe_scaled_grouped_mm, quantize_fp8
 from diffgemma.ops.grouped import grouped_mm_torch
 
 BF16 = torch.bfloat16
@@ -110,6 +110,10 @@ def section_env(dev):
         out["capability"] = list(torch.cuda.get_device_capability(dev))
         out["fp8_mma"] = has_fp8_mma(dev)
         out["scaled_grouped_mm_runs"] = has_scaled_grouped_mm(dev)
+        try:
+            probe_scaled_grouped_mm(dev)
+        except Exception as e:  # why it does not run, for the record
+            out["scaled_grouped_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         import triton
         out["triton"] = triton.__version__
     return out

@@ -90,12 +90,18 @@ def has_scaled_grouped_mm(device: torch.device) -> bool:
     if not has_fp8_mma(device) or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     try:
-        q = torch.zeros(32, 32, dtype=FP8_DTYPE, device=device)
-        w = torch.zeros(2, 32, 32, dtype=FP8_DTYPE, device=device)
-        torch._scaled_grouped_mm(q, w.transpose(-2, -1), scale_a=torch.ones(32, device=device),
-                                 scale_b=torch.ones(2, 32, device=device),
-                                 offs=torch.tensor([16, 32], dtype=torch.int32, device=device), out_dtype=torch.bfloat16)
+        probe_scaled_grouped_mm(device)
         torch.cuda.synchronize(device)
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def probe_scaled_grouped_mm(device: torch.device) -> torch.Tensor:
+    """One torch._scaled_grouped_mm call at small shapes in the expert path's layout (raises where it does not run)."""
+    q = torch.zeros(64, 128, dtype=FP8_DTYPE, device=device)
+    w = torch.zeros(2, 128, 128, dtype=FP8_DTYPE, device=device)
+    return torch._scaled_grouped_mm(q, w.transpose(-2, -1), scale_a=torch.ones(64, device=device),
+                                    scale_b=torch.ones(2, 128, device=device),
+                                    offs=torch.tensor([16, 64], dtype=torch.int32, device=device),
+                                    out_dtype=torch.bfloat16)
