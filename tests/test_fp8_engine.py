@@ -13,9 +13,10 @@ import torch
 
 import diffgemma
 from diffgemma.model.engine import build_engine
-from diffgemma.model.engine_weights import LM_HEAD, DictSource, Fp8QuantizedSource, fp8_by_default
+from diffgemma.model.engine_weights import LM_HEAD, DictSource, Fp8QuantizedSource, fp8_by_default, fused_linear
 from diffgemma.model.reference import ReferenceModel
-from diffgemma.ops.fp8_weight import Fp8Weight
+from diffgemma.ops import moe_paths
+from diffgemma.ops.fp8_weight import Fp8Weight, quantize_fp8
 from fp8_reference import FakeQuantReference
 from tiny_checkpoints import CONFIGS, build_model, save
 
@@ -105,3 +106,17 @@ def test_a_checkpoints_fp8_lm_head_is_used(models):
         batched = m.denoise_batch_raw(caches, [canvas, canvas])
         assert (batched[1] - raw[-1]).abs().max() <= 1e-4
     assert 0 < _rel(raw[1], raw[0]) < 0.1
+
+
+def test_fused_linear_stacks_fp8_parts_and_falls_back_when_mixed():
+    g = torch.Generator().manual_seed(3)
+    t = {n: torch.randn(4 + i, 8, generator=g) for i, n in enumerate(("a", "b", "c"))}
+    src = Fp8QuantizedSource(DictSource(t), which=lambda n: n in ("a", "b"))
+    both = fused_linear(src, ["a", "b"], "cpu", lambda n: src.get(n))
+    assert isinstance(both, Fp8Weight) and both.shape == (9, 8)
+    assert torch.equal(both.dequantize(), torch.cat([src.get("a"), src.get("b")]))
+    mixed = fused_linear(src, ["a", "c"], "cpu", lambda n: src.get(n))  # one part plain: the dequantized values
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([src.get("a"), t["c"]]))
+    assert fused_linear(src, ["c"], "cpu", lambda n: src.get(n)) is t["c"]
+    assert src.kind("a") == "fp8" and src.kind("c") == "raw" and src.shape("c") == (6, 8)
+    assert moe_paths.fp8_expert_path(quantize_fp8(torch.randn(2, 16, 16)), 4, torch.zeros(1), torch.float32) == "fp8-twin"
