@@ -1,6 +1,7 @@
 """FP8 engine check: availability, kernels vs twins, GEMM timings FP8 vs bf16, and the full-size denoise step.
 
     PYTHONPATH=src:. python -m bench.fp8_check [--out DIR] [--reps 20] [--skip kernels,gemms,engine,memory]
+    python bench/fp8_check.py ...                             # the same
     PYTHONPATH=src:. python -m bench.fp8_check --tiny     # the demo model's shapes on the CPU: a dry run
 
 One command, each section in try/except (a failing section prints its traceback, records its error and the next
@@ -36,11 +37,15 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+# run as `python bench/fp8_check.py` too: the repository root (bench.*) and src/ (diffgemma) after any PYTHONPATH
+sys.path += [str(Path(__file__).resolve().parents[1] / d) for d in ("", "src")]
 
 from bench.bench_batch import lanes, timed
 from bench.fixtures import RandomPackSource, RandomSource
