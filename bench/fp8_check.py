@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-# run as `python bench/fp8_check.py` too: the repository root (bench.*) and src/ (diffgemma) after any PYTHONPATH
-sys.path += [str(Path(__file__).resolve().parents[1] / d) for d in ("", "src")]
+# run as `python bench/fp8_check.py` too: this checkout's root (bench.*) and src/ (diffgemma) come first
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "")]
 
 from bench.bench_batch import lanes, timed
 from bench.fixtures import RandomPackSource, RandomSource
