@@ -12,7 +12,7 @@ from diffgemma.errors import TensorError
 from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe
 from diffgemma.ops._backend import HAVE_TRITON
 from diffgemma.ops.gelu_mul import gelu_mul_triton
-from diffgemma.ops.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_fp8, row_scale
+from diffgemma.ops.fp8_weight import FP8_DTYPE, FP8_MAX, quantize_fp8, row_scale
 
 # the kernels on CPU tensors: in the Triton interpreter (tests/gpu/test_fp8_gpu.py runs them natively)
 needs_triton = pytest.mark.skipif(not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
