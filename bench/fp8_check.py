@@ -1,6 +1,6 @@
 """FP8 engine check: availability, kernels vs twins, GEMM timings FP8 vs bf16, and the full-size denoise step.
 
-    PYTHONPATH=src:. python -m bench.fp8_check [--out DIR] [--reps 20] [--skip kernels,gemms,engine,memory]
+    PYTHONPATH=src:. python -m bench.fp8_check [--out DIR] [--reps 20] [--skip kernels,gemms,engine,demo,memory]
     python bench/fp8_check.py ...                             # the same
     PYTHONPATH=src:. python -m bench.fp8_check --tiny     # the demo model's shapes on the CPU: a dry run
 
@@ -27,6 +27,7 @@ vocab 262144, canvas 256).
            linears on the Triton FP8 GEMM (ops/fp8_linear.KERNEL = "triton", its lanes' bits too); with the
            model's own routing: FP8 vs bf16 logits (softcapped) cosine and argmax agreement, and the FP8 lanes of a
            batched denoise vs their solo denoise (bit-identical count)
+  demo     the embedded demo model (real weights): bf16 vs its FP8 form (Fp8QuantizedSource), 8 chat prompts' tokens
   memory   fp8, 8 lanes of 8k context, one batched step: peak allocated GiB (skipped when the time budget is spent)
 """
 
@@ -51,7 +52,7 @@ from bench.bench_batch import lanes, timed
 from bench.fixtures import RandomPackSource, RandomSource
 from bench.runner import log, shapes, sync
 from diffgemma.model.engine import build_engine
-from diffgemma.model.engine_weights import Fp8QuantizedSource
+from diffgemma.model.engine_weights import DictSource, Fp8QuantizedSource
 from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe_stream
 from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, probe_scaled_grouped_mm, quantize_fp8
 from diffgemma.ops.grouped import grouped_mm_torch
@@ -399,6 +400,33 @@ def section_engine(cfg, dev, tiny, reps, res, dump):
     return None
 
 
+DEMO_QUESTIONS = ("Name a colour.", "What is 2+2?", "Say hi.", "What is the capital of France?",
+                  "Count to five.", "Give me a word that rhymes with cat.", "What day comes after Monday?",
+                  "Is the sun a star?")
+
+
+def section_demo(dev):
+    """The embedded demo model (real weights), bf16 vs its FP8 form (weights quantized per row): each chat prompt's
+    generated tokens, the share identical, and the replies."""
+    import diffgemma
+    if time.time() - T0 > BUDGET_S:
+        return {"skipped": f"time budget ({BUDGET_S} s) spent"}
+    demo = diffgemma.load(device="cpu")
+    tok = demo.tokenizer
+    kw = dict(generation_config=demo.generation_config, tokenizer=tok)
+    dtype = BF16 if dev.type == "cuda" else torch.float32
+    engines = {"bf16": build_engine(demo.config, DictSource(demo.w), dev, dtype, **kw),
+               "fp8": build_engine(demo.config, Fp8QuantizedSource(DictSource(demo.w)), dev, dtype, **kw)}
+    replies = {k: [] for k in engines}
+    for q in DEMO_QUESTIONS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}])
+        for k, eng in engines.items():
+            replies[k].append(diffgemma.generate(eng, ids, seed=0, max_new_tokens=64).tokens)
+    same = sum(a == b for a, b in zip(replies["bf16"], replies["fp8"]))
+    return {"token_identical": f"{same}/{len(DEMO_QUESTIONS)}",
+            "replies": {k: [tok.decode(t) for t in v] for k, v in replies.items()}}
+
+
 def section_memory(cfg, dev, tiny):
     if dev.type != "cuda" or tiny:
         return {"skipped": "cpu"}
@@ -430,6 +458,7 @@ def summary(res) -> str:
         lines.append(f"check {name}: {json.dumps(r)}")
     for kind, r in res.get("engine", {}).items():
         lines.append(f"engine {kind}: {json.dumps(r)}")
+    lines.append(f"demo: {json.dumps(res.get('demo'))}")
     lines.append(f"memory: {json.dumps(res.get('memory'))}")
     lines += [f"{k}: {v}" for k, v in res.items() if k.endswith("_error")]
     lines.append(f"total {time.time() - T0:.0f} s")
@@ -455,6 +484,7 @@ def main():
     sections = [("env", lambda: section_env(dev)), ("kernels", lambda: section_kernels(cfg, dev)),
                 ("gemms", lambda: section_gemms(cfg, dev, a.reps)),
                 ("engine", lambda: section_engine(cfg, dev, a.tiny, a.reps, res, dump)),
+                ("demo", lambda: section_demo(dev)),
                 ("memory", lambda: section_memory(cfg, dev, a.tiny))]
     for name, fn in sections:
         if name in skip:
