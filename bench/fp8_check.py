@@ -58,7 +58,7 @@ from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, probe_s
 from diffgemma.ops.grouped import grouped_mm_torch
 
 BF16 = torch.bfloat16
-BUDGET_S = 400  # the optional memory section runs only if this much time has not yet passed
+BUDGET_S = 400  # the demo and memory sections run only if this much time has not yet passed
 ENGINE_BUDGET_S = 360  # the same for each engine kind after the first two (q4: timing only)
 T0 = time.time()
 
