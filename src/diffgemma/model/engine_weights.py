@@ -17,6 +17,13 @@ stacks in q4 / q5 / q6 / nvfp4 and the SC MLP in q8 then stay packed on the devi
 device, no bf16 copy is made, and the GEMMs dequantize on the fly. The SC gate and up records are
 concatenated row-wise (q8 is per-row, so that is lossless). Any other quantized tensor is
 dequantized once at load to `dtype`, as before.
+
+FP8 (ops/fp8_weight.Fp8Weight): a source whose `kind(name)` is "fp8" hands that tensor out as an Fp8Weight through
+`fp8_weight(name, device)` (e4m3 values and float32 per-row scales, expert stacks fused [E, N, K] under the bf16
+checkpoint's names), and its dequantized values through `get`. The attention projections, the dense MLP and the
+expert stacks then stay FP8 on the device and run on the FP8 GEMMs (model/forward.py); q ‖ k ‖ v and gate ‖ up are
+stacked values with values and scales with scales (per-row scales, so that is lossless) where every part is FP8,
+else made of the dequantized parts. Fp8QuantizedSource makes such a source of any other one (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import ModelConfig
 from ..ops import q4_tiles
+from ..ops.fp8_weight import Fp8Weight, has_fp8_mma, has_scaled_grouped_mm, quantize_fp8
 from ..ops.packed_weight import EXPERT_FORMATS, PackedWeight
 from ..ops.route import router_pieces
 
@@ -45,8 +53,8 @@ _NORMS = {
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor
-    o: torch.Tensor
+    qkv: torch.Tensor | Fp8Weight
+    o: torch.Tensor | Fp8Weight
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     inv_freq: torch.Tensor  # f32 [hd/2]; zeros past the rotated prefix (proportional RoPE)
@@ -58,13 +66,13 @@ class LayerWeights:
     post_ff1_norm: torch.Tensor
     pre_ff2_norm: torch.Tensor
     post_ff2_norm: torch.Tensor
-    mlp_gu: torch.Tensor
-    mlp_down: torch.Tensor
+    mlp_gu: torch.Tensor | Fp8Weight
+    mlp_down: torch.Tensor | Fp8Weight
     router_w: torch.Tensor
     router_in_scale: torch.Tensor
     per_expert_scale: torch.Tensor
-    experts_gu: torch.Tensor | PackedWeight
-    experts_down: torch.Tensor | PackedWeight
+    experts_gu: torch.Tensor | PackedWeight | Fp8Weight
+    experts_down: torch.Tensor | PackedWeight | Fp8Weight
     denoise_scalar: float
     prefill_scalar: float
     router_pieces: torch.Tensor | None = None  # bf16 [1 or 3, E, H] summing to router_w exactly (CUDA only)
@@ -78,6 +86,7 @@ class EngineWeights:
     sc_gu: torch.Tensor | PackedWeight
     sc_down: torch.Tensor | PackedWeight
     layers: list
+    lm_head: Fp8Weight | None = None  # a checkpoint's own FP8 lm_head; None: the tied embedding
 
 
 def inv_freq_for(layer) -> torch.Tensor:
@@ -120,12 +129,30 @@ def _packed(source, name, device) -> PackedWeight:
     return pw
 
 
+FP8 = "fp8"  # the `kind` of a tensor a source hands out as an Fp8Weight
+LM_HEAD = "lm_head.weight"  # held (as an Fp8Weight) only where a checkpoint has it in FP8; else tied to the embedding
+
+
+def fused_linear(source, names, device, get):
+    """The named [N_i, K] weights stacked row-wise: an Fp8Weight where the source has every part in FP8, else the
+    plain parts (`get`) concatenated (a single name: that tensor itself)."""
+    if all(tensor_kind(source, n) == FP8 for n in names):
+        parts = [source.fp8_weight(n, device) for n in names]
+        if len(parts) == 1:
+            return parts[0]
+        return Fp8Weight(torch.cat([p.weight for p in parts], 0), torch.cat([p.scale for p in parts], 0))
+    return torch.cat([get(n) for n in names], 0) if len(names) > 1 else get(names[0])
+
+
 def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
     def get(name, dt=dtype):
         return source.get(name, dtype=dt, device=device)
 
     def expert(name):
-        return _packed(source, name, device) if tensor_kind(source, name) in EXPERT_FORMATS else get(name)
+        kind = tensor_kind(source, name)
+        if kind == FP8:
+            return source.fp8_weight(name, device)
+        return _packed(source, name, device) if kind in EXPERT_FORMATS else get(name)
 
     d = DECODER
     sc = [d + f"self_conditioning.{n}_proj.weight" for n in ("gate", "up", "down")]
@@ -140,12 +167,9 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
     layers = []
     for layer in cfg.layers:
         p = f"{d}layers.{layer.index}."
-        parts = [get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight")]
-        if layer.has_v_proj:
-            parts.append(get(p + "self_attn.v_proj.weight"))
-        qkv = torch.cat(parts, 0)
-        del parts
-        mlp_gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)
+        qkv_names = ("q", "k", "v") if layer.has_v_proj else ("q", "k")
+        qkv = fused_linear(source, [p + f"self_attn.{n}_proj.weight" for n in qkv_names], device, get)
+        mlp_gu = fused_linear(source, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], device, get)
         norms = {k: get(p + v + ".weight") for k, v in _NORMS.items()}
         q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
         router_w = get(p + "router.proj.weight", torch.float32)
@@ -154,13 +178,13 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             router_w = pieces[0]
         layers.append(LayerWeights(
             qkv=qkv,
-            o=get(p + "self_attn.o_proj.weight"),
+            o=fused_linear(source, [p + "self_attn.o_proj.weight"], device, get),
             q_norm=q_norm,
             k_norm=k_norm,
             qkv_norm=torch.stack([q_norm.float(), k_norm.float(), torch.ones_like(q_norm, dtype=torch.float32)]),
             inv_freq=inv_freq_for(layer).to(device),
             mlp_gu=mlp_gu,
-            mlp_down=get(p + "mlp.down_proj.weight"),
+            mlp_down=fused_linear(source, [p + "mlp.down_proj.weight"], device, get),
             router_w=router_w,
             router_pieces=pieces,
             router_in_scale=get(p + "router.scale", torch.float32) * cfg.hidden_size ** -0.5,
@@ -171,6 +195,11 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
             prefill_scalar=float(source.get(f"{ENCODER_LAYERS}{layer.index}.layer_scalar", dtype=torch.float32)),
             **norms,
         ))
+    head = LM_HEAD if LM_HEAD in source.keys() and tensor_kind(source, LM_HEAD) == FP8 else None
+    if torch.device(device).type == "cuda" and any(isinstance(lw.qkv, Fp8Weight) or isinstance(lw.experts_gu, Fp8Weight)
+                                                   for lw in layers):
+        has_fp8_mma(torch.device(device))  # probed here, never first inside a graph capture
+        has_scaled_grouped_mm(torch.device(device))
     return EngineWeights(
         embed=get(d + "embed_tokens.weight"),
         final_norm=get(d + "norm.weight"),
@@ -178,6 +207,7 @@ def load_weights(cfg: ModelConfig, source, device, dtype) -> EngineWeights:
         sc_gu=sc_gu,
         sc_down=sc_down,
         layers=layers,
+        lm_head=None if head is None else source.fp8_weight(head, device),
     )
 
 
@@ -213,3 +243,40 @@ class DictSource:
     def get(self, name, dtype=None, device="cpu"):
         t = self.tensors[name]
         return t.to(device=device, dtype=dtype or t.dtype)
+
+
+def fp8_by_default(name: str) -> bool:
+    """The tensors an FP8-dynamic checkpoint quantizes: the decoder's attention projections, dense MLP and experts
+    (not the embedding / lm_head, routers, norms or the self-conditioning MLP)."""
+    return name.startswith(DECODER + "layers.") and name.endswith(
+        ("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) and ".router." not in name
+
+
+class Fp8QuantizedSource:
+    """Another TensorSource with the tensors `which(name)` names quantized to FP8 per output row
+    (ops/fp8_weight.quantize_fp8): `kind` says "fp8" for them, `fp8_weight` hands out the Fp8Weight and `get` its
+    dequantized values (what a reference model built from this source multiplies). cache=True keeps each
+    Fp8Weight made, so every consumer sees the same values even when the inner source draws afresh each read."""
+
+    def __init__(self, inner, which=fp8_by_default, cache: bool = True):
+        self.inner, self.which, self.cache = inner, which, cache
+        self._made: dict = {}
+
+    def __getattr__(self, attr):  # keys, shape, dtype, nbytes, ...: the inner source's
+        return getattr(self.inner, attr)
+
+    def kind(self, name) -> str:
+        return FP8 if self.which(name) else tensor_kind(self.inner, name)
+
+    def fp8_weight(self, name, device=None) -> Fp8Weight:
+        fw = self._made.get(name)
+        if fw is None:
+            fw = quantize_fp8(self.inner.get(name, dtype=torch.float32, device=device))
+            if self.cache:
+                self._made[name] = fw
+        return fw if device is None else fw.to(device)
+
+    def get(self, name, dtype=None, device=None):
+        if not self.which(name):
+            return self.inner.get(name, dtype=dtype, device=device)
+        return self.fp8_weight(name, device).dequantize(dtype or torch.float32)

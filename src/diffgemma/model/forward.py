@@ -17,7 +17,8 @@ launches on CUDA:
   -> moe_plan (1: stable expert grouping, and the experts by row count: the GEMMs' launch order)
   -> grouped expert GEMMs (2-4) -> layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual,
      layer scalar, and the next layer's input norm).
-Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure.
+Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure. Weights held in FP8
+(ops/fp8_weight.Fp8Weight) run on the FP8 GEMMs, their input quantized per token (ops/fp8_linear.py, fp8_moe.py).
 
 Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to (q-W, q], over the
 ring as it was before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas
@@ -32,11 +33,11 @@ import torch
 
 from ..config import ModelConfig
 from ..ops import moe_paths
+from ..ops.fp8_linear import gated_mlp, linear
+from ..ops.fp8_weight import Fp8Weight
 from ..ops.packed_weight import PackedWeight
-from ..ops.q8_linear import linear
 from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
-from ..ops.gelu_mul import gelu_mul
 from ..ops.moe import expert_ffn
 from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
@@ -258,7 +259,7 @@ class Forward:
         x, h = self._canvas_input(ids, mode, sc)
         attend = self._canvas_attention(cache, len(ids), key_rows)
         h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
-        return h @ self.w.embed.T
+        return h @ self.w.embed.T if self.w.lm_head is None else linear(h, self.w.lm_head)
 
     def denoise_batch(self, caches, ids, sc, has_sc, lens, key_rows, out=None) -> torch.Tensor:
         """B canvases, each against its own cache, in one forward -> raw logits [sum(lens), V] (lane b's rows follow
@@ -300,6 +301,9 @@ class Forward:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
         finally:
             self._lane_rows = None
+        if self.w.lm_head is not None:  # a checkpoint's FP8 lm_head
+            y = linear(h, self.w.lm_head)
+            return y if out is None else out.copy_(y)
         return torch.matmul(h, self.w.embed.T, out=out)
 
     def _lane_streams(self, n: int):
@@ -361,7 +365,7 @@ class Forward:
 
     def _sc_mlp(self, s):
         """The self-conditioning MLP (gate||up, gelu.up, down); plain or packed q8 weights."""
-        return linear(gelu_mul(linear(s, self.w.sc_gu)), self.w.sc_down)
+        return gated_mlp(s, self.w.sc_gu, self.w.sc_down)
 
     def _canvas_rows(self, C: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(arange(C), R + arange(C)) on the device, made once per shape: constants a graph reads."""
@@ -413,10 +417,10 @@ class Forward:
     def _layer(self, li: int, x, h, attend, scalar: float, w_next, with_ffn: bool = True):
         """x: the residual stream, h: its input norm (fused into the previous op). -> (x, norm(x).w_next)."""
         cfg, lw, eps = self.config, self.w.layers[li], self.config.rms_norm_eps
-        o = attend(li, h @ lw.qkv.T, with_ffn)
+        o = attend(li, linear(h, lw.qkv), with_ffn)
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
-        a = o @ lw.o.T
+        a = linear(o, lw.o)
         rows, path_routes = self._path_rows(lw, len(h))
         # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
         moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, path_routes or len(h) * cfg.top_k_experts, h)
@@ -454,13 +458,13 @@ class Forward:
         if mode == "lane":
             return lane, lane * k
         dequant = isinstance(lw.experts_gu, PackedWeight) and moe_paths.dequantizes_for(n * k / self.config.num_experts)
-        return n, lane * k if dequant else n * k
+        return n, lane * k if dequant or isinstance(lw.experts_gu, Fp8Weight) else n * k
 
     def _dense_mlp(self, lw, dense_in, rows: int | None = None):
         rows = len(dense_in) if rows is None else rows
         carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and rows <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
-            return gelu_mul(dense_in @ lw.mlp_gu.T) @ lw.mlp_down.T
+            return gated_mlp(dense_in, lw.mlp_gu, lw.mlp_down)
 
     def _route(self, lw, router_in):
         """The router chain: the mixing weights and the plan the expert GEMMs read (src, inv, offs, order)."""

@@ -13,6 +13,8 @@ ties towards the lower expert, renormalise, per-expert scale) is ops/route.py's.
                    (torch._grouped_mm, the bf16 streaming kernel, the packed kernels, or dequantize then GEMM)
   dequantize_stack a packed stack decoded by the kernel of its layout (ops/moe_packed.py or ops/moe_q4.py)
 
+FP8 stacks (ops/fp8_weight.Fp8Weight) go to ops/fp8_moe.py: its activations are quantized per token on the way in.
+
 The implementation modules import none of each other's dispatch: this module chooses, they compute.
 """
 
@@ -23,7 +25,9 @@ import torch.nn.functional as F
 
 from .gelu_mul import gelu_mul
 from .grouped import gelu_after, grouped_mm_torch, route_count, routed
-from . import moe_packed, moe_q4, moe_stream
+from . import fp8_moe, moe_packed, moe_q4, moe_stream
+from .fp8_quant import quantize_rows
+from .fp8_weight import Fp8Weight
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
 from .q4_tiles import LAYOUT
 from .route import route  # noqa: F401  (routing's torch twin, long imported from here)
@@ -67,7 +71,8 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     """The engine's expert FFN over routes grouped by expert: x [M, H] (rows of expert g in offs[g-1]:offs[g]),
     or x [T, H] per token with src [M] naming each route's token (the kernels gather in their loads)
     -> [M, H] in out_dtype (default x.dtype). gate_up / down are bf16 stacks or packed ones
-    (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM). order: the experts'
+    (ops/packed_weight.PackedWeight: q4 / q5 / q6 / nvfp4, dequantized inside the GEMM), or FP8 ones
+    (ops/fp8_weight.Fp8Weight: ops/fp8_moe.expert_ffn_fp8). order: the experts'
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (ops/moe_paths.takes_f16_operand); gelu·up hands the down GEMM
     its input the same way when that GEMM takes it, unless f16_operands is False (the ops-level twin switch the tests and bench_pack use; the engine
@@ -76,6 +81,9 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B).
     path_routes: the route count the kernel paths are chosen by (default: x's); a batched denoise passes one lane's,
     so a lane takes the kernels it takes alone (docs/ARCHITECTURE.md, 'Batching')."""
+    if isinstance(gate_up, Fp8Weight):
+        return fp8_moe.expert_ffn_fp8(x, gate_up, down, offs, src=src, order=order, out_dtype=out_dtype,
+                                      path_routes=path_routes)
     out_dtype = out_dtype or x.dtype
     routes = route_count(x, src) if path_routes is None else path_routes
     as_f16 = f16_operands and takes_f16_operand(down, routes, x)
@@ -98,6 +106,10 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
     epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
     count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: q4_row_tile)."""
+    if isinstance(w, Fp8Weight):
+        q, s = quantize_rows(x if out_dtype is None else x.to(out_dtype))
+        return gelu_after(fp8_moe.grouped_mm_fp8(q, s, w, offs, src=src, order=order, out_dtype=out_dtype or x.dtype,
+                                                 path_routes=path_routes), glu, glu_f16)
     routes = route_count(x, src) if path_routes is None else path_routes
     path = expert_gemm_path(w, routes, x)
     if out_dtype is not None and x.dtype != out_dtype and path != "q4-tiles":

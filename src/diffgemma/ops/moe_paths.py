@@ -12,6 +12,12 @@
   "q4-tiles"  a q4 stack in the q4-tiles layout (ops/q4_tiles.py): ops/moe_q4.py's kernel
   "packed"    any other packed stack (q4 / q5 / q6 / nvfp4 in the pack's order): ops/moe_packed.py's kernel
 
+An FP8 stack (ops/fp8_weight.Fp8Weight) takes one of fp8_expert_path's (ops/fp8_moe.py runs them):
+  "fp8-stream" up to FP8_STREAM_MAX_ROWS rows per expert on a device with FP8 tensor cores (or wherever
+               torch._scaled_grouped_mm does not run): ops/fp8_moe.py's weight-streaming kernel
+  "fp8-torch"  more rows: torch._scaled_grouped_mm
+  "fp8-twin"   off CUDA, without Triton, or for an output dtype other than bf16: the torch twin
+
 Two environment variables move the thresholds' choices for A/B: DIFFGEMMA_EXPERT_GEMM=cutlass sends plain stacks
 to "torch" at every size, DIFFGEMMA_PACKED_PREFILL=kernel keeps packed stacks in their kernel at prefill.
 """
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ._backend import env_choice, use_triton
+from .fp8_weight import FP8_DTYPE, Fp8Weight, has_fp8_mma, has_scaled_grouped_mm
 from .packed_weight import PackedWeight
 from .q4_tiles import LAYOUT
 
@@ -41,6 +50,9 @@ STREAM_SHORT_K_MAX_ROWS = 64
 # in-kernel dequant streams the packed bytes once.
 PREFILL_ROWS = 128
 
+# Up to this many rows per expert an FP8 expert GEMM streams its weights through ops/fp8_moe.py's kernel.
+FP8_STREAM_MAX_ROWS = STREAM_MAX_ROWS
+
 EXPERT_GEMM_ENV = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
 PACKED_PREFILL_ENV = "DIFFGEMMA_PACKED_PREFILL"  # "dequant" (default) or "kernel"; settings.py knows it by name
 
@@ -57,6 +69,8 @@ def dequantizes_for(rows_per_expert: float) -> bool:
 
 def expert_gemm_path(w, routes: int, x) -> str:
     """The path of a grouped GEMM of `routes` rows of x against the expert stack w (see the module docstring)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_expert_path(w, routes, x, torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
     if not isinstance(w, PackedWeight):
         most = STREAM_SHORT_K_MAX_ROWS if w.shape[2] <= STREAM_SHORT_K else STREAM_MAX_ROWS
         if use_triton(x) and routes <= most * w.shape[0] and expert_gemm_choice() == "triton":
@@ -73,3 +87,14 @@ def takes_f16_operand(w, routes: int, x) -> bool:
     """Whether the GEMM of x against w over `routes` rows runs ops/moe_q4.py's kernel, whose MMA takes f16: then
     the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same bits, less work."""
     return isinstance(w, PackedWeight) and expert_gemm_path(w, routes, x) == "q4-tiles"
+
+
+def fp8_expert_path(w: Fp8Weight, routes: int, x, out_dtype) -> str:
+    """The path of a grouped GEMM of `routes` rows of x (on its device) against the FP8 stack w, writing out_dtype."""
+    if not x.is_cuda or out_dtype != torch.bfloat16 or not has_fp8_mma(x.device):
+        return "fp8-twin"
+    grouped = has_scaled_grouped_mm(x.device)
+    few = routes <= FP8_STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton"
+    if use_triton(x) and (few or not grouped):
+        return "fp8-stream"
+    return "fp8-torch" if grouped else "fp8-twin"

@@ -1,0 +1,139 @@
+"""Per-token (per-row) FP8 quantization of activations, made on the fly before each FP8 GEMM.
+
+Row r of x [M, K] becomes e4m3 values q[r] = saturate(x[r] / s[r]) (round to nearest even) and one float32 scale
+s[r] = ops/fp8_weight.row_scale(max |x[r]|) = max(amax / 448, eps): the rule weights are quantized by, so
+x[r] ≈ q[r] · s[r]. Everything is per row (the max, the division), so a row's bits never depend on the other rows
+of x: a batched lane quantizes as it would alone.
+
+  quantize_rows_ref     the twin: torch ops in float32
+  quantize_rows_triton  one program per row (the whole row in registers); the division rounds correctly
+                        (div_rn) and the cast to e4m3 rounds to nearest even, so the kernel's bits equal the
+                        twin's. In the Triton interpreter, whose float -> e4m3 cast does not round to nearest, the
+                        kernel writes its float32 quotients and torch casts them
+  quantize_rows         the dispatcher: the kernel on CUDA, the twin elsewhere
+  fake_quant_rows       q · s in float32: what a reference forward multiplies instead of x
+  gelu_mul_quant        quantize_rows(gelu_mul(gu)) in one kernel on CUDA (the gated MLPs' down-projection input):
+                        gelu_tanh(gate)·up by ops/gelu_mul.py's formula, rounded to gu's dtype as gelu_mul stores it,
+                        then quantized as above: the bits of the two kernels one after the other
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import TensorError
+from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
+from .fp8_weight import FP8_DTYPE, FP8_MAX, SCALE_MIN, row_scale
+from .gelu_mul import gelu_mul_ref
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .gelu_mul import gelu_tanh_mul
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise TensorError(f"quantize_rows: expected a float tensor [M, K], got {x.dtype} {list(x.shape)}")
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M])."""
+    _check(x)
+    s = row_scale(x.float().abs().amax(dim=-1))
+    q = (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, s
+
+
+def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as its per-row FP8 form represents it, in float32: q · s (the twin's quantization)."""
+    q, s = quantize_rows_ref(x)
+    return q.float() * s[:, None]
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BK: tl.constexpr,
+                              FMAX: tl.constexpr, SMIN: tl.constexpr, CAST: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BK)
+        ok = k < K
+        x = tl.load(x_ptr + r * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        s = tl.maximum(tl.math.div_rn(amax, FMAX), SMIN)
+        q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
+        if CAST:
+            tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+        else:  # float32 quotients (the interpreter's e4m3 cast does not round to nearest even)
+            tl.store(q_ptr + r * stride_q + k, q, mask=ok)
+        tl.store(s_ptr + r, s)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, F, stride_gu, stride_q, BF: tl.constexpr, FMAX: tl.constexpr,
+                               SMIN: tl.constexpr, CAST: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BF)
+        ok = k < F
+        g = tl.load(gu_ptr + r * stride_gu + k, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + r * stride_gu + F + k, mask=ok, other=0.0)
+        y = gelu_tanh_mul(g.to(tl.float32), u.to(tl.float32)).to(g.dtype).to(tl.float32)  # as gelu_mul stores it
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), SMIN)
+        q = tl.clamp(tl.math.div_rn(y, s), -FMAX, FMAX)
+        if CAST:
+            tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+        else:  # float32 quotients (the interpreter's e4m3 cast does not round to nearest even)
+            tl.store(q_ptr + r * stride_q + k, q, mask=ok)
+        tl.store(s_ptr + r, s)
+
+
+def gelu_mul_quant_ref(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rows_ref(gelu_mul_ref(gu))
+
+
+def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(gu)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    M, F = gu.shape[0], gu.shape[1] // 2
+    cast = not interpreting()
+    q = torch.empty(M, F, dtype=FP8_DTYPE if cast else torch.float32, device=gu.device)
+    s = torch.empty(M, dtype=torch.float32, device=gu.device)
+    if M:
+        BF = next_pow2(F)
+        _gelu_mul_quant_kernel[(M,)](gu, q, s, F, gu.stride(0), q.stride(0), BF=BF, FMAX=FP8_MAX, SMIN=SCALE_MIN,
+                                     CAST=cast, num_warps=4 if BF <= 1024 else 8)
+    return (q if cast else q.to(FP8_DTYPE)), s
+
+
+def gelu_mul_quant(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [M, 2F] (gate ‖ up) -> the per-row FP8 form of gelu_mul(gu): (e4m3 [M, F], float32 scales [M])."""
+    if use_triton(gu):
+        return gelu_mul_quant_triton(gu)
+    return gelu_mul_quant_ref(gu)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    cast = not interpreting()
+    q = torch.empty(M, K, dtype=FP8_DTYPE if cast else torch.float32, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        BK = next_pow2(K)
+        _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BK=BK, FMAX=FP8_MAX, SMIN=SCALE_MIN,
+                                    CAST=cast, num_warps=4 if BK <= 2048 else 8)
+    return (q if cast else q.to(FP8_DTYPE)), s
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): the kernel on CUDA, the twin elsewhere."""
+    if use_triton(x):
+        return quantize_rows_triton(x)
+    return quantize_rows_ref(x)
