@@ -1,0 +1,162 @@
+"""The sampler batched across lanes (ops/lane_temps.py, StepStats.batch, SparsePlan.batch): every lane's numbers are
+the bits that lane gets alone. The Triton passes run interpreted at tiny shapes; each lane has its own temperature,
+lanes may be ragged and lie in any order in one buffer, or in separate tensors."""
+
+import random
+
+import pytest
+import torch
+
+from diffgemma.errors import TensorError
+from diffgemma.ops import rowstats
+from diffgemma.ops.lane_temps import LaneTemps, shared_rows
+from diffgemma.sampling import stats as stats_mod
+from diffgemma.sampling.schedule import temperature_value
+from diffgemma.sampling.self_condition import SparsePlan
+from diffgemma.sampling.stats import StepStats
+
+FIELDS = ("entropy", "argmax", "rowmax", "lse")
+
+
+def _temps(n):
+    return [temperature_value(random.randint(1, 48), 48, 0.4, 0.8) if random.random() < 0.8 else 1.0
+            for _ in range(n)]
+
+
+def _rows(rows, vocab, raw):
+    x = torch.tanh(torch.randn(rows, vocab) * 3) * 30
+    x[0, random.randrange(vocab)] = 40.0  # a confident row
+    if rows > 2:
+        j, k = random.sample(range(vocab), 2)
+        x[1, j] = x[1, k] = 35.0  # a tie: the lower index wins
+        x[2] = random.uniform(-3, 3)  # a flat row
+    return (x * 2).to(torch.bfloat16) if raw else x
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The fused path with its kernels, interpreted."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for mod in (rowstats, stats_mod):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    from diffgemma.ops import sc_gather
+    monkeypatch.setattr(sc_gather, "use_triton", lambda t: True)
+
+
+def _layout(lengths):
+    """A buffer holding lanes of `lengths` rows in a random order, maybe with a gap row: (rows, starts)."""
+    order = random.sample(range(len(lengths)), len(lengths))
+    starts, at = [0] * len(lengths), 0
+    for i in order:
+        at += random.random() < 0.3  # a gap row no lane reads
+        starts[i] = at
+        at += lengths[i]
+    return at, starts
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_row_passes_with_lane_temperatures_are_each_lane_alone(raw):
+    """Each pass over all lanes' rows (LaneTemps) gives, at each lane's rows, the bits of the pass over that lane
+    alone with its temperature as a number (LANES off), across segment boundaries."""
+    vocab, block, segment, cap = 700, 64, 256, (30.0 if raw else None)
+    lengths = [random.randint(1, 4) for _ in range(random.randint(2, 4))]
+    temps = _temps(len(lengths))
+    rows, starts = _layout(lengths)
+    x = _rows(rows, vocab, raw)
+    lanes = LaneTemps(temps, starts, lengths, rows, x.device)
+    got = rowstats.tempered_rowstats_triton(x, lanes, block=block, segment=segment, cap=cap)
+    thr = got[2] - random.uniform(1.0, 8.0)
+    mask, counts = rowstats.tempered_survivors_triton(x, lanes, thr, block=block, segment=segment, cap=cap)
+    probs, n_kept = rowstats.tempered_masked_probs_triton(x, lanes, thr, got[3], torch.bfloat16, block=block,
+                                                          segment=segment, count=True, cap=cap)
+    for t, sl in zip(temps, lanes.spans()):
+        alone = rowstats.tempered_rowstats_triton(x[sl], t, block=block, segment=segment, cap=cap)
+        for a, b in zip(got, alone):
+            assert torch.equal(a[sl], b)
+        m, c = rowstats.tempered_survivors_triton(x[sl], t, thr[sl], block=block, segment=segment, cap=cap)
+        assert torch.equal(mask[sl], m) and torch.equal(counts[sl], c) and torch.equal(n_kept[sl], c)
+        p = rowstats.tempered_masked_probs_triton(x[sl], t, thr[sl], alone[3], torch.bfloat16, block=block,
+                                                  segment=segment, cap=cap)
+        assert torch.equal(probs[sl], p)
+    # the twins (on raw logits: of the kernel's softcap, the table's): exact values and masks, entropy / lse within
+    # float rounding
+    capped = rowstats.softcap_lookup(x, cap) if raw else x
+    ref = rowstats.tempered_rowstats_ref(capped, lanes)
+    for sl in lanes.spans():
+        assert torch.equal(got[1][sl], ref[1][sl]) and torch.equal(got[2][sl], ref[2][sl])
+        assert torch.allclose(got[0][sl], ref[0][sl], atol=5e-5) and torch.allclose(got[3][sl], ref[3][sl], atol=1e-5)
+    assert torch.equal(rowstats.tempered_survivors_ref(capped, lanes, thr)[0], mask)
+
+
+def test_lane_tables_are_each_temperatures_tempered_table(kernels):
+    raw = torch.zeros(2, 8, dtype=torch.bfloat16)
+    temps = _temps(3)
+    lanes = LaneTemps(temps, [0, 0, 1], [1, 1, 1], 2, raw.device)
+    tables = rowstats.lane_tables(30.0, lanes, raw)
+    assert tables.shape == (3, 65536)
+    for t, row in zip(temps, tables):
+        want = rowstats.tempered_table(30.0, t, raw)
+        assert torch.equal(row.isnan(), want.isnan()) and torch.equal(row.nan_to_num(), want.nan_to_num())
+
+
+def _lane_views(kind, lengths, vocab, raw):
+    """B lanes' logits: one [B, C, V] tensor, views of one buffer in any order, or separate tensors."""
+    if kind == "stacked":
+        return _rows(len(lengths) * lengths[0], vocab, raw).view(len(lengths), lengths[0], vocab)
+    if kind == "views":
+        rows, starts = _layout(lengths)
+        buf = _rows(rows, vocab, raw)
+        return [buf[a: a + n] for a, n in zip(starts, lengths)]
+    return [_rows(n, vocab, raw) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["stacked", "views", "separate"])
+@pytest.mark.parametrize("raw", [False, True])
+def test_step_stats_batch_is_each_lane_alone(kernels, kind, raw):
+    vocab, cap = 333, (30.0 if raw else None)
+    B = random.randint(2, 4)
+    lengths = [random.randint(3, 5)] * B if kind == "stacked" else [random.randint(1, 5) for _ in range(B)]
+    logits = _lane_views(kind, lengths, vocab, raw)
+    temps = _temps(B)
+    batch = StepStats.batch(logits, temps, cap=cap)
+    for i, s in enumerate(batch):
+        alone = StepStats(logits[i], temps[i], cap=cap)
+        assert s.fused and alone.fused and s.temp == temps[i] and s.cap == alone.cap
+        for f in FIELDS:
+            assert torch.equal(getattr(s, f), getattr(alone, f)), (i, f)
+        assert torch.equal(s.processed, alone.processed) and torch.equal(s.max_prob(), alone.max_prob())
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_step_stats_batch_on_the_torch_path_is_each_lane_alone(raw):
+    B, vocab, cap = 3, 97, (30.0 if raw else None)
+    logits = _lane_views("views", [random.randint(1, 4) for _ in range(B)], vocab, raw)
+    temps = _temps(B)
+    for i, s in enumerate(StepStats.batch(logits, temps, cap=cap)):
+        alone = StepStats(logits[i], temps[i], cap=cap)
+        assert not s.fused and torch.equal(s.entropy, alone.entropy) and torch.equal(s.argmax, alone.argmax)
+        assert torch.equal(s.processed, alone.processed)
+
+
+def test_shared_rows_reads_one_buffer_in_place_and_copies_otherwise():
+    buf = torch.randn(9, 5)
+    rows, starts = shared_rows([buf[4:7], buf[1:3]])
+    assert rows.data_ptr() == buf[1].data_ptr() and rows.shape == (6, 5) and starts == [3, 0]
+    assert torch.equal(rows[3:6], buf[4:7])
+    for lanes in ([buf[0:3], buf[2:4]], [buf[0:2], torch.randn(2, 5)], [buf[:, :5], buf[0:2].clone()]):
+        rows, starts = shared_rows(lanes)  # overlapping, or not one buffer: concatenated
+        assert rows.shape[0] == sum(x.shape[0] for x in lanes) and starts[1] == lanes[0].shape[0]
+    with pytest.raises(TensorError, match="one V"):
+        shared_rows([buf[0:2], torch.randn(2, 4)])
+
+
+def test_batch_refuses_what_it_cannot_serve():
+    x = torch.randn(2, 3, 11)
+    with pytest.raises(TensorError, match="one temperature per lane"):
+        StepStats.batch(x, [0.5])
+    with pytest.raises(TensorError, match="lie within"):
+        LaneTemps([0.5], [1], [3], 3, "cpu")
+    with pytest.raises(TensorError, match="positive"):
+        LaneTemps([0.0], [0], [3], 3, "cpu")
+    with pytest.raises(TensorError, match="covers 4 rows"):
+        rowstats.tempered_rowstats_triton(x[0], LaneTemps([0.5], [0], [2], 4, "cpu"))
