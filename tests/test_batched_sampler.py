@@ -43,12 +43,12 @@ def kernels(monkeypatch):
     monkeypatch.setattr(sc_gather, "use_triton", lambda t: True)
 
 
-def _layout(lengths):
-    """A buffer holding lanes of `lengths` rows in a random order, maybe with a gap row: (rows, starts)."""
+def _layout(lengths, gaps=True):
+    """A buffer holding lanes of `lengths` rows in a random order, maybe with gap rows: (rows, starts)."""
     order = random.sample(range(len(lengths)), len(lengths))
     starts, at = [0] * len(lengths), 0
     for i in order:
-        at += random.random() < 0.3  # a gap row no lane reads
+        at += gaps and random.random() < 0.3  # a gap row no lane reads
         starts[i] = at
         at += lengths[i]
     return at, starts
@@ -99,12 +99,12 @@ def test_lane_tables_are_each_temperatures_tempered_table(kernels):
         assert torch.equal(row.isnan(), want.isnan()) and torch.equal(row.nan_to_num(), want.nan_to_num())
 
 
-def _lane_views(kind, lengths, vocab, raw):
+def _lane_views(kind, lengths, vocab, raw, gaps=True):
     """B lanes' logits: one [B, C, V] tensor, views of one buffer in any order, or separate tensors."""
     if kind == "stacked":
         return _rows(len(lengths) * lengths[0], vocab, raw).view(len(lengths), lengths[0], vocab)
     if kind == "views":
-        rows, starts = _layout(lengths)
+        rows, starts = _layout(lengths, gaps)
         buf = _rows(rows, vocab, raw)
         return [buf[a: a + n] for a, n in zip(starts, lengths)]
     return [_rows(n, vocab, raw) for n in lengths]
@@ -160,3 +160,65 @@ def test_batch_refuses_what_it_cannot_serve():
         LaneTemps([0.0], [0], [3], 3, "cpu")
     with pytest.raises(TensorError, match="covers 4 rows"):
         rowstats.tempered_rowstats_triton(x[0], LaneTemps([0.5], [0], [2], 4, "cpu"))
+
+
+def _plans_equal(a, b):
+    for f in ("thr", "log_z", "row_counts", "count"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert (a.mask is None) == (b.mask is None) and (a.mask is None or torch.equal(a.mask, b.mask))
+    assert (a.probs is None) == (b.probs is None) and (a.probs is None or torch.equal(a.probs, b.probs))
+
+
+@pytest.mark.parametrize("bet", ["gather", "dense"])
+@pytest.mark.parametrize("raw", [False, True])
+def test_sparse_plan_batch_is_each_lane_alone(kernels, monkeypatch, bet, raw):
+    """Plans of a batch (one survivor or counted-probability pass over all lanes) and their soft embeddings (one
+    gather for all lanes, or each lane's dense product) against each lane's solo plan, bit for bit."""
+    vocab, hidden, cap = 300, 8, (30.0 if raw else None)
+    B = random.randint(2, 3)
+    lengths = [random.randint(2, 4) for _ in range(B)]
+    logits = _lane_views("views" if random.random() < 0.5 else "separate", lengths, vocab, raw, gaps=False)
+    temps = _temps(B)
+    ratios = [random.uniform(1.0, 6.0)] * B if random.random() < 0.5 else [random.uniform(1.0, 6.0) for _ in range(B)]
+    emb = torch.randn(vocab, hidden)
+    dense = [torch.float32 if bet == "dense" else None] * B
+    batch = StepStats.batch(logits, temps, cap=cap)
+    alone = [StepStats(x, t, cap=cap) for x, t in zip(logits, temps)]
+    plans = SparsePlan.batch(batch, ratios, dense)
+    solo = [SparsePlan(s, r, dense_dtype=d) for s, r, d in zip(alone, ratios, dense)]
+    assert all(p.shared is plans[0].shared for p in plans)  # one pass served them
+    for p, q in zip(plans, solo):
+        _plans_equal(p, q)
+    counts = [int(q.count) for q in solo]
+    if bet == "dense":
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)
+        for p in plans + solo:
+            p.start(emb, 3.0)
+    got = SparsePlan.soft_embed_batch(plans, counts, emb, 3.0)
+    want = [q.soft_embed(n, emb, 3.0) for q, n in zip(solo, counts)]
+    for g, w, p, q in zip(got, want, plans, solo):
+        assert torch.equal(g, w) and p.took_dense == q.took_dense == (bet == "dense")
+    if bet == "gather":  # one gather served all lanes (and let go of the shared mask)
+        assert plans[0].shared.shared.whole and plans[0].shared.mask is None
+
+
+def test_sparse_plan_batch_falls_back_lane_by_lane_with_the_same_bits(kernels):
+    """Mixed bets, or stats not from one batch: plans made one by one, still each lane's solo plan."""
+    logits = _lane_views("views", [2, 3], 200, False)
+    temps = _temps(2)
+    batch = StepStats.batch(logits, temps)
+    buf = torch.cat([logits[0], torch.randn(1, 200), logits[1]])  # a gap row between the lanes
+    gapped = StepStats.batch([buf[:2], buf[3:]], temps)
+    plans = SparsePlan.batch(gapped, [4.0, 4.0])
+    assert not gapped[0].shared.whole and plans[0].shared is not None
+    counts = [int(p.count) for p in plans]
+    emb = torch.randn(200, 8)
+    want = [SparsePlan(StepStats(x, t), 4.0).soft_embed(n, emb, 2.0) for x, t, n in zip(logits, temps, counts)]
+    assert all(torch.equal(a, b) for a, b in zip(SparsePlan.soft_embed_batch(plans, counts, emb, 2.0), want))
+    mixed = SparsePlan.batch(batch, [4.0, 4.0], [torch.float32, None])
+    assert all(p.shared is None for p in mixed)
+    for p, s in zip(mixed, [SparsePlan(StepStats(x, t), 4.0, dense_dtype=d)
+                            for x, t, d in zip(logits, temps, [torch.float32, None])]):
+        _plans_equal(p, s)
+    with pytest.raises(TensorError, match="one log ratio"):
+        SparsePlan.batch(batch, [4.0])

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..errors import TensorError
+from ..ops.rowstats import softcap_lookup, tempered_counted_probs, tempered_masked_probs, tempered_survivors
 from ..ops import sc_gather
 from ..ops.sc_gather import segment_embed
 
@@ -64,6 +65,19 @@ def sparse_error_bound(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: 
     probs = torch.softmax(logits, dim=-1)
     tail = (probs * (~survivors(logits, log_ratio))).sum(dim=-1)
     return float(tail.max()) * scale * float(embedding.abs().max())
+
+
+class _SharedPasses:
+    """A SparsePlan.batch's passes over all lanes' rows: the stats' LaneRows, thresholds, survivor mask (or None),
+    row counts; each plan's are views of them."""
+
+    def __init__(self, shared, thr, mask, counts):
+        self.shared, self.thr, self.mask, self.counts = shared, thr, mask, counts
+
+
+def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
+    """StepStats.softcapped for values gathered out of a LaneRows' rows."""
+    return values if shared.cap is None else softcap_lookup(values, shared.cap)
 
 
 class SparsePlan:
@@ -118,6 +132,77 @@ class SparsePlan:
             self.mask = survivors(self._z, log_ratio)
             self.row_counts = self.mask.sum(-1)
         self._count = None
+        self.shared = None  # set by `batch`: the plans of one batch share their passes' results
+
+    @classmethod
+    def batch(cls, stats: list, log_ratios, dense_dtypes=None) -> list["SparsePlan"]:
+        """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
+        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead), made with one launch of the pass over all lanes'
+        rows where the stats come from one StepStats.batch (fused) and the lanes bet alike (all on the gather, or
+        all on the dense product in one dtype); otherwise lane by lane.
+
+        Exactness: each plan's mask, row counts, count, bet probabilities and soft embedding have the bits of the solo
+        plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts), and
+        z is read with the lane's temperature (ops/lane_temps.py)."""
+        B = len(stats)
+        log_ratios = [float(r) for r in log_ratios]
+        dense_dtypes = list(dense_dtypes) if dense_dtypes is not None else [None] * B
+        if not (len(log_ratios) == len(dense_dtypes) == B):
+            raise TensorError(f"SparsePlan.batch: expected one log ratio and one dense dtype per lane, got "
+                              f"{len(log_ratios)} / {len(dense_dtypes)} for {B} lanes")
+        shared = stats[0].shared if B else None
+        if (shared is None or len(shared.lanes) != B or any(s.shared is not shared or not s.fused for s in stats)
+                or [s.logits.shape[0] for s in stats] != shared.lanes.lengths
+                or len(set(dense_dtypes)) != 1):
+            return [cls(s, r, dense_dtype=d) for s, r, d in zip(stats, log_ratios, dense_dtypes)]
+        rowmax, lse = shared.fields[2], shared.fields[3]
+        spans = shared.lanes.spans()
+        if len(set(log_ratios)) == 1:
+            thr = rowmax - log_ratios[0]
+        else:
+            thr = torch.zeros_like(rowmax)
+            for sl, r in zip(spans, log_ratios):
+                torch.sub(rowmax[sl], r, out=thr[sl])
+        mask = probs = None
+        if dense_dtypes[0] is not None:
+            probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, lse, dense_dtypes[0],
+                                                   cap=shared.cap)
+        else:
+            mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
+        group = _SharedPasses(shared, thr, mask, counts)
+        plans = []
+        for s, r, sl in zip(stats, log_ratios, spans):
+            p = cls.__new__(cls)
+            p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
+            p.product = p.product_is_dense = p.took_dense = p._count = None
+            p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
+            p.mask = None if mask is None else mask[sl]
+            p.probs = None if probs is None else probs[sl]
+            p.shared = group
+            plans.append(p)
+        return plans
+
+    @staticmethod
+    def soft_embed_batch(plans: list, counts, embedding: torch.Tensor, scale: float) -> list[torch.Tensor]:
+        """[p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)], the same bits, with one gather for all
+        lanes when the plans are one SparsePlan.batch over rows that are all some lane's and every lane takes the
+        gather (ops/sc_gather.py sums each row's survivors on their own, in index order); else lane by lane."""
+        counts = [int(n) for n in counts]
+        group = plans[0].shared if plans else None
+        if (group is None or len(plans) != len(group.shared.lanes) or not group.shared.whole
+                or any(p.shared is not group or p.mask is None or p.product is not None for p in plans)
+                or any(p.takes_dense(n, embedding.shape[1]) for p, n in zip(plans, counts))):
+            return [p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)]
+        shared = group.shared
+        rows, cols = torch.nonzero_static(group.mask, size=sum(counts)).unbind(1)
+        z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
+        weights = torch.exp(z - shared.fields[3][rows])
+        step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
+        out = (segment_embed(rows, group.counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
+        for p in plans:
+            p.took_dense, p.mask, p.probs = False, None, None
+        group.mask = None
+        return [out[sl] for sl in shared.lanes.spans()]
 
     @property
     def count(self) -> torch.Tensor:

@@ -32,6 +32,16 @@ def max_prob(logits: torch.Tensor) -> torch.Tensor:
     return torch.exp(logits.max(dim=-1).values - logits.logsumexp(dim=-1))
 
 
+class LaneRows:
+    """What a batch's StepStats share: `rows` [R, V] (every lane's logits in one tensor, raw while `cap` is set),
+    `lanes` (ops/lane_temps.LaneTemps: which rows are whose, and their temperatures), `fields` (entropy, argmax, rowmax,
+    lse of all R rows; each lane's are views of them). `whole`: every row is some lane's (no gap rows)."""
+
+    def __init__(self, rows: torch.Tensor, lanes: LaneTemps, cap: float | None, fields: tuple):
+        self.rows, self.lanes, self.cap, self.fields = rows, lanes, cap, fields
+        self.whole = sum(lanes.lengths) == rows.shape[0]
+
+
 class StepStats:
     """Row stats of one step's tempered logits z = logits / T, computed once and shared by the accept mask,
     the stop rules, the trim and self-conditioning.
@@ -75,6 +85,7 @@ class StepStats:
             logits, cap = softcap(logits, cap), None  # the torch path, or raw logits wider than the passes' table
         self.logits, self.cap = logits, cap
         self.fused = fused
+        self.shared: LaneRows | None = None  # set by `batch`: the rows this lane shares with the others
 
     @classmethod
     def batch(cls, logits, temps, cap: float | None = None, fused: bool | None = None) -> list["StepStats"]:
@@ -103,9 +114,10 @@ class StepStats:
             return [cls(x, t, fused=fused, cap=cap) for x, t in zip(lanes, temps)]
         rows, starts = shared_rows([s.logits for s in out])
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
-        fields = tempered_rowstats(rows, lane_temps, cap=out[0].cap)
+        shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))
         for s, sl in zip(out, lane_temps.spans()):
-            s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in fields)
+            s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in shared.fields)
+            s.shared = shared
         return out
 
     def temp_tensor(self) -> torch.Tensor:
