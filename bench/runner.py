@@ -45,14 +45,19 @@ def shapes(tiny: bool) -> tuple[ModelConfig, torch.device]:
     return ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas}), dev
 
 
-def with_fixtures(kinds, fixtures) -> list[str]:
-    """The kinds to run per fixture (bench/fixtures.py): "q4" for the flat fixture (the name the results always had),
-    "q4-peaked" for the peaked one."""
-    fixtures = [f for f in (fixtures.split(",") if isinstance(fixtures, str) else fixtures) if f]
+def fixture_list(text: str) -> list[str]:
+    """A --fixtures comma list, checked against bench/fixtures.py's FIXTURES."""
+    fixtures = [f for f in text.split(",") if f]
     bad = [f for f in fixtures if f not in FIXTURES]
     if bad or not fixtures:
         raise ValueError(f"fixtures {fixtures}: expected a comma list of {FIXTURES}")
-    return [k if f == "flat" else f"{k}-{f}" for f in fixtures for k in kinds]
+    return fixtures
+
+
+def with_fixtures(kinds, fixtures: str) -> list[str]:
+    """The kinds to run per fixture (bench/fixtures.py): "q4" for the flat fixture (the name the results always had),
+    "q4-peaked" for the peaked one."""
+    return [k if f == "flat" else f"{k}-{f}" for f in fixture_list(fixtures) for k in kinds]
 
 
 def build(kind, cfg, dev, tiny):
