@@ -89,12 +89,14 @@ def test_row_passes_with_lane_temperatures_are_each_lane_alone(raw):
 
 
 def test_lane_tables_are_each_temperatures_tempered_table(kernels):
-    raw = torch.zeros(2, 8, dtype=torch.bfloat16)
-    temps = _temps(3)
-    lanes = LaneTemps(temps, [0, 0, 1], [1, 1, 1], 2, raw.device)
+    raw = torch.zeros(3, 8, dtype=torch.bfloat16)
+    temps = [0.5, 0.625, 0.75]
+    lanes = LaneTemps(temps, [2, 0, 1], [1, 1, 1], 3, raw.device)  # the lanes listed out of row order
+    assert lanes.row_order_temps == (0.625, 0.75, 0.5) and lanes.row_lane.tolist() == [0, 1, 2]
+    assert torch.equal(lanes.row_temps(), torch.tensor([0.625, 0.75, 0.5]))
     tables = rowstats.lane_tables(30.0, lanes, raw)
     assert tables.shape == (3, 65536)
-    for t, row in zip(temps, tables):
+    for t, row in zip(lanes.row_order_temps, tables):
         want = rowstats.tempered_table(30.0, t, raw)
         assert torch.equal(row.isnan(), want.isnan()) and torch.equal(row.nan_to_num(), want.nan_to_num())
 
@@ -125,6 +127,11 @@ def test_step_stats_batch_is_each_lane_alone(kernels, kind, raw):
         for f in FIELDS:
             assert torch.equal(getattr(s, f), getattr(alone, f)), (i, f)
         assert torch.equal(s.processed, alone.processed) and torch.equal(s.max_prob(), alone.max_prob())
+    again = StepStats.batch(logits, temps, cap=cap)
+    for z, s in zip(StepStats.processed_batch(again), batch):  # one softcap and one division for all lanes
+        assert torch.equal(z, s.processed)
+    if kind != "views":  # no gap rows: the lanes' processed logits are views of one tensor
+        assert len({z.untyped_storage().data_ptr() for z in StepStats.processed_batch(again)}) == 1
 
 
 @pytest.mark.parametrize("raw", [False, True])

@@ -48,6 +48,8 @@ def test_step_stats_batch_is_each_lane_alone(dtype, peaked):
         alone = StepStats(x, t, cap=cap)
         for f in FIELDS:
             assert torch.equal(getattr(s, f), getattr(alone, f)), f
+    for z, s in zip(StepStats.processed_batch(StepStats.batch(lanes, temps, cap=cap)), batch):
+        assert torch.equal(z, s.processed)
     stacked = StepStats.batch(buf.view(B, C, V), temps, cap=cap)
     for s, i in zip(stacked, range(B)):
         assert torch.equal(s.entropy, StepStats(buf[i * C:(i + 1) * C], temps[i], cap=cap).entropy)

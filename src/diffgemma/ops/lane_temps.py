@@ -24,30 +24,34 @@ def _on_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
-_ROW_LANES: dict = {}  # (first rows, lengths, rows, device) -> int32 [R]: a round's layout recurs step after step
+_ROW_LANES: dict = {}  # (blocks, rows, device) -> int32 [R]: a round's layout recurs step after step
+_ROW_LANES_KEPT = 256  # layouts kept (never dropped: a kept tensor may be read by work still queued); past it, made anew
 
 
-def _row_lanes(starts: tuple, lengths: tuple, rows: int, device) -> torch.Tensor:
-    key = (starts, lengths, rows, str(device))
+def _row_lanes(blocks: tuple, rows: int, device) -> torch.Tensor:
+    """int32 [rows]: block k's rows (blocks: (first row, length) in row order) hold k, the rows before the first 0."""
+    key = (blocks, rows, str(device))
     lane = _ROW_LANES.get(key)
     if lane is None:
         host = torch.zeros(rows, dtype=torch.int32)
-        for i, (a, n) in enumerate(zip(starts, lengths)):
-            host[a: a + n] = i
-        if len(_ROW_LANES) >= 32:
-            _ROW_LANES.clear()
-        lane = _ROW_LANES[key] = _on_device(host, device)
+        for k, (a, n) in enumerate(blocks):
+            host[a: a + n] = k
+        lane = _on_device(host, device)
+        if len(_ROW_LANES) < _ROW_LANES_KEPT:
+            _ROW_LANES[key] = lane
     return lane
 
 
 class LaneTemps:
     """Lanes of rows with a temperature each: lane i holds rows starts[i] .. starts[i] + lengths[i] of an [R, V]
-    tensor and divides them by temps[i]. Rows in no lane (a gap between lanes' blocks) count as lane 0's; their
+    tensor and divides them by temps[i]. Rows in no lane (a gap between lanes' blocks) count as a neighbour's; their
     results are computed and never read.
 
-      temps      host floats, one per lane (what the solo pass would get as `temp`)
-      temps_dev  f32 [B] on the device (each the f32 rounding of temps[i], as a pass's scalar argument is)
-      row_lane   int32 [R] on the device: the lane of each row
+      temps       host floats, one per lane (what the solo pass would get as `temp`), in the caller's lane order
+      temps_dev   f32 [B] on the device, in row order (the lanes sorted by first row): each the f32 rounding of a
+                  lane's temperature, as a pass's scalar argument is; row_order_temps: the same as host floats
+      row_lane    int32 [R] on the device: each row's index into temps_dev (and into lane_tables' rows), so one
+                  tensor serves a layout whatever the order the caller lists its lanes in
     """
 
     def __init__(self, temps, starts, lengths, rows: int, device):
@@ -62,11 +66,13 @@ class LaneTemps:
                               f"{rows} rows")
         self.temps, self.starts, self.lengths, self.rows = temps, starts, lengths, rows
         self.device = torch.device(device)
-        if len(temps) == 1:  # a fill each, nothing to copy
+        order = sorted(range(len(temps)), key=lambda i: starts[i])
+        self.row_order_temps = tuple(temps[i] for i in order)
+        if len(temps) == 1:  # a fill, nothing to copy
             self.temps_dev = torch.full((1,), temps[0], dtype=torch.float32, device=device)
         else:
-            self.temps_dev = _on_device(torch.tensor(temps, dtype=torch.float32), device)
-        self.row_lane = _row_lanes(tuple(starts), tuple(lengths), rows, device)
+            self.temps_dev = _on_device(torch.tensor(self.row_order_temps, dtype=torch.float32), device)
+        self.row_lane = _row_lanes(tuple((starts[i], lengths[i]) for i in order), rows, device)
 
     @classmethod
     def one(cls, temp: float, rows: int, device) -> "LaneTemps":

@@ -203,12 +203,12 @@ _LANE_TABLES: dict = {}
 
 
 def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor:
-    """f32 [B, 65536]: row b = softcap_table(cap, raw) / lanes.temps[b], each entry the bits tempered_table(cap,
-    temps[b], raw) has (the same correctly rounded division), in one launch. The last lanes' tables are kept per (cap,
-    dtype, device), by their temperatures."""
+    """f32 [B, 65536]: row b = softcap_table(cap, raw) / lanes.temps_dev[b] (lanes in row order), each entry the bits
+    tempered_table(cap, that temperature, raw) has (the same correctly rounded division), in one launch. The last
+    lanes' tables are kept per (cap, dtype, device), by their temperatures."""
     key = _table_key(cap, raw)
     kept = _LANE_TABLES.get(key)
-    if kept is None or kept[0] != tuple(lanes.temps):
+    if kept is None or kept[0] != lanes.row_order_temps:
         table = softcap_table(cap, raw)
         if key[3]:
             out = torch.empty(len(lanes), table.numel(), dtype=torch.float32, device=table.device)
@@ -216,7 +216,7 @@ def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor
                                                                       num_warps=4)
         else:
             out = table[None, :] / lanes.temps_dev[:, None]
-        kept = _LANE_TABLES[key] = (tuple(lanes.temps), out)
+        kept = _LANE_TABLES[key] = (lanes.row_order_temps, out)
     return kept[1]
 
 

@@ -120,6 +120,21 @@ class StepStats:
             s.shared = shared
         return out
 
+    @staticmethod
+    def processed_batch(stats: list["StepStats"]) -> list[torch.Tensor]:
+        """[s.processed for s in stats] (lanes that sample, or self-condition exactly, read it), the same bits: where
+        `stats` are all the lanes of one StepStats.batch, one softcap (raw logits) and one division by each row's
+        lane temperature over their shared rows (elementwise: each value is the one its lane alone makes)."""
+        shared = stats[0].shared if stats else None
+        if (shared is None or len(stats) != len(shared.lanes) or any(s.shared is not shared for s in stats)
+                or any(s._processed is not None for s in stats)):
+            return [s.processed for s in stats]
+        rows = shared.rows if shared.cap is None else softcap(shared.rows, shared.cap)
+        z = rows / shared.lanes.row_temps()[:, None]
+        for s, sl in zip(stats, shared.lanes.spans()):
+            s._processed = z[sl]
+        return [s.processed for s in stats]
+
     def temp_tensor(self) -> torch.Tensor:
         """T as an f32 device scalar (a fill, not a copy), made when a division by it is first asked for (on the
         stream current then): the fused passes take T as a number, so a fused step launches nothing for it."""
