@@ -229,3 +229,40 @@ def test_sparse_plan_batch_falls_back_lane_by_lane_with_the_same_bits(kernels):
         _plans_equal(p, s)
     with pytest.raises(TensorError, match="one log ratio"):
         SparsePlan.batch(batch, [4.0])
+
+
+def test_accept_masks_in_one_launch_are_each_lane_alone(monkeypatch):
+    """The accept rule over all lanes' entropies (views of one [R], as StepStats.batch leaves them), each lane its own
+    bound, some at their final step: one program per lane, each the solo kernel's mask bit for bit."""
+    from diffgemma.sampling import accept
+    from diffgemma.ops import sorted_prefix
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(accept, "use_triton", lambda t: True)
+    launches = []
+    inner = sorted_prefix.sorted_prefix_lanes_triton
+    monkeypatch.setattr(accept, "sorted_prefix_lanes_triton", lambda *a: launches.append(1) or inner(*a))
+    for lengths in ([40, 40, 40], [33, 64, 50, 41]):  # one next power of two: one launch
+        h = (torch.randint(0, 40, (sum(lengths) + 3,)).float() / 64)  # multiples of 1/64: ties
+        rows, starts = _layout(lengths, gaps=True)
+        buf = torch.zeros(rows + 1)
+        lanes = [buf[a: a + n] for a, n in zip(starts, lengths)]
+        for x in lanes:
+            x.copy_(h[: x.shape[0]][torch.randperm(x.shape[0])])
+        bounds = [random.choice([0.0, 1 / 64, 0.5, 3.0]) for _ in lengths]
+        finals = [random.random() < 0.3 for _ in lengths]
+        before = len(launches)
+        got = accept.accept_masks(lanes, bounds, finals)
+        assert len(launches) == before + 1
+        for g, x, b, f in zip(got, lanes, bounds, finals):
+            assert torch.equal(g, accept.accept_mask(x, b, final_step=f))
+            assert torch.equal(g, accept.accept_mask_frozen_reference(x, b, torch.zeros_like(g)) & (not f))
+    # lengths of two powers of two, or a frozen lane: lane by lane, the same masks
+    lanes = [torch.rand(40), torch.rand(70)]
+    assert all(torch.equal(g, accept.accept_mask(x, 0.3)) for g, x in
+               zip(accept.accept_masks(lanes, [0.3, 0.3], [False, False]), lanes))
+    frozen = [torch.rand(40) < 0.3, None]
+    got = accept.accept_masks([lanes[0], lanes[0]], [0.3, 0.3], [False, False], frozen)
+    assert torch.equal(got[0], accept.accept_mask(lanes[0], 0.3, frozen=frozen[0]))
+    with pytest.raises(TensorError, match="one bound"):
+        accept.accept_masks(lanes, [0.3], [False, False])

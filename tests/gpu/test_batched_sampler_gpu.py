@@ -94,3 +94,15 @@ def test_dense_bets_batch_is_each_lane_alone():
     solo = [SparsePlan(StepStats(x, t, cap=CAP), 10.0, dense_dtype=torch.bfloat16) for x, t in zip(lanes, temps)]
     for p, q in zip(plans, solo):
         assert torch.equal(p.probs, q.probs) and torch.equal(p.row_counts, q.row_counts)
+
+
+def test_accept_masks_batch_is_each_lane_alone():
+    from diffgemma.sampling.accept import accept_mask, accept_masks
+
+    for _ in range(20):
+        h = (torch.randint(0, 40, (B * C,), device=DEV).float() / 64)  # multiples of 1/64: exact sums, many ties
+        lanes = list(h.split(C))
+        bounds = [random.choice([0.0, 1 / 64, 0.1, 0.5, 3.0]) for _ in range(B)]
+        finals = [random.random() < 0.2 for _ in range(B)]
+        for g, x, b, f in zip(accept_masks(lanes, bounds, finals), lanes, bounds, finals):
+            assert torch.equal(g, accept_mask(x, b, final_step=f))

@@ -17,7 +17,7 @@ import torch
 from ..errors import TensorError
 
 
-def _on_device(host: torch.Tensor, device) -> torch.Tensor:
+def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device`, copied without waiting for the device (pinned, non-blocking) on CUDA."""
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
@@ -36,7 +36,7 @@ def _row_lanes(blocks: tuple, rows: int, device) -> torch.Tensor:
         host = torch.zeros(rows, dtype=torch.int32)
         for k, (a, n) in enumerate(blocks):
             host[a: a + n] = k
-        lane = _on_device(host, device)
+        lane = host_to_device(host, device)
         if len(_ROW_LANES) < _ROW_LANES_KEPT:
             _ROW_LANES[key] = lane
     return lane
@@ -71,7 +71,7 @@ class LaneTemps:
         if len(temps) == 1:  # a fill, nothing to copy
             self.temps_dev = torch.full((1,), temps[0], dtype=torch.float32, device=device)
         else:
-            self.temps_dev = _on_device(torch.tensor(self.row_order_temps, dtype=torch.float32), device)
+            self.temps_dev = host_to_device(torch.tensor(self.row_order_temps, dtype=torch.float32), device)
         self.row_lane = _row_lanes(tuple((starts[i], lengths[i]) for i in order), rows, device)
 
     @classmethod
