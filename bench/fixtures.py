@@ -13,9 +13,10 @@ h·e_v is Gaussian, and under the final softcap the top of a row stays crowded h
 (262144 Gaussian logits, softcap 30, T = 0.4: at least ~100 tokens per row within the sparse SC's 10 nats of the
 max; at T = 0.8 thousands). The sparse SC's gather then takes too many survivors and falls back to the dense
 [rows x V] x [V x H] product, a cost a trained model does not pay. "peaked" scales PEAK_TOKENS rows of the embedding
-(ids past PEAK_FIRST_ID: no special token) by PEAK_SCALE: their logits stand out of the crowd, each row's top is a
-few of them, as a trained model's row has a few likely tokens (simulated: median entropy ~0.8 / ~0.3 nats and ~17 /
-~5 survivors a row at T = 0.8 / 0.4). The benches measure the real rows with logit_profile.
+(ids past PEAK_FIRST_ID: no special token) so that their logits have a spread of PEAK_LOGIT_STD (the others' is
+std · sqrt(hidden), ~1 at full size; the final norm's weights are ~1): they stand out of the crowd and each row's top
+is a few of them, as a trained model's row has a few likely tokens (simulated at full size: median entropy ~0.8 /
+~0.3 nats and ~17 / ~5 survivors a row at T = 0.8 / 0.4). The benches measure the real rows with logit_profile.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from diffgemma.quant import codecs
 
 FIXTURES = ("flat", "peaked")
 PEAK_TOKENS = 256
-PEAK_SCALE = 8.0
+PEAK_LOGIT_STD = 8.5  # the peak tokens' logit spread: 8x the flat logits' at full size (0.02 · sqrt(2816) = 1.06)
 PEAK_FIRST_ID = 1024
 EMBEDDING = "model.decoder.embed_tokens.weight"
 
@@ -47,10 +48,16 @@ def peak_ids(vocab: int, seed: int) -> torch.Tensor:
     return first + torch.randperm(vocab - first, generator=gen)[:n]
 
 
-def peak_embedding(table: torch.Tensor, seed: int) -> torch.Tensor:
-    """The embedding with its peak_ids rows scaled by PEAK_SCALE (in place; returned)."""
+def peak_scale(hidden: int, std: float) -> float:
+    """The factor that gives embedding rows of `std` entries logits of spread PEAK_LOGIT_STD against a final hidden
+    state of rms ~1 (std · sqrt(hidden) before)."""
+    return PEAK_LOGIT_STD / (std * math.sqrt(hidden))
+
+
+def peak_embedding(table: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
+    """The embedding with its peak_ids rows scaled by `scale` (in place; returned)."""
     ids = peak_ids(table.shape[0], seed).to(table.device)
-    table[ids] = (table[ids].float() * PEAK_SCALE).to(table.dtype)
+    table[ids] = (table[ids].float() * scale).to(table.dtype)
     return table
 
 
@@ -89,7 +96,7 @@ class RandomSource(DictSource):
         else:  # in the model's dtype, as a checkpoint stores them (the router's too, though it is read as f32)
             t = torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dt) * self.std
             if name == EMBEDDING and self.fixture == "peaked":
-                t = peak_embedding(t, self.seed)
+                t = peak_embedding(t, self.seed, peak_scale(shape[1], self.std))
         return t.to(device=device or self.device, dtype=dt)
 
 

@@ -5,11 +5,11 @@ batched across lanes against B solo sampler calls, at B lanes of a `ctx`-token p
            batched forwards (p50, stamped on the device's stream as each forward is queued), one block of 16 fixed
            steps, warm caches; round_over_forward_ms = their difference (the sampler, SC, accept / renoise / stop
            rules and the host's turn-around of a round)
-  sampler  on one batched forward's raw logits, per lane its own temperature: StepStats + SparsePlan + the status
-           read of the survivor counts + the soft embedding, lane by lane (solo) against StepStats.batch +
-           SparsePlan.batch + SparsePlan.soft_embed_batch (batched); p50 ms of each, whether every lane's fields
-           and soft embedding are bit-identical, the survivors per row and whether the count sent the SC to the
-           dense product
+  sampler  on one batched forward's raw logits, per lane its own temperature: StepStats + accept mask + SparsePlan +
+           the status read of the survivor counts + the soft embedding, lane by lane (solo) against StepStats.batch +
+           accept_masks + SparsePlan.batch + SparsePlan.soft_embed_batch (batched); p50 ms of each, whether every
+           lane's fields, mask and soft embedding are bit-identical, the survivors per row and whether the count sent
+           the SC to the dense product
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import time
 import torch
 
 from bench.runner import sync
+from diffgemma.sampling.accept import accept_mask, accept_masks
 from diffgemma.sampling.schedule import temperature_value
 from diffgemma.sampling.self_condition import SparsePlan
 from diffgemma.sampling.stats import StepStats
 
 FIELDS = ("entropy", "argmax", "rowmax", "lse")
+BOUND = 0.1  # GenerationSettings.entropy_bound's default
 
 
 def p50(xs) -> float:
@@ -108,16 +110,18 @@ def _same(x, y) -> bool:
 
 def _solo(logits, temps, cap, ratio, emb, scale):
     stats = [StepStats(x, t, cap=cap) for x, t in zip(logits, temps)]
+    masks = [accept_mask(s.entropy, BOUND) for s in stats]
     plans = [SparsePlan(s, ratio) for s in stats]
     counts = torch.stack([p.count for p in plans]).tolist()  # the step's one host read
-    return stats, plans, [p.soft_embed(n, emb, scale) for p, n in zip(plans, counts)], counts
+    return stats, plans, [p.soft_embed(n, emb, scale) for p, n in zip(plans, counts)], counts, masks
 
 
 def _batched(logits, temps, cap, ratio, emb, scale):
     stats = StepStats.batch(logits, temps, cap=cap)
+    masks = accept_masks([s.entropy for s in stats], [BOUND] * len(stats), [False] * len(stats))
     plans = SparsePlan.batch(stats, [ratio] * len(stats))
     counts = torch.stack([p.count for p in plans]).tolist()
-    return stats, plans, SparsePlan.soft_embed_batch(plans, counts, emb, scale), counts
+    return stats, plans, SparsePlan.soft_embed_batch(plans, counts, emb, scale), counts, masks
 
 
 def section_sampler(eng, cfg, B: int, ctx: int, reps: int, lanes, steps: int = 16, ratio: float = 10.0) -> dict:
@@ -138,6 +142,7 @@ def section_sampler(eng, cfg, B: int, ctx: int, reps: int, lanes, steps: int = 1
     rows = [n / C for n in a[3]]
     out = {"B": B, "ctx": ctx, "solo_ms": p50(solo_ms), "batched_ms": p50(batched_ms),
            "stats_bit_identical": same, "soft_embed_bit_identical": same_embeds and a[3] == b[3],
+           "accept_bit_identical": all(torch.equal(x, y) for x, y in zip(a[4], b[4])),
            "survivors_per_row": {"min": round(min(rows), 2), "max": round(max(rows), 2)},
            "took_dense": [bool(p.took_dense) for p in a[1]], "temps": [round(t, 4) for t in temps]}
     out["saved_ms"] = round(out["solo_ms"] - out["batched_ms"], 3)

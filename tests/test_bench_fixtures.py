@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from bench.fixtures import (EMBEDDING, FIXTURES, PEAK_SCALE, PEAK_TOKENS, RandomSource, peak_ids, row_profile)
+from bench.fixtures import (EMBEDDING, FIXTURES, PEAK_LOGIT_STD, PEAK_TOKENS, RandomSource, peak_ids, peak_scale,
+                            row_profile)
 from bench.runner import shapes, with_fixtures
 
 
@@ -25,7 +26,9 @@ def test_peaked_source_scales_only_the_peak_rows_of_the_embedding():
     ids = peak_ids(cfg.vocab_size, 3)
     rest = torch.ones(cfg.vocab_size, dtype=torch.bool)
     rest[ids] = False
-    assert torch.equal(a[rest], b[rest]) and torch.equal(b[ids], a[ids] * PEAK_SCALE)
+    scale = peak_scale(cfg.hidden_size, 0.02)
+    assert abs(scale * 0.02 * math.sqrt(cfg.hidden_size) - PEAK_LOGIT_STD) < 1e-9 and 7 < peak_scale(2816, 0.02) < 9
+    assert torch.equal(a[rest], b[rest]) and torch.allclose(b[ids], a[ids] * scale, rtol=1e-6, atol=0)
     name = "model.decoder.norm.weight"
     assert torch.equal(flat.get(name), peaked.get(name))
     with pytest.raises(ValueError, match="fixture"):
@@ -42,7 +45,8 @@ def test_row_profile_reads_flat_and_one_hot_rows():
     assert one["median_entropy"] < 1e-6 and one["survivors_median"] == one["survivors_mean"] == 1
     two = hot.clone()
     two[:, 9] = 27.0  # 6 nats below the top at T = 0.5: a survivor at log ratio 10, not at 5
-    assert row_profile(two, 0.5)["survivors_median"] == 2 and row_profile(two, 0.5, log_ratio=5.0)["survivors_median"] == 1
+    assert row_profile(two, 0.5)["survivors_median"] == 2
+    assert row_profile(two, 0.5, log_ratio=5.0)["survivors_median"] == 1
     raw = torch.randn(3, V) * 40
     assert row_profile(raw, 0.6, cap=30.0) == row_profile(30.0 * torch.tanh(raw / 30.0), 0.6)
 
@@ -50,13 +54,13 @@ def test_row_profile_reads_flat_and_one_hot_rows():
 def test_peaked_rows_are_peaked_where_random_rows_are_flat():
     """The fixture's premise at a small vocabulary: Gaussian logits h·e_v of random unit-scale vectors under the
     softcap keep a crowded top; the same with the peak rows scaled have low entropy and few survivors."""
-    V, H = 8192, 64
+    V, H, std = 8192, 64, 0.02
     gen = torch.Generator().manual_seed(0)
-    emb = torch.randn(V, H, generator=gen) / math.sqrt(H)
-    h = torch.randn(32, H, generator=gen)
+    emb = torch.randn(V, H, generator=gen) * std
+    h = torch.randn(32, H, generator=gen)  # a final hidden state of rms ~1
     flat = row_profile(h @ emb.T, 0.4, cap=30.0)
     ids = peak_ids(V, 0)
-    emb[ids] *= PEAK_SCALE
+    emb[ids] *= peak_scale(H, std)
     peaked = row_profile(h @ emb.T, 0.4, cap=30.0)
     assert peaked["median_entropy"] < 1.0 < flat["median_entropy"]
     assert peaked["survivors_median"] < 20 < flat["survivors_median"]

@@ -7,7 +7,7 @@ still reads one (row, segment) whose span depends only on the vocabulary, so a l
 same pass gives that lane alone.
 
   LaneTemps      lane of each row and temperature of each lane, on the rows' device
-  shared_rows    the one [R, V] tensor the lanes' row blocks lie in, and where each starts
+  shared_rows    the one [R, V] tensor the lanes' row blocks lie in, and where each starts (or None)
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
 
 
 _ROW_LANES: dict = {}  # (blocks, rows, device) -> int32 [R]: a round's layout recurs step after step
-_ROW_LANES_KEPT = 256  # layouts kept (never dropped: a kept tensor may be read by work still queued); past it, made anew
+# layouts kept (never dropped: a kept tensor may be read by work still queued); past this many, made anew each time
+_ROW_LANES_KEPT = 256
 
 
 def _row_lanes(blocks: tuple, rows: int, device) -> torch.Tensor:
@@ -91,11 +92,11 @@ class LaneTemps:
         return self.temps_dev[self.row_lane.long()]
 
 
-def shared_rows(lanes: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """(rows, starts): one contiguous [R, V] tensor holding every lane's [C_i, V] rows, and the row each lane starts
-    at. When the lanes are disjoint row blocks of one contiguous buffer (a batched forward's split), `rows` is the
-    part of that buffer from the first lane's first row to the last lane's last row (no copy); otherwise the lanes
-    concatenated (a copy)."""
+def shared_rows(lanes: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """(rows, starts): when the lanes' [C_i, V] rows are disjoint row blocks of one contiguous buffer (a batched
+    forward's split), `rows` is the part of that buffer from the first lane's first row to the last lane's last row
+    (no copy) and starts[i] the row lane i starts at; else None (a copy of all the lanes would cost more than the
+    launches it saves)."""
     if not lanes:
         raise TensorError("shared_rows: expected at least one lane")
     V = lanes[0].shape[-1]
@@ -115,8 +116,4 @@ def shared_rows(lanes: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
                 rows = max(end for _, end in blocks)
                 first = lanes[offs.index(base)]
                 return first.as_strided((rows, V), (V, 1), base), starts
-    starts, at = [], 0
-    for x in lanes:
-        starts.append(at)
-        at += x.shape[0]
-    return torch.cat(lanes), starts
+    return None

@@ -4,7 +4,7 @@ Each host-side rule has a device-side twin the loop actually runs (no host sync 
 temperature / temperature_value, StopRules / DeviceStopRules, sparse_soft_embed / SparsePlan.
 """
 
-from .accept import accept_mask
+from .accept import accept_mask, accept_masks
 from .rng import DeviceLcg, Lcg, block_seed, categorical
 from .schedule import temperature, temperature_value
 from .self_condition import SparsePlan, exact_soft_embed, sparse_error_bound, sparse_soft_embed
@@ -13,7 +13,7 @@ from .stops import FILLER_ID, DeviceStopRules, StopRules
 from .trim import trim_cut
 
 __all__ = [
-    "Lcg", "DeviceLcg", "block_seed", "categorical", "temperature", "temperature_value", "accept_mask", "entropy",
-    "max_prob", "StepStats", "StopRules", "DeviceStopRules", "FILLER_ID", "exact_soft_embed", "sparse_soft_embed",
-    "SparsePlan", "sparse_error_bound", "trim_cut",
+    "Lcg", "DeviceLcg", "block_seed", "categorical", "temperature", "temperature_value", "accept_mask", "accept_masks",
+    "entropy", "max_prob", "StepStats", "StopRules", "DeviceStopRules", "FILLER_ID", "exact_soft_embed",
+    "sparse_soft_embed", "SparsePlan", "sparse_error_bound", "trim_cut",
 ]

@@ -57,7 +57,8 @@ def accept_masks(entropies: list, bounds, final_steps, frozens=None) -> list[tor
                           f"{len(final_steps)} / {len(frozens)} for {B} lanes")
     one = _one_tensor(entropies) if B > 1 and all(z is None for z in frozens) else None
     if one is None:
-        return [accept_mask(h, b, final_step=f, frozen=z) for h, b, f, z in zip(entropies, bounds, final_steps, frozens)]
+        return [accept_mask(h, b, final_step=f, frozen=z)
+                for h, b, f, z in zip(entropies, bounds, final_steps, frozens)]
     buf, starts = one
     lengths = [h.shape[0] for h in entropies]
     bnds = tuple(-float("inf") if f else float(b) for b, f in zip(bounds, final_steps))

@@ -96,9 +96,9 @@ class StepStats:
         Exactness: every field of lane i (entropy, argmax, rowmax, lse, and what is derived from them: processed,
         max_prob, softcapped) has the bits of StepStats(logits[i], temps[i], fused, cap). On the fused path one
         launch of each row kernel serves all lanes (ops/lane_temps.py: the row pass with a temperature per lane, its
-        programs one (row, segment) each, the same as a lane alone); lanes that are disjoint row blocks of one buffer
-        (a batched forward's output) are read in place, others are concatenated first. The torch path computes
-        each lane on its own. The lanes' row stats are views of one [R] result per field."""
+        programs one (row, segment) each, the same as a lane alone) when the lanes are disjoint row blocks of one
+        buffer (a batched forward's output), read in place; other lanes, and the torch path, go lane by lane. The
+        lanes' row stats are then views of one [R] result per field."""
         lanes = list(logits.unbind(0)) if isinstance(logits, torch.Tensor) and logits.dim() == 3 else list(logits)
         temps = [float(t) for t in temps]
         if not lanes or len(temps) != len(lanes):
@@ -110,9 +110,11 @@ class StepStats:
         out = [cls.__new__(cls) for _ in lanes]
         for s, x, t in zip(out, lanes, temps):
             s._setup(x, t, fused, cap)
-        if not all(s.fused for s in out) or len({s.cap for s in out}) != 1:
+        one = shared_rows([s.logits for s in out]) if all(s.fused for s in out) and len({s.cap for s in out}) == 1 \
+            else None
+        if one is None:
             return [cls(x, t, fused=fused, cap=cap) for x, t in zip(lanes, temps)]
-        rows, starts = shared_rows([s.logits for s in out])
+        rows, starts = one
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
         shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))
         for s, sl in zip(out, lane_temps.spans()):
