@@ -53,6 +53,7 @@ class LaneTemps:
                   lane's temperature, as a pass's scalar argument is; row_order_temps: the same as host floats
       row_lane    int32 [R] on the device: each row's index into temps_dev (and into lane_tables' rows), so one
                   tensor serves a layout whatever the order the caller lists its lanes in
+      tables      the lanes' tempered tables, made once by the first pass over raw logits that asks
     """
 
     def __init__(self, temps, starts, lengths, rows: int, device):
@@ -74,6 +75,7 @@ class LaneTemps:
         else:
             self.temps_dev = host_to_device(torch.tensor(self.row_order_temps, dtype=torch.float32), device)
         self.row_lane = _row_lanes(tuple((starts[i], lengths[i]) for i in order), rows, device)
+        self.tables: dict = {}  # ops/rowstats.lane_tables' tempered tables of these lanes, by (cap, dtype, device)
 
     @classmethod
     def one(cls, temp: float, rows: int, device) -> "LaneTemps":

@@ -199,16 +199,13 @@ def tempered_table(cap: float, temp: float, raw: torch.Tensor) -> torch.Tensor:
     return kept[1]
 
 
-_LANE_TABLES: dict = {}
-
-
 def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor:
     """f32 [B, 65536]: row b = softcap_table(cap, raw) / lanes.temps_dev[b] (lanes in row order), each entry the bits
-    tempered_table(cap, that temperature, raw) has (the same correctly rounded division), in one launch. The last
-    lanes' tables are kept per (cap, dtype, device), by their temperatures."""
+    tempered_table(cap, that temperature, raw) has (the same correctly rounded division), in one launch. Kept on
+    `lanes` per (cap, dtype, device): a step's passes over its lanes build them once."""
     key = _table_key(cap, raw)
-    kept = _LANE_TABLES.get(key)
-    if kept is None or kept[0] != lanes.row_order_temps:
+    out = lanes.tables.get(key)
+    if out is None:
         table = softcap_table(cap, raw)
         if key[3]:
             out = torch.empty(len(lanes), table.numel(), dtype=torch.float32, device=table.device)
@@ -216,8 +213,8 @@ def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor
                                                                       num_warps=4)
         else:
             out = table[None, :] / lanes.temps_dev[:, None]
-        kept = _LANE_TABLES[key] = (lanes.row_order_temps, out)
-    return kept[1]
+        lanes.tables[key] = out
+    return out
 
 
 def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
