@@ -2,6 +2,14 @@
 
 Each host-side rule has a device-side twin the loop actually runs (no host sync per step): Lcg / DeviceLcg,
 temperature / temperature_value, StopRules / DeviceStopRules, sparse_soft_embed / SparsePlan.
+
+A batched round samples every lane at once, each lane's numbers the bits it has alone (ops/lane_temps.py):
+    stats = StepStats.batch(logits, temps, cap=cap)          # one row-stats launch; logits: the forward's lane views
+    masks = accept_masks([s.entropy for s in stats], bounds, final_steps)   # one accept launch
+    plans = SparsePlan.batch(stats, log_ratios, dense_dtypes)               # one survivor pass
+    ...the status read of each plan's count...
+    embeds = SparsePlan.soft_embed_batch(plans, counts, embedding, scale)   # one gather for all lanes
+    StepStats.processed_batch(stats)                                        # lanes that sample, or run exact SC
 """
 
 from .accept import accept_mask, accept_masks
