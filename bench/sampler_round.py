@@ -120,7 +120,7 @@ def _batched(logits, temps, cap, ratio, emb, scale):
     stats = StepStats.batch(logits, temps, cap=cap)
     masks = accept_masks([s.entropy for s in stats], [BOUND] * len(stats), [False] * len(stats))
     plans = SparsePlan.batch(stats, [ratio] * len(stats))
-    counts = torch.stack([p.count for p in plans]).tolist()
+    counts = SparsePlan.counts_batch(plans).tolist()
     return stats, plans, SparsePlan.soft_embed_batch(plans, counts, emb, scale), counts, masks
 
 

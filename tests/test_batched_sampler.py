@@ -183,7 +183,8 @@ def test_sparse_plan_batch_is_each_lane_alone(kernels, monkeypatch, bet, raw):
     gather for all lanes, or each lane's dense product) against each lane's solo plan, bit for bit."""
     vocab, hidden, cap = 300, 8, (30.0 if raw else None)
     B = random.randint(2, 3)
-    lengths = [random.randint(2, 4) for _ in range(B)]
+    equal = random.random() < 0.5
+    lengths = [random.randint(2, 4)] * B if equal else [random.randint(2, 4) for _ in range(B)]
     logits = _lane_views("views", lengths, vocab, raw, gaps=False)
     temps = _temps(B)
     ratios = [random.uniform(1.0, 6.0)] * B if random.random() < 0.5 else [random.uniform(1.0, 6.0) for _ in range(B)]
@@ -197,6 +198,11 @@ def test_sparse_plan_batch_is_each_lane_alone(kernels, monkeypatch, bet, raw):
     for p, q in zip(plans, solo):
         _plans_equal(p, q)
     counts = [int(q.count) for q in solo]
+    order = random.sample(range(B), B)
+    assert SparsePlan.counts_batch([plans[i] for i in order]).tolist() == [counts[i] for i in order]
+    assert [int(p.count) for p in plans] == counts
+    if len(set(lengths)) == 1:  # one sum over all rows gave every lane's count
+        assert len({p.count.untyped_storage().data_ptr() for p in plans}) == 1
     if bet == "dense":
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)
         for p in plans + solo:

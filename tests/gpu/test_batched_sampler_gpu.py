@@ -76,6 +76,7 @@ def test_sparse_plan_batch_is_each_lane_alone(peaked):
     plans = SparsePlan.batch(batch, [10.0] * B)
     solo = [SparsePlan(StepStats(x, t, cap=CAP), 10.0) for x, t in zip(lanes, temps)]
     counts = [int(q.count) for q in solo]
+    assert SparsePlan.counts_batch(plans).tolist() == counts
     for p, q in zip(plans, solo):
         assert torch.equal(p.mask, q.mask) and torch.equal(p.row_counts, q.row_counts) and torch.equal(p.thr, q.thr)
     got = SparsePlan.soft_embed_batch(plans, counts, emb, 53.0)

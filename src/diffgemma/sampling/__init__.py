@@ -7,7 +7,7 @@ A batched round samples every lane at once, each lane's numbers the bits it has 
     stats = StepStats.batch(logits, temps, cap=cap)          # one row-stats launch; logits: the forward's lane views
     masks = accept_masks([s.entropy for s in stats], bounds, final_steps)   # one accept launch
     plans = SparsePlan.batch(stats, log_ratios, dense_dtypes)               # one survivor pass
-    ...the status read of each plan's count...
+    counts = SparsePlan.counts_batch(plans)                                 # for the status read: int64 [B]
     embeds = SparsePlan.soft_embed_batch(plans, counts, embedding, scale)   # one gather for all lanes
     StepStats.processed_batch(stats)                                        # lanes that sample, or run exact SC
 """

@@ -33,6 +33,7 @@ import torch
 from ..errors import TensorError
 from ..ops.rowstats import softcap_lookup, tempered_counted_probs, tempered_masked_probs, tempered_survivors
 from ..ops import sc_gather
+from ..ops.lane_temps import host_to_device
 from ..ops.sc_gather import segment_embed
 
 
@@ -171,8 +172,9 @@ class SparsePlan:
             mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
         group = _SharedPasses(shared, thr, mask, counts)
         plans = []
-        for s, r, sl in zip(stats, log_ratios, spans):
+        for i, (s, r, sl) in enumerate(zip(stats, log_ratios, spans)):
             p = cls.__new__(cls)
+            p.lane = i  # its lane in the stats' LaneTemps
             p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
             p.product = p.product_is_dense = p.took_dense = p._count = None
             p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
@@ -181,6 +183,25 @@ class SparsePlan:
             p.shared = group
             plans.append(p)
         return plans
+
+    @staticmethod
+    def counts_batch(plans: list) -> torch.Tensor:
+        """int64 [B] on the device: torch.stack([p.count for p in plans]), the same numbers (integer sums). For the
+        plans of one SparsePlan.batch over lanes of one length and no gap rows, one sum over all rows (each plan's
+        count is then its entry); otherwise lane by lane."""
+        group = plans[0].shared if plans else None
+        lanes = group.shared.lanes if group is not None else None
+        if (group is None or len(plans) != len(lanes) or any(p.shared is not group for p in plans)
+                or not group.shared.whole or len(set(lanes.lengths)) != 1):
+            return torch.stack([p.count for p in plans])
+        C = lanes.lengths[0]
+        sums = group.counts.view(len(lanes), C).sum(1, dtype=torch.int64)  # the lanes' blocks in row order
+        blocks = [lanes.starts[p.lane] // C for p in plans]
+        if blocks != list(range(len(plans))):
+            sums = sums[host_to_device(torch.tensor(blocks), sums.device)]
+        for p, n in zip(plans, sums.unbind()):
+            p._count = n
+        return sums
 
     @staticmethod
     def soft_embed_batch(plans: list, counts, embedding: torch.Tensor, scale: float) -> list[torch.Tensor]:
