@@ -272,3 +272,31 @@ def test_accept_masks_in_one_launch_are_each_lane_alone(monkeypatch):
     assert torch.equal(got[0], accept.accept_mask(lanes[0], 0.3, frozen=frozen[0]))
     with pytest.raises(TensorError, match="one bound"):
         accept.accept_masks(lanes, [0.3], [False, False])
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_mixed_bets_and_counts_share_one_pass_and_one_gather(kernels, monkeypatch, raw):
+    """Lanes betting dense beside lanes betting on the gather, and counts that send some of the latter to the dense
+    product after all: the gather-bet lanes share one survivor pass, those whose count takes the gather share one
+    gather, and every lane's soft embedding is its solo plan's bits."""
+    vocab, hidden, cap, B = 300, 8, (30.0 if raw else None), 5
+    logits = _lane_views("views", [3] * B, vocab, raw, gaps=False)
+    temps = _temps(B)
+    dense = [torch.float32 if k in (1, 3) else None for k in range(B)]
+    emb = torch.randn(vocab, hidden)
+    batch = StepStats.batch(logits, temps, cap=cap)
+    plans = SparsePlan.batch(batch, [5.0] * B, dense)
+    assert [p.shared is not None for p in plans] == [d is None for d in dense]
+    solo = [SparsePlan(StepStats(x, t, cap=cap), 5.0, dense_dtype=d) for x, t, d in zip(logits, temps, dense)]
+    counts = [int(q.count) for q in solo]
+    assert [int(p.count) for p in plans] == counts
+    # the gather limit between the gather-bet lanes' counts: the largest of them goes dense
+    top = max(counts[k] for k in range(B) if dense[k] is None)
+    monkeypatch.setattr(SparsePlan, "gather_bytes_limit", (top - 1) * hidden * 4 if top > 1 else 10**9)
+    got = SparsePlan.soft_embed_batch(plans, counts, emb, 2.0)
+    want = [q.soft_embed(n, emb, 2.0) for q, n in zip(solo, counts)]
+    for k, (g, w, p, q) in enumerate(zip(got, want, plans, solo)):
+        assert torch.equal(g, w), k
+        assert p.took_dense == q.took_dense
+    gathered = [k for k in range(B) if dense[k] is None and not plans[k].took_dense]
+    assert (plans[0].shared.mask is None) == (len(gathered) >= 2)  # one gather served them (the mask's last use)

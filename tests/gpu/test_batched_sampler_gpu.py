@@ -107,3 +107,20 @@ def test_accept_masks_batch_is_each_lane_alone():
         finals = [random.random() < 0.2 for _ in range(B)]
         for g, x, b, f in zip(accept_masks(lanes, bounds, finals), lanes, bounds, finals):
             assert torch.equal(g, accept_mask(x, b, final_step=f))
+
+
+def test_mixed_bets_batch_is_each_lane_alone():
+    """Two lanes bet on the dense product (a fresh block's first step), the rest on the gather: one survivor pass
+    and one gather serve the latter; every lane's soft embedding is its solo plan's bits."""
+    buf = _logits(torch.bfloat16, True)
+    lanes, temps = list(buf.split(C)), _temps()
+    emb = (torch.randn(V, H, device=DEV) * 0.02).to(torch.bfloat16)
+    dense = [torch.bfloat16 if k in (2, 5) else None for k in range(B)]
+    plans = SparsePlan.batch(StepStats.batch(lanes, temps, cap=CAP), [10.0] * B, dense)
+    solo = [SparsePlan(StepStats(x, t, cap=CAP), 10.0, dense_dtype=d) for x, t, d in zip(lanes, temps, dense)]
+    counts = [int(q.count) for q in solo]
+    for p in plans + solo:
+        p.start(emb, 53.0)
+    got = SparsePlan.soft_embed_batch(plans, counts, emb, 53.0)
+    for g, q, n in zip(got, solo, counts):
+        assert torch.equal(g, q.soft_embed(n, emb, 53.0))

@@ -81,6 +81,27 @@ def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
     return values if shared.cap is None else softcap_lookup(values, shared.cap)
 
 
+def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
+    """rowmax - log_ratio of each row's lane (a lane's rows: rowmax[sl] - its ratio, as its solo plan subtracts)."""
+    if len(set(log_ratios)) == 1:
+        return rowmax - log_ratios[0]
+    thr = torch.zeros_like(rowmax)
+    for sl, r in zip(spans, log_ratios):
+        torch.sub(rowmax[sl], r, out=thr[sl])
+    return thr
+
+
+def _gather_rows(group, row_counts: torch.Tensor, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+    """The survivors' soft embedding of every row of a batch's passes, [R, H] (SparsePlan._gather over all lanes'
+    rows at once): the `n` survivors the group's mask lists, weighted with each row's lane temperature."""
+    shared = group.shared
+    rows, cols = torch.nonzero_static(group.mask, size=n).unbind(1)
+    z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
+    weights = torch.exp(z - shared.fields[3][rows])
+    step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
+    return (segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
+
+
 class SparsePlan:
     """Sparse SC split in two around the generation loop's one host read per step.
 
@@ -138,9 +159,10 @@ class SparsePlan:
     @classmethod
     def batch(cls, stats: list, log_ratios, dense_dtypes=None) -> list["SparsePlan"]:
         """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
-        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead), made with one launch of the pass over all lanes'
-        rows where the stats come from one StepStats.batch (fused) and the lanes bet alike (all on the gather, or
-        all on the dense product in one dtype); otherwise lane by lane.
+        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are all the lanes of one
+        StepStats.batch (fused): when every lane bets on the dense product in one dtype, one counted-probability pass
+        over all lanes' rows; else one survivor pass over all rows serves the lanes that bet on the gather (the
+        others' rows are read too, unused) and a lane that bets dense makes its own plan. Otherwise lane by lane.
 
         Exactness: each plan's mask, row counts, count, bet probabilities and soft embedding have the bits of the solo
         plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts), and
@@ -152,27 +174,25 @@ class SparsePlan:
             raise TensorError(f"SparsePlan.batch: expected one log ratio and one dense dtype per lane, got "
                               f"{len(log_ratios)} / {len(dense_dtypes)} for {B} lanes")
         shared = stats[0].shared if B else None
+        all_dense = len(set(dense_dtypes)) == 1 and dense_dtypes[0] is not None
         if (shared is None or len(shared.lanes) != B or any(s.shared is not shared or not s.fused for s in stats)
                 or [s.logits.shape[0] for s in stats] != shared.lanes.lengths
-                or len(set(dense_dtypes)) != 1):
+                or (not all_dense and sum(d is None for d in dense_dtypes) < 2)):
             return [cls(s, r, dense_dtype=d) for s, r, d in zip(stats, log_ratios, dense_dtypes)]
-        rowmax, lse = shared.fields[2], shared.fields[3]
         spans = shared.lanes.spans()
-        if len(set(log_ratios)) == 1:
-            thr = rowmax - log_ratios[0]
-        else:
-            thr = torch.zeros_like(rowmax)
-            for sl, r in zip(spans, log_ratios):
-                torch.sub(rowmax[sl], r, out=thr[sl])
+        thr = _thresholds(shared.fields[2], spans, log_ratios)
         mask = probs = None
-        if dense_dtypes[0] is not None:
-            probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, lse, dense_dtypes[0],
+        if all_dense:
+            probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, shared.fields[3], dense_dtypes[0],
                                                    cap=shared.cap)
         else:
             mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
         group = _SharedPasses(shared, thr, mask, counts)
         plans = []
-        for i, (s, r, sl) in enumerate(zip(stats, log_ratios, spans)):
+        for i, (s, r, d, sl) in enumerate(zip(stats, log_ratios, dense_dtypes, spans)):
+            if d is not None and not all_dense:
+                plans.append(cls(s, r, dense_dtype=d))
+                continue
             p = cls.__new__(cls)
             p.lane = i  # its lane in the stats' LaneTemps
             p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
@@ -205,25 +225,36 @@ class SparsePlan:
 
     @staticmethod
     def soft_embed_batch(plans: list, counts, embedding: torch.Tensor, scale: float) -> list[torch.Tensor]:
-        """[p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)], the same bits, with one gather for all
-        lanes when the plans are one SparsePlan.batch over rows that are all some lane's and every lane takes the
-        gather (ops/sc_gather.py sums each row's survivors on their own, in index order); else lane by lane."""
+        """[p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)], the same bits. The plans of one
+        SparsePlan.batch (over rows that are all some lane's) whose count takes the gather are summed by one gather
+        (ops/sc_gather.py sums each row's survivors on their own, in index order; the other lanes' rows are left out
+        of it); every other plan makes its own."""
         counts = [int(n) for n in counts]
-        group = plans[0].shared if plans else None
-        if (group is None or len(plans) != len(group.shared.lanes) or not group.shared.whole
-                or any(p.shared is not group or p.mask is None or p.product is not None for p in plans)
-                or any(p.takes_dense(n, embedding.shape[1]) for p, n in zip(plans, counts))):
-            return [p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)]
-        shared = group.shared
-        rows, cols = torch.nonzero_static(group.mask, size=sum(counts)).unbind(1)
-        z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
-        weights = torch.exp(z - shared.fields[3][rows])
-        step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
-        out = (segment_embed(rows, group.counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
-        for p in plans:
+        hidden = embedding.shape[1]
+        group = next((p.shared for p in plans if p.shared is not None), None)
+        gather = [] if group is None or not group.shared.whole or group.mask is None else [
+            k for k, (p, n) in enumerate(zip(plans, counts))
+            if p.shared is group and p.mask is not None and p.product is None and not p.takes_dense(n, hidden)]
+        out = [None if k in gather else p.soft_embed(n, embedding, scale)
+               for k, (p, n) in enumerate(zip(plans, counts))]
+        if len(gather) < 2:  # nothing to share
+            return [o if o is not None else plans[k].soft_embed(counts[k], embedding, scale) for k, o in enumerate(out)]
+        lanes = group.shared.lanes
+        spans = lanes.spans()
+        row_counts = group.counts
+        left_out = set(range(len(lanes))) - {plans[k].lane for k in gather}
+        if left_out:  # their rows' survivors stay out of the list and the sums (the mask is the group's last use)
+            row_counts = row_counts.clone()
+            for j in left_out:
+                group.mask[spans[j]] = False
+                row_counts[spans[j]] = 0
+        summed = _gather_rows(group, row_counts, sum(counts[k] for k in gather), embedding, scale)
+        for k in gather:
+            p = plans[k]
             p.took_dense, p.mask, p.probs = False, None, None
+            out[k] = summed[spans[p.lane]]
         group.mask = None
-        return [out[sl] for sl in shared.lanes.spans()]
+        return out
 
     @property
     def count(self) -> torch.Tensor:
