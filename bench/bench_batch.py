@@ -19,6 +19,11 @@ every lane its own cache holding a 1k prompt:
   memory   q4 only: B=8 lanes with 8k-token caches, one batched step: the device's peak allocated GiB
   demo     the embedded demo model (real weights, its own engine): 8 chat prompts' tokens alone vs through
            generate_batch at max_batch 2 / 4 / 8: the share of requests token-identical
+  profile  the fixture's rows (bench/fixtures.logit_profile): median row entropy and SC survivors per row
+  round    at the largest B: generate_batch's round p50 against the batched forward alone (bench/sampler_round.py)
+  sampler  at the largest B: the sampler batched across lanes against B solo sampler calls (bench/sampler_round.py)
+Each kind runs per fixture (--fixtures; bench/fixtures.py): "q4" is the flat fixture, "q4-peaked" the peaked one.
+The issue-49 check, one run:  --sections profile,round,sampler --batches 8 --json $OUT/round.json
 Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
 """
 
@@ -34,7 +39,9 @@ import torch
 
 from bench.balanced_routing import KINDS
 from bench.bench_e2e import fixed_steps
-from bench.runner import dumper, log, result_header, run_kinds, shapes, sync
+from bench.fixtures import logit_profile
+from bench.runner import dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
+from bench.sampler_round import section_round, section_sampler
 from diffgemma.batch import generate_batch
 from diffgemma.generation import generate
 from diffgemma.model.options import BATCH_PATHS, EngineOptions
@@ -234,7 +241,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--sections", default="forward,steps,queue,invariance,memory,demo")
+    ap.add_argument("--sections", default="forward,steps,queue,invariance,memory,demo,profile,round,sampler")
+    ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--paths", default=EngineOptions().batch_paths, choices=BATCH_PATHS,
                     help="batch_paths for the steps section (default: the engine's)")
@@ -244,7 +252,7 @@ def main():
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
-    kinds = [k for k in a.kinds.split(",") if k]
+    kinds = with_fixtures([k for k in a.kinds.split(",") if k], a.fixtures)
     batches = [int(b) for b in a.batches.split(",")]
     forms = [f for f in a.forms.split(",") if f]
     bad = [f for f in forms if f.partition("-")[0] not in BATCH_PATHS or f.partition("-")[2] not in ("", "serial")]
@@ -268,7 +276,11 @@ def main():
                                  ("queue", lambda: section_queue(eng, cfg, max(batches), ctx, a.reps)),
                                  ("invariance", lambda: section_invariance(eng, cfg, max(batches), ctx)),
                                  ("memory", lambda: section_memory(eng, cfg, max(batches), mem_ctx)
-                                  if kind == "q4" else None)),
+                                  if kind == "q4" else None),
+                                 ("profile", lambda: logit_profile(eng, cfg, ctx)),
+                                 ("round", lambda: section_round(eng, cfg, max(batches), ctx, a.reps, lanes,
+                                                                 generate_batch, fixed_steps(cfg.canvas_length, 1))),
+                                 ("sampler", lambda: section_sampler(eng, cfg, max(batches), ctx, a.reps, lanes))),
               a.routing, dump)
 
     log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 cold / warm (B="

@@ -15,6 +15,9 @@ expert routing (balanced_routing.py) unless --routing model:
      prompt's prefill alone, tokens/s.
   c  a 3-turn chat through Session (KV reuse: each turn prefills only what the cache lacks): seconds per turn,
      each turn 1 block at 16 steps, with the demo model's tokenizer and chat template.
+  profile  the fixture's rows (bench/fixtures.logit_profile): median row entropy and SC survivors per row.
+Each kind runs per fixture (--fixtures, bench/fixtures.py): "q4" the flat one (random weights, as always), "q4-peaked"
+rows peaked as a trained model's.
 Medians of --reps repeats after one warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each
 section, so a time-out keeps what finished; a short table is printed last.
 """
@@ -30,7 +33,8 @@ from contextlib import contextmanager
 import torch
 
 from bench.balanced_routing import KINDS
-from bench.runner import dumper, log, result_header, run_kinds, shapes, sync
+from bench.fixtures import logit_profile
+from bench.runner import dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
 from diffgemma.generation import StepEvent, generate, generate_stream
 from diffgemma.loader import embedded_model_path
 from diffgemma.session import Session
@@ -192,14 +196,16 @@ def section_c(eng, cfg, reps, max_tokens):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
-    ap.add_argument("--sections", default="a,b,c")
+    ap.add_argument("--sections", default="a,b,c,profile")
+    ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES: each kind "
+                    "runs per fixture, 'q4' the flat one (its results' old name), 'q4-peaked' the peaked one")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompts", default=None, help="comma list of prompt lengths for b (default 1024,8192,32768)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
-    kinds = [k for k in a.kinds.split(",") if k]
+    kinds = with_fixtures([k for k in a.kinds.split(",") if k], a.fixtures)
     cfg, dev = shapes(a.tiny)
     prompt_a, prompts = (32, [32, 64, 128]) if a.tiny else (1024, [1024, 8192, 32768])
     if a.prompts:
@@ -208,7 +214,8 @@ def main():
     run_kinds(kinds, cfg, dev, a.tiny, res, set(a.sections.split(",")),
               lambda eng, kind: (("a", lambda: section_a(eng, cfg, prompt_a, a.reps)),
                                  ("b", lambda: section_b(eng, cfg, prompts, a.reps)),
-                                 ("c", lambda: section_c(eng, cfg, a.reps, 4096))),
+                                 ("c", lambda: section_c(eng, cfg, a.reps, 4096)),
+                                 ("profile", lambda: logit_profile(eng, cfg, prompt_a))),
               a.routing, dumper(res, a.json))
 
     log("\n| kind | step ms | commit ms eager / graphed | tok/s eager / graphed | ms/forward eager / graphed "

@@ -20,12 +20,16 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
               the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
               others generate, at most --chunk): their p50 / p99 and both ratios. Unless --tiny, the same script
               runs first on other ids, so that no graph capture lands in the measured pass.
+Per fixture (--fixtures; bench/fixtures.py; full size only, --tiny runs the demo's real weights): the flat fixture's
+numbers at the top of the JSON as before, the peaked one's under "peaked", each with the fixture's logit profile
+(median row entropy, SC survivors per row).
 JSON (--json) holds every number; a short table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import socket
@@ -38,6 +42,7 @@ import httpx
 import torch
 
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
+from bench.runner import fixture_list
 
 TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, busy=64, batch=8, passes=1)
 FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, busy=256, batch=8, passes=2)
@@ -232,7 +237,7 @@ def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> 
     return out
 
 
-def build(a):
+def build(a, fixture: str = "flat"):
     from diffgemma.loader import embedded_model_path
     from diffgemma.tokenizer import load_tokenizer
 
@@ -246,7 +251,7 @@ def build(a):
     from diffgemma.config import ModelConfig
 
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
-    model = build_engine_kind(a.kind, cfg, torch.device("cuda"), False)
+    model = build_engine_kind(a.kind if fixture == "flat" else f"{a.kind}-{fixture}", cfg, torch.device("cuda"), False)
     return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
 
 
@@ -264,34 +269,53 @@ def main():
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES (full size)")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    t = time.time()
-    model, tokenizer = build(a)
-    cap = getattr(model, "max_batch", 1)
-    if cap is not None and a.batch > cap:
-        log(f"note: this model's forward takes at most {cap} canvas(es); --batch {a.batch} -> {cap}")
-        a.batch = cap
-    log(f"model built in {time.time() - t:.1f}s ({type(model).__name__}, max_batch {cap})")
-    C = model.config.canvas_length
-    settings = fixed_steps(C, -(-a.reply // C)).replace(max_denoising_steps=a.steps, max_new_tokens=a.reply)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)] for _ in range(a.clients)]
+    fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
                  "model": "demo" if a.tiny else a.kind, "routing": a.routing, "clients": a.clients,
-                 "prompt": a.prompt, "reply": a.reply, "steps": a.steps, "canvas": C}
+                 "prompt": a.prompt, "reply": a.reply, "steps": a.steps}
 
     def dump():
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
 
+    for fixture in fixtures:
+        r = res if fixture == "flat" else res.setdefault(fixture, {})
+        measure(a, fixture, r, dump)
+        log(f"\n[{fixture}]")
+        summary(r)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure(a, fixture: str, res: dict, dump) -> None:
+    """One fixture's model: its logit profile, then the sections, into `res`."""
+    t = time.time()
+    model, tokenizer = build(a, fixture)
+    cap = getattr(model, "max_batch", 1)
+    if cap is not None and a.batch > cap:
+        log(f"note: this model's forward takes at most {cap} canvas(es); --batch {a.batch} -> {cap}")
+        a.batch = cap
+    log(f"model built in {time.time() - t:.1f}s ({type(model).__name__}, max_batch {cap}, fixture {fixture})")
+    C = model.config.canvas_length
+    res["canvas"] = C
+    settings = fixed_steps(C, -(-a.reply // C)).replace(max_denoising_steps=a.steps, max_new_tokens=a.reply)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)] for _ in range(a.clients)]
+
     from contextlib import nullcontext
 
     from bench.balanced_routing import routing
+    from bench.fixtures import logit_profile
 
     with nullcontext() if a.tiny else routing(a.routing):
+        if not a.tiny:
+            res["profile"] = logit_profile(model, model.config, a.prompt)
         if "throughput" in a.sections:
             res["serial"] = throughput(model, tokenizer, settings, a, prompts, 1)
             dump()
@@ -302,7 +326,9 @@ def main():
             res["prefill"] = prefill_interference(model, tokenizer, settings, a, rng, a.batch)
             dump()
 
-    log("\n| run | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|")
+
+def summary(res: dict) -> None:
+    log("| run | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|")
     for run in ("serial", "batched"):
         r = res.get(run)
         if r:

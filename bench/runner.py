@@ -18,7 +18,7 @@ import torch
 
 from bench.balanced_routing import routing
 from bench.bench_engine import CANVAS, TEXT
-from bench.fixtures import RandomPackSource, RandomSource
+from bench.fixtures import FIXTURES, RandomPackSource, RandomSource
 from diffgemma.config import ModelConfig
 from diffgemma.loader import embedded_model_path
 from diffgemma.model.engine import build_engine
@@ -45,13 +45,31 @@ def shapes(tiny: bool) -> tuple[ModelConfig, torch.device]:
     return ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas}), dev
 
 
+def fixture_list(text: str) -> list[str]:
+    """A --fixtures comma list, checked against bench/fixtures.py's FIXTURES."""
+    fixtures = [f for f in text.split(",") if f]
+    bad = [f for f in fixtures if f not in FIXTURES]
+    if bad or not fixtures:
+        raise ValueError(f"fixtures {fixtures}: expected a comma list of {FIXTURES}")
+    return fixtures
+
+
+def with_fixtures(kinds, fixtures: str) -> list[str]:
+    """The kinds to run per fixture (bench/fixtures.py): "q4" for the flat fixture (the name the results always had),
+    "q4-peaked" for the peaked one."""
+    return [k if f == "flat" else f"{k}-{f}" for f in fixture_list(fixtures) for k in kinds]
+
+
 def build(kind, cfg, dev, tiny):
-    """An engine of random weights: "q4" (q4 experts, q8 SC MLP) or "bf16"; f32 with an f32 KV cache when tiny."""
+    """An engine of random weights: "q4" (q4 experts, q8 SC MLP) or "bf16", with "-peaked" the peaked fixture
+    (bench/fixtures.py); f32 with an f32 KV cache when tiny."""
     dtype = torch.float32 if tiny else torch.bfloat16
+    kind, _, fixture = kind.partition("-")
+    fixture = fixture or "flat"
     if kind == "q4":
-        src = RandomPackSource(cfg, dev, dtype, seed=0, experts="q4", sc="q8")
+        src = RandomPackSource(cfg, dev, dtype, seed=0, experts="q4", sc="q8", fixture=fixture)
     else:
-        src = RandomSource(cfg, dev, dtype, seed=0)
+        src = RandomSource(cfg, dev, dtype, seed=0, fixture=fixture)
     return build_engine(cfg, src, dev, dtype, **({"kv_dtype": torch.float32} if tiny else {}))
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, interpreting, use_triton
+from .lane_temps import LaneTemps
 from .rows_at import kernel_args
 
 if HAVE_TRITON:
@@ -198,6 +199,24 @@ def tempered_table(cap: float, temp: float, raw: torch.Tensor) -> torch.Tensor:
     return kept[1]
 
 
+def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor:
+    """f32 [B, 65536]: row b = softcap_table(cap, raw) / lanes.temps_dev[b] (lanes in row order), each entry the bits
+    tempered_table(cap, that temperature, raw) has (the same correctly rounded division), in one launch. Kept on
+    `lanes` per (cap, dtype, device): a step's passes over its lanes build them once."""
+    key = _table_key(cap, raw)
+    out = lanes.tables.get(key)
+    if out is None:
+        table = softcap_table(cap, raw)
+        if key[3]:
+            out = torch.empty(len(lanes), table.numel(), dtype=torch.float32, device=table.device)
+            _lane_tables_kernel[(table.numel() // 1024, len(lanes))](table, out, lanes.temps_dev, BLOCK=1024,
+                                                                      num_warps=4)
+        else:
+            out = table[None, :] / lanes.temps_dev[:, None]
+        lanes.tables[key] = out
+    return out
+
+
 def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
     """softcap(raw, cap) through the table, for a few values (a gather's): f32, raw's shape."""
     table = softcap_table(cap, raw)
@@ -205,8 +224,11 @@ def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def _tempered_ref(logits, temp, cap):
-    """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw)."""
+    """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw).
+    temp: a number, or a LaneTemps (each row divided by its lane's temperature: the same quotients)."""
     x = logits if cap is None else softcap_ref(logits, cap)
+    if isinstance(temp, LaneTemps):
+        return x.float() / temp.row_temps()[:, None]
     return x.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
 
 
@@ -216,12 +238,24 @@ def _row_counts(counts: torch.Tensor) -> torch.Tensor:
 
 
 def tempered_rowstats_ref(logits, temp, cap=None):
-    """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp."""
+    """-> (entropy [R] f32, argmax [R] int64, rowmax [R] f32, lse [R] f32) of z = logits / temp. With a LaneTemps
+    each lane's rows are reduced on their own, as that lane alone would be."""
+    if isinstance(temp, LaneTemps) and len(temp) > 1:
+        parts = [tempered_rowstats_ref(logits[sl], t, cap) for t, sl in zip(temp.temps, temp.spans())]
+        return tuple(_scatter_rows([p[k] for p in parts], temp) for k in range(4))
     z = _tempered_ref(logits, temp, cap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(torch.exp(logp) * logp).sum(-1)
     return entropy, z.argmax(-1), z.max(-1).values, lse
+
+
+def _scatter_rows(parts: list, lanes: LaneTemps) -> torch.Tensor:
+    """Per-lane results [C_i] placed at their lanes' rows of an [R] result (rows in no lane: 0)."""
+    out = parts[0].new_zeros(lanes.rows)
+    for p, sl in zip(parts, lanes.spans()):
+        out[sl] = p
+    return out
 
 
 def tempered_survivors_ref(logits, temp, thr, cap=None):
@@ -237,6 +271,22 @@ if HAVE_TRITON:
     def _tempered_table_kernel(t_ptr, z_ptr, temp, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(z_ptr + i, tl.math.div_rn(tl.load(t_ptr + i), temp))
+
+    @triton.jit
+    def _lane_tables_kernel(t_ptr, z_ptr, temps_ptr, BLOCK: tl.constexpr):
+        """Table row b = the softcap table divided by lane b's temperature (each entry as _tempered_table_kernel's)."""
+        lane = tl.program_id(1).to(tl.int64)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(z_ptr + lane * 65536 + i, tl.math.div_rn(tl.load(t_ptr + i), tl.load(temps_ptr + lane)))
+
+    @triton.jit
+    def _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES: tl.constexpr):
+        """(temp, table) of `row`: the pass's own (LANES off), else its lane's (ops/lane_temps.py) temperature and
+        tempered table (row lane of the [B, 65536] tables)."""
+        if LANES:
+            lane = tl.load(lane_ptr + row).to(tl.int64)
+            return tl.load(temps_ptr + lane), table_ptr + lane * 65536
+        return temp, table_ptr
 
     @triton.jit
     def _z(ptrs, mask, table_ptr, temp, TABLE: tl.constexpr, DIV: tl.constexpr, WHOLE: tl.constexpr = False):
@@ -259,11 +309,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, table_ptr,
-                                  BLOCK: tl.constexpr, LANE: tl.constexpr, ADDR: tl.constexpr, TABLE: tl.constexpr,
-                                  DIV: tl.constexpr, EVEN: tl.constexpr):
+                                  lane_ptr, temps_ptr, BLOCK: tl.constexpr, LANE: tl.constexpr, ADDR: tl.constexpr,
+                                  TABLE: tl.constexpr, DIV: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
         the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z.
-        EVEN: every segment is whole (no masks).
+        EVEN: every segment is whole (no masks). LANES: the row's temperature and table are its lane's (_lane).
 
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
@@ -274,6 +324,7 @@ if HAVE_TRITON:
         else:
             xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
+        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -345,9 +396,11 @@ if HAVE_TRITON:
         tl.store(lse_ptr + row, top + tl.log(s_all))
 
     @triton.jit
-    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, table_ptr,
-                                   BLOCK: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr):
+    def _tempered_survivors_kernel(x_ptr, thr_ptr, mask_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr,
+                                   temps_ptr, BLOCK: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr,
+                                   LANES: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -364,15 +417,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tempered_masked_probs_kernel(x_ptr, xoff_ptr, thr_ptr, lse_ptr, out_ptr, count_ptr, n_cols, span, temp,
-                                      table_ptr, BLOCK: tl.constexpr, COUNT: tl.constexpr, ADDR: tl.constexpr,
-                                      TABLE: tl.constexpr, DIV: tl.constexpr):
+                                      table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
+                                      ADDR: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr, LANES: tl.constexpr):
         """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them. ADDR: the
-        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z."""
+        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z. LANES: _lane."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
             xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
+        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -395,10 +449,18 @@ if HAVE_TRITON:
 
 def _z_args(logits, cap, temp) -> dict:
     """What a pass reads and how it forms z (_z): f32 logits (a tensor or a RowsAt) with their own buffer as an unread
-    placeholder table, or raw logits' bits as int16 and their tempered table."""
+    placeholder table, or raw logits' bits as int16 and their tempered table. temp: a number, or a LaneTemps (a
+    temperature per lane of rows, and one table per lane: row lane of lane_tables)."""
+    lanes = isinstance(temp, LaneTemps)
+    if lanes and temp.rows != logits.shape[0]:
+        raise TensorError(f"tempered rows: LaneTemps covers {temp.rows} rows, the logits have {logits.shape[0]}")
+    placeholder = kernel_args(logits)[0]
+    args = dict(lane=temp.row_lane if lanes else placeholder, temps=temp.temps_dev if lanes else placeholder,
+                LANES=lanes, temp=1.0 if lanes else float(temp))
     if cap is None:
-        return dict(x=logits, table=kernel_args(logits)[0], TABLE=False, DIV=float(temp) != 1.0)
-    return dict(x=logits.view(torch.int16), table=tempered_table(cap, temp, logits), TABLE=True, DIV=False)
+        return dict(args, x=logits, table=placeholder, TABLE=False, DIV=lanes or float(temp) != 1.0)
+    table = lane_tables(cap, temp, logits) if lanes else tempered_table(cap, temp, logits)
+    return dict(args, x=logits.view(torch.int16), table=table, TABLE=True, DIV=False)
 
 
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None):
@@ -412,9 +474,9 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     # 4 warps, lanes of 8: 71.6 µs at [256, 262144] on the H200 (8 warps as fast, 2 slower, lanes of 4 or 16 and
     # blocks of 1024 or 4096 within 4 %)
-    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, float(temp), za["table"], BLOCK=block,
-                                             LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"],
-                                             EVEN=n % span == 0, num_warps=num_warps)
+    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, za["temp"], za["table"], za["lane"],
+                                             za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"],
+                                             DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"], num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -432,8 +494,9 @@ def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, ou
     n_seg, span = _segments(n, block, segment)
     mask = _out_buffer(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
-    _tempered_survivors_kernel[(rows, n_seg)](za["x"], thr.float().contiguous(), mask, counts, n, span, float(temp),
-                                              za["table"], BLOCK=block, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
+    _tempered_survivors_kernel[(rows, n_seg)](za["x"], thr.float().contiguous(), mask, counts, n, span, za["temp"],
+                                              za["table"], za["lane"], za["temps"], BLOCK=block, TABLE=za["TABLE"],
+                                              DIV=za["DIV"], LANES=za["LANES"], num_warps=8)
     return mask.view(torch.bool), _row_counts(counts)
 
 
@@ -470,8 +533,9 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     out = _out_buffer(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
-                                                 counts, n, span, float(temp), za["table"], BLOCK=block, COUNT=count,
-                                                 ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"], num_warps=8)
+                                                 counts, n, span, za["temp"], za["table"], za["lane"], za["temps"],
+                                                 BLOCK=block, COUNT=count, ADDR=addr, TABLE=za["TABLE"], DIV=za["DIV"],
+                                                 LANES=za["LANES"], num_warps=8)
     if not count:
         return out
     return out, _row_counts(counts)

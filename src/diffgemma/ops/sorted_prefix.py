@@ -8,6 +8,10 @@ CUDA radix sort is), and i's prefix is the sum of the h_j before it. That sum is
 twin's scan minus h_i, so the two round differently: they can disagree only where a prefix lies within
 rounding of the bound. Frozen positions sort last as +inf (the twin's trick), and are accepted; a NaN
 entropy is never accepted (the twin's prefix is NaN there).
+
+Lanes (`sorted_prefix_lanes_triton`): one program per lane of a batch, each over its own entropies in one [R]
+tensor with its own bound; a lane's program is the one-lane kernel's with the same BLOCK and JB, so its mask is the
+bits that lane gets alone.
 """
 
 from __future__ import annotations
@@ -29,8 +33,16 @@ if HAVE_TRITON:
         return h
 
     @triton.jit
-    def _sorted_prefix_kernel(h_ptr, frozen_ptr, out_ptr, bound, C, HAS_FROZEN: tl.constexpr, BLOCK: tl.constexpr,
-                              JB: tl.constexpr):
+    def _sorted_prefix_kernel(h_ptr, frozen_ptr, out_ptr, bound, C, lanes_ptr, HAS_FROZEN: tl.constexpr,
+                              BLOCK: tl.constexpr, JB: tl.constexpr, LANES: tl.constexpr):
+        """LANES: program p is lane p, whose (first index, length, bound bits) are lanes_ptr[3p .. 3p + 2] (int32)."""
+        if LANES:
+            at = tl.program_id(0) * 3
+            first = tl.load(lanes_ptr + at).to(tl.int64)
+            C = tl.load(lanes_ptr + at + 1)
+            bound = tl.load(lanes_ptr + at + 2).to(tl.float32, bitcast=True)
+            h_ptr += first
+            out_ptr += first
         i = tl.arange(0, BLOCK)
         h = _entropies(h_ptr, frozen_ptr, i, C, HAS_FROZEN)
         prefix = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -50,7 +62,24 @@ def sorted_prefix_triton(entropy: torch.Tensor, bound: float, frozen: torch.Tens
     C = entropy.shape[0]
     out = torch.empty(C, dtype=torch.int8, device=entropy.device)
     h = entropy.contiguous()
-    _sorted_prefix_kernel[(1,)](h, frozen.contiguous() if frozen is not None else h, out, float(bound), C,
+    _sorted_prefix_kernel[(1,)](h, frozen.contiguous() if frozen is not None else h, out, float(bound), C, out,
                                 HAS_FROZEN=frozen is not None, BLOCK=next_pow2(C), JB=min(32, next_pow2(C)),
-                                num_warps=8)
+                                LANES=False, num_warps=8)
+    return out.view(torch.bool)
+
+
+def lanes_table(starts, lengths, bounds) -> torch.Tensor:
+    """int32 [B, 3] on the host: each lane's (first index, length, bound as f32 bits) for sorted_prefix_lanes_triton."""
+    bits = torch.tensor([float(b) for b in bounds], dtype=torch.float32).view(torch.int32)
+    return torch.stack([torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32), bits], 1)
+
+
+def sorted_prefix_lanes_triton(entropy: torch.Tensor, lanes: torch.Tensor, block: int) -> torch.Tensor:
+    """Int8 [R] (bool view): lane b's accepted positions at its indices, for entropies [R] and `lanes` (lanes_table's
+    [B, 3], on the device). block: next_pow2 of every lane's length (the one-lane kernel's BLOCK for each); indices in
+    no lane are left unwritten."""
+    out = torch.empty(entropy.shape[0], dtype=torch.int8, device=entropy.device)
+    h = entropy.contiguous()
+    _sorted_prefix_kernel[(lanes.shape[0],)](h, h, out, 0.0, 0, lanes, HAS_FROZEN=False, BLOCK=block,
+                                             JB=min(32, block), LANES=True, num_warps=8)
     return out.view(torch.bool)

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..errors import TensorError
+from ..ops.rowstats import softcap_lookup, tempered_counted_probs, tempered_masked_probs, tempered_survivors
 from ..ops import sc_gather
+from ..ops.lane_temps import host_to_device
 from ..ops.sc_gather import segment_embed
 
 
@@ -64,6 +66,40 @@ def sparse_error_bound(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: 
     probs = torch.softmax(logits, dim=-1)
     tail = (probs * (~survivors(logits, log_ratio))).sum(dim=-1)
     return float(tail.max()) * scale * float(embedding.abs().max())
+
+
+class _SharedPasses:
+    """A SparsePlan.batch's passes over all lanes' rows: the stats' LaneRows, thresholds, survivor mask (or None),
+    row counts; each plan's are views of them."""
+
+    def __init__(self, shared, thr, mask, counts):
+        self.shared, self.thr, self.mask, self.counts = shared, thr, mask, counts
+
+
+def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
+    """StepStats.softcapped for values gathered out of a LaneRows' rows."""
+    return values if shared.cap is None else softcap_lookup(values, shared.cap)
+
+
+def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
+    """rowmax - log_ratio of each row's lane (a lane's rows: rowmax[sl] - its ratio, as its solo plan subtracts)."""
+    if len(set(log_ratios)) == 1:
+        return rowmax - log_ratios[0]
+    thr = torch.zeros_like(rowmax)
+    for sl, r in zip(spans, log_ratios):
+        torch.sub(rowmax[sl], r, out=thr[sl])
+    return thr
+
+
+def _gather_rows(group, row_counts: torch.Tensor, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+    """The survivors' soft embedding of every row of a batch's passes, [R, H] (SparsePlan._gather over all lanes'
+    rows at once): the `n` survivors the group's mask lists, weighted with each row's lane temperature."""
+    shared = group.shared
+    rows, cols = torch.nonzero_static(group.mask, size=n).unbind(1)
+    z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
+    weights = torch.exp(z - shared.fields[3][rows])
+    step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
+    return (segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
 
 
 class SparsePlan:
@@ -118,6 +154,107 @@ class SparsePlan:
             self.mask = survivors(self._z, log_ratio)
             self.row_counts = self.mask.sum(-1)
         self._count = None
+        self.shared = None  # set by `batch`: the plans of one batch share their passes' results
+
+    @classmethod
+    def batch(cls, stats: list, log_ratios, dense_dtypes=None) -> list["SparsePlan"]:
+        """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
+        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are all the lanes of one
+        StepStats.batch (fused): when every lane bets on the dense product in one dtype, one counted-probability pass
+        over all lanes' rows; else one survivor pass over all rows serves the lanes that bet on the gather (the
+        others' rows are read too, unused) and a lane that bets dense makes its own plan. Otherwise lane by lane.
+
+        Exactness: each plan's mask, row counts, count, bet probabilities and soft embedding have the bits of the solo
+        plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts), and
+        z is read with the lane's temperature (ops/lane_temps.py)."""
+        B = len(stats)
+        log_ratios = [float(r) for r in log_ratios]
+        dense_dtypes = list(dense_dtypes) if dense_dtypes is not None else [None] * B
+        if not (len(log_ratios) == len(dense_dtypes) == B):
+            raise TensorError(f"SparsePlan.batch: expected one log ratio and one dense dtype per lane, got "
+                              f"{len(log_ratios)} / {len(dense_dtypes)} for {B} lanes")
+        shared = stats[0].shared if B else None
+        all_dense = len(set(dense_dtypes)) == 1 and dense_dtypes[0] is not None
+        if (shared is None or len(shared.lanes) != B or any(s.shared is not shared or not s.fused for s in stats)
+                or [s.logits.shape[0] for s in stats] != shared.lanes.lengths
+                or (not all_dense and sum(d is None for d in dense_dtypes) < 2)):
+            return [cls(s, r, dense_dtype=d) for s, r, d in zip(stats, log_ratios, dense_dtypes)]
+        spans = shared.lanes.spans()
+        thr = _thresholds(shared.fields[2], spans, log_ratios)
+        mask = probs = None
+        if all_dense:
+            probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, shared.fields[3], dense_dtypes[0],
+                                                   cap=shared.cap)
+        else:
+            mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
+        group = _SharedPasses(shared, thr, mask, counts)
+        plans = []
+        for i, (s, r, d, sl) in enumerate(zip(stats, log_ratios, dense_dtypes, spans)):
+            if d is not None and not all_dense:
+                plans.append(cls(s, r, dense_dtype=d))
+                continue
+            p = cls.__new__(cls)
+            p.lane = i  # its lane in the stats' LaneTemps
+            p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
+            p.product = p.product_is_dense = p.took_dense = p._count = None
+            p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
+            p.mask = None if mask is None else mask[sl]
+            p.probs = None if probs is None else probs[sl]
+            p.shared = group
+            plans.append(p)
+        return plans
+
+    @staticmethod
+    def counts_batch(plans: list) -> torch.Tensor:
+        """int64 [B] on the device: torch.stack([p.count for p in plans]), the same numbers (integer sums). For the
+        plans of one SparsePlan.batch over lanes of one length and no gap rows, one sum over all rows (each plan's
+        count is then its entry); otherwise lane by lane."""
+        group = plans[0].shared if plans else None
+        lanes = group.shared.lanes if group is not None else None
+        if (group is None or len(plans) != len(lanes) or any(p.shared is not group for p in plans)
+                or not group.shared.whole or len(set(lanes.lengths)) != 1):
+            return torch.stack([p.count for p in plans])
+        C = lanes.lengths[0]
+        sums = group.counts.view(len(lanes), C).sum(1, dtype=torch.int64)  # the lanes' blocks in row order
+        blocks = [lanes.starts[p.lane] // C for p in plans]
+        if blocks != list(range(len(plans))):
+            sums = sums[host_to_device(torch.tensor(blocks), sums.device)]
+        for p, n in zip(plans, sums.unbind()):
+            p._count = n
+        return sums
+
+    @staticmethod
+    def soft_embed_batch(plans: list, counts, embedding: torch.Tensor, scale: float) -> list[torch.Tensor]:
+        """[p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)], the same bits. The plans of one
+        SparsePlan.batch (over rows that are all some lane's) whose count takes the gather are summed by one gather
+        (ops/sc_gather.py sums each row's survivors on their own, in index order; the other lanes' rows are left out
+        of it); every other plan makes its own."""
+        counts = [int(n) for n in counts]
+        hidden = embedding.shape[1]
+        group = next((p.shared for p in plans if p.shared is not None), None)
+        gather = [] if group is None or not group.shared.whole or group.mask is None else [
+            k for k, (p, n) in enumerate(zip(plans, counts))
+            if p.shared is group and p.mask is not None and p.product is None and not p.takes_dense(n, hidden)]
+        out = [None if k in gather else p.soft_embed(n, embedding, scale)
+               for k, (p, n) in enumerate(zip(plans, counts))]
+        if len(gather) < 2:  # nothing to share
+            return [o if o is not None else plans[k].soft_embed(counts[k], embedding, scale) for k, o in enumerate(out)]
+        lanes = group.shared.lanes
+        spans = lanes.spans()
+        row_counts = group.counts
+        left_out = set(range(len(lanes))) - {plans[k].lane for k in gather}
+        if left_out:  # their rows' survivors stay out of the list and the sums (the mask is the group's last use)
+            row_counts = row_counts.clone()
+            for j in left_out:
+                group.mask[spans[j]] = False
+                row_counts[spans[j]] = 0
+        summed = _gather_rows(group, row_counts, sum(counts[k] for k in gather), embedding, scale)
+        for k in gather:
+            p = plans[k]
+            p.took_dense, p.mask, p.probs = False, None, None
+            out[k] = summed[spans[p.lane]]
+        group.mask = None
+        return out
 
     @property
     def count(self) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TensorError
+from ..ops.lane_temps import LaneTemps, shared_rows
 from ..ops.rowstats import softcap, softcap_lookup, tempered_rowstats, use_triton
 
 
@@ -30,6 +32,16 @@ def max_prob(logits: torch.Tensor) -> torch.Tensor:
     return torch.exp(logits.max(dim=-1).values - logits.logsumexp(dim=-1))
 
 
+class LaneRows:
+    """What a batch's StepStats share: `rows` [R, V] (every lane's logits in one tensor, raw while `cap` is set),
+    `lanes` (ops/lane_temps.LaneTemps: which rows are whose, and their temperatures), `fields` (entropy, argmax, rowmax,
+    lse of all R rows; each lane's are views of them). `whole`: every row is some lane's (no gap rows)."""
+
+    def __init__(self, rows: torch.Tensor, lanes: LaneTemps, cap: float | None, fields: tuple):
+        self.rows, self.lanes, self.cap, self.fields = rows, lanes, cap, fields
+        self.whole = sum(lanes.lengths) == rows.shape[0]
+
+
 class StepStats:
     """Row stats of one step's tempered logits z = logits / T, computed once and shared by the accept mask,
     the stop rules, the trim and self-conditioning.
@@ -44,9 +56,26 @@ class StepStats:
     cap: `logits` are the raw ones before the final softcap (the engine's `denoise_raw`). The fused kernels then
     softcap them as they read (ops/rowstats.py; the bits of softcap(logits, cap)), and the step never holds the
     f32 [C, V] logits; the torch path softcaps them here first. `cap` stays set only while `logits` are raw.
+
+    `StepStats.batch` makes every lane's stats of a batched round at once (one launch of the row pass for all lanes);
+    a solo StepStats is the batch of its one lane, so each lane's fields are the bits it has alone.
     """
 
     def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None, cap: float | None = None):
+        self._setup(logits, temp, fused, cap)
+        if self.fused:
+            lanes = LaneTemps.one(temp, self.logits.shape[0], self.logits.device)
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(self.logits, lanes, cap=self.cap)
+        else:
+            z = self.processed
+            self.entropy = entropy(z)
+            self.argmax = z.argmax(dim=-1)
+            self.rowmax = self.lse = None
+
+    def _setup(self, logits: torch.Tensor, temp: float, fused: bool | None, cap: float | None) -> None:
+        """Everything but the row stats: which path, and the logits it reads (softcapped here off the fused path)."""
+        if logits.dim() != 2:
+            raise TensorError(f"StepStats: logits must be [C, V], got {list(logits.shape)}")
         self.temp = temp
         self._temp = None
         self._processed: torch.Tensor | None = None
@@ -56,13 +85,57 @@ class StepStats:
             logits, cap = softcap(logits, cap), None  # the torch path, or raw logits wider than the passes' table
         self.logits, self.cap = logits, cap
         self.fused = fused
-        if fused:
-            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(logits, temp, cap=cap)
-        else:
-            z = self.processed
-            self.entropy = entropy(z)
-            self.argmax = z.argmax(dim=-1)
-            self.rowmax = self.lse = None
+        self.shared: LaneRows | None = None  # set by `batch`: the rows this lane shares with the others
+
+    @classmethod
+    def batch(cls, logits, temps, cap: float | None = None, fused: bool | None = None) -> list["StepStats"]:
+        """Every lane's StepStats of a batched round: lane i's logits are logits[i] (a [B, C, V] tensor, or a list of
+        B [C_i, V] tensors of one V, dtype and device, e.g. the views a batched forward returns) at temperature
+        temps[i]; cap as for one lane (the same for all: the model's).
+
+        Exactness: every field of lane i (entropy, argmax, rowmax, lse, and what is derived from them: processed,
+        max_prob, softcapped) has the bits of StepStats(logits[i], temps[i], fused, cap). On the fused path one
+        launch of each row kernel serves all lanes (ops/lane_temps.py: the row pass with a temperature per lane, its
+        programs one (row, segment) each, the same as a lane alone) when the lanes are disjoint row blocks of one
+        buffer (a batched forward's output), read in place; other lanes, and the torch path, go lane by lane. The
+        lanes' row stats are then views of one [R] result per field."""
+        lanes = list(logits.unbind(0)) if isinstance(logits, torch.Tensor) and logits.dim() == 3 else list(logits)
+        temps = [float(t) for t in temps]
+        if not lanes or len(temps) != len(lanes):
+            raise TensorError(f"StepStats.batch: expected one temperature per lane, got {len(temps)} for "
+                              f"{len(lanes)} lanes")
+        if any(x.dim() != 2 for x in lanes):
+            raise TensorError("StepStats.batch: logits must be [B, C, V] or a list of [C, V] tensors, got "
+                              + ", ".join(str(list(x.shape)) for x in lanes))
+        out = [cls.__new__(cls) for _ in lanes]
+        for s, x, t in zip(out, lanes, temps):
+            s._setup(x, t, fused, cap)
+        one = shared_rows([s.logits for s in out]) if all(s.fused for s in out) and len({s.cap for s in out}) == 1 \
+            else None
+        if one is None:
+            return [cls(x, t, fused=fused, cap=cap) for x, t in zip(lanes, temps)]
+        rows, starts = one
+        lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
+        shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))
+        for s, sl in zip(out, lane_temps.spans()):
+            s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in shared.fields)
+            s.shared = shared
+        return out
+
+    @staticmethod
+    def processed_batch(stats: list["StepStats"]) -> list[torch.Tensor]:
+        """[s.processed for s in stats] (lanes that sample, or self-condition exactly, read it), the same bits: where
+        `stats` are all the lanes of one StepStats.batch, one softcap (raw logits) and one division by each row's
+        lane temperature over their shared rows (elementwise: each value is the one its lane alone makes)."""
+        shared = stats[0].shared if stats else None
+        if (shared is None or len(stats) != len(shared.lanes) or any(s.shared is not shared for s in stats)
+                or any(s._processed is not None for s in stats)):
+            return [s.processed for s in stats]
+        rows = shared.rows if shared.cap is None else softcap(shared.rows, shared.cap)
+        z = rows / shared.lanes.row_temps()[:, None]
+        for s, sl in zip(stats, shared.lanes.spans()):
+            s._processed = z[sl]
+        return [s.processed for s in stats]
 
     def temp_tensor(self) -> torch.Tensor:
         """T as an f32 device scalar (a fill, not a copy), made when a division by it is first asked for (on the
