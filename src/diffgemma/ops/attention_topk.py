@@ -1,0 +1,184 @@
+"""Top-k sparse attention for the full-attention layers (a generation setting, off by default: it changes tokens).
+
+Each query row attends only to its k highest-scoring visible keys, k from the number of keys that row may see:
+    k = clamp(n_visible // divisor, min_keys, max_keys)                       (TopKRule.keys)
+Selection is exact top-k by score (the f32 score q·k, scale 1), ties at the k-th score going to the lower key
+index; the softmax runs over the selected set only. A row whose k covers all its visible keys is dense attention
+(the same mask, so the twin gives attention_ref's bits). docs/ARCHITECTURE.md ('Generation contract', 'Attention').
+
+Shapes are ops/attention.py's: q [H, n, d] head-major, k/v [KV, rows, d] (the first n_keys rows read), GQA folded.
+Masks: causal (prefill) with kpos/qpos (full layers: no window), or the bidirectional canvas with kpos None and
+`nlive` (a device scalar: keys below it are visible).
+
+  topk_mask             the selection as a boolean mask over a score matrix (both twins, the reference model)
+  attention_topk_ref    f32 twin: the dense scores per query block, masked to the selection (tests, CPU)
+  attention_topk_gather the GPU form: scores by GEMM per block of query rows, torch.topk's candidates, the ties
+                        at the threshold ordered by key index among the candidates, a softmax over the selected
+                        candidates and their V rows gathered; the twin elsewhere. It equals the twin's selection
+                        whenever every key tied at a row's k-th score is among its max_keys candidates (always,
+                        unless more than max_keys - k + 1 keys share that exact score).
+  attention_topk        dispatch: the gather form on CUDA, the twin elsewhere
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class TopKRule:
+    """k = clamp(n_visible // divisor, min_keys, max_keys) keys per query row."""
+    divisor: int = 128
+    min_keys: int = 64
+    max_keys: int = 512
+
+    def __post_init__(self):
+        for name in ("divisor", "min_keys", "max_keys"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"TopKRule.{name}: expected a positive integer, got {v!r}")
+        if self.min_keys > self.max_keys:
+            raise InputError(f"TopKRule: min_keys {self.min_keys} exceeds max_keys {self.max_keys}")
+
+    def keys(self, n_visible: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(torch.div(n_visible, self.divisor, rounding_mode="floor"), self.min_keys, self.max_keys)
+
+    @classmethod
+    def from_settings(cls, s) -> "TopKRule | None":
+        """The rule a GenerationSettings asks for (its topk_* fields), or None (dense) when topk_attention is off."""
+        if not getattr(s, "topk_attention", False):
+            return None
+        return cls(s.topk_divisor, s.topk_min, s.topk_max)
+
+
+def cache_rule(cache) -> TopKRule | None:
+    """The rule a KV cache's forwards use on the full layers: its `attention_topk` (None, the default: dense)."""
+    return getattr(cache, "attention_topk", None)
+
+
+def topk_mask(scores: torch.Tensor, visible: torch.Tensor, rule: TopKRule) -> torch.Tensor:
+    """scores [..., rows, keys] (f32), visible (bool, broadcastable) -> bool mask of each row's selected keys:
+    every visible key where k >= the row's visible count, else the k largest scores, ties by lower key index."""
+    visible = visible.expand_as(scores)
+    s = scores.masked_fill(~visible, float("-inf"))
+    n_vis = visible.sum(-1, keepdim=True)
+    kk = rule.keys(n_vis)
+    kmax = min(rule.max_keys, s.shape[-1])
+    vals = s.topk(kmax, dim=-1, sorted=True).values
+    thr = vals.gather(-1, (kk - 1).clamp(0, kmax - 1))
+    above = s > thr
+    need = kk - above.sum(-1, keepdim=True)
+    tie = (s == thr) & visible
+    take = above | (tie & (tie.cumsum(-1) <= need))
+    return visible & (take | (kk >= n_vis))
+
+
+def _visible(kpos, n_keys, qpos, causal, nlive, device, rows_pos=None):
+    keys = torch.arange(n_keys, device=device)
+    if causal:
+        kp = kpos[:n_keys].long()[None, :]
+        return (kp >= 0) & (kp <= rows_pos.long()[:, None])
+    if kpos is not None:
+        return (kpos[:n_keys] >= 0)[None, :]
+    if nlive is None:
+        return torch.ones(1, n_keys, dtype=torch.bool, device=device)
+    return (keys < nlive)[None, :]
+
+
+def _check(q, k, kpos, qpos, causal, rule):
+    if not isinstance(rule, TopKRule):
+        raise InputError(f"attention_topk: rule must be a TopKRule, got {type(rule).__name__}")
+    if causal and (kpos is None or qpos is None):
+        raise InputError("attention_topk: a causal call needs kpos and qpos")
+    if q.shape[0] % k.shape[0]:
+        raise InputError(f"attention_topk: {q.shape[0]} query heads are not a multiple of {k.shape[0]} KV heads")
+
+
+def attention_topk_ref(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
+                       q_block: int = 1024, **_):
+    """-> [n, H·d]: attention_ref's math with each row's mask narrowed to its top-k selection (topk_mask)."""
+    _check(q, k, kpos, qpos, causal, rule)
+    H, n, d = q.shape
+    KV = k.shape[0]
+    kf = k[:, :n_keys].float().repeat_interleave(H // KV, 0)
+    vf = v[:, :n_keys].float()
+    if kpos is not None:
+        vf = vf.masked_fill((kpos[:n_keys] < 0)[None, :, None], 0.0)
+    vf = vf.repeat_interleave(H // KV, 0)
+    out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
+    for s in range(0, n, q_block):
+        qb = q[:, s: s + q_block].float()
+        m = _visible(kpos, n_keys, qpos, causal, nlive, q.device, None if qpos is None else qpos[s: s + q_block])
+        sc = qb @ kf.transpose(1, 2)
+        m = topk_mask(sc, m[None], rule)
+        sc = sc.masked_fill(~m, float("-inf"))
+        o = torch.softmax(sc, -1) @ vf
+        out[s: s + q_block] = o.transpose(0, 1).reshape(-1, H * d).to(out.dtype)
+    return out
+
+
+def _scores(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+    """f32 scores [KV, rows, keys] from half-precision operands (f32 accumulation, f32 output)."""
+    try:
+        return torch.bmm(qb, kb.transpose(1, 2), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.bmm(qb.float(), kb.float().transpose(1, 2))
+
+
+def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
+    """Folded query rows per block: the [rows, keys] f32 scores and the [rows, kmax, d] gathered V in budget elements."""
+    return max(1, min(budget // max(n_keys, 1), budget // (2 * kmax * d)))
+
+
+def attention_topk(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
+                   q_start: int | None = None, **_):
+    """-> [n, H·d]: the gather form on CUDA, the twin elsewhere."""
+    fn = attention_topk_gather if q.is_cuda else attention_topk_ref
+    return fn(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype, nlive=nlive,
+              q_start=q_start)
+
+
+def attention_topk_gather(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None,
+                          nlive=None, q_start: int | None = None, **_):
+    """The gather form (module docstring), any device. q_start (causal): query row i is at position q_start + i and
+    key row p holds position p (the full layers' prefill), so a block of queries reads only the keys up to its last
+    position."""
+    _check(q, k, kpos, qpos, causal, rule)
+    H, n, d = q.shape
+    KV = k.shape[0]
+    G = H // KV
+    out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
+    qg = q.view(KV, G, n, d).to(k.dtype)
+    kmax_all = min(rule.max_keys, n_keys)
+    b = max(1, _block_rows(n_keys, kmax_all, d) // G)
+    for s in range(0, n, b):
+        e = min(n, s + b)
+        nk = n_keys if not (causal and q_start is not None) else min(n_keys, q_start + e)
+        kmax = min(rule.max_keys, nk)
+        qb = qg[:, :, s:e].reshape(KV, G * (e - s), d)
+        sc = _scores(qb, k[:, :nk])  # [KV, G·b, nk]
+        vis = _visible(kpos, nk, qpos, causal, nlive, q.device, None if qpos is None else qpos[s:e])
+        if causal:  # [b, nk] per query position -> per folded row (head-major within the KV group)
+            vis = vis.repeat(G, 1)
+        sc.masked_fill_(~vis[None] if vis.dim() == 2 else ~vis, float("-inf"))
+        n_vis = vis.sum(-1, keepdim=True).expand(G * (e - s) if causal else 1, 1)
+        kk = rule.keys(n_vis)[None]  # [1, rows or 1, 1]
+        vals, idx = sc.topk(kmax, dim=-1, sorted=True)
+        del sc
+        thr = vals.gather(-1, (kk - 1).clamp(0, kmax - 1).expand(KV, vals.shape[1], 1))
+        order = idx.argsort(-1)  # candidates by key index: ties resolve to the lower index, and a fixed sum order
+        idx, vals = idx.gather(-1, order), vals.gather(-1, order)
+        above = vals > thr
+        tie = vals == thr
+        take = above | (tie & (tie.cumsum(-1) <= kk - above.sum(-1, keepdim=True)))
+        take = (take | (kk >= n_vis[None])) & (vals > float("-inf"))
+        p = torch.softmax(vals.masked_fill(~take, float("-inf")), -1)  # [KV, rows, kmax] f32
+        vg = v[:, :nk][torch.arange(KV, device=q.device)[:, None, None], idx]  # [KV, rows, kmax, d]
+        # P in V's dtype with f32 accumulation, as the flash kernel's P·V
+        o = torch.matmul(p.unsqueeze(2).to(v.dtype), vg).squeeze(2)  # [KV, G·b, d]
+        out.view(n, KV, G, d)[s:e] = o.view(KV, G, e - s, d).permute(2, 0, 1, 3).to(out.dtype)
+    return out
