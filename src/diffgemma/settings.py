@@ -174,6 +174,7 @@ HF_PRESET: dict[str, Any] = {
     "entropy_stop": 0.0,
     "empty_reply_retry": 0,
     "confidence_trim": 0.0,
+    "topk_attention": False,
 }
 
 _FIELD_TYPES: dict[str, str] = {

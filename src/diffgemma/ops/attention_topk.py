@@ -121,12 +121,21 @@ def attention_topk_ref(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=
     return out
 
 
+_OUT_DTYPE: dict = {}  # (device type, dtype) -> whether bmm writes f32 from these operands (out_dtype)
+
+
 def _scores(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    """f32 scores [KV, rows, keys] from half-precision operands (f32 accumulation, f32 output)."""
-    try:
-        return torch.bmm(qb, kb.transpose(1, 2), out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return torch.bmm(qb.float(), kb.float().transpose(1, 2))
+    """f32 scores [KV, rows, keys] from half-precision operands: f32 accumulation and f32 output (bmm's out_dtype
+    where the backend has it, else on f32 copies). Asked once per device type and dtype, outside any capture."""
+    key = (qb.device.type, qb.dtype)
+    if qb.dtype != torch.float32 and _OUT_DTYPE.get(key, True):
+        try:
+            out = torch.bmm(qb, kb.transpose(1, 2), out_dtype=torch.float32)
+            _OUT_DTYPE[key] = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return torch.bmm(qb.float(), kb.float().transpose(1, 2))
 
 
 def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
