@@ -45,7 +45,9 @@ from diffgemma.ops.attention_topk import TopKRule, attention_topk_gather
 
 DEV = "cuda"
 H, KV, D, SKV, SD, WIN, CHUNK = 16, 2, 512, 8, 256, 1024, 8192
-ENDS = (8192, 32768, 65536, 131072, 262144)
+ENDS = (8192, 32768, 65536, 131072, 262144)  # the prefill ladder, and where the kernel chunks end
+STEP_AT, SPARSE_AT, SHORT = (1024, 8192, 131072), (65536, 131072), 1024  # the step; sparse prefill; a short prompt
+PROFILE_CACHED = 57344  # tokens cached before the profiled chunk
 # Causal hd-512 tile configs swept against flash_config's default (BM 64, BN 32, BD 512, 8 warps, 2 stages)
 CONFIGS = {
     "bm64_bn64_s1": dict(BM=64, BN=64, BD=512, num_warps=8, num_stages=1),
@@ -258,10 +260,10 @@ def section_engine(eng, a, kind: str) -> dict:
     """Dense prefill ladder (+ the step at 1k/8k/128k, sparse prefill) on one engine."""
     out = {"prefill": {}, "step": {}, "sparse_prefill": {}}
     V = eng.config.vocab_size
-    c0 = eng.new_cache(8192)
-    eng.prefill(c0, torch.randint(0, V, (8192,), device=DEV))  # compile and warm every prefill kernel
+    c0 = eng.new_cache(ENDS[0])
+    eng.prefill(c0, torch.randint(0, V, (ENDS[0],), device=DEV))  # compile and warm every prefill kernel
     del c0
-    lengths = [1024] + [t for t in ENDS if t <= a.max_context]
+    lengths = [SHORT] + [t for t in ENDS if t <= a.max_context]
     for T in lengths:
         if left(a.budget) < (60 if T >= 131072 else 20):
             out["prefill"][T] = "skipped: budget"
@@ -270,12 +272,12 @@ def section_engine(eng, a, kind: str) -> dict:
             cache = eng.new_cache(T)
             prompt = torch.randint(0, V, (T,), device=DEV)
             r = prefill_once(eng, cache, prompt)
-            if T <= 32768:  # the warmed second run
+            if T <= ENDS[1]:  # the warmed second run
                 r = prefill_once(eng, cache, prompt)
             r["kv_cache_gib"] = kv_gib(cache)
             out["prefill"][T] = r
             log(f"[{kind}] prefill {T}: {r}")
-            if T in (1024, 8192, 131072) and kind == "bf16" and left(a.budget) > 40:  # the cache holds the prompt
+            if T in STEP_AT and kind == "bf16" and left(a.budget) > 40:  # the cache holds the prompt
                 st = {"dense_ms": step_ms(eng, cache, None, 10)}
                 try:
                     st["topk_ms"] = step_ms(eng, cache, RULE, 10)
@@ -285,8 +287,8 @@ def section_engine(eng, a, kind: str) -> dict:
                     st["topk_ms"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out["step"][T] = st
                 log(f"[{kind}] step at {T}: {st}")
-            sparse = (65536, 131072) + ((262144,) if a.sparse_256k else ())
-            if T in sparse and kind == "bf16" and left(a.budget) > (90 if T < 262144 else 200):
+            sparse = SPARSE_AT + ((ENDS[-1],) if a.sparse_256k else ())
+            if T in sparse and kind == "bf16" and left(a.budget) > (90 if T < ENDS[-1] else 200):
                 try:
                     out["sparse_prefill"][T] = prefill_once(eng, cache, prompt, RULE)
                 except Exception as e:
@@ -320,7 +322,7 @@ def profile_chunk(eng, a) -> dict:
 
     import diffgemma.model.forward as fwd
 
-    V, P = eng.config.vocab_size, 57344
+    V, P = eng.config.vocab_size, PROFILE_CACHED
     cache = eng.new_cache(P + CHUNK)
     eng.prefill(cache, torch.randint(0, V, (P,), device=DEV))
     chunk = torch.randint(0, V, (CHUNK,), device=DEV)

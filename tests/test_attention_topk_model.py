@@ -53,3 +53,22 @@ def test_rule_covering_every_key_is_dense(ref):
     c = case(ref.config, seed=1)
     for e, g in zip(run(ref, None, *c), run(ref, big, *c)):
         assert torch.equal(e, g)
+
+
+def test_generate_with_a_sparse_cache_on_the_demo_model():
+    """generate through a caller's cache whose full layers run top-k: a rule covering every key gives dense's tokens,
+    the default rule (64 keys a row here) runs end to end and is deterministic."""
+    from diffgemma.generation import generate
+
+    model = diffgemma.load()
+    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+
+    def tokens(rule):
+        cache = model.new_cache(1024)
+        cache.attention_topk = rule
+        return generate(model, prompt, cache=cache, max_new_tokens=8, max_denoising_steps=6, seed=3).tokens
+
+    dense = tokens(None)
+    assert tokens(TopKRule(divisor=1, min_keys=1024, max_keys=1024)) == dense
+    sparse = tokens(TopKRule())
+    assert tokens(TopKRule()) == sparse and len(sparse) >= 1
