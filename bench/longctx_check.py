@@ -48,8 +48,10 @@ H, KV, D, SKV, SD, WIN, CHUNK = 16, 2, 512, 8, 256, 1024, 8192
 ENDS = (8192, 32768, 65536, 131072, 262144)  # the prefill ladder, and where the kernel chunks end
 STEP_AT, SPARSE_AT, SHORT = (1024, 8192, 131072), (65536, 131072), 1024  # the step; sparse prefill; a short prompt
 PROFILE_CACHED = 57344  # tokens cached before the profiled chunk
-# Causal hd-512 tile configs swept against flash_config's default (BM 64, BN 32, BD 512, 8 warps, 2 stages)
+# Causal hd-512 tile configs swept against flash_config's default (BM 64, BN 32, BD 512, 8 warps, 2 stages; interior
+# blocks unmasked)
 CONFIGS = {
+    "masked_all_blocks": dict(interior=False),  # the default tiles, every block masked (the form before interior)
     "bm64_bn64_s1": dict(BM=64, BN=64, BD=512, num_warps=8, num_stages=1),
     "bm64_bn32_s3": dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=3),
     "bm64_bn16_s3": dict(BM=64, BN=16, BD=512, num_warps=8, num_stages=3),

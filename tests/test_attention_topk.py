@@ -106,3 +106,14 @@ def test_gather_half_precision_close():
     want = attention_topk_ref(q, k, v, None, 80, rule)
     got = attention_topk_gather(q.half(), k.half(), v.half(), None, 80, rule)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_unwritten_rows_are_never_read():
+    """Rows no query sees (past nlive, future keys of a causal call) may hold NaN: neither form reads their V."""
+    q, k, v = _qkv(n=8, nk=40, seed=7)
+    rule = TopKRule(divisor=2, min_keys=4, max_keys=64)  # more candidates than visible keys
+    k[:, 30:], v[:, 30:] = float("nan"), float("nan")
+    for fn in (attention_topk_ref, attention_topk_gather):
+        assert fn(q, k, v, None, 40, rule, nlive=torch.tensor(30)).isfinite().all()
+        got = fn(q, k, v, torch.arange(40), 40, rule, qpos=torch.arange(22, 30), causal=True)
+        assert got.isfinite().all()

@@ -105,9 +105,8 @@ def attention_topk_ref(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=
     H, n, d = q.shape
     KV = k.shape[0]
     kf = k[:, :n_keys].float().repeat_interleave(H // KV, 0)
-    vf = v[:, :n_keys].float()
-    if kpos is not None:
-        vf = vf.masked_fill((kpos[:n_keys] < 0)[None, :, None], 0.0)
+    # never-visible rows (not a key, past nlive) are never read: 0·NaN would not be 0
+    vf = v[:, :n_keys].float().masked_fill(~_visible(kpos, n_keys, None, False, nlive, q.device)[0][None, :, None], 0.0)
     vf = vf.repeat_interleave(H // KV, 0)
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     for s in range(0, n, q_block):
@@ -116,7 +115,7 @@ def attention_topk_ref(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=
         sc = qb @ kf.transpose(1, 2)
         m = topk_mask(sc, m[None], rule)
         sc = sc.masked_fill(~m, float("-inf"))
-        o = torch.softmax(sc, -1) @ vf
+        o = torch.softmax(sc, -1) @ vf.masked_fill(~m.any(-2)[..., None], 0.0)  # keys no row here selects: unread
         out[s: s + q_block] = o.transpose(0, 1).reshape(-1, H * d).to(out.dtype)
     return out
 
@@ -186,6 +185,9 @@ def attention_topk_gather(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, caus
         take = above | (tie & (tie.cumsum(-1) <= kk - above.sum(-1, keepdim=True)))
         take = (take | (kk >= n_vis[None])) & (vals > float("-inf"))
         p = torch.softmax(vals.masked_fill(~take, float("-inf")), -1)  # [KV, rows, kmax] f32
+        # unselected candidates (p = 0) read a selected key's V row instead of theirs, which may never have been
+        # written (0·NaN would not be 0)
+        idx = torch.where(take, idx, idx.gather(-1, take.to(torch.int8).argmax(-1, keepdim=True)))
         vg = v[:, :nk][torch.arange(KV, device=q.device)[:, None, None], idx]  # [KV, rows, kmax, d]
         # P in V's dtype with f32 accumulation, as the flash kernel's P·V
         o = torch.matmul(p.unsqueeze(2).to(v.dtype), vg).squeeze(2)  # [KV, G·b, d]
