@@ -2,7 +2,7 @@
 
     PYTHONPATH=src:. python -m bench.longctx_check [--budget 450] [--json $OUT/longctx.json]
 
-Sections, in this order, each in its own try/except (a failure prints its traceback and the run goes on), the JSON
+Sections, in this order (prefill, profile, kernels, q4), each in its own try/except (a failure prints its traceback and the run goes on), the JSON
 rewritten after each (a time-out keeps what finished), and a section that would start past `--budget` seconds is
 skipped and says so:
 
@@ -407,8 +407,6 @@ def main():
         dump()
 
     cfg, dev = shapes(False)
-    run("kernels", lambda: section_kernels(a))
-    free()
     if sections & {"prefill", "profile"}:
         t = time.time()
         eng = build("bf16", cfg, dev, False)
@@ -417,6 +415,8 @@ def main():
         run("profile", lambda: profile_chunk(eng, a))
         del eng
         free()
+    run("kernels", lambda: section_kernels(a))
+    free()
     if "q4" in sections and left(a.budget) > 120:
         t = time.time()
         eng = build("q4", cfg, dev, False)
