@@ -21,6 +21,10 @@ def test_rule_keys_and_validation():
     r = TopKRule(128, 64, 512)
     assert r.keys(torch.tensor([10, 8192, 65536, 10 ** 6])).tolist() == [64, 64, 512, 512]
     assert r.keys(torch.tensor([16384])).item() == 128
+    assert [r.candidates(n) for n in (10, 100, 8192, 20000, 131328)] == [10, 64, 64, 156, 512]
+    for n in range(1, 2000, 7):  # bounds the k of every row with fewer visible keys, or covers them all
+        m = torch.arange(1, n + 1)
+        assert (torch.minimum(TopKRule(4, 3, 100).keys(m), m) <= TopKRule(4, 3, 100).candidates(n)).all()
     with pytest.raises(InputError, match="min_keys"):
         TopKRule(128, 600, 512)
     with pytest.raises(InputError, match="divisor"):

@@ -47,6 +47,11 @@ class TopKRule:
     def keys(self, n_visible: torch.Tensor) -> torch.Tensor:
         return torch.clamp(torch.div(n_visible, self.divisor, rounding_mode="floor"), self.min_keys, self.max_keys)
 
+    def candidates(self, n_keys: int) -> int:
+        """How many top scores a row over at most n_keys keys needs: its k, or all of its keys where k exceeds them
+        (k grows with the visible count, so this bounds every row's)."""
+        return min(max(n_keys // self.divisor, self.min_keys), self.max_keys, n_keys)
+
     @classmethod
     def from_settings(cls, s) -> "TopKRule | None":
         """The rule a GenerationSettings asks for (its topk_* fields), or None (dense) when topk_attention is off."""
@@ -67,7 +72,7 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, rule: TopKRule) -> to
     s = scores.masked_fill(~visible, float("-inf"))
     n_vis = visible.sum(-1, keepdim=True)
     kk = rule.keys(n_vis)
-    kmax = min(rule.max_keys, s.shape[-1])
+    kmax = rule.candidates(s.shape[-1])
     vals = s.topk(kmax, dim=-1, sorted=True).values
     thr = vals.gather(-1, (kk - 1).clamp(0, kmax - 1))
     above = s > thr
@@ -161,12 +166,12 @@ def attention_topk_gather(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, caus
     G = H // KV
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     qg = q.view(KV, G, n, d).to(k.dtype)
-    kmax_all = min(rule.max_keys, n_keys)
+    kmax_all = rule.candidates(n_keys)
     b = max(1, _block_rows(n_keys, kmax_all, d) // G)
     for s in range(0, n, b):
         e = min(n, s + b)
         nk = n_keys if not (causal and q_start is not None) else min(n_keys, q_start + e)
-        kmax = min(rule.max_keys, nk)
+        kmax = rule.candidates(nk)
         qb = qg[:, :, s:e].reshape(KV, G * (e - s), d)
         sc = _scores(qb, k[:, :nk])  # [KV, G·b, nk]
         vis = _visible(kpos, nk, qpos, causal, nlive, q.device, None if qpos is None else qpos[s:e])
