@@ -41,6 +41,7 @@ from bench.bench_engine import CANVAS, generate_forward, gpu_table, time_cuda
 from bench.runner import build, shapes
 from diffgemma.ops.attention import attention, attention_ref
 from diffgemma.ops.attention_flash import NO_WINDOW, attention_flash
+from diffgemma.ops import attention_topk as topk_mod
 from diffgemma.ops.attention_topk import TopKRule, attention_topk_gather
 
 DEV = "cuda"
@@ -62,6 +63,7 @@ CONFIGS = {
     "bm128_bn32_bd128_s3": dict(BM=128, BN=32, BD=128, num_warps=8, num_stages=3),
 }
 RULE = TopKRule()
+TOPK_CHUNK = 4096  # the two-stage candidates' chunk timed beside the one-pass torch.topk (ops/attention_topk.py)
 T0 = time.time()
 LINES: list[str] = []
 
@@ -160,11 +162,13 @@ def kernel_causal(end: int, budget: float, sweep: bool) -> dict:
         except Exception as e:
             r[f"sdpa_{bname.lower()}"] = f"{type(e).__name__}: {str(e)[:200]}"
         free()
-    try:  # the top-k gather form (sparse: other results by design, timed only)
-        r["topk_gather_ms"] = med_ms(lambda: attention_topk_gather(q, k, v, kpos, end, RULE, qpos=qpos, causal=True,
-                                                                   q_start=end - n), 1, warmup=1)
-    except Exception as e:
-        r["topk_gather_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for chunk in (0, TOPK_CHUNK):  # the top-k gather form (sparse: other results by design, timed only)
+        name = f"topk_gather{'_chunk%d' % chunk if chunk else ''}_ms"
+        try:
+            r[name] = med_ms(lambda: attention_topk_gather(q, k, v, kpos, end, RULE, qpos=qpos, causal=True,
+                                                           q_start=end - n, chunk=chunk), 1, warmup=1)
+        except Exception as e:
+            r[name] = f"{type(e).__name__}: {str(e)[:200]}"
     return r
 
 
@@ -183,7 +187,9 @@ def kernel_canvas(keys: int) -> dict:
             r[f"dense_{impl}_ms"] = med_ms(lambda: attention(q, k, v, None, n_keys, impl=impl, nlive=nlive), 5)
         except Exception as e:
             r[f"dense_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
-    r["topk_gather_ms"] = med_ms(lambda: attention_topk_gather(q, k, v, None, n_keys, RULE, nlive=nlive), 5)
+    for chunk in (0, TOPK_CHUNK):
+        r[f"topk_gather{'_chunk%d' % chunk if chunk else ''}_ms"] = med_ms(
+            lambda: attention_topk_gather(q, k, v, None, n_keys, RULE, nlive=nlive, chunk=chunk), 5)
     return r
 
 
@@ -281,12 +287,17 @@ def section_engine(eng, a, kind: str) -> dict:
             log(f"[{kind}] prefill {T}: {r}")
             if T in STEP_AT and kind == "bf16" and left(a.budget) > 40:  # the cache holds the prompt
                 st = {"dense_ms": step_ms(eng, cache, None, 10)}
-                try:
-                    st["topk_ms"] = step_ms(eng, cache, RULE, 10)
-                    st["topk_over_dense"] = round(st["topk_ms"] / st["dense_ms"], 3)
-                except Exception as e:
-                    traceback.print_exc()
-                    st["topk_ms"] = f"{type(e).__name__}: {str(e)[:300]}"
+                for chunk in (0, TOPK_CHUNK):
+                    name = f"topk{'_chunk%d' % chunk if chunk else ''}"
+                    try:
+                        topk_mod.CANDIDATE_CHUNK = chunk
+                        st[f"{name}_ms"] = step_ms(eng, cache, RULE, 10)
+                        st[f"{name}_over_dense"] = round(st[f"{name}_ms"] / st["dense_ms"], 3)
+                    except Exception as e:
+                        traceback.print_exc()
+                        st[f"{name}_ms"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    finally:
+                        topk_mod.CANDIDATE_CHUNK = 0
                 out["step"][T] = st
                 log(f"[{kind}] step at {T}: {st}")
             sparse = SPARSE_AT + ((ENDS[-1],) if a.sparse_256k else ())

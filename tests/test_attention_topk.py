@@ -121,3 +121,16 @@ def test_unwritten_rows_are_never_read():
         assert fn(q, k, v, None, 40, rule, nlive=torch.tensor(30)).isfinite().all()
         got = fn(q, k, v, torch.arange(40), 40, rule, qpos=torch.arange(22, 30), causal=True)
         assert got.isfinite().all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_two_stage_candidates_match(causal):
+    """The candidates' top-k in chunks of keys, then over the chunks' winners: the same result."""
+    q, k, v = _qkv(n=12, nk=96, seed=9)
+    rule = TopKRule(divisor=8, min_keys=3, max_keys=7)
+    kw = dict(kpos=torch.arange(96), qpos=torch.arange(84, 96), causal=True) if causal else dict(kpos=None)
+    one = attention_topk_gather(q, k, v, n_keys=96, rule=rule, **kw)
+    for chunk in (16, 20):  # 96 keys: whole chunks, and whole chunks plus a tail
+        two = attention_topk_gather(q, k, v, n_keys=96, rule=rule, chunk=chunk, **kw)
+        torch.testing.assert_close(two, one, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(two, attention_topk_ref(q, k, v, n_keys=96, rule=rule, **kw), atol=1e-5, rtol=1e-5)

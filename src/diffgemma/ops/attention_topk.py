@@ -147,19 +147,41 @@ def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
     return max(1, min(budget // max(n_keys, 1), budget // (2 * kmax * d)))
 
 
+# The gather form's candidate chunk on CUDA (_top_candidates; 0: one torch.topk over every key). The same selection
+# either way; bench/longctx_check.py times both.
+CANDIDATE_CHUNK = 0
+
+
 def attention_topk(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
                    q_start: int | None = None, **_):
     """-> [n, H·d]: the gather form on CUDA, the twin elsewhere."""
-    fn = attention_topk_gather if q.is_cuda else attention_topk_ref
-    return fn(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype, nlive=nlive,
-              q_start=q_start)
+    if not q.is_cuda:
+        return attention_topk_ref(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype,
+                                  nlive=nlive)
+    return attention_topk_gather(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype,
+                                 nlive=nlive, q_start=q_start, chunk=CANDIDATE_CHUNK)
+
+
+def _top_candidates(sc: torch.Tensor, kmax: int, chunk: int):
+    """-> (values, key indices) of each row's kmax largest scores, descending. chunk > kmax: in two stages, each
+    whole chunk of keys' kmax largest (and the keys past the last whole chunk), then the largest of those (a row's
+    kmax largest scores are among its chunks' kmax largest), so the second stage reads about kmax / chunk of them."""
+    n = sc.shape[-1]
+    m = n // chunk if chunk > kmax else 0
+    if m < 2:
+        return sc.topk(kmax, dim=-1, sorted=True)
+    v1, i1 = sc[..., :m * chunk].view(*sc.shape[:-1], m, chunk).topk(kmax, dim=-1, sorted=False)
+    i1 = (i1 + torch.arange(0, m * chunk, chunk, device=sc.device)[:, None]).flatten(-2)
+    tail = torch.arange(m * chunk, n, device=sc.device).expand(*sc.shape[:-1], n - m * chunk)
+    vals, j = torch.cat([v1.flatten(-2), sc[..., m * chunk:]], -1).topk(kmax, dim=-1, sorted=True)
+    return vals, torch.cat([i1, tail], -1).gather(-1, j)
 
 
 def attention_topk_gather(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None,
-                          nlive=None, q_start: int | None = None, **_):
+                          nlive=None, q_start: int | None = None, chunk: int = 0, **_):
     """The gather form (module docstring), any device. q_start (causal): query row i is at position q_start + i and
     key row p holds position p (the full layers' prefill), so a block of queries reads only the keys up to its last
-    position."""
+    position. chunk: the candidates' top-k in two stages (_top_candidates; 0: one torch.topk over every key)."""
     _check(q, k, kpos, qpos, causal, rule)
     H, n, d = q.shape
     KV = k.shape[0]
@@ -180,7 +202,7 @@ def attention_topk_gather(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, caus
         sc.masked_fill_(~vis[None] if vis.dim() == 2 else ~vis, float("-inf"))
         n_vis = vis.sum(-1, keepdim=True).expand(G * (e - s) if causal else 1, 1)
         kk = rule.keys(n_vis)[None]  # [1, rows or 1, 1]
-        vals, idx = sc.topk(kmax, dim=-1, sorted=True)
+        vals, idx = _top_candidates(sc, kmax, chunk)
         del sc
         thr = vals.gather(-1, (kk - 1).clamp(0, kmax - 1).expand(KV, vals.shape[1], 1))
         order = idx.argsort(-1)  # candidates by key index: ties resolve to the lower index, and a fixed sum order
