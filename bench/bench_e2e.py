@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--sections", default="a,b,c")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompts", default=None, help="comma list of prompt lengths for b (default 1024,8192,32768; "
-                    "--prompts 131072,262144: the model's long range)")
+                    "--prompts 131072,261632: the model's long range, 256k less the two canvases the cache also holds)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
