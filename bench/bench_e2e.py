@@ -134,7 +134,9 @@ def section_b(eng, cfg, prompts, reps):
         prompt = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(T)).to(dev)
         cache = eng.new_cache(T + 2 * C)
         firsts, prefills = [], []
-        for i in range(reps + 1):
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for i in range((reps if T <= 32768 else 1) + 1):  # long prompts: one timed run after the warm one
             cache.truncate(0)
             pf = timed(dev, lambda: eng.prefill(cache, prompt))
             cache.truncate(0)
@@ -148,7 +150,9 @@ def section_b(eng, cfg, prompts, reps):
                 firsts.append(first)
                 prefills.append(pf)
         out[str(T)] = {"first_block_ms": median(firsts), "prefill_ms": median(prefills),
-                       "prefill_tok_s": round(T / statistics.median(prefills) * 1e3, 1)}
+                       "prefill_tok_s": round(T / statistics.median(prefills) * 1e3, 1),
+                       "kv_gib": round(sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values]) / 2**30, 3),
+                       "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
         log(f"  b/{T}: {out[str(T)]}")
         del cache
         gc.collect()
@@ -200,7 +204,8 @@ def main():
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES: each kind "
                     "runs per fixture, 'q4' the flat one (its results' old name), 'q4-peaked' the peaked one")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prompts", default=None, help="comma list of prompt lengths for b (default 1024,8192,32768)")
+    ap.add_argument("--prompts", default=None, help="comma list of prompt lengths for b (default 1024,8192,32768; "
+                    "--prompts 131072,261632: the model's long range, 256k less the two canvases the cache also holds)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")

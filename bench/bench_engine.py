@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.balanced_routing import KINDS, balance_hf, routing
-from bench.fixtures import RandomSource
+from bench.fixtures import RandomPackSource, RandomSource
 from diffgemma.config import ModelConfig
 from diffgemma.model import denoiser as denoiser_mod
 from diffgemma.model.engine import build_engine
@@ -46,7 +46,7 @@ TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hid
             num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
             sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
             final_logit_softcapping=30.0, layer_types=[FULL if (i + 1) % 6 == 0 else S for i in range(30)],
-            max_position_embeddings=65536)
+            max_position_embeddings=262144)
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=16)
 CANVAS = 256
@@ -142,10 +142,13 @@ def weight_bytes(w) -> int:
 
 
 def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), generate: bool = True,
-               alternate: int = 0) -> dict:
+               alternate: int = 0, kind: str = "bf16") -> dict:
+    """kind: "bf16" experts, or "q4" (q4-packed experts and a q8 SC MLP, bench/fixtures.RandomPackSource)."""
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     t0 = time.time()
-    eng = build_engine(cfg, RandomSource(cfg, "cuda", torch.bfloat16, seed=0), "cuda", torch.bfloat16)
+    src = (RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8") if kind == "q4"
+           else RandomSource(cfg, "cuda", torch.bfloat16, seed=0))
+    eng = build_engine(cfg, src, "cuda", torch.bfloat16)
     torch.cuda.synchronize()
     wb = weight_bytes(eng.w)
     log(f"[ours] built in {time.time() - t0:.1f}s, weights {wb / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
@@ -168,8 +171,9 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
             cache.truncate(0)
             eng.prefill(cache, prompt)
 
-        times = time_cuda(do_prefill, reps=2 if T > 8192 else 3, warmup=1)
+        times = time_cuda(do_prefill, reps=2 if T > 8192 else 3, warmup=0 if T > 65536 else 1)
         r["prefill_ms"] = statistics.median(times)
+        r["kv_cache_gib"] = sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values]) / 2**30
         r["prefill_tok_s"] = T / (r["prefill_ms"] / 1e3)
         r["prefill_peak_gib"] = peak_gib()
         # denoise over a cache of T tokens; the canvas ids and SC logits change every step like in generate
@@ -245,7 +249,7 @@ def bench_ours(contexts, reps, extra_chunks=(), ab_names=("sdpa", "triton"), gen
         # K+V bytes one step reads: full layers T positions, sliding layers their ring
         kv_bytes = sum(2 * l.num_kv_heads * l.head_dim * 2 * (cache.ring if l.is_sliding else T) for l in cfg.layers)
         r["roofline_ms"] = (wb + kv_bytes) / BW * 1e3
-        log(f"[ours] ctx {T}: prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:.0f} tok/s, peak {r['prefill_peak_gib']:.1f} GiB); "
+        log(f"[ours] ctx {T}: prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:.0f} tok/s, peak {r['prefill_peak_gib']:.1f} GiB, KV {r['kv_cache_gib']:.2f} GiB); "
             f"denoise {r['denoise_ms']:.2f} ms graphed ({r['denoise_embeds_ms']:.2f} from SC embeds, {r['denoise_embeds_unstaged_ms']:.2f} unstaged) / {r['denoise_eager_ms']:.2f} ms eager (peak {r['denoise_peak_gib']:.1f} GiB)"
             f"; roofline {r['roofline_ms']:.2f} ms")
         res["ctx"][T] = r
@@ -581,7 +585,10 @@ def run_ahead_ab(eng, rounds: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--contexts", default="1024,8192,32768",
+                    help="context lengths; the model's range goes to 262144 (--contexts 131072,262144 --skip-hf "
+                         "--ab '' --no-generate: the long cases, with the KV cache's size at each)")
+    ap.add_argument("--kind", default="bf16", choices=("bf16", "q4"), help="the engine's experts (q4: a q4 pack)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--extra-chunks", default="", help="prefill chunk sizes to also time at the largest context")
@@ -622,7 +629,7 @@ def main():
         return
     with routing(a.routing):
         ours = bench_ours(contexts, a.reps, [int(x) for x in a.extra_chunks.split(",") if x], ab_names,
-                          generate=not a.no_generate, alternate=a.alternate)
+                          generate=not a.no_generate, alternate=a.alternate, kind=a.kind)
     log(f"[ours] generate: {json.dumps(ours['generate'], default=str)}")
     if a.json:  # ours survives a failure or time-out on transformers' side
         Path(a.json).write_text(json.dumps({"ours": ours}, indent=1, default=str))

@@ -298,3 +298,24 @@ def test_dispatcher_routes_to_flash():
     b = fl.attention_flash(q, k, v, kpos, 64, out_dtype=torch.float32)
     assert torch.equal(a, b)
     check(a, attn.attention_ref(q, k, v, kpos, 64, out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("window,n_ring", [(attn.NO_WINDOW, 0), (24, 0), (24, 13)])
+def test_causal_interior_blocks_keep_the_bits(window, n_ring):
+    """Causal blocks every row of a program sees whole run unmasked (interior) with the masked scan's bits."""
+    H, KV, n, P, d = 4, 2, 21, 70, 32
+    q, k, v = qkv(H, KV, n, n_ring + P + n, d)
+    if n_ring:  # a ring before the position-ordered keys, as a sliding layer's prefill has it
+        kpos = torch.cat([torch.arange(P - n_ring, P), torch.arange(P, P + n)])
+        kpos, n_keys, base = kpos, n_ring + n, P
+        k, v = k[:, :n_keys + 3].contiguous(), v[:, :n_keys + 3].contiguous()
+    else:
+        kpos, n_keys, base = torch.arange(P + n), P + n, 0
+    qpos = torch.arange(P, P + n)
+    kw = dict(qpos=qpos, window=window, causal=True, out_dtype=torch.float32, n_ring=n_ring, base_pos=base,
+              BM=16, BN=8, num_warps=4, num_stages=1)
+    on = fl.attention_flash(q, k, v, kpos, n_keys, **kw)
+    off = fl.attention_flash(q, k, v, kpos, n_keys, interior=False, **kw)
+    assert torch.equal(on, off)
+    check(on, attn.attention_ref(q, k, v, kpos, n_keys, qpos=qpos, window=window, causal=True,
+                                 out_dtype=torch.float32))

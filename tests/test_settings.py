@@ -15,6 +15,7 @@ DOCUMENTED_DEFAULTS = dict(
     sc_sparse_log_ratio=10.0, freeze=False, plateau_steps=8, plateau_entropy=0.05, pad_gate=True,
     entropy_stop=0.05, entropy_stop_min_steps=12, empty_reply_retry=3, confidence_trim=0.9, seed=0,
     canvas_length=None, stop_ids=None, stop_strings=(), semantics="contract",
+    topk_attention=False, topk_divisor=128, topk_min=64, topk_max=512,
 )
 
 

@@ -82,6 +82,13 @@ class GenerationSettings:
     # ends at the first match, which the returned text leaves out (generation.py, stop_strings.py)
     stop_strings: tuple[str, ...] = ()
     semantics: str = "contract"  # "contract" (docs/ARCHITECTURE.md) or "hf" (transformers' generate())
+    # Top-k sparse attention on the full-attention layers (prefill and denoise; changes tokens, off by default): each
+    # query row attends to its k best-scoring keys, k = clamp(visible keys // topk_divisor, topk_min, topk_max)
+    # (ops/attention_topk.py; docs/ARCHITECTURE.md, 'Generation contract')
+    topk_attention: bool = False
+    topk_divisor: int = 128
+    topk_min: int = 64
+    topk_max: int = 512
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -167,6 +174,7 @@ HF_PRESET: dict[str, Any] = {
     "entropy_stop": 0.0,
     "empty_reply_retry": 0,
     "confidence_trim": 0.0,
+    "topk_attention": False,
 }
 
 _FIELD_TYPES: dict[str, str] = {
@@ -194,6 +202,10 @@ _FIELD_TYPES: dict[str, str] = {
     "stop_ids": "optional_ids",
     "stop_strings": "strings",
     "semantics": "choice",
+    "topk_attention": "bool",
+    "topk_divisor": "int",
+    "topk_min": "int",
+    "topk_max": "int",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
 FIELD_NAMES = tuple(_FIELD_TYPES)
@@ -260,6 +272,9 @@ def _check_ranges(s: GenerationSettings) -> None:
     need(0 <= s.seed < 2**64, "seed", "an integer in [0, 2**64)")
     need(s.canvas_length is None or s.canvas_length >= 1, "canvas_length", "a positive integer or None")
     need(s.stop_ids is None or all(v >= 0 for v in s.stop_ids), "stop_ids", "non-negative token ids")
+    need(s.topk_divisor >= 1, "topk_divisor", "an integer >= 1")
+    need(s.topk_min >= 1, "topk_min", "an integer >= 1")
+    need(s.topk_max >= s.topk_min, "topk_max", f"an integer >= topk_min ({s.topk_min})")
 
 
 def _parse(name: str, value: Any, origin: str) -> Any:

@@ -29,6 +29,7 @@ import torch
 from ..config import ModelConfig, cache_tokens
 from ..errors import InputError
 from ..ops._backend import use_triton
+from ..ops.attention_topk import cache_rule
 from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
@@ -219,7 +220,7 @@ class Engine:
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
         key_rows = self._prefill_key_rows(cache, pad)
-        key = (pad, key_rows, self.forward._causal_impl(pad))
+        key = (pad, key_rows, self.forward._causal_impl(pad), cache_rule(cache))
         graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)
         if entry is None:
@@ -349,8 +350,8 @@ class Engine:
     # ------------------------------------------------------------------ graphs
 
     def _graph_key(self, cache: EngineKVCache, C: int, mode: str) -> tuple:
-        """(canvas, key rows, SC mode, attention impl): what a denoise graph of this cache is kept by."""
-        return C, self._key_rows(cache, C), mode, self.options.attn_impl
+        """(canvas, key rows, SC mode, attention impl, top-k rule): what a denoise graph of this cache is kept by."""
+        return C, self._key_rows(cache, C), mode, self.options.attn_impl, cache_rule(cache)
 
     def _denoise_graphed(self, cache: EngineKVCache, ids, mode: str, sc) -> torch.Tensor:
         key = self._graph_key(cache, len(ids), mode)

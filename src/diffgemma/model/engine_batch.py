@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from ..errors import InputError
+from ..ops.attention_topk import cache_rule
 from .engine_graph import BatchGraph, capture
 from .engine_inputs import check_ids
 
@@ -134,7 +135,10 @@ class BatchGraphs:
         before. The lanes come in in_lane_order; perm only reorders lanes of one shape. None: no graph for it yet
         (the caller runs the forward eagerly)."""
         opts = self.engine.options
-        key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams)
+        rules = {cache_rule(c) for c in caches}  # a graph runs one top-k rule; lanes of mixed rules run eagerly
+        if len(rules) > 1:
+            return None
+        key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams, rules.pop())
         entry = self.graphs.pop(key, None)
         perm = self._place(entry, caches, lens, key_rows) if entry is not None else None
         if perm is None:  # no graph, or a store died, or a store would go to a cache of another geometry

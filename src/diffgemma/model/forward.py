@@ -38,6 +38,7 @@ from ..ops.fp8_weight import Fp8Weight
 from ..ops.packed_weight import PackedWeight
 from ..ops._backend import use_triton
 from ..ops.attention import NO_WINDOW, attention
+from ..ops.attention_topk import attention_topk, cache_rule
 from ..ops.moe import expert_ffn
 from ..ops.moe_plan import moe_plan, moe_plan_with_order
 from ..ops.qkv import qkv_prep
@@ -138,7 +139,7 @@ class Forward:
             slide_groups = (groups, torch.cat([groups.new_full((R,), -1), groups]))
             full_groups = (groups, torch.cat([groups.new_full((P,), -1), groups]))
 
-        def attend(li, qkv, need_out):
+        def attend(li, qkv, need_out, topk=cache_rule(cache)):  # topk: the full layers' rule, None = dense
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:  # (the last layer is always full: need_out is True here)
                 # Attend over the ring as it was before this chunk, then store the chunk: a long chunk's own writes
@@ -153,6 +154,9 @@ class Forward:
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             if not need_out:
                 return None
+            if topk is not None and groups is None:  # a prefill call with images stays dense (docs/ARCHITECTURE.md)
+                return attention_topk(q, K, V, full_kpos, P + n, topk, qpos=pos, causal=True, out_dtype=self.dtype,
+                                      q_start=P)
             return attention(q, K, V, full_kpos, P + n, qpos=pos, window=NO_WINDOW, causal=True, out_dtype=self.dtype,
                              impl=self._causal_impl(n), groups=full_groups)
 
@@ -194,7 +198,7 @@ class Forward:
         def keep_pad(new, old):  # real rows' K/V, and the pad rows' slots as they were
             return torch.where(real[None, :, None], new, old)
 
-        def attend(li, qkv, need_out):
+        def attend(li, qkv, need_out, topk=cache_rule(cache)):  # topk: the full layers' rule, None = dense
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, kv, Kx, Vx = self._ring_and_chunk(li, qkv, pos, K, V, R, cache.canvas)
@@ -210,6 +214,8 @@ class Forward:
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             if not need_out:
                 return None
+            if topk is not None:
+                return attention_topk(q, K, V, full_kpos, key_rows, topk, qpos=pos, causal=True, out_dtype=self.dtype)
             return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
                              out_dtype=self.dtype, impl=self._causal_impl(N), nlive=chunk_end)
 
@@ -342,7 +348,7 @@ class Forward:
         slide_kw = dict(window=W, n_ring=R, ring_length=L) if live else {}
         nlive = L + C  # device scalar: the kernel's loop bound over a graph's padded bucket
 
-        def attend(li, qkv, need_out):
+        def attend(li, qkv, need_out, topk=cache_rule(cache)):  # topk: the full layers' rule, None = dense
             K, V = cache.keys[li], cache.values[li]
             if cfg.layers[li].is_sliding:
                 q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=ring_canvas_slots)
@@ -350,6 +356,8 @@ class Forward:
                                  **slide_kw)
             q, _ = self._qkv(li, qkv, pos, cache_k=K, cache_v=V, slots=pos)
             # full layers: every cache row below nlive is a key (kpos None: the kernel reads no positions)
+            if topk is not None:
+                return attention_topk(q, K, V, None, key_rows, topk, out_dtype=self.dtype, nlive=nlive)
             return attention(q, K, V, None, key_rows, out_dtype=self.dtype, impl=self._attn_impl(False, False),
                              nlive=nlive)
 

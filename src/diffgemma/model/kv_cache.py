@@ -24,6 +24,9 @@ class ReferenceKVCache:
         # Per layer: [kv_heads, T, head_dim], grown by concatenation.
         self.keys = [torch.zeros(l.num_kv_heads, 0, l.head_dim, dtype=dtype, device=device) for l in cfg.layers]
         self.values = [torch.zeros(l.num_kv_heads, 0, l.head_dim, dtype=dtype, device=device) for l in cfg.layers]
+        # The full layers' top-k sparse attention for this cache's forwards (ops/attention_topk.TopKRule; the
+        # generation setting topk_attention), or None: dense. The engine's cache takes the same attribute.
+        self.attention_topk = None
 
     @property
     def length(self) -> int:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..checkpoint import DECODER, ENCODER_LAYERS
 from ..config import LayerConfig, ModelConfig, cache_tokens
 from ..errors import InputError
+from ..ops.attention_topk import TopKRule, cache_rule, topk_mask
 from .denoiser import Denoiser
 from .kv_cache import ReferenceKVCache
 
@@ -97,13 +98,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def attention(q, k, v, mask) -> torch.Tensor:
-    """q [Tq, H, d], k/v [Tk, KV, d], mask [Tq, Tk] bool (True = may attend). Scale 1 (no 1/sqrt(d))."""
+def attention(q, k, v, mask, topk: TopKRule | None = None) -> torch.Tensor:
+    """q [Tq, H, d], k/v [Tk, KV, d], mask [Tq, Tk] bool (True = may attend). Scale 1 (no 1/sqrt(d)).
+    topk: each row attends to its top-k visible keys by score only (ops/attention_topk.topk_mask)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k)
-    scores = scores.masked_fill(~mask[None], float("-inf"))
+    mask = mask[None] if topk is None else topk_mask(scores.float(), mask[None], topk)
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -198,7 +201,9 @@ class ReferenceModel:
             if same_image is not None:
                 mask = mask | same_image
             # The last layer's output is never read on prefill (only its K/V are), so skip its FFN.
-            attend = self._cached_attention(cache, layer, mask, denoise=False)
+            # top-k on the full layers, as the cache asks (a prefill call with images stays dense)
+            topk = cache_rule(cache) if not layer.is_sliding and image_groups is None else None
+            attend = self._cached_attention(cache, layer, mask, denoise=False, topk=topk)
             x, k, v = self._layer(layer, x, pos, attend, denoise=False, with_ffn=layer.index != last)
             cache.append(layer.index, k, v)
 
@@ -313,13 +318,13 @@ class ReferenceModel:
         return rms_norm(x, None, cfg.rms_norm_eps)
 
     @staticmethod
-    def _cached_attention(cache, layer: LayerConfig, mask, denoise: bool):
-        """Attention of new rows over `cache`'s visible positions and themselves, under `mask`."""
+    def _cached_attention(cache, layer: LayerConfig, mask, denoise: bool, topk: TopKRule | None = None):
+        """Attention of new rows over `cache`'s visible positions and themselves, under `mask` (and `topk`)."""
         def attend(q, k, v):
             k_old, v_old = cache.visible(layer.index, for_denoise=denoise)  # [kv_heads, T_old, d]
             k_all = torch.cat([k_old.transpose(0, 1), k], dim=0)
             v_all = torch.cat([v_old.transpose(0, 1), v], dim=0)
-            return attention(q, k_all, v_all, mask)
+            return attention(q, k_all, v_all, mask, topk)
         return attend
 
     def _batch_attention(self, layer: LayerConfig, spans):
@@ -330,7 +335,8 @@ class ReferenceModel:
             for cache, lo, hi in spans:
                 visible = cache.visible(layer.index, for_denoise=True)[0].shape[1] + hi - lo
                 mask = torch.ones(hi - lo, visible, dtype=torch.bool, device=self.device)  # bidirectional
-                out[lo:hi] = self._cached_attention(cache, layer, mask, True)(q[lo:hi], k[lo:hi], v[lo:hi])
+                topk = None if layer.is_sliding else cache_rule(cache)
+                out[lo:hi] = self._cached_attention(cache, layer, mask, True, topk)(q[lo:hi], k[lo:hi], v[lo:hi])
             return out
         return attend
 

@@ -30,6 +30,9 @@ The kernel and its tile configs live in ops/attention_flash.py.
                     ('gemm' and 'tiles' serve the canvas on CUDA only, 'tiles' also a causal call: other calls
                     with them take the default)
   attention         dispatch: the kernel on CUDA, the twin elsewhere (`impl` overrides)
+
+Top-k sparse attention (a generation setting, other math) is ops/attention_topk.py, called by the model for the full
+layers when a cache asks for it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,10 @@ token r % n). Its design, and why:
 Causal key ranges: keys [0, n_ring) are an unordered ring (masked per key), keys
 [n_ring, n_keys) are position-ordered (key i holds position base_pos + i - n_ring); only the blocks
 some row of the program can see are visited: the chunk's by position, the ring's by slot where the caller
-says where the ring ends (ring_end; ring_blocks), else all of them.
+says where the ring ends (ring_end; ring_blocks), else all of them. Of the position-ordered blocks, those whole
+in every row's view (positions in (qmax - window, qmin]: the bulk of a long context's keys) run without the
+mask and its per-key position load (interior; cfg interior=False masks every block). A visible key's score is
+the same either way and the blocks keep their order, so the bits do not change.
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ if HAVE_TRITON:
                       n_q, n_keys, k_head_stride, window, n_ring, base_pos, split_len,
                       G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_NLIVE: tl.constexpr, SPLIT: tl.constexpr, RING: tl.constexpr,
-                      KPOS: tl.constexpr, LIVE: tl.constexpr = False, RING_END: tl.constexpr = False):
+                      KPOS: tl.constexpr, LIVE: tl.constexpr = False, RING_END: tl.constexpr = False,
+                      INTERIOR: tl.constexpr = False):
         NDH: tl.constexpr = HD // BD
         g = tl.program_id(1)
         split = tl.program_id(2) // NDH
@@ -152,7 +156,20 @@ if HAVE_TRITON:
                                                  HD, BN, CAUSAL, KPOS)
             lo = n_ring + tl.maximum(first - base_pos, 0)
             hi = tl.minimum(n_keys, n_ring + qmax + 1 - base_pos)
-            for n0 in range(lo, hi, BN):
+            a = hi  # [a, b): the interior blocks, unmasked (INTERIOR); masked blocks before and after them
+            b = hi
+            if INTERIOR:  # whole blocks of positions in (qmax - window, qmin]: every row of the program sees them
+                in_lo = n_ring + tl.maximum(qmax - window + 1 - base_pos, 0)
+                in_hi = tl.minimum(hi, n_ring + qmin + 1 - base_pos)
+                a = tl.minimum(lo + tl.cdiv(tl.maximum(in_lo - lo, 0), BN) * BN, hi)
+                b = a + tl.maximum((in_hi - a) // BN, 0) * BN
+            for n0 in range(lo, a, BN):
+                m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
+                                             0, 0, 0, HD, BN, CAUSAL, KPOS)
+            for n0 in range(a, b, BN):
+                m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
+                                             0, 0, 0, HD, BN, False, False)
+            for n0 in range(b, hi, BN):
                 m_i, l_i, acc = _flash_block(n0, m_i, l_i, acc, q, qp, kb, vb, kpos_ptr, hi, window, dq, dcols,
                                              0, 0, 0, HD, BN, CAUSAL, KPOS)
         else:
@@ -307,6 +324,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     if causal and "BD" not in cfg:
         c.update(short_causal(c, G * n, KV, d, _sm_count(q.device.index or 0) if q.is_cuda else 132))
     c.update(cfg)
+    interior = bool(causal and c.pop("interior", True))
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
     out = torch.empty(n, H * d, dtype=out_dtype or q.dtype, device=q.device)
     row_blocks = triton.cdiv(G * n, BM)
@@ -333,7 +351,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
                         ring_end if skip else kp, out, po, pml,
                         n, n_keys, k.stride(0), int(min(window, NO_WINDOW)), int(n_ring), int(base_pos), per,
                         G=G, HD=d, BD=BD, BM=BM, BN=BN, CAUSAL=causal, HAS_NLIVE=nlive is not None, SPLIT=S > 1,
-                        RING=ring, KPOS=kpos is not None, LIVE=live, RING_END=skip,
+                        RING=ring, KPOS=kpos is not None, LIVE=live, RING_END=skip, INTERIOR=interior,
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
     if S > 1:
         combine_partials(po, pml, out, n)
