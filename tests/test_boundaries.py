@@ -78,6 +78,32 @@ def test_two_stop_texts_beginning_at_the_same_place(tok):
         assert hit == "31 4" and decode(ids[:kept]) == "6 12 31 4"
         assert settled("6 12 31", stops) == "6 12 " and held_back("6 12 31 4", stops) == 4
     assert first_stop("x ab", ("a", "ab")) == (2, "ab") == first_stop("x ab", ("ab", "a"))
+    # a tail one character short of a whole stop text is held back whole
+    assert held_back("6 12 31 45 ", ("31 45 8",)) == 6 and settled("6 12 31 45 ", ("31 45 8",)) == "6 12 "
+
+
+def test_stop_positions_equal_a_brute_force_at_every_token(tok):
+    """For stop texts taken from everywhere in a reply: the tokens kept are exactly those through the first token
+    whose prefix holds a stop text, and a stream holds back exactly the longest tail that begins a stop text."""
+    import random
+
+    rng = random.Random(7)
+    text = "Sort: 6 12 31 45 87, then 3 5 8 13 21 and done."
+    ids = tok.encode(text)
+    decode = tok.decode
+    for _ in range(60):
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(text) - 1)
+            stops.append(text[a:a + rng.randint(1, 6)])
+        want = next(k for k in range(1, len(ids) + 1) if first_stop(decode(ids[:k]), stops) is not None)
+        start = rng.randrange(want)  # any prefix already checked and free of stops
+        kept, hit = tokens_through_stop(decode, ids, start, stops)
+        assert kept == want and hit in stops and hit in decode(ids[:kept]), (stops, start)
+        cut = rng.randrange(1, len(text))
+        part = text[:cut]
+        brute = max([k for s in stops for k in range(1, len(s)) if part.endswith(s[:k])], default=0)
+        assert held_back(part, stops) == brute, (part, stops)
 
 
 # -- images: exactly max_images ----------------------------------------------------------------------
@@ -154,3 +180,27 @@ def test_a_vision_checkpoint_without_processor_config_preprocesses_as_transforme
     pixels, positions = pad_batch(prepare_images(images, cfg.processing), cfg.processing)
     assert torch.equal(pixels, want["pixel_values"]) and torch.equal(positions, want["image_position_ids"])
     assert float(pixels.max()) == 1.0  # a white-ish pixel of 255 lands exactly on 1.0
+
+
+# -- settings: each range taken at its ends -------------------------------------------------------------
+
+@pytest.mark.parametrize("name,ok,bad", [
+    ("confidence_trim", [0.0, 1.0], [-1e-9, 1.0 + 1e-9]),
+    ("seed", [0, 2**64 - 1], [-1, 2**64]),
+    ("empty_reply_retry", [0], [-1]),
+    ("max_denoising_steps", [1], [0]),
+    ("max_new_tokens", [1], [0]),
+    ("entropy_stop_min_steps", [1], [0]),
+    ("plateau_steps", [0], [-1]),
+    ("stability_threshold", [0], [-1]),
+    ("entropy_bound", [0.0], [-1e-9]),
+    ("canvas_length", [None, 1], [0]),
+])
+def test_settings_ranges_at_their_ends(name, ok, bad):
+    from diffgemma.errors import SettingsError
+
+    for value in ok:
+        assert getattr(GenerationSettings().replace(**{name: value}), name) == value
+    for value in bad:
+        with pytest.raises(SettingsError, match=name):
+            GenerationSettings().replace(**{name: value})

@@ -146,3 +146,14 @@ def test_a_named_tool_choice_answered_with_the_named_call_plus_another_is_regene
     assert [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == ["get_weather",
                                                                                                  "get_time"]
     assert seeds == [SEED]
+
+
+def test_a_call_to_a_function_not_offered_never_fits_whatever_its_arguments():
+    from diffgemma.server.structured import tool_call_problem
+
+    for args in ({}, {"city": "Paris"}):
+        problem = tool_call_problem("get_stock_price", args, TOOLS)
+        assert problem is not None and "which the request did not offer" in problem, args
+    assert tool_call_problem("get_weather", {"city": "Paris"}, TOOLS) is None
+    assert "arguments do not match" in tool_call_problem("get_weather", {}, TOOLS)
+    assert tool_call_problem("anything", {}, None) is None  # no tools offered: nothing to check against
