@@ -330,7 +330,8 @@ def main(argv=None) -> int:
         rows = [fresh.get(m.id) or (m, *previous[m.id]) for m in MUTANTS if m.id in fresh or m.id in previous]
         survivors = [m for m, st, _, _ in rows if st == "SURVIVED"]
         runs = earlier_runs + runs
-    write_report(Path(args.out), rows, survivors, runs)
+    history = read_history(Path(args.out)) if Path(args.out).exists() else []
+    write_report(Path(args.out), rows, survivors, runs, history)
     print(f"wrote {args.out}")
     unexplained = [m for m in survivors if not m.expect_survive]
     return 1 if unexplained or any(s in ("STALE", "TIMEOUT") for _, s, _, _ in rows) else 0
@@ -348,6 +349,16 @@ def read_report(path: Path):
     return outcomes, runs
 
 
+def read_history(path: Path) -> list[str]:
+    """The report's hand-written "## History" section (what earlier runs found and what was done), kept as is."""
+    lines = path.read_text().splitlines()
+    if "## History" not in lines:
+        return []
+    start = lines.index("## History")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
 def group_lines(rows) -> list[str]:
     """One kill-rate line per group (killed counts ERROR too: the tests did not pass)."""
     out = []
@@ -360,7 +371,7 @@ def group_lines(rows) -> list[str]:
     return out + [""]
 
 
-def write_report(out: Path, rows, survivors, runs) -> None:
+def write_report(out: Path, rows, survivors, runs, history=()) -> None:
     counts = {}
     for _, status, _, _ in rows:
         counts[status] = counts.get(status, 0) + 1
@@ -386,6 +397,8 @@ def write_report(out: Path, rows, survivors, runs) -> None:
     for m in survivors:
         lines += [f"- `{m.id}` ({m.file}): `{m.find.strip()}` -> `{m.replace.strip()}`. "
                   + (m.note if m.expect_survive else f"UNEXPLAINED: {m.note}")]
+    if history:
+        lines += ["", *history]
     lines += ["", "## What each mutant stands for", ""]
     lines += [f"- `{m.id}`: {m.note}" for m, _, _, _ in rows]
     out.parent.mkdir(parents=True, exist_ok=True)
