@@ -54,3 +54,21 @@ def test_chat_history_keeps_the_answer_without_markup(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "<|" not in out and "|>" not in out and out.count("49") >= 2
+
+
+def test_a_malformed_call_after_an_unopened_thought_is_cut_at_its_own_opener(tok):
+    """A call spelled out in a thought whose channel was never opened is not the answer's call: the regeneration
+    cut lands on the answer's malformed call, not on the thought's."""
+    from diffgemma.reply import malformed_call_cut
+
+    thought = 'x<|tool_call>call:f{a:<|"|>b<|"|>}<tool_call|>'
+    answer = 'ok<|tool_call>call:g{a:1,}<tool_call|>'
+    ids = tok.encode(thought + CHANNEL_CLOSE + answer)
+    calls = reply_parts(tok, ids)[3]
+    assert [c.name for c in calls] == ["g"] and not calls[0].ok
+    cut = malformed_call_cut(tok, ids)
+    assert cut is not None and tok.decode(ids[:cut]) == thought + CHANNEL_CLOSE + "ok<|tool_call>"
+    # with the channel opened, as before
+    opened = tok.encode("<|channel>thought\n" + thought + CHANNEL_CLOSE + answer)
+    cut = malformed_call_cut(tok, opened)
+    assert tok.decode(opened[:cut]).endswith(CHANNEL_CLOSE + "ok<|tool_call>")

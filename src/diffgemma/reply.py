@@ -102,9 +102,15 @@ def malformed_call_cut(tokenizer, tokens: list[int]) -> int | None:
     opener = tokenizer.token_to_id(CALL_OPEN)
     if bad is None or opener is None:
         return None
+    thought, answer = split_thought(tokenizer.decode(tokens, skip_special_tokens=False))
+    unopened = thought is None and CHANNEL_CLOSE in answer  # what precedes that close is a thought (reply_parts)
     for p, t in enumerate(tokens):
         if t == opener:  # is it the answer's (bad+1)-th opener? (a thought may spell calls out too)
-            seen = split_thought(tokenizer.decode(tokens[:p + 1], skip_special_tokens=False))[1].count(CALL_OPEN)
+            head = tokenizer.decode(tokens[:p + 1], skip_special_tokens=False)
+            if unopened:
+                seen = head.split(CHANNEL_CLOSE, 1)[1].count(CALL_OPEN) if CHANNEL_CLOSE in head else 0
+            else:
+                seen = split_thought(head)[1].count(CALL_OPEN)
             if seen == bad + 1:
                 return p + 1
             if seen > bad + 1:
