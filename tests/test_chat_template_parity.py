@@ -210,7 +210,7 @@ IMAGE_PER_LINE = """{{ bos_token }}
 {{ m['content'] }}
     {% else %}
         {% for p in m['content'] %}
-            {% if p['type'] == 'image' %}
+            {% if p['type'] == 'image' and p.image is defined %}
 <|image|>
             {% elif p['type'] == 'text' %}
 {{ p['text'] }}
