@@ -470,8 +470,8 @@ def test_full_queue_is_a_503_with_retry_after(model, base):
     worker = Worker(model, slots=1, max_tokens=1024, max_batch=1, max_queue=1)
     client = TestClient(create_app(worker, model.tokenizer, served_name(model), base))
     body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16}
+    gate = hold(worker)
     try:
-        gate = hold(worker)
         waiting = [worker.submit(ids_of(model, "What is 2 + 3?"), base.replace(max_new_tokens=16)) for _ in range(2)]
         with pytest.raises(QueueFull, match="--max-queue 1"):
             worker.submit(ids_of(model, "What is 2 + 3?"), base)
@@ -484,6 +484,7 @@ def test_full_queue_is_a_503_with_retry_after(model, base):
         assert all(isinstance(finish(j)[-1], DoneEvent) for j in waiting)
         assert client.post("/v1/chat/completions", json=body).status_code == 200  # served again once it drains
     finally:
+        gate.set()  # a failed assertion above must not leave the worker parked (close would wait forever)
         worker.close()
 
 
@@ -502,8 +503,8 @@ def test_concurrent_streams_through_the_app_match_one_at_a_time(model, base):
                 lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
             out[i] = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in lines)
 
+        gate = hold(worker)
         try:
-            gate = hold(worker)
             threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
             for t in threads:
                 t.start()
@@ -513,6 +514,7 @@ def test_concurrent_streams_through_the_app_match_one_at_a_time(model, base):
             for t in threads:
                 t.join()
         finally:
+            gate.set()  # released whatever failed above, so close does not wait on a parked worker
             worker.close()
         return out, forwards(trace)
 

@@ -43,6 +43,7 @@ class Mutant:
     tests: list[str]  # pytest arguments (paths, -k expressions)
     note: str = ""  # what the bug stands for; for an expected survivor, why it is equivalent
     expect_survive: bool = False
+    group: str = "core"  # which audit added it (the report counts each group's kill rate)
 
 
 S, R, O = "src/diffgemma/sampling/", "src/diffgemma/model/reference.py", "src/diffgemma/ops/"
@@ -216,6 +217,12 @@ MUTANTS = [
            "the kernel-vs-twin comparison of P itself does"),
 ]
 
+# issue 55's mutants live in their own list (tools/mutants_hardening.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutants_hardening import NEW as _ISSUE55  # noqa: E402
+
+MUTANTS += [Mutant(*entry, group="issue55") for entry in _ISSUE55]
+
 
 def run(cmd, cwd, env, timeout):
     """-> (status, returncode, seconds, tail of the output). Kills the whole process group on timeout."""
@@ -267,16 +274,17 @@ def git_state() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
+    ap.add_argument("--group", default=None, help="run only this group's mutants (core, issue55)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "MUTATION.md"), help="the markdown report")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per mutant's test run (wall clock)")
     ap.add_argument("--seed", default="39", help="DGTEST_SEED for every run")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
     ap.add_argument("--merge", action="store_true",
-                    help="with --only: keep the other mutants' outcomes from the existing --out report")
+                    help="with --only or --group: keep the other mutants' outcomes from the existing --out report")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the copy is deleted, the test run killed
-    mutants = [m for m in MUTANTS if not args.only or m.id in args.only]
+    mutants = [m for m in MUTANTS if (not args.only or m.id in args.only) and args.group in (None, m.group)]
     if args.list:
         for m in mutants:
             print(f"{m.id:28s} {m.file}  ->  {' '.join(m.tests)}")
@@ -314,14 +322,16 @@ def main(argv=None) -> int:
                 survivors.append(m)
             print(f"{m.id}: {status} ({secs:.0f}s)", flush=True)
     runs = [f"Ran on {state}, {started:%Y-%m-%d %H:%M} UTC, DGTEST_SEED={args.seed}"
-            + (f": {', '.join(m.id for m in mutants)}." if args.only else ".")]
-    if args.merge and args.only and Path(args.out).exists():  # the other mutants' outcomes from the last report
+            + (f": {', '.join(m.id for m in mutants)}." if args.only else
+               f": the {args.group} group." if args.group else ".")]
+    if args.merge and (args.only or args.group) and Path(args.out).exists():  # the other mutants' outcomes from the last report
         previous, earlier_runs = read_report(Path(args.out))
         fresh = {m.id: (m, st, secs, where) for m, st, secs, where in rows}
         rows = [fresh.get(m.id) or (m, *previous[m.id]) for m in MUTANTS if m.id in fresh or m.id in previous]
         survivors = [m for m, st, _, _ in rows if st == "SURVIVED"]
         runs = earlier_runs + runs
-    write_report(Path(args.out), rows, survivors, runs)
+    history = read_history(Path(args.out)) if Path(args.out).exists() else []
+    write_report(Path(args.out), rows, survivors, runs, history)
     print(f"wrote {args.out}")
     unexplained = [m for m in survivors if not m.expect_survive]
     return 1 if unexplained or any(s in ("STALE", "TIMEOUT") for _, s, _, _ in rows) else 0
@@ -339,7 +349,29 @@ def read_report(path: Path):
     return outcomes, runs
 
 
-def write_report(out: Path, rows, survivors, runs) -> None:
+def read_history(path: Path) -> list[str]:
+    """The report's hand-written "## History" section (what earlier runs found and what was done), kept as is."""
+    lines = path.read_text().splitlines()
+    if "## History" not in lines:
+        return []
+    start = lines.index("## History")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
+def group_lines(rows) -> list[str]:
+    """One kill-rate line per group (killed counts ERROR too: the tests did not pass)."""
+    out = []
+    for group in dict.fromkeys(m.group for m, _, _, _ in rows):
+        mine = [st for m, st, _, _ in rows if m.group == group]
+        caught = sum(st in ("KILLED", "ERROR", "TIMEOUT") for st in mine)
+        equivalent = sum(1 for m, st, _, _ in rows if m.group == group and st == "SURVIVED" and m.expect_survive)
+        out.append(f"- {group}: {caught} of {len(mine)} caught ({100 * caught / len(mine):.0f}%)"
+                   + (f", {equivalent} equivalent survivor(s)" if equivalent else ""))
+    return out + [""]
+
+
+def write_report(out: Path, rows, survivors, runs, history=()) -> None:
     counts = {}
     for _, status, _, _ in rows:
         counts[status] = counts.get(status, 0) + 1
@@ -353,6 +385,7 @@ def write_report(out: Path, rows, survivors, runs) -> None:
         *[r for run in runs for r in (run, "")],
         "Result: " + ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())) + f" of {len(rows)} mutants.",
         "",
+        *group_lines(rows),
         "| mutant | file | tests | outcome | s |",
         "|---|---|---|---|---|",
     ]
@@ -364,6 +397,8 @@ def write_report(out: Path, rows, survivors, runs) -> None:
     for m in survivors:
         lines += [f"- `{m.id}` ({m.file}): `{m.find.strip()}` -> `{m.replace.strip()}`. "
                   + (m.note if m.expect_survive else f"UNEXPLAINED: {m.note}")]
+    if history:
+        lines += ["", *history]
     lines += ["", "## What each mutant stands for", ""]
     lines += [f"- `{m.id}`: {m.note}" for m, _, _, _ in rows]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -69,12 +69,16 @@ class _Interrupt(KeyboardInterrupt):
     """The logged Ctrl-C, raised again at the same block (a real Ctrl-C during replay is not caught)."""
 
 
-def replay(path, model) -> ReplayReport:
+def replay(path, model, progress=None) -> ReplayReport:
+    """progress(done, total): called before each generation and once at the end (reporting only)."""
     log = oplog.load(path)
     start = log.records[0]
     slots: dict[int, Slot] = {}
     report = ReplayReport(torn=log.torn)
-    for op, logged in _group(log.records):
+    groups = _group(log.records)
+    for done, (op, logged) in enumerate(groups):
+        if progress is not None:
+            progress(done, len(groups))
         gen = op.get("gen")
         try:
             slot_i, keep, prompt = int(op["slot"]), int(op["keep"]), list(op["prompt"])
@@ -125,6 +129,8 @@ def replay(path, model) -> ReplayReport:
         report.generations += 1
         report.events += len(logged)
         report.problems += _diff(gen, logged, got)
+    if progress is not None:
+        progress(len(groups), len(groups))
     return report
 
 
@@ -205,7 +211,7 @@ def run_logs(paths, model_path=None, device=None, out=None, err=None) -> int:
     logs = log_paths(paths)
     models: dict = {}
     counts = {"identical": 0, "differ": 0, "unreadable": 0}
-    for path in logs:
+    for i, path in enumerate(logs):
         if len(logs) > 1:
             print(f"== {path}", file=out)
         try:
@@ -213,7 +219,8 @@ def run_logs(paths, model_path=None, device=None, out=None, err=None) -> int:
             where = (model_path or start.get("model"), device or start.get("device") or "cpu")
             if where not in models:
                 models[where] = load(where[0], device=where[1])
-            report = replay(path, models[where])
+            with ReplayProgress(err, f"replay {i + 1}/{len(logs)} {Path(path).name}") as progress:
+                report = replay(path, models[where], progress=progress)
         except DiffgemmaError as e:
             print(f"diffgemma: error: {e}", file=err)
             counts["unreadable"] += 1
@@ -228,3 +235,23 @@ def run_logs(paths, model_path=None, device=None, out=None, err=None) -> int:
     if len(logs) > 1:
         print(f"replay: {len(logs)} logs: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n), file=out)
     return 2 if counts["unreadable"] else 1 if counts["differ"] else 0
+
+
+class ReplayProgress:
+    """One log's progress on `err`: a tqdm bar of its generations (shown at a terminal only, as tqdm decides)."""
+
+    def __init__(self, err, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc=desc, unit="generation", file=err, leave=False, disable=None)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()

@@ -2,8 +2,9 @@
 
 The one place a reply's text is taken apart, for every consumer (Session, the server's messages and streams,
 the CLI): `reply_parts` decodes with special tokens, ends the text at the first stop string (stop_strings.py),
-splits off the thought channel (`<|channel>thought\\n…<channel|>`), drops padding and parses `<|tool_call>`
-blocks (tool_calls.py). The helpers around it build the chat-template messages a tool-calling turn needs.
+splits off the thought channel (`<|channel>thought\\n…<channel|>`, or a close of a channel never opened:
+`unopened_thought`), drops padding and parses `<|tool_call>` blocks (tool_calls.py). The helpers around it
+build the chat-template messages a tool-calling turn needs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ def split_thought(raw: str) -> tuple[str | None, str]:
     return body.strip("\n"), answer
 
 
+def unopened_thought(thought: str | None, answer: str, early: bool) -> tuple[str | None, str]:
+    """A reply that closes a thought channel it never opened (thinking off, the model thinks anyway): when the
+    close is `early` (nothing of the reply has been shown yet), what comes before it is the thought; a close
+    later on is dropped from the answer (a stream has shown what came before it)."""
+    cut = answer.find(CHANNEL_CLOSE) if thought is None else -1
+    if cut < 0:
+        return thought, answer
+    if not early:
+        return thought, answer.replace(CHANNEL_CLOSE, "")
+    return answer[:cut].strip("\n").strip(), answer[cut + len(CHANNEL_CLOSE):].strip()
+
+
+def closes_early(tokenizer, tokens: list[int], first_block: int | None) -> bool:
+    """Whether a channel close falls in the first `first_block` tokens (None: anywhere, the reply shown whole)."""
+    head = tokens if first_block is None else tokens[:first_block]
+    return CHANNEL_CLOSE in tokenizer.decode(head, skip_special_tokens=False)
+
+
 def strip_padding(text: str, tokenizer) -> str:
     """`text` without the tokenizer's pad and filler tokens (a block may commit them after the reply ends)."""
     for tid in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "filler_id", None)):
@@ -39,12 +58,16 @@ def strip_padding(text: str, tokenizer) -> str:
     return text
 
 
-def reply_parts(tokenizer, tokens: list[int], stops=()) -> tuple[str, str | None, str, list]:
+def reply_parts(tokenizer, tokens: list[int], stops=(), first_block: int | None = None
+                ) -> tuple[str, str | None, str, list]:
     """A reply's token ids -> (raw text with special tokens, thought or None, answer, tool calls). `stops`: the
-    reply's stop strings; its text ends where the first begins (stop_strings.py)."""
+    reply's stop strings; its text ends where the first begins (stop_strings.py). `first_block`: how many tokens
+    were shown before the rest (a stream's first block; None: the reply is shown whole), for a close of a
+    channel never opened (`unopened_thought`)."""
     raw = tokenizer.decode(tokens, skip_special_tokens=False)
     raw = raw[:text_end(raw, stops)]
     thought, answer = split_thought(raw)
+    thought, answer = unopened_thought(thought, answer, closes_early(tokenizer, tokens, first_block))
     answer = strip_padding(answer, tokenizer).strip()
     return raw, thought, answer, parse_tool_calls(answer)
 
@@ -79,9 +102,15 @@ def malformed_call_cut(tokenizer, tokens: list[int]) -> int | None:
     opener = tokenizer.token_to_id(CALL_OPEN)
     if bad is None or opener is None:
         return None
+    thought, answer = split_thought(tokenizer.decode(tokens, skip_special_tokens=False))
+    unopened = thought is None and CHANNEL_CLOSE in answer  # what precedes that close is a thought (reply_parts)
     for p, t in enumerate(tokens):
         if t == opener:  # is it the answer's (bad+1)-th opener? (a thought may spell calls out too)
-            seen = split_thought(tokenizer.decode(tokens[:p + 1], skip_special_tokens=False))[1].count(CALL_OPEN)
+            head = tokenizer.decode(tokens[:p + 1], skip_special_tokens=False)
+            if unopened:
+                seen = head.split(CHANNEL_CLOSE, 1)[1].count(CALL_OPEN) if CHANNEL_CLOSE in head else 0
+            else:
+                seen = split_thought(head)[1].count(CALL_OPEN)
             if seen == bad + 1:
                 return p + 1
             if seen > bad + 1:

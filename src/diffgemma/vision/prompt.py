@@ -110,15 +110,17 @@ def prepare_parts(content, vision: "Vision", where: str = "content", max_images:
 
 
 def _template_messages(messages, template: str, placeholder: str) -> list[dict]:
-    """The messages as the template takes them: content-part lists stay lists (the image payload dropped)
-    where the template knows image parts; otherwise flattened to text with the placeholder per image."""
+    """The messages as the template takes them: content-part lists stay lists where the template knows image parts
+    (an image part's payload becomes a placeholder text naming its type, as transformers hands a template media it
+    must not read); otherwise flattened to text with the placeholder per image."""
     parts_aware = "image" in template
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             if parts_aware:
-                content = [{"type": "image"} if is_image_part(p) else p for p in content]
+                content = [{"type": "image", "image": f"<{type(p.get('image')).__name__}>"} if is_image_part(p)
+                           else p for p in content]
             else:
                 content = "".join(placeholder if is_image_part(p) else p["text"] for p in content)
             m = {**m, "content": content}
