@@ -82,6 +82,10 @@ class GenerationSettings:
     # ends at the first match, which the returned text leaves out (generation.py, stop_strings.py)
     stop_strings: tuple[str, ...] = ()
     semantics: str = "contract"  # "contract" (docs/ARCHITECTURE.md) or "hf" (transformers' generate())
+    # A grammar the reply must match, in llguidance's serialized form (sampling/constraint.py; grammars.py makes it
+    # from a JSON schema or a tool list). None: unconstrained. Journaled with the other settings, so replay re-runs it
+    grammar: str | None = None
+    grammar_fixes: int = 8  # frontier positions a constrained step may correct with the grammar's masked argmax
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -194,6 +198,8 @@ _FIELD_TYPES: dict[str, str] = {
     "stop_ids": "optional_ids",
     "stop_strings": "strings",
     "semantics": "choice",
+    "grammar": "optional_text",
+    "grammar_fixes": "int",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
 FIELD_NAMES = tuple(_FIELD_TYPES)
@@ -219,6 +225,7 @@ def _expected(name: str) -> str:
         "optional_int": "a positive integer or 'none'",
         "optional_ids": "a comma-separated list of token ids or 'none'",
         "strings": "non-empty texts: one text, or a JSON array of them ('[\"a\", \"b\"]'; '' for none)",
+        "optional_text": "a non-empty text or 'none'",
     }[kind]
 
 
@@ -233,6 +240,7 @@ def _check_type(name: str, value: Any, origin: str) -> None:
         "optional_ids": value is None
         or (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)),
         "strings": isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
+        "optional_text": value is None or (isinstance(value, str) and bool(value)),
     }[kind]
     if not ok:
         raise SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
@@ -260,6 +268,7 @@ def _check_ranges(s: GenerationSettings) -> None:
     need(0 <= s.seed < 2**64, "seed", "an integer in [0, 2**64)")
     need(s.canvas_length is None or s.canvas_length >= 1, "canvas_length", "a positive integer or None")
     need(s.stop_ids is None or all(v >= 0 for v in s.stop_ids), "stop_ids", "non-negative token ids")
+    need(s.grammar_fixes >= 1, "grammar_fixes", "an integer >= 1")
 
 
 def _parse(name: str, value: Any, origin: str) -> Any:
@@ -278,6 +287,10 @@ def _parse(name: str, value: Any, origin: str) -> Any:
                 value = json.loads(value)
             except ValueError:
                 raise bad() from None
+    if kind == "optional_text" and isinstance(value, str):
+        if value.strip().lower() in ("none", ""):
+            return None
+        return value
     if isinstance(value, str):
         text = value.strip()
         low = text.lower()
