@@ -271,7 +271,9 @@ def generate_steps(
             length = canvas_len if attempt == 0 else max(canvas_len >> attempt, canvas_len >> 2, 1)
             rng = hf_rng if hf else DeviceLcg(block_seed(s.seed, block, attempt), device)
             t = time.perf_counter()
-            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt, batched, grammar)
+            close_from = s.max_new_tokens - s.grammar_reserve - len(tokens)  # a constrained reply closes from here
+            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt, batched, grammar,
+                                                 close_from)
             timings["denoise_s"] += time.perf_counter() - t
             forwards += proposal.steps
             # one read per attempt: committed ids (+ argmax and max probs for the trim)
@@ -356,7 +358,7 @@ def generate_steps(
 
 
 def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int,
-                   attempt: int, batched: bool = False, grammar: GrammarState | None = None):
+                   attempt: int, batched: bool = False, grammar: GrammarState | None = None, close_from: int = 0):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
     Per step everything stays on the model's device; the Status it yields (the denoiser's read_status) is the only
@@ -403,7 +405,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
             if grammar is not None:  # the grammar's valid prefix is held (sampling/constraint.py)
-                held, held_ids = grammar.hold(proposal, logits)
+                held, held_ids = grammar.hold(proposal, logits, close_from)
                 proposal, mask = torch.where(held, held_ids, proposal), mask | held
             canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
             mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be

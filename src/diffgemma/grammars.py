@@ -63,10 +63,24 @@ def json_grammar(schema: dict | None, token_id, *, thinking: bool = False) -> st
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
         raise InputError(f"response_format schema: expected a JSON object, got {type(schema).__name__}")
-    schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+    schema = {**_closed(schema), "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
     start = "start: thought? value\n" if thinking else "start: value\n"
     lark = start + _thought(token_id, thinking) + f"value: %json {json.dumps(schema)}\n"
     return _compile(lark, "response_format schema")
+
+
+def _closed(schema):
+    """The schema with `additionalProperties: false` on every object that declares properties and says nothing of
+    others: each reply it allows is valid under the original, and a canvas is not invited to invent keys."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (_closed(v) if k not in ("enum", "const", "default", "examples") else v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, text_before: bool = False,

@@ -86,6 +86,7 @@ class GenerationSettings:
     # from a JSON schema or a tool list). None: unconstrained. Journaled with the other settings, so replay re-runs it
     grammar: str | None = None
     grammar_fixes: int = 8  # frontier positions a constrained step may correct with the grammar's masked argmax
+    grammar_reserve: int = 32  # the last tokens of a constrained reply's budget close the grammar (sampling/constraint)
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -200,6 +201,7 @@ _FIELD_TYPES: dict[str, str] = {
     "semantics": "choice",
     "grammar": "optional_text",
     "grammar_fixes": "int",
+    "grammar_reserve": "int",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
 FIELD_NAMES = tuple(_FIELD_TYPES)
@@ -269,6 +271,7 @@ def _check_ranges(s: GenerationSettings) -> None:
     need(s.canvas_length is None or s.canvas_length >= 1, "canvas_length", "a positive integer or None")
     need(s.stop_ids is None or all(v >= 0 for v in s.stop_ids), "stop_ids", "non-negative token ids")
     need(s.grammar_fixes >= 1, "grammar_fixes", "an integer >= 1")
+    need(s.grammar_reserve >= 0, "grammar_reserve", "an integer >= 0")
 
 
 def _parse(name: str, value: Any, origin: str) -> Any:
