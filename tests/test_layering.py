@@ -29,7 +29,8 @@ LONG_FILES = {
 # events, reply, slots, options (the loop's events; the session's split), vision and quality arrive from other
 # branches of the same restructuring; a name in no layer fails the check below.
 LAYERS = [
-    {"errors", "config", "settings", "checkpoint", "tokenizer", "stop_strings", "tool_calls", "events"},  # foundations
+    {"errors", "config", "settings", "checkpoint", "tokenizer", "stop_strings", "tool_calls", "events",
+     "grammars"},  # foundations
     {"ops"},  # kernels and the bit layouts they read
     {"quant"},  # pack formats: read and write them (import their layouts from ops)
     {"model", "sampling"},  # the forward pass; the sampler

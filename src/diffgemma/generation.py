@@ -55,6 +55,7 @@ import torch
 from .errors import InputError
 from .model.protocol import DenoiseModel
 from .sampling.accept import accept_mask
+from .sampling.constraint import GrammarState
 from .sampling.rng import DeviceLcg, block_seed, categorical
 from .sampling.schedule import remaining, temperature_value
 from .sampling.self_condition import SparsePlan
@@ -68,6 +69,7 @@ STOP_TOKEN = "stop_token"  # BlockEvent.end: the block held a stop id; the turn 
 BUDGET = "max_new_tokens"  # the token budget is spent
 TRIMMED = "trimmed"  # the confidence trim cut the block; the tail re-denoises next block
 STOP_STRING = "stop_string"  # the reply holds a stop text; the block was cut after it and the turn is over
+GRAMMAR_CUT = "grammar_cut"  # the grammar refused a token of the block: it was cut there; the tail re-denoises next
 CONTINUE = "continue"  # a full block was committed; the next block follows
 
 
@@ -232,8 +234,11 @@ def generate_steps(
     tokenizer = model.tokenizer
     if s.stop_strings and tokenizer is None:
         raise InputError("stop_strings: this model has no tokenizer to decode the reply with")
-    # the trim can shorten blocks, so it gets twice the block budget
+    grammar = GrammarState(s.grammar, tokenizer, vocab, stop_ids, s.grammar_fixes) if s.grammar else None
+    # the trim can shorten blocks, so it gets twice the block budget; a grammar's cut keeps one token at least
     max_blocks = math.ceil(s.max_new_tokens / canvas_len) * (2 if s.confidence_trim > 0 else 1)
+    if grammar is not None:
+        max_blocks = max(max_blocks, s.max_new_tokens)
 
     t_start = time.perf_counter()
     timings = {"prefill_s": 0.0, "denoise_s": 0.0}
@@ -266,7 +271,9 @@ def generate_steps(
             length = canvas_len if attempt == 0 else max(canvas_len >> attempt, canvas_len >> 2, 1)
             rng = hf_rng if hf else DeviceLcg(block_seed(s.seed, block, attempt), device)
             t = time.perf_counter()
-            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt, batched)
+            close_from = s.max_new_tokens - s.grammar_reserve - len(tokens)  # a constrained reply closes from here
+            proposal = yield from _denoise_block(model, cache, s, rng, length, block, attempt, batched, grammar,
+                                                 close_from)
             timings["denoise_s"] += time.perf_counter() - t
             forwards += proposal.steps
             # one read per attempt: committed ids (+ argmax and max probs for the trim)
@@ -274,7 +281,7 @@ def generate_steps(
                                                                          proposal.p_max]
             flat = yield BlockRead(torch.cat([x.double() for x in parts]))
             committed = [int(x) for x in flat[:length]]
-            degenerate = committed[0] in control_ids
+            degenerate = committed[0] in control_ids and grammar is None  # a grammar chose the first token
             if block == 0 and degenerate and attempt < s.empty_reply_retry:
                 attempt += 1
                 retries += 1
@@ -284,6 +291,7 @@ def generate_steps(
             max_blocks += 1  # a shrunk re-rolled block commits less: it does not use up a block of budget
 
         limit = min(len(committed), s.max_new_tokens - len(tokens))
+        valid = grammar.cut(committed[:limit]) if grammar is not None else limit
         stop_pos = next((i for i in range(limit) if committed[i] in stop_ids), None)
         answer_len = stop_pos if stop_pos is not None else limit
         cut = None
@@ -292,7 +300,9 @@ def generate_steps(
             argmax_ids = [int(x) for x in flat[n: 2 * n]]
             cut = trim_cut(argmax_ids, flat[2 * n:], s.confidence_trim, answer_len)
         stop_token = None
-        if cut is not None:
+        if valid < limit and (stop_pos is None or valid <= stop_pos) and (cut is None or valid < cut):
+            keep, end, cut = committed[:valid], GRAMMAR_CUT, None
+        elif cut is not None:
             keep, end = committed[:cut], TRIMMED
         elif stop_pos is not None:
             keep, end, stop_token = committed[:stop_pos], STOP_TOKEN, committed[stop_pos]
@@ -305,6 +315,8 @@ def generate_steps(
                 k, final_string = hit
                 keep, end, stop_token, cut = keep[:k - len(tokens)], STOP_STRING, None, None
 
+        if grammar is not None:
+            grammar.commit(keep + ([stop_token] if stop_token is not None else []))
         last = (stop_token is not None or end == STOP_STRING or len(tokens) + len(keep) >= s.max_new_tokens
                 or block + 1 >= max_blocks)
         if keep and (keep_cache or not last):
@@ -346,7 +358,7 @@ def generate_steps(
 
 
 def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: DeviceLcg, length: int, block: int,
-                   attempt: int, batched: bool = False):
+                   attempt: int, batched: bool = False, grammar: GrammarState | None = None, close_from: int = 0):
     """Denoise one canvas of `length` ids at positions cache.length.. ; yields StepEvents, returns _Proposal.
 
     Per step everything stays on the model's device; the Status it yields (the denoiser's read_status) is the only
@@ -392,6 +404,9 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
             if frozen is not None:
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
+            if grammar is not None:  # the grammar's valid prefix is held (sampling/constraint.py)
+                held, held_ids = grammar.hold(proposal, logits, close_from)
+                proposal, mask = torch.where(held, held_ids, proposal), mask | held
             canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
             mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
             code = stops.update(step, argmax, mean_h, mask)
@@ -416,6 +431,8 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
 
     den.close()
     committed = stats.argmax if frozen is None else torch.where(frozen, canvas, stats.argmax)
+    if grammar is not None:
+        committed = torch.where(held, canvas, committed)
     p_max = stats.max_prob() if s.confidence_trim > 0 else None
     return _Proposal(committed=committed, argmax=stats.argmax, p_max=p_max, steps=step, stop_reason=reason)
 

@@ -89,6 +89,11 @@ class GenerationSettings:
     topk_divisor: int = 128
     topk_min: int = 64
     topk_max: int = 512
+    # A grammar the reply must match, in llguidance's serialized form (sampling/constraint.py; grammars.py makes it
+    # from a JSON schema or a tool list). None: unconstrained. Journaled with the other settings, so replay re-runs it
+    grammar: str | None = None
+    grammar_fixes: int = 8  # frontier positions a constrained step may correct with the grammar's masked argmax
+    grammar_reserve: int = 32  # the last tokens of a constrained reply's budget close the grammar (sampling/constraint)
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -206,6 +211,9 @@ _FIELD_TYPES: dict[str, str] = {
     "topk_divisor": "int",
     "topk_min": "int",
     "topk_max": "int",
+    "grammar": "optional_text",
+    "grammar_fixes": "int",
+    "grammar_reserve": "int",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
 FIELD_NAMES = tuple(_FIELD_TYPES)
@@ -231,6 +239,7 @@ def _expected(name: str) -> str:
         "optional_int": "a positive integer or 'none'",
         "optional_ids": "a comma-separated list of token ids or 'none'",
         "strings": "non-empty texts: one text, or a JSON array of them ('[\"a\", \"b\"]'; '' for none)",
+        "optional_text": "a non-empty text or 'none'",
     }[kind]
 
 
@@ -245,6 +254,7 @@ def _check_type(name: str, value: Any, origin: str) -> None:
         "optional_ids": value is None
         or (isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)),
         "strings": isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
+        "optional_text": value is None or (isinstance(value, str) and bool(value)),
     }[kind]
     if not ok:
         raise SettingsError(f"{name} ({origin}): got {value!r}, expected {_expected(name)}")
@@ -275,6 +285,8 @@ def _check_ranges(s: GenerationSettings) -> None:
     need(s.topk_divisor >= 1, "topk_divisor", "an integer >= 1")
     need(s.topk_min >= 1, "topk_min", "an integer >= 1")
     need(s.topk_max >= s.topk_min, "topk_max", f"an integer >= topk_min ({s.topk_min})")
+    need(s.grammar_fixes >= 1, "grammar_fixes", "an integer >= 1")
+    need(s.grammar_reserve >= 0, "grammar_reserve", "an integer >= 0")
 
 
 def _parse(name: str, value: Any, origin: str) -> Any:
@@ -293,6 +305,10 @@ def _parse(name: str, value: Any, origin: str) -> Any:
                 value = json.loads(value)
             except ValueError:
                 raise bad() from None
+    if kind == "optional_text" and isinstance(value, str):
+        if value.strip().lower() in ("none", ""):
+            return None
+        return value
     if isinstance(value, str):
         text = value.strip()
         low = text.lower()

@@ -195,6 +195,10 @@ class Tokenizer:
             raise CheckpointError(f"{self.path}: special token {text!r} is missing from the vocabulary")
         return i
 
+    def backend_json(self) -> str:
+        """The tokenizer.json this tokenizer was made from, as text (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     def token_to_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
