@@ -16,6 +16,7 @@ pytest.importorskip("PIL")
 import diffgemma  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.model.engine import Engine  # noqa: E402
+from diffgemma.model.engine_inputs import prefill_chunks  # noqa: E402
 from diffgemma.model.forward import Forward  # noqa: E402
 from diffgemma.vision.merge import image_groups, image_placeholder, image_runs, merge_image_embeddings  # noqa: E402
 from diffgemma.vision.preprocess import prepare_images  # noqa: E402
@@ -110,14 +111,14 @@ def test_engine_image_prefill_matches_reference(ckpt, n_images, chunk, prefix):
 def test_chunks_never_end_inside_an_image():
     groups = torch.tensor([-1] * 3 + [0] * 10 + [-1] * 2 + [1] * 4 + [-1] * 6)  # images at [3, 13) and [15, 19)
     for chunk in range(1, 30):
-        bounds = Forward._chunks(len(groups), chunk, groups)
+        bounds = prefill_chunks(len(groups), chunk, groups)
         assert bounds[0][0] == 0 and bounds[-1][1] == len(groups)
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
         for s, e in bounds:
             assert e not in (4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 17, 18), (chunk, bounds)
             assert e - s <= chunk or (groups[s] >= 0 and (s == 0 or groups[s - 1] != groups[s])), (chunk, bounds)
-    assert Forward._chunks(7, 3, None) == [(0, 3), (3, 6), (6, 7)]
-    assert Forward._chunks(25, 5, groups) == [(0, 3), (3, 13), (13, 15), (15, 20), (20, 25)]
+    assert prefill_chunks(7, 3, None) == [(0, 3), (3, 6), (6, 7)]
+    assert prefill_chunks(25, 5, groups) == [(0, 3), (3, 13), (13, 15), (15, 20), (20, 25)]
 
 
 def test_engine_embeds_without_groups_is_the_plain_prefill(ckpt):

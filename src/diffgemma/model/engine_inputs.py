@@ -59,3 +59,25 @@ def check_denoise(engine, cache, canvas_ids, sc_logits, sc_embeds):
     if sc_logits is not None:
         return ids, "logits", sc_logits
     return ids, ("none" if sc_embeds is None else "embeds"), sc_embeds
+
+
+def prefill_chunks(n: int, chunk: int, groups: torch.Tensor | None) -> list[tuple[int, int]]:
+        """[start, end) prefill chunks of at most `chunk` rows, except that no chunk ends inside an image (the rows of
+        one group id, from its first row to its last): that chunk ends before the image, or after it where the image
+        starts the chunk (then it is longer than `chunk`)."""
+        span = {}
+        if groups is not None:
+            for i, g in enumerate(groups.tolist()):
+                if g >= 0:
+                    span[g] = (span.get(g, (i, i))[0], i + 1)
+        inside = sorted(span.values())
+        out, s = [], 0
+        while s < n:
+            e = min(s + chunk, n)
+            for a, b in inside:
+                if a < e < b:
+                    e = a if a > s else b
+                    break
+            out.append((s, e))
+            s = e
+        return out

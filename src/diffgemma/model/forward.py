@@ -20,11 +20,11 @@ launches on CUDA:
 Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure. Weights held in FP8
 (ops/fp8_weight.Fp8Weight) run on the FP8 GEMMs, their input quantized per token (ops/fp8_linear.py, fp8_moe.py).
 
-Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to (q-W, q], over the
-ring as it was before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas
-writes its K/V into per-layer scratch rows of the cache and attends bidirectionally to the visible cache rows and
-itself. Only device tensors describe the context (cache.length_t, cache.slot_pos), so a denoise can be captured
-once as a CUDA graph and replayed at every step (model/engine.py).
+Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to (q-W, q], over the ring as
+it was before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas writes its
+K/V into per-layer scratch rows of the cache and attends bidirectionally to the visible cache rows and itself. Only
+device tensors describe the context (cache.length_t, cache.slot_pos), so a denoise can be captured once as a CUDA
+graph and replayed at every step (model/engine.py).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ..ops.route import route_fused
 from ..ops.rowstats import tempered_masked_probs, tempered_rowstats
 from ..ops.sm_carveout import cublas_sm_carveout
 from .engine_cache import EngineKVCache
+from .engine_inputs import prefill_chunks
 from .engine_weights import EngineWeights
 from .options import EngineOptions
 
@@ -95,35 +96,13 @@ class Forward:
         layer-0 input in place of embed(ids)) and groups [n] (each row's image or -1: rows of one image also attend
         to each other both ways): checked, on the device, or None. A chunk never splits an image."""
         chunk = self.options.prefill_chunk
-        for s, e in self._chunks(len(ids), chunk, groups):
+        for s, e in prefill_chunks(len(ids), chunk, groups):
             self._prefill_chunk(cache, ids[s: e], None if embeds is None else embeds[s: e],
                                 None if groups is None else groups[s: e])
         if self._dequantizes_in_prefill(min(len(ids), chunk)):
             # A packed model's prefill dequantizes each layer's expert stack into a bf16 scratch (1 GB at full
             # size; ops/moe_paths.PREFILL_ROWS); it goes back to the device, not to the allocator's cache.
             torch.cuda.empty_cache()
-
-    @staticmethod
-    def _chunks(n: int, chunk: int, groups: torch.Tensor | None) -> list[tuple[int, int]]:
-        """[start, end) prefill chunks of at most `chunk` rows, except that no chunk ends inside an image (the rows of
-        one group id, from its first row to its last): that chunk ends before the image, or after it where the image
-        starts the chunk (then it is longer than `chunk`)."""
-        span = {}
-        if groups is not None:
-            for i, g in enumerate(groups.tolist()):
-                if g >= 0:
-                    span[g] = (span.get(g, (i, i))[0], i + 1)
-        inside = sorted(span.values())
-        out, s = [], 0
-        while s < n:
-            e = min(s + chunk, n)
-            for a, b in inside:
-                if a < e < b:
-                    e = a if a > s else b
-                    break
-            out.append((s, e))
-            s = e
-        return out
 
     def _prefill_chunk(self, cache: EngineKVCache, ids: torch.Tensor, embeds=None, groups=None) -> None:
         cfg, W, dev = self.config, self.config.sliding_window, self.device
