@@ -280,8 +280,6 @@ def test_text_no_context_can_hold_is_a_400_before_it_is_tokenized(small, model):
     assert watch.answers >= 5 and not watch.failures and watch.slowest < 0.1, (watch.slowest, watch.failures)
 
 
-@pytest.mark.xfail(reason="Tokenizer.encode (tokenizers' encode) holds the interpreter lock while it runs; its "
-                          "encode_batch releases it: a one-line change in diffgemma/tokenizer.py")
 def test_health_answers_while_a_long_prompt_is_tokenized(model, base):
     """Text just under the bound reaches the tokenizer (here 60,000 characters of words it has not seen, which the
     demo tokenizer takes a good fraction of a second over); /health keeps answering within 100 ms meanwhile."""

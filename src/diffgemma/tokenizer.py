@@ -209,7 +209,9 @@ class Tokenizer:
         """Text to ids. Special-token texts inside `text` (e.g. "<|turn>") become their ids; nothing is added."""
         if not isinstance(text, str):
             raise InputError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch gives encode's ids and releases the interpreter lock while it runs, so a long prompt
+        # tokenized in the server's thread pool does not stall its event loop
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

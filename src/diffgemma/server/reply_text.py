@@ -10,7 +10,8 @@ begins, and a stream holds back a tail that the next block could complete into o
 
 from __future__ import annotations
 
-from ..reply import CHANNEL_CLOSE, CHANNEL_OPEN, THOUGHT_LABEL, answer_prose, reply_parts, split_thought, strip_padding
+from ..reply import (CHANNEL_OPEN, THOUGHT_LABEL, answer_prose, closes_early, reply_parts, split_thought,
+                     strip_padding, unopened_thought)
 from ..stop_strings import held_back, settled, text_end
 from ..tool_calls import CALL_CLOSE, CALL_OPEN
 from .protocol import tool_calls_json
@@ -28,22 +29,6 @@ def without_calls(answer: str) -> str:
     return "".join(out).strip()
 
 
-def unopened_thought(thought: str | None, answer: str, early: bool) -> tuple[str | None, str]:
-    """A reply that closes a thought channel it never opened, in its first block (`early`): what comes before the
-    close is a thought. A close later on is dropped from the answer (a stream has sent what came before it)."""
-    cut = answer.find(CHANNEL_CLOSE) if thought is None else -1
-    if cut < 0:
-        return thought, answer
-    if not early:
-        return thought, answer.replace(CHANNEL_CLOSE, "")
-    return answer[:cut].strip("\n").strip(), answer[cut + len(CHANNEL_CLOSE):].strip()
-
-
-def _closes_early(tokenizer, tokens: list[int], first_block: int | None) -> bool:
-    head = tokens if first_block is None else tokens[:first_block]
-    return CHANNEL_CLOSE in tokenizer.decode(head, skip_special_tokens=False)
-
-
 def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=(), tools=None,
                   parallel: bool = True, first_block: int | None = None) -> tuple[dict, list]:
     """-> (assistant message, well-formed tool calls answered as such, [] when none). `tools`: the offered tools;
@@ -51,8 +36,7 @@ def final_message(tokenizer, tokens: list[int], tools_on: bool, stops=(), tools=
     answered only when every one is well-formed; otherwise their markup is left out of the content.
     parallel=False answers only the first call. first_block: how many of the tokens the first block wrote (the
     canvas length), where a close of a thought channel never opened makes a thought of what precedes it."""
-    _, thought, answer, calls = reply_parts(tokenizer, tokens, stops)
-    thought, answer = unopened_thought(thought, answer, _closes_early(tokenizer, tokens, first_block))
+    _, thought, answer, calls = reply_parts(tokenizer, tokens, stops, first_block=first_block)
     message = {"role": "assistant", "content": answer}
     if thought is not None:
         message["reasoning_content"] = thought
@@ -80,7 +64,7 @@ class ReplyDeltas:
         it), anything from a tool call's opener on, and a tail that may still become a stop text are held back."""
         raw = settled(self.tokenizer.decode(self.tokens, skip_special_tokens=False), self.stops)
         thought, answer = split_thought(raw)
-        thought, answer = unopened_thought(thought, answer, _closes_early(self.tokenizer, self.tokens, self.first_block))
+        thought, answer = unopened_thought(thought, answer, closes_early(self.tokenizer, self.tokens, self.first_block))
         opened = raw.find(CHANNEL_OPEN)
         if opened >= 0 and THOUGHT_LABEL.startswith(raw[opened + len(CHANNEL_OPEN):]):
             thought = ""  # the channel's label is still being written: it is not part of the thought
