@@ -54,6 +54,7 @@ import torch
 
 from .errors import InputError
 from .model.protocol import DenoiseModel
+from .ops.attention_topk import TopKRule
 from .sampling.accept import accept_mask
 from .sampling.constraint import GrammarState
 from .sampling.rng import DeviceLcg, block_seed, categorical
@@ -249,6 +250,7 @@ def generate_steps(
             raise InputError("input_ids: empty prompt without a cache; expected at least one token")
     if cache is None:
         cache = model.new_cache(cache_need(model, prompt.numel(), s))
+    cache.attention_topk = TopKRule.from_settings(s)  # the full layers' attention from here on (None: dense)
     if prompt.numel():
         t = time.perf_counter()
         model.prefill(cache, prompt)
