@@ -12,10 +12,11 @@ from diffgemma.ops.fp8_quant import fake_quant_rows
 class FakeQuantReference(ReferenceModel):
     """The reference forward whose GEMMs against the FP8 tensors (by storage) fake-quantize their input per row."""
 
-    def __init__(self, cfg, names, source, device="cpu"):
+    def __init__(self, cfg, names, source, device="cpu", quantized=fp8_by_default):
+        """quantized(name): whether the engine holds that tensor in FP8 (a hub source: its kind is "fp8")."""
         w = {n: source.get(n, dtype=torch.float32, device=device) for n in names}
         super().__init__(cfg, w, device=device, dtype=torch.float32)
-        self.fp8_storage = {w[n].untyped_storage().data_ptr() for n in w if fp8_by_default(n)}
+        self.fp8_storage = {w[n].untyped_storage().data_ptr() for n in w if quantized(n)}
 
     def _layer(self, layer, x, pos, attend, denoise, with_ffn=True, mm=matmul, pad=None):
         def fq_mm(a, w):

@@ -454,8 +454,10 @@ def _settings(model, **extra):
     return GenerationSettings.resolve(model.generation_config, env={}, overrides=base)
 
 
-def _host_sync_block(model, cache, s, rng, length, block, attempt, batched=False):
-    """The step loop as it was before the one-sync rewrite (host floats, torch.equal stops): the twin."""
+def _host_sync_block(model, cache, s, rng, length, block, attempt, batched=False, grammar=None, close_from=0):
+    """The step loop as it was before the one-sync rewrite (host floats, torch.equal stops): the twin (of
+    unconstrained generations: a grammar is not part of what it replaced)."""
+    assert grammar is None
     device = model.embedding.device
     vocab = model.config.vocab_size
     hf = s.semantics == "hf"

@@ -20,7 +20,9 @@ from diffgemma.checkpoint import expected_tensors
 from diffgemma.model.engine import build_engine
 from diffgemma.model.engine_weights import DictSource
 from diffgemma.quant import codecs
+from diffgemma.ops.fp8_weight import Fp8Weight
 from diffgemma.quant.hub_source import HubSource, fp8_weight
+from fp8_reference import FakeQuantReference
 
 pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -148,9 +150,14 @@ def test_fast_engine_on_converted_records_matches_reference(hub):
     expect_kind = {"nvfp4": "nvfp4", "w4a16": "q4", "int4": "q4"}
     kind = next((k for tag, k in expect_kind.items() if tag in name), None)
     gu = eng.w.layers[0].experts_gu
-    assert getattr(gu, "fmt", None) == kind  # FP8 stays a tensor here (the FP8 engine takes Fp8Weight)
     held = _record_weights(diffgemma.loader.open_source(path), cfg)
-    ref = diffgemma.model.reference.ReferenceModel(cfg, held, device="cpu", dtype=torch.float32)
+    if "fp8" in name:  # the FP8 engine: FP8 weights, each GEMM's input quantized per token (tests/fp8_reference.py)
+        assert isinstance(gu, Fp8Weight)
+        fresh = diffgemma.loader.open_source(path)
+        ref = FakeQuantReference(cfg, list(held), fresh, quantized=lambda n: fresh.kind(n) == "fp8")
+    else:
+        assert getattr(gu, "fmt", None) == kind
+        ref = diffgemma.model.reference.ReferenceModel(cfg, held, device="cpu", dtype=torch.float32)
     case = _case(cfg)
     for e, g in zip(_two_blocks_ours(ref, *case), _two_blocks_ours(eng, *case)):
         assert (g - e).abs().max().item() <= TOL_F32

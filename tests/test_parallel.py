@@ -92,11 +92,16 @@ def test_ranks_give_the_single_engine_logits_and_tokens(checkpoints, name, G):
         assert isinstance(lead, LeadEngine) and lead.forward.count == single.config.num_experts // G
         assert lead.w.layers[0].experts_gu.shape[0] == single.config.num_experts // G
         case = inputs(single.config)
+        bitwise = True
         for i, (want, got) in enumerate(zip(calls(single, *case), calls(lead, *case))):
             err = (got - want).abs().max().item()
             # f32 rounding of a re-ordered sum (median 0 here); a wrong expert, route or weight is O(0.1-1)
             assert err <= 1e-4 * max(1.0, want.abs().max().item()), f"call {i}: max |Δlogits| = {err:.3g}"
-        if single.config.top_k_experts == 2:  # a token's two expert terms add up the same in any order: same bits
+            bitwise &= torch.equal(got, want)
+        # a token's two expert terms add up the same in any order, so the ranks' tokens are the single engine's where
+        # the expert GEMMs give the same bits on a rank's rows as on all rows; the host BLAS need not (its kernel may
+        # depend on the rows it is given), and then a near tie may break the other way: the logits bound above holds
+        if single.config.top_k_experts == 2 and bitwise:
             prompt = case[0]
             for seed in (1, 2):
                 assert (generate(lead, prompt, seed=seed, **GEN).tokens
