@@ -138,9 +138,12 @@ if HAVE_TRITON:
         1 past the edge; else tscale (twice: nvfp4's one multiplier, and no divisor is read)."""
         if ESCALE:
             e = rows // per
-            return (tl.load(es_ptr + 2 * e, mask=row_ok, other=1.0), tl.load(es_ptr + 2 * e + 1, mask=row_ok, other=1.0))
+            mul = tl.load(es_ptr + 2 * e, mask=row_ok, other=1.0)
+            div = tl.load(es_ptr + 2 * e + 1, mask=row_ok, other=1.0)
         else:
-            return tscale, tscale
+            mul = tscale
+            div = tscale
+        return mul, div
 
     @triton.jit
     def _expert_tile(offs_ptr, order_ptr, N, BN: tl.constexpr, HAS_ORDER: tl.constexpr):

@@ -225,11 +225,12 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, xo, mask=mask)
         if HAS_NEXT:
             wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            hn = (_row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn).to(hn_ptr.dtype.element_ty)
+            hn = _row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn
             if NEXT_FP8:  # the next GEMM's per-token FP8 operand of the rounded norm, instead of it
-                store_fp8_row(hn.to(tl.float32), mask, q_ptr, s_ptr, row, n_cols, cols, _FMAX, _SMIN)
+                store_fp8_row(hn.to(hn_ptr.dtype.element_ty).to(tl.float32), mask, q_ptr, s_ptr, row, n_cols, cols,
+                              _FMAX, _SMIN)
             else:
-                tl.store(hn_ptr + row * n_cols + cols, hn, mask=mask)
+                tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _embed_sc_norms_kernel(ids_ptr, table_ptr, s_ptr, wn_ptr, x_ptr, hn_ptr, n_rows, n_cols, scale, eps,
