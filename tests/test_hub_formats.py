@@ -8,6 +8,7 @@ those records hold, and the conversion moves the weights no further than docs/FO
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import diffgemma
 from diffgemma.checkpoint import expected_tensors
 from diffgemma.model.engine import build_engine
 from diffgemma.model.engine_weights import DictSource
+from diffgemma.ops.packed_weight import PackedWeight
 from diffgemma.quant import codecs
 from diffgemma.ops.fp8_weight import Fp8Weight
 from diffgemma.quant.hub_source import HubSource, fp8_weight
@@ -82,10 +84,30 @@ def test_dequantization_equals_the_librarys(hub):
         mod = key[:-len(".weight")]
         ours = src._dequant(mod)  # the per-module decode the stacked names are built from
         assert ours.shape == lib.shape and ours.dtype == torch.float32
-        # fp8 / int4 products are exact in f32; nvfp4's e2m1 · s / global_scale: ours rounds once, the library
-        # twice (scale / global_scale, then the product), so they may differ by one f32 ulp.
-        tol = 2.0 ** -22 * lib.abs() if "nvfp4" in name else torch.zeros_like(lib)
-        assert ((ours - lib).abs() <= tol).all(), f"{name} {key}: max |Δ| {(ours - lib).abs().max():.3g}"
+        # fp8 / int4 products are exact in f32; nvfp4 in the library's own f32 arithmetic (hub_codecs): all equal
+        assert torch.equal(ours, lib), f"{name} {key}: {(ours != lib).sum()} values differ"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "nvfp4" in n])
+def test_engine_nvfp4_records_decode_to_the_librarys_values(name):
+    """The fast engine's NVFP4 expert stacks (nvfp4e records converted at load) hold the library's dequantized
+    values bit for bit: the torch twin, the codecs' decode and the library's output agree exactly."""
+    path = HUB / name
+    src = diffgemma.loader.open_source(path)
+    probes = load_file(str(path / "library_dequant.safetensors"))
+    for key, lib in probes.items():
+        m = re.fullmatch(r"(model\.decoder\.layers\.(\d+)\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key)
+        stack = m and f"{m[1]}.{'down_proj' if m[4] == 'down' else 'gate_up_proj'}"
+        if not m:
+            continue
+        assert src.kind(stack) == "nvfp4e"
+        rec = src.record(stack)
+        pw = PackedWeight.from_record("nvfp4e", src.shape(stack), torch.frombuffer(bytearray(rec), dtype=torch.uint8).clone())
+        w = pw.dequantize()
+        assert torch.equal(w, codecs.decode(pw.fmt, rec, pw.shape))
+        F = w.shape[1] // 2
+        part = {"gate": w[int(m[3]), :F], "up": w[int(m[3]), F:], "down": w[int(m[3])]}[m[4]]
+        assert torch.equal(part, lib), f"{name} {key}: {(part != lib).sum()} values differ"
 
 
 def test_experts_stack_gate_before_up(hub):
@@ -147,7 +169,7 @@ def test_fast_engine_on_converted_records_matches_reference(hub):
     cfg = model.config
     src = diffgemma.loader.open_source(path)
     eng = build_engine(cfg, src, "cpu", torch.float32, kv_dtype=torch.float32)
-    expect_kind = {"nvfp4": "nvfp4", "w4a16": "q4", "int4": "q4"}
+    expect_kind = {"nvfp4": "nvfp4e", "w4a16": "q4", "int4": "q4"}
     kind = next((k for tag, k in expect_kind.items() if tag in name), None)
     gu = eng.w.layers[0].experts_gu
     held = _record_weights(diffgemma.loader.open_source(path), cfg)
@@ -164,8 +186,8 @@ def test_fast_engine_on_converted_records_matches_reference(hub):
     exact = _state_dict(path)
     for n, w in held.items():  # what the conversion changed: docs/FORMATS.md's bounds
         d = (w - exact[n]).abs().max().item()
-        if "nvfp4" in name:  # block scales re-rounded to e4m3 where experts' global scales differ: <= 2^-4 relative
-            assert d <= 2.0 ** -4 * exact[n].abs().max().item() + 1e-30, n
+        if "nvfp4" in name:  # per-expert tensor scales: the very values
+            assert torch.equal(w, exact[n]), n
         else:  # int4: scale and min = -zero * scale in float16
             assert d <= 2.0 ** -10 * exact[n].abs().max().item() + 1e-30, n
 
@@ -189,6 +211,19 @@ def test_stderr_names_the_format(capsys):
     _load_quiet(HUB / "ct_w4a16")
     err = capsys.readouterr().err
     assert "int4 (group 32, symmetric)" in err and "experts=ct-int4" in err
+
+
+@pytest.mark.parametrize("name", ["ct_nvfp4", "modelopt_nvfp4"])
+def test_nvfp4_converts_without_rounding_anything(name, capsys):
+    """Experts with different tensor scales (the checkpoints' own) convert with no note of rounded scales."""
+    src = diffgemma.loader.open_source(HUB / name)
+    stack = "model.decoder.layers.0.experts.gate_up_proj"
+    src.record(stack)
+    src.record("model.decoder.layers.0.experts.down_proj")
+    pw = PackedWeight.from_record("nvfp4e", src.shape(stack),
+                                  torch.frombuffer(bytearray(src.record(stack)), dtype=torch.uint8).clone())
+    assert len(set(pw.escale.flatten().tolist())) > 2  # the experts' scales differ: the case that needed re-rounding
+    assert "rounded" not in capsys.readouterr().err and not any("rounded" in n for n in src.notes)
 
 
 def _copy(name, tmp_path) -> Path:
@@ -365,7 +400,7 @@ def test_expert_parallel_share_of_a_hub_checkpoint(name):
 
 def test_weight_formats_say_what_the_loaded_model_holds():
     fast = diffgemma.load(HUB / "ct_nvfp4", engine="fast", dtype=torch.float32)
-    assert "experts=ct-nvfp4->nvfp4" in fast.weight_formats and "attn=ct-nvfp4->float32" in fast.weight_formats
+    assert "experts=ct-nvfp4->nvfp4e" in fast.weight_formats and "attn=ct-nvfp4->float32" in fast.weight_formats
     assert "sc=bfloat16->float32" in fast.weight_formats
     int4 = diffgemma.load(HUB / "autoround_int4", engine="fast", dtype=torch.float32)
     assert "experts=gptq->q4" in int4.weight_formats

@@ -59,3 +59,19 @@ def test_engine_on_hub_checkpoint_matches_reference_on_its_weights(name):
     print(f"\n[hub {name}] cosine vs f32 reference on the same weights: {[round(c, 5) for c in stats]}")
     # bf16 activations + f16 KV against f32 (tests/gpu/test_engine_gpu.py: tiny models, median over draws)
     assert sorted(stats)[len(stats) // 2] > 0.99 and min(stats) > 0.9, stats
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "nvfp4" in n])
+def test_engine_nvfp4_experts_on_the_device_are_the_librarys_values(name):
+    """The published NVFP4 experts as the CUDA engine holds them (nvfp4e records), decoded by the dequantize kernel in
+    f32: the library's dequantization (HubSource.get, pinned to it in tests/test_hub_formats.py) bit for bit."""
+    from diffgemma.ops.moe_packed import dequantize_triton
+
+    eng = diffgemma.load(HUB / name, device=DEV)
+    src = diffgemma.loader.open_source(HUB / name)
+    for i, layer in enumerate(eng.w.layers):
+        for w, stack in ((layer.experts_gu, "gate_up_proj"), (layer.experts_down, "down_proj")):
+            assert isinstance(w, PackedWeight) and w.fmt == "nvfp4e"
+            want = src.get(f"model.decoder.layers.{i}.experts.{stack}", torch.float32).to(DEV)
+            assert torch.equal(dequantize_triton(w, torch.float32), want)
+            assert torch.equal(w.dequantize(), want)

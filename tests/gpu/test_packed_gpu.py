@@ -267,3 +267,68 @@ def test_engine_on_packed_weights_matches_reference(experts, monkeypatch):
         eng.use_graphs = False
         eager = eng.denoise(ec, canvas, sc_logits=sc)
     assert torch.equal(eng.denoise(ec, canvas, sc_logits=sc), eager)
+
+
+def as_nvfp4e(w: mp.PackedWeight, divides: bool) -> mp.PackedWeight:
+    """w's nibbles and block scales with a tensor scale per expert (ops/layouts.py nvfp4e): around w's one scale,
+    as a multiplier (ModelOpt) or a divisor (compressed-tensors); divides=None: w's own scale for every expert."""
+    from diffgemma.quant import codecs
+
+    e = w.shape[0]
+    rec = torch.zeros(codecs.record_nbytes("nvfp4e", w.shape), dtype=torch.uint8, device=DEV)
+    view = {p.name: rec[p.offset:p.offset + p.nbytes].view(p.rows, p.row_bytes) for p in codecs.planes("nvfp4e", w.shape)}
+    view["codes"].copy_(w.planes["codes"])
+    view["scale"].copy_(w.planes["scale"])
+    t = w.tscale * (0.5 + torch.rand(e, device=DEV))
+    one = torch.ones(e, device=DEV)
+    pairs = {None: torch.stack([one * w.tscale, one], 1), False: torch.stack([t, one], 1),
+             True: torch.stack([one, 1.0 / t], 1)}[divides]
+    view["escale"].view(torch.float32).copy_(pairs)
+    return mp.PackedWeight.from_record("nvfp4e", w.shape, rec)
+
+
+@pytest.mark.parametrize("divides", [False, True])
+def test_nvfp4e_gemm_denoise_shape(divides):
+    """Per-expert tensor scales at the real shapes: the grouped GEMM (gate_up through src with gelu·up, and down)
+    against the twin, prefetch on and off bit-equal, the dequantize kernel bit-equal to the twin in f32 and bf16."""
+    experts = torch.stack([torch.randperm(E, device=DEV)[:K_TOP] for _ in range(256)])
+    src, _, offs = moe_plan(experts, E)
+    x = torch.randn(256, H, device=DEV, dtype=torch.bfloat16)
+    xs = x.index_select(0, src.long())
+    gu, dn = as_nvfp4e(packed("nvfp4", (E, 2 * Fe, H)), divides), as_nvfp4e(packed("nvfp4", (E, H, Fe)), divides)
+    assert gu.divides == divides
+    h = torch.randn(xs.shape[0], Fe, device=DEV, dtype=torch.bfloat16)
+    for w, a in ((gu, xs), (dn, h)):
+        ref = mp.grouped_mm_packed_ref(a, w, offs)
+        got = mp.grouped_mm_packed_triton(a, w, offs)
+        r = rel(got, ref)
+        print(f"\n[nvfp4e divides={divides} {list(w.shape)} denoise] rel {r:.2e}")
+        assert torch.isfinite(got).all() and r < 5e-3
+        assert torch.equal(got, mp.grouped_mm_packed_triton(a, w, offs, prefetch=False))
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(mp.dequantize_triton(w, dt), mp.dequantize(w, dt))
+    glu = mp.grouped_mm_packed_triton(x, gu, offs, src=src, glu=True)
+    assert rel(glu, mp.gelu_mul_ref(mp.grouped_mm_packed_ref(xs, gu, offs))) < 5e-3
+
+
+def test_nvfp4e_with_one_scale_is_nvfp4_bit_for_bit():
+    """An nvfp4 stack's one tensor scale given to every expert of an nvfp4e stack: the same bits out of every kernel;
+    and the time of each form's denoise-shape GEMM (printed: the per-expert load and the divide's cost)."""
+    xs, offs = routed_rows(256)
+    old = packed("nvfp4", (E, 2 * Fe, H))
+    same, mul, div = as_nvfp4e(old, None), as_nvfp4e(old, False), as_nvfp4e(old, True)
+    want = mp.grouped_mm_packed_triton(xs, old, offs)
+    assert torch.equal(mp.grouped_mm_packed_triton(xs, same, offs), want)
+    assert torch.equal(mp.dequantize_triton(same, torch.bfloat16), mp.dequantize_triton(old, torch.bfloat16))
+    ms = {}
+    for name, w in (("nvfp4", old), ("nvfp4e", same), ("nvfp4e-mul", mul), ("nvfp4e-div", div)):
+        for _ in range(3):
+            mp.grouped_mm_packed_triton(xs, w, offs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            mp.grouped_mm_packed_triton(xs, w, offs)
+        end.record()
+        torch.cuda.synchronize()
+        ms[name] = start.elapsed_time(end) / 20
+    print("\n[nvfp4 vs nvfp4e gate_up GEMM, 256 tokens] " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))

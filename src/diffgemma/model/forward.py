@@ -18,7 +18,8 @@ launches on CUDA:
   -> grouped expert GEMMs (2-4) -> layer_finish_moe (1: un-permute + weighted sum in f32, post norms, residual,
      layer scalar, and the next layer's input norm).
 Every op dispatches to its torch twin off CUDA, so the CPU parity tests run this same structure. Weights held in FP8
-(ops/fp8_weight.Fp8Weight) run on the FP8 GEMMs, their input quantized per token (ops/fp8_linear.py, fp8_moe.py).
+(ops/fp8_weight.Fp8Weight) run on the FP8 GEMMs, their input quantized per token (ops/fp8_linear.py, fp8_moe.py):
+by the norm that makes it (attn_finish, layer_finish_moe) where there is one.
 
 Attention. The scale is 1 (QK-norm folds it). Prefill: causal, sliding layers restricted to (q-W, q], over the ring as
 it was before the chunk followed by the chunk's own K/V (the ring is updated after). Denoise: the canvas writes its
@@ -404,15 +405,18 @@ class Forward:
     def _layer(self, li: int, x, h, attend, scalar: float, w_next, with_ffn: bool = True):
         """x: the residual stream, h: its input norm (fused into the previous op). -> (x, norm(x).w_next)."""
         cfg, lw, eps = self.config, self.w.layers[li], self.config.rms_norm_eps
-        o = attend(li, linear(h, lw.qkv), with_ffn)
+        o = attend(li, linear(h, lw.qkv, self.dtype), with_ffn)  # h: an Fp8Rows where qkv is FP8 (_moe)
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
         a = linear(o, lw.o)
-        rows, path_routes = self._path_rows(lw, len(h))
-        # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py)
-        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, path_routes or len(h) * cfg.top_k_experts, h)
+        rows, path_routes = self._path_rows(lw, len(x))
+        # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py);
+        # FP8 dense / expert GEMMs take their inputs quantized per token by attn_finish (ops/rmsnorm.py)
+        moe_f16 = moe_paths.takes_f16_operand(lw.experts_gu, path_routes or len(x) * cfg.top_k_experts, x)
         x, dense_in, moe_in, router_in = attn_finish(x, a, lw.post_attn_norm, lw.pre_ff_norm, lw.pre_ff2_norm,
-                                                     lw.router_in_scale, eps, moe_f16=moe_f16)
+                                                     lw.router_in_scale, eps, moe_f16=moe_f16,
+                                                     dense_fp8=isinstance(lw.mlp_gu, Fp8Weight),
+                                                     moe_fp8=isinstance(lw.experts_gu, Fp8Weight))
         side = self._router_stream() if rows <= OVERLAP_ROWS else None
         if side is None:
             dense = self._dense_mlp(lw, dense_in, rows)
@@ -431,8 +435,10 @@ class Forward:
         norms, residual, layer scalar, next input norm. The expert-parallel forward (parallel/expert.py) overrides it."""
         y = expert_ffn(moe_in, lw.experts_gu, lw.experts_down, offs, src=src, order=order, out_dtype=x.dtype,
                        path_routes=path_routes)
+        # an FP8 qkv GEMM takes the next layer's input norm quantized per token (not the final norm: lm_head's)
+        next_fp8 = isinstance(self.w.layers[0].qkv, Fp8Weight) and w_next is not self.w.final_norm
         return layer_finish_moe(x, dense, y, inv, weights, lw.post_ff1_norm, lw.post_ff2_norm, lw.post_ff_norm,
-                                scalar, self.config.rms_norm_eps, w_next)
+                                scalar, self.config.rms_norm_eps, w_next, next_fp8=next_fp8)
 
     def _path_rows(self, lw, n: int) -> tuple[int, int | None]:
         """-> (the rows the side stream and the dense MLP's carve-out are decided by, the route count the expert
@@ -448,10 +454,10 @@ class Forward:
         return n, lane * k if dequant or isinstance(lw.experts_gu, Fp8Weight) else n * k
 
     def _dense_mlp(self, lw, dense_in, rows: int | None = None):
-        rows = len(dense_in) if rows is None else rows
-        carve = DENSE_SM_CARVEOUT if dense_in.is_cuda and rows <= OVERLAP_ROWS else None
+        rows = len(dense_in) if rows is None else rows  # dense_in may be an Fp8Rows (q, s): rows given
+        carve = DENSE_SM_CARVEOUT if self.device.type == "cuda" and rows <= OVERLAP_ROWS else None
         with cublas_sm_carveout(carve):
-            return gated_mlp(dense_in, lw.mlp_gu, lw.mlp_down)
+            return gated_mlp(dense_in, lw.mlp_gu, lw.mlp_down, self.dtype)
 
     def _route(self, lw, router_in):
         """The router chain: the mixing weights and the plan the expert GEMMs read (src, inv, offs, order)."""

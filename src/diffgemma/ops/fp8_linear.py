@@ -15,7 +15,8 @@ on its own row of x alone.
                         the twin's product elsewhere
   fp8_linear_quantized  the same GEMM on an input already quantized (q, s)
   linear                x @ Wᵀ for any weight the engine holds: an Fp8Weight here, a plain or packed one through
-                        ops/q8_linear.linear
+                        ops/q8_linear.linear; x may come already quantized per token (ops/fp8_quant.Fp8Rows, from
+                        the norm that made it: ops/rmsnorm.py) for an Fp8Weight
   gated_mlp             down(gelu_tanh(gate(x)) · up(x)) for any weights (gate ‖ up stacked); with an FP8 down
                         projection, gelu·up comes quantized per row from one kernel (ops/fp8_quant.gelu_mul_quant)
 """
@@ -26,7 +27,7 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
-from .fp8_quant import gelu_mul_quant, quantize_rows, quantize_rows_ref
+from .fp8_quant import Fp8Rows, gelu_mul_quant, quantize_rows, quantize_rows_ref
 from .fp8_weight import Fp8Weight, has_fp8_mma
 from .gelu_mul import gelu_mul
 from .q8_linear import linear as dense_or_packed_linear
@@ -122,16 +123,24 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype | None = No
     return fp8_linear_quantized(*quantize_rows(x), w, out_dtype or x.dtype)
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x [M, K] @ Wᵀ for an Fp8Weight, a plain [N, K] tensor or a packed one, in x's dtype."""
+def linear(x, w, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ Wᵀ for an Fp8Weight, a plain [N, K] tensor or a packed one, in x's dtype. x may be an Fp8Rows
+    (x quantized per token by the op that made it) for an Fp8Weight; then out_dtype (x's dtype) is required."""
+    if isinstance(x, Fp8Rows):
+        if not isinstance(w, Fp8Weight) or out_dtype is None:
+            raise TensorError(f"linear: per-token FP8 rows multiply an Fp8Weight with an out_dtype given, got "
+                              f"{type(w).__name__} and out_dtype {out_dtype}")
+        return fp8_linear_quantized(x.q, x.s, w, out_dtype)
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w)
     return dense_or_packed_linear(x, w)
 
 
-def gated_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """gelu_tanh(gate) · up -> down projection, gate ‖ up one [2F, K] weight; any weights linear takes."""
-    h = linear(x, gate_up)
+def gated_mlp(x, gate_up, down, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) · up -> down projection, gate ‖ up one [2F, K] weight; any weights linear takes (x an
+    Fp8Rows as linear takes it, with out_dtype)."""
+    out_dtype = out_dtype or x.dtype
+    h = linear(x, gate_up, out_dtype)
     if isinstance(down, Fp8Weight):
-        return fp8_linear_quantized(*gelu_mul_quant(h), down, x.dtype)
+        return fp8_linear_quantized(*gelu_mul_quant(h), down, out_dtype)
     return linear(gelu_mul(h), down)

@@ -24,7 +24,7 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .fp8_linear import scaled_product_ref
-from .fp8_quant import gelu_mul_quant, quantize_rows, quantize_rows_ref
+from .fp8_quant import Fp8Rows, gelu_mul_quant, quantize_rows, quantize_rows_ref
 from .fp8_weight import FP8_DTYPE, Fp8Weight
 from .gelu_mul import gelu_mul_ref
 from .grouped import route_count, routed
@@ -154,9 +154,10 @@ def grouped_mm_fp8(q, s, w: Fp8Weight, offs, src=None, order=None, out_dtype=tor
 def expert_ffn_fp8(x, gate_up: Fp8Weight, down: Fp8Weight, offs, src=None, order=None, out_dtype=None,
                    path_routes: int | None = None) -> torch.Tensor:
     """The expert FFN over routes grouped by expert (as ops/moe.expert_ffn): x [M, H], or [T, H] per token with
-    src [M] -> [M, H] in out_dtype (default x's). Each GEMM's input is quantized per row on the way in."""
+    src [M] -> [M, H] in out_dtype (default x's). Each GEMM's input is quantized per row on the way in; x may come
+    so already (ops/fp8_quant.Fp8Rows, from the norm that made it: ops/rmsnorm.attn_finish), then with out_dtype."""
     out_dtype = out_dtype or x.dtype
-    q, s = quantize_rows(x.to(out_dtype))
+    q, s = x if isinstance(x, Fp8Rows) else quantize_rows(x.to(out_dtype))
     gu = grouped_mm_fp8(q, s, gate_up, offs, src=src, order=order, out_dtype=out_dtype, path_routes=path_routes)
     q, s = gelu_mul_quant(gu)
     return grouped_mm_fp8(q, s, down, offs, order=order, out_dtype=out_dtype, path_routes=path_routes)

@@ -12,12 +12,17 @@ of x: a batched lane quantizes as it would alone.
                         kernel writes its float32 quotients and torch casts them
   quantize_rows         the dispatcher: the kernel on CUDA, the twin elsewhere
   fake_quant_rows       q · s in float32: what a reference forward multiplies instead of x
+  Fp8Rows               (q, s): rows in that form, as a producer hands them to the next FP8 GEMM
+  store_fp8_row         the rule inside a Triton kernel, on one f32 row: the rms norms write the next GEMM's
+                        operand with it (ops/rmsnorm.py, fp8 options); fp8_row_buffers / fp8_rows_done around it
   gelu_mul_quant        quantize_rows(gelu_mul(gu)) in one kernel on CUDA (the gated MLPs' down-projection input):
                         gelu_tanh(gate)·up by ops/gelu_mul.py's formula, rounded to gu's dtype as gelu_mul stores it,
                         then quantized as above: the bits of the two kernels one after the other
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +51,24 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+class Fp8Rows(NamedTuple):
+    """Rows quantized per token: e4m3 values q [M, K] and float32 scales s [M] (row r ≈ q[r] · s[r])."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+
+def fp8_row_buffers(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s) for a kernel that quantizes M rows of K with store_fp8_row: q in e4m3, or float32 quotients in the
+    Triton interpreter (its float -> e4m3 cast does not round to nearest even); fp8_rows_done casts those."""
+    q = torch.empty(M, K, dtype=torch.float32 if interpreting() else FP8_DTYPE, device=device)
+    return q, torch.empty(M, dtype=torch.float32, device=device)
+
+
+def fp8_rows_done(q: torch.Tensor, s: torch.Tensor) -> Fp8Rows:
+    return Fp8Rows(q if q.dtype == FP8_DTYPE else q.to(FP8_DTYPE), s)
+
+
 def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     """x as its per-row FP8 form represents it, in float32: q · s (the twin's quantization)."""
     q, s = quantize_rows_ref(x)
@@ -55,40 +78,37 @@ def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
+    def store_fp8_row(x, ok, q_ptr, s_ptr, r, stride_q, k, FMAX: tl.constexpr, SMIN: tl.constexpr):
+        """Row r's per-token FP8 form from its f32 values x (masked lanes 0): s = max(amax / 448, SMIN) and
+        q = saturate(x / s), both divisions IEEE (div_rn), q cast to q_ptr's type (e4m3, round to nearest even;
+        float32 quotients in the interpreter, see fp8_row_buffers)."""
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FMAX), SMIN)
+        q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
+        tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + r, s)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BK: tl.constexpr,
-                              FMAX: tl.constexpr, SMIN: tl.constexpr, CAST: tl.constexpr):
+                              FMAX: tl.constexpr, SMIN: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BK)
         ok = k < K
         x = tl.load(x_ptr + r * stride_x + k, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        s = tl.maximum(tl.math.div_rn(amax, FMAX), SMIN)
-        q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
-        if CAST:
-            tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-        else:  # float32 quotients (the interpreter's e4m3 cast does not round to nearest even)
-            tl.store(q_ptr + r * stride_q + k, q, mask=ok)
-        tl.store(s_ptr + r, s)
+        store_fp8_row(x, ok, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
 
 
 if HAVE_TRITON:
 
     @triton.jit
     def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, F, stride_gu, stride_q, BF: tl.constexpr, FMAX: tl.constexpr,
-                               SMIN: tl.constexpr, CAST: tl.constexpr):
+                               SMIN: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BF)
         ok = k < F
         g = tl.load(gu_ptr + r * stride_gu + k, mask=ok, other=0.0)
         u = tl.load(gu_ptr + r * stride_gu + F + k, mask=ok, other=0.0)
         y = gelu_tanh_mul(g.to(tl.float32), u.to(tl.float32)).to(g.dtype).to(tl.float32)  # as gelu_mul stores it
-        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), SMIN)
-        q = tl.clamp(tl.math.div_rn(y, s), -FMAX, FMAX)
-        if CAST:
-            tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-        else:  # float32 quotients (the interpreter's e4m3 cast does not round to nearest even)
-            tl.store(q_ptr + r * stride_q + k, q, mask=ok)
-        tl.store(s_ptr + r, s)
+        store_fp8_row(y, ok, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
 
 
 def gelu_mul_quant_ref(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,14 +120,12 @@ def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if gu.stride(-1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
-    cast = not interpreting()
-    q = torch.empty(M, F, dtype=FP8_DTYPE if cast else torch.float32, device=gu.device)
-    s = torch.empty(M, dtype=torch.float32, device=gu.device)
+    q, s = fp8_row_buffers(M, F, gu.device)
     if M:
         BF = next_pow2(F)
         _gelu_mul_quant_kernel[(M,)](gu, q, s, F, gu.stride(0), q.stride(0), BF=BF, FMAX=FP8_MAX, SMIN=SCALE_MIN,
-                                     CAST=cast, num_warps=4 if BF <= 1024 else 8)
-    return (q if cast else q.to(FP8_DTYPE)), s
+                                     num_warps=4 if BF <= 1024 else 8)
+    return tuple(fp8_rows_done(q, s))
 
 
 def gelu_mul_quant(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +140,12 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
-    cast = not interpreting()
-    q = torch.empty(M, K, dtype=FP8_DTYPE if cast else torch.float32, device=x.device)
-    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    q, s = fp8_row_buffers(M, K, x.device)
     if M:
         BK = next_pow2(K)
         _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BK=BK, FMAX=FP8_MAX, SMIN=SCALE_MIN,
-                                    CAST=cast, num_warps=4 if BK <= 2048 else 8)
-    return (q if cast else q.to(FP8_DTYPE)), s
+                                    num_warps=4 if BK <= 2048 else 8)
+    return tuple(fp8_rows_done(q, s))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

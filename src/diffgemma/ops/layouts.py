@@ -28,6 +28,13 @@ All multi-byte values are little-endian.
                             0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6
     scale  uint8 [R, K/16]  float8 e4m3fn (bias 7, max 448, no inf)
     tscale f32   [1]                  w = e2m1(code) * e4m3(scale) * tscale
+  nvfp4e (an expert stack [E, N, K] in nvfp4 with one tensor scale PER EXPERT, as published checkpoints hold it)
+    codes, scale            as nvfp4
+    escale f32   [E, 2]     expert e's (multiplier, divisor):
+                                      w = e2m1(code) * fl(fl(e4m3(scale) * mul_e) / div_e), each step one f32
+                                      rounding: ModelOpt's weight_scale_2 is a multiplier (divisor 1),
+                                      compressed-tensors' global scale a divisor (multiplier 1); nvfp4's one
+                                      tensor scale is the case (tscale, 1) for every expert
   raw: the source bytes verbatim (no planes).
 
 For an expert stack [E, N, K], expert e owns rows [e*N, (e+1)*N) of every plane, so a grouped-GEMM
@@ -44,7 +51,8 @@ from ..errors import TensorError
 
 ALIGN = 64  # byte alignment of every tensor record and of every plane inside one
 
-QUANT_FORMATS = ("q4", "q5", "q6", "q8", "nvfp4")
+QUANT_FORMATS = ("q4", "q5", "q6", "q8", "nvfp4")  # what the codecs encode and packs hold
+CONVERTED_FORMATS = ("nvfp4e",)  # records made at load from published checkpoints (quant/hub_codecs.py), never packed
 ALL_FORMATS = ("raw",) + QUANT_FORMATS
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude code 0..7
@@ -88,9 +96,10 @@ _PLANE_SPECS = {
            ("scale", lambda k: k // 32 * 2, "<f2"), ("min", lambda k: k // 32 * 2, "<f2")],
     "q8": [("codes", lambda k: k, "i1"), ("scale", lambda k: 4, "<f4")],
     "nvfp4": [("codes", lambda k: k // 2, "u1"), ("scale", lambda k: k // 16, "u1")],  # + tscale, below
+    "nvfp4e": [("codes", lambda k: k // 2, "u1"), ("scale", lambda k: k // 16, "u1")],  # + escale, below
 }
 
-GROUP = {"q4": 32, "q5": 32, "q6": 32, "nvfp4": 16, "q8": 1}
+GROUP = {"q4": 32, "q5": 32, "q6": 32, "nvfp4": 16, "nvfp4e": 16, "q8": 1}
 
 
 def dims_problem(fmt: str, shape) -> str | None:
@@ -98,10 +107,12 @@ def dims_problem(fmt: str, shape) -> str | None:
     shape = tuple(shape)
     if fmt == "raw":
         return None
-    if fmt not in QUANT_FORMATS:
+    if fmt not in QUANT_FORMATS + CONVERTED_FORMATS:
         return f"unknown format {fmt!r}"
     if fmt == "q8":
         return None if len(shape) == 2 else f"q8 needs a rank-2 tensor, got shape {list(shape)}"
+    if fmt == "nvfp4e" and len(shape) != 3:
+        return f"nvfp4e needs an expert stack [E, N, K], got shape {list(shape)}"
     if len(shape) < 2:
         return f"{fmt} needs a tensor of rank >= 2, got shape {list(shape)}"
     k = shape[-1]
@@ -124,6 +135,8 @@ def planes(fmt: str, shape) -> list[Plane]:
         off = align_up(off + p.nbytes)
     if fmt == "nvfp4":
         out.append(Plane("tscale", off, 1, 4, "<f4"))
+    if fmt == "nvfp4e":
+        out.append(Plane("escale", off, int(shape[0]), 8, "<f4"))
     return out
 
 

@@ -41,7 +41,7 @@ if HAVE_TRITON:
     from .gelu_mul import glu_tile
     from .moe_plan import expert_rows
 
-_FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3}
+_FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3, "nvfp4e": 3}  # nvfp4e: nvfp4 + ESCALE
 RAW = 4  # the grouped GEMM's FMT for unquantized weights (the bf16 streaming path of ops/moe_stream.py)
 def grouped_mm_packed_ref(xs, w: PackedWeight, offs):
     return grouped_mm_torch(xs, dequantize(w, xs.dtype), offs)
@@ -85,11 +85,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K,
-                     FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                     FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                     ESCALE: tl.constexpr, TDIV: tl.constexpr, tdiv):
         """Rows `rows` (int64 [BR]) x columns k0..k0+BK of a packed [R, K] tensor, as f32 [BR, BK], from its
         codes (loaded here) and its side planes (h, s, m) = _side_tile(..., k0).
 
-        Columns past K come back 0 (their codes, scales and mins load as 0). GS: the group size (nvfp4 16)."""
+        Columns past K come back 0 (their codes, scales and mins load as 0). GS: the group size (nvfp4 16).
+        nvfp4: tscale the one tensor scale; with ESCALE (nvfp4e), tscale and tdiv are f32 [BR], each row's
+        expert's multiplier and divisor (_row_escale), the divide an IEEE one and made only where TDIV."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         c = tl.load(p0 + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0)
         c = c.to(tl.int32)
@@ -109,7 +112,13 @@ if HAVE_TRITON:
             b = s.to(tl.int32)
             be = (b >> 3) & 0xF
             bm = (b & 7).to(tl.float32)
-            sc = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32))) * tscale
+            sc = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32)))
+            if ESCALE:
+                sc = sc * tscale[:, None]
+                if TDIV:
+                    sc = tl.math.div_rn(sc, tl.broadcast_to(tdiv[:, None], (BR, BK // GS)))
+            else:
+                sc = sc * tscale
             w = v * sc[:, :, None]
         else:
             w = q.to(tl.float32) * s.to(tl.float32)[:, :, None] + m.to(tl.float32)[:, :, None]
@@ -117,10 +126,24 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K,
-                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                      FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                      ESCALE: tl.constexpr, TDIV: tl.constexpr, tdiv):
         """_decode_tile with its side planes loaded right here (the dequantize kernel has no K loop to hide them in)."""
         h, s, m = _side_tile(p1, p2, p3, rows, row_ok, k0, K, FMT, GS, BR, BK)
-        return _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K, FMT, GS, BR, BK)
+        return _decode_tile(p0, h, s, m, tscale, rows, row_ok, k0, K, FMT, GS, BR, BK, ESCALE, TDIV, tdiv)
+
+    @triton.jit
+    def _row_escale(es_ptr, tscale, rows, row_ok, per, ESCALE: tl.constexpr):
+        """(multiplier, divisor) for plane rows `rows`: nvfp4e's f32 [E, 2] pairs of each row's expert (rows // per),
+        1 past the edge; else tscale (twice: nvfp4's one multiplier, and no divisor is read)."""
+        if ESCALE:
+            e = rows // per
+            mul = tl.load(es_ptr + 2 * e, mask=row_ok, other=1.0)
+            div = tl.load(es_ptr + 2 * e + 1, mask=row_ok, other=1.0)
+        else:
+            mul = tscale
+            div = tscale
+        return mul, div
 
     @triton.jit
     def _expert_tile(offs_ptr, order_ptr, N, BN: tl.constexpr, HAS_ORDER: tl.constexpr):
@@ -145,15 +168,16 @@ if HAVE_TRITON:
         return start, end, n, n < F, col < F, rows
 
     @triton.jit
-    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, p0, p1, p2, p3, tscale, N, K, stride_x,
-                           stride_o, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    def _packed_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, p0, p1, p2, p3, tscale, es_ptr, N, K,
+                           stride_x, stride_o, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                            BK: tl.constexpr, HAS_SRC: tl.constexpr, PREFETCH: tl.constexpr, HAS_ORDER: tl.constexpr,
-                           GLU: tl.constexpr = False):
+                           GLU: tl.constexpr = False, ESCALE: tl.constexpr = False, TDIV: tl.constexpr = False):
         if GLU:  # the store's columns (BN/2 of F) differ from the rows loaded (gate and up)
             start, end, n, n_ok, row_ok, rows = _glu_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
         else:
             start, end, n, row_ok, rows = _expert_tile(offs_ptr, order_ptr, N, BN, HAS_ORDER)
             n_ok = row_ok
+        tmul, tdiv = _row_escale(es_ptr, tscale, rows, row_ok, N, ESCALE)
         for m0 in range(start, end, BM):
             m = m0 + tl.arange(0, BM)
             m_ok = m < end
@@ -174,14 +198,14 @@ if HAVE_TRITON:
                     kk = k0 + tl.arange(0, BK)
                     h_next, s_next, mn_next = _side_tile(p1, p2, p3, rows, row_ok, k0 + BK, K, FMT, GS, BN, BK)
                     xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                    w = _decode_tile(p0, h, s, mn, tscale, rows, row_ok, k0, K, FMT, GS, BN, BK)
+                    w = _decode_tile(p0, h, s, mn, tmul, rows, row_ok, k0, K, FMT, GS, BN, BK, ESCALE, TDIV, tdiv)
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
                     h, s, mn = h_next, s_next, mn_next
             else:  # side planes loaded in the step that uses them (the twin of the prefetch, for tests and A/B)
                 for k0 in range(0, K, BK):
                     kk = k0 + tl.arange(0, BK)
                     xt = tl.load(x_rows + kk[:, None], mask=(kk < K)[:, None] & m_ok[None, :], other=0.0)
-                    w = _dequant_tile(p0, p1, p2, p3, tscale, rows, row_ok, k0, K, FMT, GS, BN, BK)
+                    w = _dequant_tile(p0, p1, p2, p3, tmul, rows, row_ok, k0, K, FMT, GS, BN, BK, ESCALE, TDIV, tdiv)
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
             out = acc.to(out_ptr.dtype.element_ty)
             if GLU:  # gate rows on top, up rows below; each rounded as the plain GEMM would store it
@@ -189,13 +213,15 @@ if HAVE_TRITON:
             tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
-    def _dequant_kernel(out_ptr, p0, p1, p2, p3, tscale, R, K,
-                        FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    def _dequant_kernel(out_ptr, p0, p1, p2, p3, tscale, es_ptr, R, K, per,
+                        FMT: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                        ESCALE: tl.constexpr = False, TDIV: tl.constexpr = False):
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         r_ok = r < R
         k0 = tl.program_id(1) * BK
         kk = k0 + tl.arange(0, BK)
-        w = _dequant_tile(p0, p1, p2, p3, tscale, r.to(tl.int64), r_ok, k0, K, FMT, GS, BR, BK)
+        tmul, tdiv = _row_escale(es_ptr, tscale, r.to(tl.int64), r_ok, per, ESCALE)
+        w = _dequant_tile(p0, p1, p2, p3, tmul, r.to(tl.int64), r_ok, k0, K, FMT, GS, BR, BK, ESCALE, TDIV, tdiv)
         tl.store(out_ptr + r[:, None].to(tl.int64) * K + kk[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & (kk < K)[None, :])
 
@@ -207,7 +233,7 @@ def _plane_args(w: PackedWeight):
         return p["codes"], p["codes"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
     if w.fmt in ("q5", "q6"):
         return p["lo"], p["hi"], p["scale"].view(torch.float16), p["min"].view(torch.float16)
-    if w.fmt == "nvfp4":
+    if w.fmt in ("nvfp4", "nvfp4e"):
         return p["codes"], p["codes"], p["scale"], p["codes"]
     raise TensorError(f"no packed GEMM kernel for format {w.fmt!r} (expert formats: {', '.join(EXPERT_FORMATS)})")
 
@@ -246,13 +272,16 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     BN, BM, BK, warps, stages = config or pick_config(M, E)
     fused = glu and not glu_f16  # this kernel's epilogue writes x's dtype; the f16-operand form is gelu_mul's
     out = launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, fused, *_plane_args(w),
-                         tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], PREFETCH=prefetch)
+                         tscale=float(w.tscale), FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], PREFETCH=prefetch,
+                         escale=w.escale if w.fmt == "nvfp4e" else None, divides=w.divides)
     return out if fused else gelu_after(out, glu, glu_f16)
 
 
 def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu, p0, p1, p2, p3, *, tscale, FMT, GS,
-                   PREFETCH):
-    """_packed_gmm_kernel over (N tiles, experts), or with glu over (F = N/2 tiles of BN/2, experts) -> [M, N or F]."""
+                   PREFETCH, escale=None, divides=False):
+    """_packed_gmm_kernel over (N tiles, experts), or with glu over (F = N/2 tiles of BN/2, experts) -> [M, N or F].
+    escale: nvfp4e's f32 [E, 2] per-expert (multiplier, divisor) pairs (then tscale is unused); divides: whether
+    any divisor is not 1."""
     if glu and N % 2:
         raise TensorError(f"grouped GEMM: a gate ‖ up stack needs an even N, got {N}")
     M = route_count(x, src)
@@ -262,9 +291,10 @@ def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu,
     offs = offs.to(torch.int32).contiguous()
     grid = (triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN), E)
     _packed_gmm_kernel[grid](x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E),
-                             p0, p1, p2, p3, tscale, N, K, x.stride(0), out.stride(0), FMT=FMT, GS=GS, BN=BN, BM=BM,
-                             BK=BK, HAS_SRC=src is not None, PREFETCH=PREFETCH, HAS_ORDER=order is not None, GLU=glu,
-                             num_warps=warps, num_stages=stages)
+                             p0, p1, p2, p3, tscale, p0 if escale is None else escale, N, K, x.stride(0),
+                             out.stride(0), FMT=FMT, GS=GS, BN=BN, BM=BM, BK=BK, HAS_SRC=src is not None,
+                             PREFETCH=PREFETCH, HAS_ORDER=order is not None, GLU=glu, ESCALE=escale is not None,
+                             TDIV=escale is not None and divides, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -273,6 +303,8 @@ def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor |
     _check_natural(w, "dequantize_triton", "dequantize_q4_tiles")
     R, K = rows_k(w.shape)
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
-    _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](out, *_plane_args(w), float(w.tscale), R, K,
-                                                              FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], BR=BR, BK=BK, num_warps=4)
+    es = w.fmt == "nvfp4e"
+    _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, BK))](
+        out, *_plane_args(w), float(w.tscale), w.escale if es else out, R, K, R // w.shape[0] if es else 1,
+        FMT=_FMT_ID[w.fmt], GS=GROUP[w.fmt], BR=BR, BK=BK, ESCALE=es, TDIV=es and w.divides, num_warps=4)
     return out

@@ -19,7 +19,7 @@ from ..errors import TensorError
 from .layouts import E2M1_VALUES, record_planes, rows_k, unpack_bits, unpack_nibbles
 from .q4_tiles import natural_planes
 
-EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4")
+EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 
 
 @dataclass
@@ -35,15 +35,24 @@ class PackedWeight:
     # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
     # the GEMM can make gelu·up in its epilogue (ops/q4_tiles.to_tile_layout(glu=True)); the logical shape is unchanged
     glu: bool = False
+    # nvfp4e only: whether any expert's divisor is not 1 (read once at load: the kernels divide only then)
+    divides: bool = False
 
     @classmethod
     def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
         shape = tuple(int(s) for s in shape)
         planes = record_planes(fmt, shape, record)
-        tscale = 1.0
+        tscale, divides = 1.0, False
         if fmt == "nvfp4":  # the one f32 tensor scale: a kernel argument, read to the host once
             tscale = float(planes["tscale"].cpu().view(torch.float32)[0, 0])
-        return cls(fmt, shape, record, planes, tscale)
+        if fmt == "nvfp4e":
+            divides = bool((planes["escale"].cpu().view(torch.float32)[:, 1] != 1.0).any())
+        return cls(fmt, shape, record, planes, tscale, divides=divides)
+
+    @property
+    def escale(self) -> torch.Tensor:
+        """nvfp4e's per-expert (multiplier, divisor) pairs, f32 [E, 2] on the weight's device (ops/layouts.py)."""
+        return self.planes["escale"].view(torch.float32)
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +86,17 @@ def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     elif pw.fmt == "nvfp4":
         val = _E2M1.to(pw.device)[unpack_nibbles(p["codes"]).long()].reshape(r, k // 16, 16)
         w = val * (p["scale"].view(torch.float8_e4m3fn).float() * pw.tscale).unsqueeze(-1)
+    elif pw.fmt == "nvfp4e":
+        w = nvfp4e_decode(p["codes"], p["scale"], pw.escale.repeat_interleave(r // pw.shape[0], 0))
     else:
         raise TensorError(f"cannot dequantize format {pw.fmt!r}")
     return w.reshape(pw.shape).to(dtype)
+
+
+def nvfp4e_decode(codes: torch.Tensor, scale: torch.Tensor, row_escale: torch.Tensor) -> torch.Tensor:
+    """Rows of an nvfp4e stack (uint8 codes [R, K/2], e4m3 scales [R, K/16], f32 [R, 2] the (multiplier, divisor)
+    of each row's expert) as f32 [R, K]: e2m1 · fl(fl(e4m3 · mul) / div), each step one f32 rounding."""
+    r, half = codes.shape
+    val = _E2M1.to(codes.device)[unpack_nibbles(codes).long()].reshape(r, half // 8, 16)
+    s = scale.contiguous().view(torch.float8_e4m3fn).float() * row_escale[:, :1] / row_escale[:, 1:]
+    return (val * s.unsqueeze(-1)).reshape(r, half * 2)

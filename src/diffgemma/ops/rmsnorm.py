@@ -19,6 +19,12 @@ Round 2 fuses across op boundaries (one launch instead of two, same roundings):
 
 Intermediates stay in f32 inside each op (one rounding at the end), which is at least as accurate
 as rounding after every norm. Each `*_ref` is the torch twin the tests pin the kernel to.
+
+FP8 operands: attn_finish (dense_fp8 / moe_fp8) and layer_finish_moe (next_fp8) can hand the next GEMM its input
+quantized per token (ops/fp8_quant.Fp8Rows) instead of the rounded activation: the kernel rounds the value to the
+activation dtype as it would store it, then quantizes that row by ops/fp8_quant.store_fp8_row, so the bits are those
+of quantize_rows on the unfused output, and the separate quantization launch (and the activation's store and load)
+goes away.
 """
 
 from __future__ import annotations
@@ -28,12 +34,18 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, next_pow2, use_triton
 from .f16_operand import f16_operand_ref
+from .fp8_quant import Fp8Rows, fp8_row_buffers, fp8_rows_done, quantize_rows_ref
+from .fp8_weight import FP8_MAX, SCALE_MIN
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     from .f16_operand import f16_operand
+    from .fp8_quant import store_fp8_row
+
+    _FMAX = tl.constexpr(FP8_MAX)  # the per-token FP8 rule's constants (ops/fp8_weight.row_scale)
+    _SMIN = tl.constexpr(SCALE_MIN)
 
 
 def _norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,10 +76,15 @@ def layer_finish_ref(res, m, e, w1, w2, w3, scalar, eps):
     return ((res.float() + _norm_f32(s, eps) * w3.float()) * scalar).to(res.dtype)
 
 
-def attn_finish_ref(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
+def _fp8_rows_ref(t):
+    return Fp8Rows(*quantize_rows_ref(t))
+
+
+def attn_finish_ref(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False, dense_fp8=False, moe_fp8=False):
     x = norm_add_ref(res, a, w, eps)
     dense_in, moe_in, router_in = ffn_inputs_ref(x, w_ff, w_ff2, w_r, eps)
-    return x, dense_in, f16_operand_ref(moe_in) if moe_f16 else moe_in, router_in
+    moe_in = f16_operand_ref(moe_in) if moe_f16 else _fp8_rows_ref(moe_in) if moe_fp8 else moe_in
+    return x, _fp8_rows_ref(dense_in) if dense_fp8 else dense_in, moe_in, router_in
 
 
 def unpermute_ref(y, inv, wts):
@@ -76,9 +93,10 @@ def unpermute_ref(y, inv, wts):
     return torch.einsum("tkh,tk->th", y.index_select(0, inv.long()).view(T, k, -1).float(), wts.float())
 
 
-def layer_finish_moe_ref(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
+def layer_finish_moe_ref(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None, next_fp8=False):
     x = layer_finish_ref(res, m, unpermute_ref(y, inv, wts), w1, w2, w3, scalar, eps)
-    return x, (rms_norm_ref(x, w_next, eps) if w_next is not None else None)
+    hn = rms_norm_ref(x, w_next, eps) if w_next is not None else None
+    return x, (_fp8_rows_ref(hn) if next_fp8 and hn is not None else hn)
 
 
 def embed_sc_norms_ref(ids, table, scale, s, w_next, eps, out_dtype):
@@ -121,15 +139,24 @@ if HAVE_TRITON:
 
     @triton.jit
     def _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr,
-                          MOE_F16: tl.constexpr):
+                          MOE_F16: tl.constexpr, q1_ptr, s1_ptr, q2_ptr, s2_ptr, DENSE_FP8: tl.constexpr,
+                          MOE_FP8: tl.constexpr):
         """The three feed-forward inputs of one normed row: dense (·w1), experts (·w2), router (·wr, f32).
-        MOE_F16: the experts' input as the f16 operand of its bf16 value (ops/f16_operand.py)."""
+        MOE_F16: the experts' input as the f16 operand of its bf16 value (ops/f16_operand.py). DENSE_FP8 / MOE_FP8:
+        that input, rounded to o1's / o2's dtype, as its per-token FP8 form in (q1, s1) / (q2, s2) instead."""
         w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wr = tl.load(wr_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o1_ptr + row * n_cols + cols, (n * w1).to(o1_ptr.dtype.element_ty), mask=mask)
+        d = (n * w1).to(o1_ptr.dtype.element_ty)
+        if DENSE_FP8:
+            store_fp8_row(d.to(tl.float32), mask, q1_ptr, s1_ptr, row, n_cols, cols, _FMAX, _SMIN)
+        else:
+            tl.store(o1_ptr + row * n_cols + cols, d, mask=mask)
         if MOE_F16:
             tl.store(o2_ptr + row * n_cols + cols, f16_operand(n * w2), mask=mask)
+        elif MOE_FP8:
+            store_fp8_row((n * w2).to(o2_ptr.dtype.element_ty).to(tl.float32), mask, q2_ptr, s2_ptr, row, n_cols,
+                          cols, _FMAX, _SMIN)
         else:
             tl.store(o2_ptr + row * n_cols + cols, (n * w2).to(o2_ptr.dtype.element_ty), mask=mask)
         tl.store(or_ptr + row * n_cols + cols, n * wr, mask=mask)
@@ -141,7 +168,8 @@ if HAVE_TRITON:
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         n = _row_norm(x, mask, n_cols, eps)
-        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, False)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, False,
+                          o1_ptr, or_ptr, o2_ptr, or_ptr, False, False)
 
     @triton.jit
     def _layer_finish_kernel(res_ptr, m_ptr, e_ptr, w1_ptr, w2_ptr, w3_ptr, out_ptr, n_cols, eps, scalar,
@@ -161,7 +189,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_finish_kernel(res_ptr, a_ptr, w_ptr, w1_ptr, w2_ptr, wr_ptr, x_ptr, o1_ptr, o2_ptr, or_ptr,
-                            n_cols, eps, BLOCK: tl.constexpr, MOE_F16: tl.constexpr):
+                            q1_ptr, s1_ptr, q2_ptr, s2_ptr, n_cols, eps, BLOCK: tl.constexpr, MOE_F16: tl.constexpr,
+                            DENSE_FP8: tl.constexpr, MOE_FP8: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -171,12 +200,13 @@ if HAVE_TRITON:
         xo = (r + _row_norm(a, mask, n_cols, eps) * w).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * n_cols + cols, xo, mask=mask)
         n = _row_norm(xo.to(tl.float32), mask, n_cols, eps)  # normed from the rounded residual, like the twin
-        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, MOE_F16)
+        _store_ffn_inputs(n, row, cols, mask, n_cols, w1_ptr, w2_ptr, wr_ptr, o1_ptr, o2_ptr, or_ptr, MOE_F16,
+                          q1_ptr, s1_ptr, q2_ptr, s2_ptr, DENSE_FP8, MOE_FP8)
 
     @triton.jit
     def _layer_finish_moe_kernel(res_ptr, m_ptr, y_ptr, inv_ptr, wts_ptr, w1_ptr, w2_ptr, w3_ptr, wn_ptr,
-                                 out_ptr, hn_ptr, n_cols, eps, scalar, K: tl.constexpr, HAS_NEXT: tl.constexpr,
-                                 BLOCK: tl.constexpr):
+                                 out_ptr, hn_ptr, q_ptr, s_ptr, n_cols, eps, scalar, K: tl.constexpr,
+                                 HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, NEXT_FP8: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -196,7 +226,11 @@ if HAVE_TRITON:
         if HAS_NEXT:
             wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             hn = _row_norm(xo.to(tl.float32), mask, n_cols, eps) * wn
-            tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
+            if NEXT_FP8:  # the next GEMM's per-token FP8 operand of the rounded norm, instead of it
+                store_fp8_row(hn.to(hn_ptr.dtype.element_ty).to(tl.float32), mask, q_ptr, s_ptr, row, n_cols, cols,
+                              _FMAX, _SMIN)
+            else:
+                tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _embed_sc_norms_kernel(ids_ptr, table_ptr, s_ptr, wn_ptr, x_ptr, hn_ptr, n_rows, n_cols, scale, eps,
@@ -253,24 +287,35 @@ def layer_finish_triton(res, m, e, w1, w2, w3, scalar, eps):
     return out
 
 
-def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
+def _fp8_or(flag, like, rows, n):
+    """(q, s) buffers for an FP8 output, or `like` twice (an unused pointer of the right kind)."""
+    return fp8_row_buffers(rows, n, like.device) if flag else (like, like)
+
+
+def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False, dense_fp8=False, moe_fp8=False):
     res, rows, n = _rows(res)
-    x, o1 = torch.empty_like(res), torch.empty_like(res)
-    o2 = torch.empty(res.shape, dtype=torch.float16, device=res.device) if moe_f16 else torch.empty_like(res)
+    x = torch.empty_like(res)
+    o1 = x if dense_fp8 else torch.empty_like(res)  # with dense_fp8: only its dtype is read
+    o2 = torch.empty(res.shape, dtype=torch.float16, device=res.device) if moe_f16 else \
+        x if moe_fp8 else torch.empty_like(res)
     orr = torch.empty(res.shape, dtype=torch.float32, device=res.device)
-    _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, n, eps, BLOCK=next_pow2(n),
-                                 MOE_F16=moe_f16)
-    return x, o1, o2, orr
+    (q1, s1), (q2, s2) = _fp8_or(dense_fp8, orr, rows, n), _fp8_or(moe_fp8, orr, rows, n)
+    _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, q1, s1, q2, s2, n, eps,
+                                 BLOCK=next_pow2(n), MOE_F16=moe_f16, DENSE_FP8=dense_fp8, MOE_FP8=moe_fp8)
+    return x, fp8_rows_done(q1, s1) if dense_fp8 else o1, fp8_rows_done(q2, s2) if moe_fp8 else o2, orr
 
 
-def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
+def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None, next_fp8=False):
     res, rows, n = _rows(res)
     out = torch.empty_like(res)
-    hn = torch.empty_like(res) if w_next is not None else out
+    next_fp8 = next_fp8 and w_next is not None
+    hn = torch.empty_like(res) if w_next is not None and not next_fp8 else out  # next_fp8: only its dtype is read
+    q, s = _fp8_or(next_fp8, out, rows, n)
     _layer_finish_moe_kernel[(rows,)](res, m.contiguous(), y.contiguous(), inv.contiguous(), wts.float().contiguous(),
-                                      w1, w2, w3, w_next if w_next is not None else w1, out, hn, n, eps, float(scalar),
-                                      K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n))
-    return out, (hn if w_next is not None else None)
+                                      w1, w2, w3, w_next if w_next is not None else w1, out, hn, q, s, n, eps,
+                                      float(scalar), K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n),
+                                      NEXT_FP8=next_fp8)
+    return out, (fp8_rows_done(q, s) if next_fp8 else hn if w_next is not None else None)
 
 
 def embed_sc_norms_triton(ids, table, scale, s, w_next, eps, out_dtype):
@@ -301,16 +346,21 @@ def layer_finish(res, m, e, w1, w2, w3, scalar, eps):
     return (layer_finish_triton if use_triton(res) else layer_finish_ref)(res, m, e, w1, w2, w3, scalar, eps)
 
 
-def attn_finish(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False):
+def attn_finish(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False, dense_fp8=False, moe_fp8=False):
     """-> (x, dense_in, moe_in, router_in f32): post-attention norm + residual, then the three FFN input norms.
-    moe_f16: moe_in as the f16 operand of its bf16 value, for the q4 expert GEMM (ops/f16_operand.py)."""
-    return (attn_finish_triton if use_triton(res) else attn_finish_ref)(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16)
+    moe_f16: moe_in as the f16 operand of its bf16 value, for the q4 expert GEMM (ops/f16_operand.py).
+    dense_fp8 / moe_fp8: dense_in / moe_in as its per-token FP8 form (ops/fp8_quant.Fp8Rows), for FP8 weights."""
+    if moe_f16 and moe_fp8:
+        raise TensorError("attn_finish: moe_in is either the f16 operand or the FP8 one, not both")
+    fn = attn_finish_triton if use_triton(res) else attn_finish_ref
+    return fn(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16, dense_fp8, moe_fp8)
 
 
-def layer_finish_moe(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None):
-    """-> (x, norm(x)·w_next or None): MoE un-permute + layer_finish (+ the next layer's input norm)."""
+def layer_finish_moe(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next=None, next_fp8=False):
+    """-> (x, norm(x)·w_next or None): MoE un-permute + layer_finish (+ the next layer's input norm; next_fp8: as
+    its per-token FP8 form, ops/fp8_quant.Fp8Rows, for an FP8 qkv GEMM)."""
     fn = layer_finish_moe_triton if use_triton(res) else layer_finish_moe_ref
-    return fn(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next)
+    return fn(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next, next_fp8)
 
 
 def embed_sc_norms(ids, table, scale, s, w_next, eps, out_dtype):

@@ -28,6 +28,7 @@ from ..errors import TensorError
 from ..ops.layouts import (  # noqa: F401  (the record layout: codecs.planes etc. stay the pack's names)
     ALIGN, ALL_FORMATS, E2M1_VALUES, GROUP, QUANT_FORMATS, Plane, align_up, dims_problem, pack_bits, pack_nibbles,
     planes, record_nbytes, rows_k, unpack_bits, unpack_nibbles)
+from ..ops.packed_weight import nvfp4e_decode
 
 E4M3_MAX = 448.0
 NVFP4_MAX = 6.0
@@ -125,8 +126,9 @@ def encode(fmt: str, x: torch.Tensor, tscale: float | None = None) -> dict[str, 
     tensor can be encoded in row chunks that all share it.
     """
     problem = dims_problem(fmt, x.shape)
-    if problem or fmt == "raw":
-        raise TensorError(problem or "raw tensors are not encoded")
+    if problem or fmt in ("raw", "nvfp4e"):
+        raise TensorError(problem or f"{fmt} tensors are not encoded (nvfp4e: converted from published checkpoints, "
+                                     "quant/hub_codecs.py)")
     x = _as_rows(x)
     if fmt in _LEVELS:
         q, scale16, min16 = _affine_encode(x, _LEVELS[fmt])
@@ -164,7 +166,7 @@ def decode_rows(fmt: str, views: dict[str, np.ndarray], r0: int = 0, r1: int | N
     r1 = first.shape[0] if r1 is None else r1
     with warnings.catch_warnings():  # read-only mmap views: we only ever read them
         warnings.simplefilter("ignore", UserWarning)
-        t = {name: torch.from_numpy(v[r0:r1] if name != "tscale" else v) for name, v in views.items()}
+        t = {name: torch.from_numpy(v[r0:r1] if name not in ("tscale", "escale") else v) for name, v in views.items()}
     n = r1 - r0
     if fmt in _LEVELS:
         scale16, min16 = t["scale"].view(torch.float16), t["min"].view(torch.float16)
@@ -178,6 +180,10 @@ def decode_rows(fmt: str, views: dict[str, np.ndarray], r0: int = 0, r1: int | N
     if fmt == "nvfp4":
         tscale = float(views["tscale"].view("<f4")[0, 0])
         return _nvfp4_decode(unpack_nibbles(t["codes"]), t["scale"], tscale)
+    if fmt == "nvfp4e":  # each row's expert: rows [e·N, (e+1)·N) are expert e's
+        escale = t["escale"].view(torch.float32)
+        per = first.shape[0] // escale.shape[0]
+        return nvfp4e_decode(t["codes"], t["scale"], escale[torch.arange(r0, r1) // per])
     raise TensorError(f"cannot decode format {fmt!r}")
 
 

@@ -2,22 +2,24 @@
 own records (codecs.py) where one holds the same values.
 
 Every `dequant_*` takes one linear's stored tensors ([N, K] weights, "out" rows, "in" columns) and returns the
-float32 weight: the real value rounded once to float32. That is exact for the published scale dtypes (fp8 and int4
-with bfloat16 / float16 scales: at most 4 + 11 significant bits); nvfp4's division by a global scale, and a
-float32 fp8 scale, round once.
+float32 weight. fp8 and int4: the real value rounded once to float32 (exact for the published scale dtypes, bfloat16
+/ float16 scales: at most 4 + 11 significant bits; a float32 fp8 scale rounds once). nvfp4: in float32 the way the
+formats' own libraries dequantize, bit for bit: the block scale times (ModelOpt) or divided by (compressed-tensors)
+the tensor's scale, rounded, then times the e2m1 value, rounded.
 
   fp8        w = e4m3 · scale                      scale [N, 1] / [N] (channel) or one value (tensor)
-  nvfp4 (ct) w = e2m1 · e4m3(scale) / global_scale packed nibbles [N, K/2] (element 2j low), scale [N, K/16]
-  nvfp4 (mo) w = e2m1 · e4m3(scale) · weight_scale_2
+  nvfp4 (ct) w = e2m1 · fl(e4m3(scale) / global_scale)  packed nibbles [N, K/2] (element 2j low), scale [N, K/16]
+  nvfp4 (mo) w = e2m1 · fl(e4m3(scale) · weight_scale_2)
   int4 (ct)  w = (q - zp) · scale                   8 values per int32 along K, element i at bits 4i, stored
                                                     q + 8; zero points packed the same way along N
   gptq-int4  w = (q - z) · scale                    qweight [K/8, N] packed along K, qzeros [K/g, N/8] along N,
                                                     scales [K/g, N]; q and z unsigned 0..15
 
 Conversions for the fast engine (one record per expert stack):
-  nvfp4 -> codecs' nvfp4: the nibbles and block scales are the same bytes; the engine's record has one f32
-      tensor scale, so parts (experts, gate/up) with different global scales share the largest one and their
-      block scales are re-rounded to e4m3 (exact when the parts agree; else the error is counted and reported).
+  nvfp4 -> codecs' nvfp4e: the nibbles and block scales are the same bytes, and each expert keeps its tensor scale
+      as its (multiplier, divisor) pair (ops/layouts.py), so the engine decodes the library's values exactly. Only
+      where one expert's parts (gate, up) have different tensor scales do they share the largest, the others'
+      block scales re-rounded to e4m3 (counted and reported).
   int4 / gptq-int4 -> q4: code = q (+8 for signed storage), scale = s, min = -z·s, each group of g splitting into
       g/32 q4 groups with the same pair; exact when s and z·s are float16 values (counted otherwise).
 """
@@ -28,10 +30,8 @@ import torch
 
 from ..errors import TensorError
 from . import codecs
-from .codecs import E2M1_VALUES, pack_nibbles, unpack_nibbles
-
-_E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float64)
-_E2M1_SIGNED = torch.cat((_E2M1, -_E2M1))
+from ..ops.packed_weight import nvfp4e_decode
+from .codecs import pack_nibbles
 
 
 def _need(cond: bool, what: str):
@@ -53,20 +53,16 @@ def fp8_row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return s.expand(rows).contiguous() if s.numel() == 1 else s.contiguous()
 
 
-def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] nibbles (element 2j low, sign bit 3) -> float64 [N, K] e2m1 values."""
-    return _E2M1_SIGNED[unpack_nibbles(packed).long()]
-
-
-def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: float) -> torch.Tensor:
-    """e2m1 · e4m3 block scale (group 16) · tensor_scale, rounded once -> float32 [N, K]."""
+def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, mul: float, div: float) -> torch.Tensor:
+    """e2m1 · fl(fl(e4m3 block scale (group 16) · mul) / div) in float32 -> float32 [N, K]: ModelOpt's (mul =
+    weight_scale_2, div = 1) and compressed-tensors' (mul = 1, div = global_scale) own arithmetic, and the engine's
+    nvfp4e decode (ops/packed_weight.nvfp4e_decode, the rule itself)."""
     n, half = packed.shape
     _need(packed.dtype == torch.uint8 and scale.shape == (n, half * 2 // 16),
           f"nvfp4 weight {packed.dtype} {list(packed.shape)} / scale {list(scale.shape)}: expected uint8 [N, K/2] "
           "and e4m3 [N, K/16]")
-    v = e2m1_values(packed).reshape(n, -1, 16)
-    s = scale.contiguous().view(torch.float8_e4m3fn).double().unsqueeze(-1)
-    return (v * s * float(tensor_scale)).reshape(n, -1).float()
+    pair = torch.tensor([[mul, div]], dtype=torch.float32).expand(n, 2)
+    return nvfp4e_decode(packed, as_uint8(scale), pair)
 
 
 def unpack_int4_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -133,26 +129,29 @@ class Inexact:
             self.worst = max(self.worst, float((exact - got).abs().max()))
 
 
-def nvfp4_record(parts, shape, note: Inexact) -> memoryview:
-    """codecs' nvfp4 record for the rows of `parts` stacked in order: each part (packed uint8 [n, K/2], e4m3 scale
-    uint8-viewable [n, K/16], tensor_scale float). One tensor scale (the largest); see the module docstring."""
-    t_max = max(float(t) for _, _, t in parts)
-    codes, scales = [], []
-    for packed, scale, t in parts:
-        s = scale.contiguous().view(torch.float8_e4m3fn)
-        if float(t) != t_max:
-            exact = s.double() * (float(t) / t_max)
-            s = exact.clamp(max=codecs.E4M3_MAX).to(torch.float8_e4m3fn)
-            note.add(exact * t_max, s.double() * t_max)
-        else:
-            note.add(torch.zeros(1), torch.zeros(1))
-        codes.append(packed.contiguous())
-        scales.append(s.view(torch.uint8))
-    tscale = torch.tensor([[t_max]], dtype=torch.float32)
-    note.add(torch.tensor([t_max], dtype=torch.float64), tscale.double().reshape(1))
+def nvfp4e_record(experts, shape, note: Inexact) -> memoryview:
+    """codecs' nvfp4e record of an expert stack: `experts` lists, per expert, its parts (gate, up or down) stacked
+    row-wise, each (packed uint8 [n, K/2], e4m3 scale uint8-viewable [n, K/16], mul, div) as _nvfp4 gives them.
+    Each expert keeps its (mul, div); see the module docstring for parts that differ."""
+    codes, scales, pairs = [], [], []
+    for parts in experts:
+        mul, div = max(((float(m), float(d)) for _, _, m, d in parts), key=lambda md: md[0] / md[1])
+        for packed, scale, m, d in parts:
+            s = scale.contiguous().view(torch.float8_e4m3fn)
+            if (float(m), float(d)) != (mul, div):  # the library's block scale · m / d, carried by (mul, div)
+                exact = s.double() * (float(m) / float(d)) / (mul / div)
+                s = exact.clamp(max=codecs.E4M3_MAX).to(torch.float8_e4m3fn)
+                note.add(exact, s.double())
+            else:
+                note.add(torch.zeros(1), torch.zeros(1))
+            codes.append(packed.contiguous())
+            scales.append(s.view(torch.uint8))
+        pairs.append((mul, div))
+    escale = torch.tensor(pairs, dtype=torch.float32)
+    note.add(torch.tensor(pairs, dtype=torch.float64), escale.double())  # f32 values given: exact
     planes = {"codes": torch.cat(codes).numpy(), "scale": torch.cat(scales).numpy(),
-              "tscale": tscale.view(torch.uint8).numpy()}
-    return memoryview(codecs.assemble("nvfp4", shape, planes))
+              "escale": escale.view(torch.uint8).numpy()}
+    return memoryview(codecs.assemble("nvfp4e", shape, planes))
 
 
 def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:

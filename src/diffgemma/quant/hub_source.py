@@ -3,9 +3,10 @@
 It presents the names and shapes of the bf16 checkpoint (checkpoint.expected_tensors), so the loader validates and
 pulls tensors as from any other source:
 
-  get(name)        the weight dequantized exactly to float32 (hub_codecs), then cast: what the reference path runs
-                   on and what the fast engine receives for any tensor it does not keep quantized
-  kind(name)       for expert stacks whose format the engine's 4-bit kernels hold: "nvfp4" or "q4"; else "raw"
+  get(name)        the weight dequantized to float32 (hub_codecs: exactly; NVFP4 bit for bit as its library does), then
+                   cast: what the reference path runs on and what the fast engine receives for any tensor it does not
+                   keep quantized
+  kind(name)       for expert stacks whose format the engine's 4-bit kernels hold: "nvfp4e" or "q4"; else "raw"
   record(name)     that stack's codecs record, converted at load from the published bytes (never through bf16)
   fp8_weight(name) an FP8 tensor as ops.fp8_weight.Fp8Weight (e4m3 values + f32 per-row scales), for the FP8 engine
 
@@ -166,7 +167,7 @@ class HubSource:
         return self.raw.dtype(what) if kind == "raw" else torch.float32
 
     def kind(self, name: str) -> str:
-        """'nvfp4' / 'q4' for expert stacks the engine's 4-bit kernels hold (record() converts), 'fp8' for a tensor
+        """'nvfp4e' / 'q4' for expert stacks the engine's 4-bit kernels hold (record() converts), 'fp8' for a tensor
         fp8_weight() hands out, else 'raw'."""
         kind, what = self._plan_of(name)
         if self._is_fp8(kind, what):
@@ -175,7 +176,7 @@ class HubSource:
             return "raw"
         fmt = self._module_kind(what[0][0])
         if fmt in ("ct-nvfp4", "mo-nvfp4"):
-            return "nvfp4"
+            return "nvfp4e"
         if fmt in ("ct-int4", "gptq") and self.scheme.group_size % 32 == 0 and self.shape(name)[-1] % 32 == 0:
             return "q4"
         return "raw"
@@ -235,12 +236,13 @@ class HubSource:
                                   zero_offset=self.scheme.zero_offset)
 
     def _nvfp4(self, mod: str):
-        """(packed nibbles, e4m3 block scales as uint8, tensor scale) of an nvfp4 linear."""
+        """(packed nibbles, e4m3 block scales as uint8, mul, div) of an nvfp4 linear: w = e2m1 · fl(fl(s · mul) / div),
+        compressed-tensors' global scale a divisor, ModelOpt's weight_scale_2 a multiplier (hub_codecs), as f32."""
         if self._module_kind(mod) == "ct-nvfp4":
-            gs = float(self._t(mod, "weight_global_scale").double().reshape(-1)[0])
-            return self._t(mod, "weight_packed"), hc.as_uint8(self._t(mod, "weight_scale")), 1.0 / gs
-        t = float(self._t(mod, "weight_scale_2").double().reshape(-1)[0])
-        return self._t(mod, "weight"), hc.as_uint8(self._t(mod, "weight_scale")), t
+            gs = float(self._t(mod, "weight_global_scale").float().reshape(-1)[0])
+            return self._t(mod, "weight_packed"), hc.as_uint8(self._t(mod, "weight_scale")), 1.0, gs
+        t = float(self._t(mod, "weight_scale_2").float().reshape(-1)[0])
+        return self._t(mod, "weight"), hc.as_uint8(self._t(mod, "weight_scale")), t, 1.0
 
     def _dequant(self, mod: str) -> torch.Tensor:
         kind = self._module_kind(mod)
@@ -251,12 +253,7 @@ class HubSource:
                 return hc.dequant_fp8(self._t(mod, "weight"), self._t(mod, "weight_scale"))
             if kind in ("ct-int4", "gptq"):
                 return hc.dequant_int4(*self._int4(mod), self.scheme.group_size)
-            if kind == "ct-nvfp4":  # w = e2m1 · s / global_scale, one rounding
-                packed, scale, _ = self._nvfp4(mod)
-                gs = float(self._t(mod, "weight_global_scale").double().reshape(-1)[0])
-                return (hc.dequant_nvfp4(packed, scale, 1.0).double() / gs).float()
-            packed, scale, t = self._nvfp4(mod)
-            return hc.dequant_nvfp4(packed, scale, t)
+            return hc.dequant_nvfp4(*self._nvfp4(mod))
         except TensorError as e:
             raise TensorError(f"{self.raw.file_of(next(k for k in self._raw_keys if k.startswith(mod + '.')))}: "
                               f"{mod}: {e}") from None
@@ -309,8 +306,8 @@ class HubSource:
         fmt = self.kind(name)
         note = hc.Inexact()
         mods = [m for row in what for m in row]
-        if fmt == "nvfp4":
-            rec = hc.nvfp4_record([self._nvfp4(m) for m in mods], self.shape(name), note)
+        if fmt == "nvfp4e":
+            rec = hc.nvfp4e_record([[self._nvfp4(m) for m in row] for row in what], self.shape(name), note)
         elif fmt == "q4":
             rec = hc.q4_record([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
         else:
