@@ -173,8 +173,9 @@ async def _prepared(prepare, served: Served, request: Request):
 
 
 async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
-    """Queue a prepared chat and answer it: whole, streamed, or checked (response_format, a forced tool call, or
-    --tool-validate without streaming: regenerated while the reply fails its check)."""
+    """Queue a prepared chat and answer it: whole, streamed, constrained by a grammar (response_format, a forced
+    tool call, strict tools: written once, streamed as usual), or checked (what no grammar expresses, or
+    --tool-validate without streaming: regenerated while the reply fails its check; structured.py)."""
     req, ids, prefix, tokenizer, model_id = prep.req, prep.ids, prep.prefix, served.tokenizer, served.model_id
     fmt, forced = req.response_format, req.tool_choice in ("required", "function")
     retries = served.tool_validate if req.tools is not None else 0
@@ -200,27 +201,40 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
     def counted(result, cached):
         return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
 
+    def check(message, calls):
+        if forced:
+            return structured.call_problem(calls, req.forced_name)
+        if not calls and reply_parts(tokenizer, prefix + list(written["result"].tokens), stops)[3]:
+            return "its tool calls do not fit the offered tools"
+        return None if calls or fmt is None else fmt.problem(message.get("content"))
+
+    def build_checked(result):
+        written["result"] = result
+        return build(result)
+
+    written = {}
+    path = prep.constraint.path if prep.constraint is not None else None
+    if path is not None:
+        extra["structured"] = path
+    if path == "grammar" and not req.stream:  # valid by construction: written once, checked, never regenerated
+        done = await _result(submit(req.settings), request)
+        if not isinstance(done, tuple):
+            return done
+        cached, result = done
+        message, calls = build_checked(result)
+        problem = check(message, calls)
+        if problem is not None and (fmt is not None or forced):
+            raise structured.call_failed(1, problem) if forced else structured.format_failed(fmt, 1, problem)
+        extra["attempts"] = 1
+        return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
     # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
     # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
     validate_calls = retries > 0 and tools_on and not req.stream
-    if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
-        written = {}
-
-        def build_checked(result):
-            written["tokens"] = prefix + list(result.tokens)
-            return build(result)
-
-        def check(message, calls):
-            if forced:
-                return structured.call_problem(calls, req.forced_name)
-            if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
-                return "its tool calls do not fit the offered tools"
-            return None if calls or fmt is None else fmt.problem(message.get("content"))
-
+    if path == "checked" or validate_calls:  # a checked reply: regenerated while it fails its check
         async def generate(settings):
             return await _result(submit(settings), request)
 
-        attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
+        attempts = structured.FORMAT_ATTEMPTS if path == "checked" else retries + 1
         done = await structured.checked(generate, req.settings, build_checked, check, attempts)
         if not isinstance(done, tuple):
             return done
