@@ -34,8 +34,8 @@ def model():
     return diffgemma.load()
 
 
-def serve(model, log=None):
-    worker = Worker(model, slots=1, max_tokens=2048, log=log)
+def serve(model, log=None, slots=1):
+    worker = Worker(model, slots=slots, max_tokens=2048, log=log)
     app = create_app(worker, model.tokenizer, "m", GenerationSettings.resolve(model.generation_config, env={}))
     return worker, TestClient(app)
 
@@ -186,3 +186,47 @@ def test_langchain_with_structured_output_returns_a_model_instance(server):
     for method in ("json_schema", "function_calling"):
         value = llm.with_structured_output(Weather, method=method).invoke("What's the weather in Paris?")
         assert isinstance(value, Weather), method
+
+
+def test_constrained_lanes_batched_together_get_their_solo_replies(model, server):
+    """Three constrained requests (two schemas and a named call) running in one continuous batch: each reply is
+    the one it gets alone, and valid."""
+    import threading
+
+    bodies = [dict(response_format=schema_format(5), max_tokens=64), dict(response_format=schema_format(13),
+                                                                          max_tokens=64),
+              dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add_numbers"}}, max_tokens=48)]
+    solo = [chat(server, PROMPTS[k], **b)["choices"][0]["message"] for k, b in enumerate(bodies)]
+    worker, client = serve(model, slots=len(bodies))
+    together = [None] * len(bodies)
+    try:
+        with client:
+            start = threading.Barrier(len(bodies))
+
+            def one(k):
+                start.wait()
+                together[k] = chat(client, PROMPTS[k], **bodies[k])["choices"][0]["message"]
+
+            threads = [threading.Thread(target=one, args=(k,)) for k in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            counts = worker.metrics()["counts"]
+    finally:
+        worker.close()
+    assert counts["canvas_steps"] > counts["forwards"]  # lanes stepped together in some rounds
+    for k in range(len(bodies)):
+        a, b = solo[k], together[k]
+        for m in (a, b):
+            for c in m.get("tool_calls") or ():
+                c.pop("id")
+        assert a == b, k
+    jsonschema.validate(json.loads(together[0]["content"]), SCHEMAS[5])
+    assert together[2]["tool_calls"][0]["function"]["name"] == "add_numbers"
+
+
+def test_parallel_tool_calls_false_lets_the_grammar_write_one_call(server):
+    body = chat(server, "Weather in Paris and the time in Oslo?", tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False, max_tokens=64)
+    assert body["diffgemma"]["structured"] == "grammar" and len(body["choices"][0]["message"]["tool_calls"]) == 1

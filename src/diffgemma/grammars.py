@@ -110,10 +110,11 @@ def _closed(schema):
 
 
 def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, text_before: bool = False,
-                      thinking: bool = False, exact: bool = False) -> str:
+                      thinking: bool = False, exact: bool = False, parallel: bool = True) -> str:
     """The reply is tool calls of the offered functions, arguments fitting their parameter schemas.
 
-    name: only that function, called once (a named tool_choice); else one call or more of any offered function.
+    name: only that function, called once (a named tool_choice); else one call or more of any offered function (one
+    only when not `parallel`).
     text_before: free text may come first and the calls are optional (tool_choice auto with strict tools).
     exact: refuse (InputError) tools whose parameter schemas use a keyword the rules do not enforce (`unenforced`),
     so that every call the grammar allows fits its schema.
@@ -133,10 +134,11 @@ def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, t
     alts = [f'"{_literal_text(f["name"])}" {rules.value(f.get("parameters") or {"type": "object"}, f["name"])}'
             for f in functions]
     call = f'call: {_token(token_id, CALL_OPEN)} "call:" ({" | ".join(alts)}) {_token(token_id, CALL_CLOSE)}\n'
+    once = name is not None or not parallel
     if text_before:  # the calls optional after the text
-        body = "text call?" if name is not None else "text call*"
+        body = "text call?" if once else "text call*"
     else:
-        body = "call" if name is not None else "call+"
+        body = "call" if once else "call+"
     start = f"start: thought? {body}\n" if thinking else f"start: {body}\n"
     text = f"text: {_TEXT}\n" if text_before else ""
     lark = start + _thought(token_id, thinking) + text + call + rules.text()

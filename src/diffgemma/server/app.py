@@ -58,7 +58,8 @@ def metrics_exporter(worker):
 
 
 def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
-               limits=None, fresh_seed: bool = False, image_limits=None, max_body_bytes: int | None = None):
+               limits=None, fresh_seed: bool = False, image_limits=None, max_body_bytes: int | None = None,
+               strict_tools: bool = True):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
@@ -67,14 +68,15 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`
     field and journaled in the op-log), else the server's. image_limits: what a request's image_url parts may be
     (images.ImageLimits; None: its defaults, URLs refused). max_body_bytes: the largest request body taken (a 413
-    beyond it, body_limit.py; None: what the image limits need, limits.default_max_body_bytes)."""
+    beyond it, body_limit.py; None: what the image limits need, limits.default_max_body_bytes). strict_tools: tools
+    marked `strict` have their calls constrained by a grammar under tool_choice auto (server/structured.py)."""
     app = FastAPI(title="diffgemma", version="1")
     model_config = getattr(getattr(worker, "model", None), "config", None)
     context = getattr(worker, "max_tokens", None)
     policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
                     fresh_seed=fresh_seed, images=image_limits, context_tokens=context,
                     max_text_chars=None if context is None else max_prompt_chars(tokenizer, context))
-    served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate)
+    served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate, strict_tools)
     if max_body_bytes is None:
         image_limits = image_limits or images.ImageLimits()
         max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)

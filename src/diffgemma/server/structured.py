@@ -116,7 +116,7 @@ def _grammar(req, token_id, forced: bool, strict: bool, exact: bool) -> str:
         except InputError:
             return grammars.json_grammar({}, token_id, thinking=req.think)
     return grammars.tool_call_grammar(req.tools, token_id, name=req.forced_name, text_before=strict,
-                                      thinking=req.think, exact=exact)
+                                      thinking=req.think, exact=exact, parallel=req.parallel_tool_calls)
 
 
 def schema_problem(schema) -> str | None:
