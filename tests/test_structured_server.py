@@ -230,3 +230,13 @@ def test_parallel_tool_calls_false_lets_the_grammar_write_one_call(server):
     body = chat(server, "Weather in Paris and the time in Oslo?", tools=TOOLS, tool_choice="required",
                 parallel_tool_calls=False, max_tokens=64)
     assert body["diffgemma"]["structured"] == "grammar" and len(body["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_a_budget_too_small_for_the_grammar_is_a_422_at_once(server):
+    r = server.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPTS[2]}], "seed": 0, "max_tokens": 6, "diffgemma": FAST,
+        "response_format": schema_format(19)})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "response_format_failed" and "1 attempt(s)" in err["message"]
+    assert "max_tokens (6) ended the reply" in err["message"]

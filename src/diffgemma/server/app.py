@@ -226,6 +226,8 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
         message, calls = build_checked(result)
         problem = check(message, calls)
         if problem is not None and (fmt is not None or forced):
+            if _finish(result, calls) == "length":
+                problem = structured.budget_problem(req.settings.max_new_tokens, problem)
             raise structured.call_failed(1, problem) if forced else structured.format_failed(fmt, 1, problem)
         extra["attempts"] = 1
         return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)

@@ -165,6 +165,12 @@ def format_failed(fmt: ResponseFormat, attempts: int, problem: str) -> RequestEr
                              f"last: {problem}", "response_format", code="response_format_failed")
 
 
+def budget_problem(max_tokens: int, problem: str) -> str:
+    """A grammar-path reply's problem when its token budget ended it: what to change."""
+    return (f"max_tokens ({max_tokens}) ended the reply before its grammar was complete; give it more tokens "
+            f"({problem})")
+
+
 def call_failed(attempts: int, problem: str) -> RequestError:
     return RequestError(422, f"tool_choice: no reply made the required tool call in {attempts} attempt(s); the "
                              f"last: {problem}", "tool_choice", code="tool_choice_failed")
