@@ -4,10 +4,12 @@ weights, one process.
     PYTHONPATH=src:. python -m bench.bench_constrained --json $OUT/constrained.json
     PYTHONPATH=src:. python -m bench.bench_constrained --tiny      # the demo model's shapes on the CPU: a dry run
 
-At batch size 1, after a prompt prefilled untimed, the same generation with and without a JSON-schema grammar:
+After a prompt prefilled untimed, the same generation with and without a JSON-schema grammar; at batch size 1:
   fixed    every block runs exactly --steps steps (no early stop, no trim, no re-roll): ms per forward constrained
            against unconstrained, the ratio (the issue's bound: at most 1.10), and tokens per forward;
   default  the model's usual stop rules: tokens per forward and ms per forward of each;
+  batch    generate_batch at --batches lanes, all constrained or none: ms per batched round, the ratio, and
+           tokens per forward;
   hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read).
 Random weights make the model's own JSON attempts meaningless (the grammar corrects nearly every position): this
 measures cost, not quality. The tokenizer is the demo's with its vocabulary padded to the model's by synthetic
@@ -31,6 +33,7 @@ import torch
 from bench.balanced_routing import KINDS
 from bench.runner import dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
 from diffgemma import grammars
+from diffgemma.batch import generate_batch
 from diffgemma.generation import generate
 from diffgemma.loader import embedded_model_path
 from diffgemma.sampling.constraint import GrammarState
@@ -108,6 +111,37 @@ def section(eng, cfg, grammar, prompt_len, blocks, steps, reps, fixed):
     return out
 
 
+def batch_section(eng, cfg, grammar, batches, prompt_len, steps, reps):
+    """generate_batch at B lanes, one block at fixed steps, every lane constrained or none: ms per batched round
+    (denoise time, prefill excluded, over the most forwards a lane ran) and tokens per forward, on reused caches."""
+    dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for B in batches:
+        prompts = [torch.randint(0, V, (prompt_len,), generator=gen).tolist() for _ in range(B)]
+        caches = [eng.new_cache(prompt_len + 2 * C) for _ in range(B)]
+        row = out[str(B)] = {}
+        for name, g in (("unconstrained", None), ("constrained", grammar)):
+            s = settings(C, 1, steps, True, g)
+            rounds, tokens, forwards = [], 0, 0
+            for i in range(reps + 1):
+                for c in caches:
+                    c.truncate(0)
+                res = generate_batch(eng, prompts, seeds=list(range(B)), settings=s, max_batch=B, caches=caches)
+                sync(dev)
+                if i:
+                    den = max(r.timings["denoise_s"] for r in res)
+                    rounds.append(den * 1e3 / max(r.forwards for r in res))
+                    tokens, forwards = sum(len(r.tokens) for r in res), sum(r.forwards for r in res)
+            row[name] = {"ms_per_round": round(statistics.median(rounds), 3),
+                         "tokens_per_forward": round(tokens / max(forwards, 1), 3)}
+        row["round_ratio"] = round(row["constrained"]["ms_per_round"] / row["unconstrained"]["ms_per_round"], 4)
+        log(f"  batch B={B}: {row}")
+        caches = None
+        eng.clear_graphs()
+    return out
+
+
 def hold_section(eng, cfg, grammar, reps):
     """GrammarState.hold alone: a random proposal and random logits on the device (every position the grammar
     refuses from the first on: the most corrections a step makes), and with the proposal already valid."""
@@ -137,7 +171,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4")
     ap.add_argument("--fixtures", default="flat")
-    ap.add_argument("--sections", default="fixed,default,hold")
+    ap.add_argument("--sections", default="fixed,default,batch,hold")
+    ap.add_argument("--batches", default="4,8", help="comma list of batch sizes for the batch section")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=2)
@@ -161,6 +196,8 @@ def main():
             eng.tokenizer = tok
             return (("fixed", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, True)),
                     ("default", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, False)),
+                    ("batch", lambda: batch_section(eng, cfg, grammar, [int(b) for b in a.batches.split(",")],
+                                                    prompt_len, a.steps, a.reps)),
                     ("hold", lambda: hold_section(eng, cfg, grammar, a.reps)))
 
         run_kinds(kinds, cfg, dev, a.tiny, res, set(a.sections.split(",")), jobs, a.routing, dump)
@@ -175,6 +212,10 @@ def main():
             f"{d.get('unconstrained', {}).get('tokens_per_forward')} / "
             f"{d.get('constrained', {}).get('tokens_per_forward')} | "
             f"{h.get('random_proposal', {}).get('ms')} / {h.get('valid_proposal', {}).get('ms')} |")
+        for B, row in r.get("batch", {}).items():
+            log(f"| {kind} B={B} | round ms {row['unconstrained']['ms_per_round']} / "
+                f"{row['constrained']['ms_per_round']} ({row['round_ratio']}) | "
+                f"{row['unconstrained']['tokens_per_forward']} / {row['constrained']['tokens_per_forward']} | | |")
 
 
 if __name__ == "__main__":
