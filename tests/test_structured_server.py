@@ -21,7 +21,6 @@ from diffgemma.replay import replay  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.worker import Worker  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
-from diffgemma.tool_calls import parse_tool_calls  # noqa: E402
 
 from structured_cases import PROMPTS, SCHEMAS  # noqa: E402
 

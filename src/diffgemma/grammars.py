@@ -145,7 +145,7 @@ def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, t
     return _compile(lark, "tools' parameter schemas")
 
 
-# JSON-schema keywords that constrain a value (draft 2020-12 and older), and those _Rules enforces as a schema states them
+# JSON-schema keywords that constrain a value (draft 2020-12 and older), and those _Rules enforces as stated
 _VALIDATION = frozenset({
     "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength",
     "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains", "maxProperties",
