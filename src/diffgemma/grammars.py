@@ -13,7 +13,9 @@ delimiters, unquoted keys, numbers, true/false/null, lists and nested objects. A
 an object's declared properties in their declared order (required ones always, optional ones optional), its other
 keys only when it declares no properties and does not forbid them; `enum`/`const` as literals; `anyOf`/`oneOf` and
 type lists as alternatives; anything else as any value. A string never contains `<|`, so the parser cannot meet a
-delimiter inside it.
+delimiter inside it. Every call these rules allow fits its schema, except where a schema uses a validation keyword
+the rules do not enforce (`unenforced`: a pattern, a bound, a length, `$ref`, `oneOf`, ...); there the value is any
+value of its type, and `tool_call_grammar(..., exact=True)` refuses the tools instead.
 """
 
 from __future__ import annotations
@@ -69,6 +71,30 @@ def json_grammar(schema: dict | None, token_id, *, thinking: bool = False) -> st
     return _compile(lark, "response_format schema")
 
 
+# JSON-schema keywords llguidance does not implement; each only narrows what a schema allows
+_NARROWING = frozenset({"not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+                        "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                        "unevaluatedItems", "propertyNames", "format"})
+
+
+def loosened(schema):
+    """The schema without the keywords llguidance does not implement (`oneOf` read as `anyOf`): every value the
+    schema allows, this one allows too (a grammar made from it steers a reply that is checked afterwards)."""
+    if isinstance(schema, list):
+        return [loosened(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("enum", "const", "default", "examples"):
+            out[k] = v
+        elif k == "properties" and isinstance(v, dict):
+            out[k] = {name: loosened(sub) for name, sub in v.items()}
+        elif k not in _NARROWING:
+            out["anyOf" if k == "oneOf" else k] = loosened(v)
+    return out
+
+
 def _closed(schema):
     """The schema with `additionalProperties: false` on every object that declares properties and says nothing of
     others: each reply it allows is valid under the original, and a canvas is not invited to invent keys."""
@@ -84,11 +110,14 @@ def _closed(schema):
 
 
 def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, text_before: bool = False,
-                      thinking: bool = False) -> str:
+                      thinking: bool = False, exact: bool = False, parallel: bool = True) -> str:
     """The reply is tool calls of the offered functions, arguments fitting their parameter schemas.
 
-    name: only that function, called once (a named tool_choice); else one call or more of any offered function.
+    name: only that function, called once (a named tool_choice); else one call or more of any offered function (one
+    only when not `parallel`).
     text_before: free text may come first and the calls are optional (tool_choice auto with strict tools).
+    exact: refuse (InputError) tools whose parameter schemas use a keyword the rules do not enforce (`unenforced`),
+    so that every call the grammar allows fits its schema.
     """
     functions = [t.get("function", t) for t in tools or ()]
     if name is not None:
@@ -97,16 +126,60 @@ def tool_call_grammar(tools: list[dict], token_id, *, name: str | None = None, t
             raise InputError(f"tool_choice: no offered function is named {name!r}")
     if not functions:
         raise InputError("tool_choice: no functions offered to call")
+    if exact:
+        gaps = sorted({k for f in functions for k in unenforced(f.get("parameters") or {})})
+        if gaps:
+            raise InputError(f"tools' parameter schemas: the tool-call grammar does not enforce {gaps}")
     rules = _Rules(_token(token_id, STR))
     alts = [f'"{_literal_text(f["name"])}" {rules.value(f.get("parameters") or {"type": "object"}, f["name"])}'
             for f in functions]
     call = f'call: {_token(token_id, CALL_OPEN)} "call:" ({" | ".join(alts)}) {_token(token_id, CALL_CLOSE)}\n'
-    calls = "call" if name is not None else "call+"
-    body = f"text {calls}?" if text_before else calls
+    once = name is not None or not parallel
+    if text_before:  # the calls optional after the text
+        body = "text call?" if once else "text call*"
+    else:
+        body = "call" if once else "call+"
     start = f"start: thought? {body}\n" if thinking else f"start: {body}\n"
     text = f"text: {_TEXT}\n" if text_before else ""
     lark = start + _thought(token_id, thinking) + text + call + rules.text()
     return _compile(lark, "tools' parameter schemas")
+
+
+# JSON-schema keywords that constrain a value (draft 2020-12 and older), and those _Rules enforces as stated
+_VALIDATION = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength",
+    "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains", "maxProperties",
+    "minProperties", "required", "dependentRequired", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+    "dependentSchemas", "prefixItems", "items", "contains", "properties", "patternProperties", "additionalProperties",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "additionalItems",
+    "dependencies"})
+_ENFORCED = frozenset({"type", "enum", "const", "anyOf", "properties", "required", "additionalProperties", "items",
+                       "minItems"})
+
+
+def unenforced(schema) -> set[str]:
+    """The validation keywords of a parameter schema (nested ones included) that the tool-call rules do not enforce:
+    where they appear, the grammar allows values the schema refuses."""
+    if not isinstance(schema, dict):
+        return set()
+    out = {k for k in schema if k in _VALIDATION and k not in _ENFORCED}
+    siblings = {k for k in schema if k in _VALIDATION} - {"type"}
+    for key in ("const", "enum", "anyOf"):  # the rules read these alone: another keyword beside them is not read
+        if key in schema and siblings - {key}:
+            out.add(key)
+    if any(isinstance(v, (list, dict)) for v in schema.get("enum", ()) if isinstance(schema.get("enum"), list)):
+        out.add("enum")
+    if schema.get("minItems", 0) > 1 or not isinstance(schema.get("items", {}), dict):
+        out.add("minItems" if schema.get("minItems", 0) > 1 else "items")
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if set(schema.get("required") or ()) - set(props):
+        out.add("required")  # a required key the schema does not declare: the rules never write it
+    extra = schema.get("additionalProperties")
+    if not props and extra not in (None, True, False):
+        out.add("additionalProperties")
+    for sub in [*props.values(), schema.get("items"), *(schema.get("anyOf") or ())]:
+        out |= unenforced(sub)
+    return out
 
 
 def _compile(lark: str, what: str) -> str:

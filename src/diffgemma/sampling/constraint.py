@@ -21,9 +21,10 @@ only stop tokens, so the reply ends exactly when the grammar is satisfied. The r
 token budget ends first.
 
 A reply whose token budget runs short is closed rather than cut off: from the position where the budget left is
-`grammar_reserve` tokens, each position takes the allowed token that closes soonest (a stop token, else one holding a
-quote, else a closing bracket, else a separator, else the best allowed by the logits), so an open string, list or object
-ends in a few tokens and the remaining required keys are written by the grammar's forced tokens.
+`grammar_reserve` tokens, each position takes the allowed token that closes soonest (a stop token, else a thought's or
+call's closing token, else one holding a quote, else a closing bracket, else a separator, else the best allowed by the
+logits), so an open thought, string, list or object ends in a few tokens and the remaining required keys are written
+by the grammar's forced tokens.
 
 Each step adds one device->host read (the proposal) and one mask a corrected position; unconstrained generations
 never reach this module.
@@ -59,23 +60,26 @@ def allowed_mask(matcher, vocab: int, device) -> torch.Tensor:
 
 
 _CLOSING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CLOSERS = ("<channel|>", "<tool_call|>")  # special tokens that close a thought or a call
 _QUOTES = ('"', "<|\"|>")
-_BRACKETS = ("}", "]", "<tool_call|>", "<channel|>")
+_BRACKETS = ("}", "]")
 
 
 def closing_classes(tokenizer, vocab: int, stop_ids: tuple) -> tuple[torch.Tensor, ...]:
-    """bool [vocab] masks, in the order a budget-short reply prefers them: the stop tokens; tokens whose text holds a
-    quote or string delimiter (an open string ends first); a closing bracket; a separator (made once per tokenizer)."""
+    """bool [vocab] masks, in the order a budget-short reply prefers them: the stop tokens; the special tokens closing
+    a thought or a call (free text inside them takes any quote, so they come first); tokens whose text holds a quote
+    or string delimiter (an open string ends first); a closing bracket; a separator (made once per tokenizer)."""
     made = _CLOSING.setdefault(tokenizer, {})
     key = (vocab, stop_ids)
     if key not in made:
         texts = [tokenizer.decode([i]) for i in range(vocab)]
         stops = torch.zeros(vocab, dtype=torch.bool)
         stops[[i for i in stop_ids if i < vocab]] = True
+        closers = torch.tensor([t in _CLOSERS for t in texts])
         quotes = torch.tensor([any(q in t for q in _QUOTES) for t in texts])
         brackets = torch.tensor([any(b in t for b in _BRACKETS) for t in texts])
         seps = torch.tensor(["," in t or ":" in t for t in texts])
-        made[key] = (stops, quotes, brackets, seps)
+        made[key] = (stops, closers, quotes, brackets, seps)
     return made[key]
 
 

@@ -58,7 +58,8 @@ def metrics_exporter(worker):
 
 
 def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: int = 0, api_key: str | None = None,
-               limits=None, fresh_seed: bool = False, image_limits=None, max_body_bytes: int | None = None):
+               limits=None, fresh_seed: bool = False, image_limits=None, max_body_bytes: int | None = None,
+               strict_tools: bool = True):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
     regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
@@ -67,14 +68,15 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`
     field and journaled in the op-log), else the server's. image_limits: what a request's image_url parts may be
     (images.ImageLimits; None: its defaults, URLs refused). max_body_bytes: the largest request body taken (a 413
-    beyond it, body_limit.py; None: what the image limits need, limits.default_max_body_bytes)."""
+    beyond it, body_limit.py; None: what the image limits need, limits.default_max_body_bytes). strict_tools: tools
+    marked `strict` have their calls constrained by a grammar under tool_choice auto (server/structured.py)."""
     app = FastAPI(title="diffgemma", version="1")
     model_config = getattr(getattr(worker, "model", None), "config", None)
     context = getattr(worker, "max_tokens", None)
     policy = Policy(limits=limits or Limits(), model_canvas=getattr(model_config, "canvas_length", None),
                     fresh_seed=fresh_seed, images=image_limits, context_tokens=context,
                     max_text_chars=None if context is None else max_prompt_chars(tokenizer, context))
-    served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate)
+    served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate, strict_tools)
     if max_body_bytes is None:
         image_limits = image_limits or images.ImageLimits()
         max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)
@@ -173,8 +175,9 @@ async def _prepared(prepare, served: Served, request: Request):
 
 
 async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
-    """Queue a prepared chat and answer it: whole, streamed, or checked (response_format, a forced tool call, or
-    --tool-validate without streaming: regenerated while the reply fails its check)."""
+    """Queue a prepared chat and answer it: whole, streamed, constrained by a grammar (response_format, a forced
+    tool call, strict tools: written once, streamed as usual), or checked (what no grammar expresses, or
+    --tool-validate without streaming: regenerated while the reply fails its check; structured.py)."""
     req, ids, prefix, tokenizer, model_id = prep.req, prep.ids, prep.prefix, served.tokenizer, served.model_id
     fmt, forced = req.response_format, req.tool_choice in ("required", "function")
     retries = served.tool_validate if req.tools is not None else 0
@@ -200,27 +203,42 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
     def counted(result, cached):
         return usage(len(ids), reply_token_count(tokenizer, result.tokens), cached)
 
+    def check(message, calls):
+        if forced:
+            return structured.call_problem(calls, req.forced_name)
+        if not calls and reply_parts(tokenizer, prefix + list(written["result"].tokens), stops)[3]:
+            return "its tool calls do not fit the offered tools"
+        return None if calls or fmt is None else fmt.problem(message.get("content"))
+
+    def build_checked(result):
+        written["result"] = result
+        return build(result)
+
+    written = {}
+    path = prep.constraint.path if prep.constraint is not None else None
+    if path is not None:
+        extra["structured"] = path
+    if path == "grammar" and not req.stream:  # valid by construction: written once, checked, never regenerated
+        done = await _result(submit(req.settings), request)
+        if not isinstance(done, tuple):
+            return done
+        cached, result = done
+        message, calls = build_checked(result)
+        problem = check(message, calls)
+        if problem is not None and (fmt is not None or forced):
+            if _finish(result, calls) == "length":
+                problem = structured.budget_problem(req.settings.max_new_tokens, problem)
+            raise structured.call_failed(1, problem) if forced else structured.format_failed(fmt, 1, problem)
+        extra["attempts"] = 1
+        return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
     # with --tool-validate, a call that parses but names a function not offered or breaks its parameter schema is
     # regenerated whole too (a stream sends as it goes, so there such a call is only left out)
     validate_calls = retries > 0 and tools_on and not req.stream
-    if fmt is not None or forced or validate_calls:  # a checked reply: regenerated while it fails its check
-        written = {}
-
-        def build_checked(result):
-            written["tokens"] = prefix + list(result.tokens)
-            return build(result)
-
-        def check(message, calls):
-            if forced:
-                return structured.call_problem(calls, req.forced_name)
-            if not calls and reply_parts(tokenizer, written["tokens"], stops)[3]:
-                return "its tool calls do not fit the offered tools"
-            return None if calls or fmt is None else fmt.problem(message.get("content"))
-
+    if path == "checked" or validate_calls:  # a checked reply: regenerated while it fails its check
         async def generate(settings):
             return await _result(submit(settings), request)
 
-        attempts = structured.FORMAT_ATTEMPTS if fmt is not None or forced else retries + 1
+        attempts = structured.FORMAT_ATTEMPTS if path == "checked" else retries + 1
         done = await structured.checked(generate, req.settings, build_checked, check, attempts)
         if not isinstance(done, tuple):
             return done

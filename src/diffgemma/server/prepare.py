@@ -34,6 +34,7 @@ class Served:
     base: object  # GenerationSettings, which a request's fields override
     policy: Policy
     tool_validate: int = 0  # a malformed tool call is regenerated up to this many times
+    strict_tools: bool = True  # tools marked `strict` constrain their calls under tool_choice auto (structured.py)
 
     @property
     def model(self):
@@ -47,6 +48,7 @@ class PreparedChat:
     prefix: list[int]  # a forced tool call's opener, written into the prompt (structured.forced_call_text)
     pictures: dict  # the prompt's images by key (vision/prompt.py), or {}
     frames: bool = False  # the stream carries canvas frames (frames.py)
+    constraint: object = None  # structured.Constraint (its grammar is in req.settings), or None for free text
 
 
 def parse_json(raw) -> object:
@@ -72,7 +74,14 @@ def prepare_chat(served: Served, raw) -> PreparedChat:
         messages = images.prepare(served.model, messages, served.policy.images)
     fmt = req.response_format
     messages = messages if fmt is None else structured.with_instruction(messages, fmt)
-    forced = req.tool_choice in ("required", "function")
+    constraint = structured.constrain(req, served.tokenizer.token_to_id, served.model, served.strict_tools)
+    if constraint is not None and constraint.grammar is not None:
+        if req.settings.grammar is not None:
+            raise RequestError(400, "diffgemma.grammar: the request's response_format or tool_choice already "
+                                    "constrains the reply; send one of them", "diffgemma")
+        req.settings = req.settings.replace(grammar=constraint.grammar)
+    # a grammar writes a forced call's opener itself: the prompt stays what the chat template renders
+    forced = req.tool_choice in ("required", "function") and (constraint is None or constraint.grammar is None)
     prefix = served.tokenizer.encode(structured.forced_call_text(req.forced_name)) if forced else []
     try:
         vision = vision_for(served.model) if has_images(messages) else None
@@ -87,7 +96,7 @@ def prepare_chat(served: Served, raw) -> PreparedChat:
     except Exception as e:  # the template's own errors (a missing field, a wrong type)
         raise RequestError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                            "messages") from None
-    return PreparedChat(req, ids + prefix, prefix, pictures, want_frames)
+    return PreparedChat(req, ids + prefix, prefix, pictures, want_frames, constraint)
 
 
 def prepare_completion(served: Served, raw) -> tuple[CompletionRequest, list[int]]:

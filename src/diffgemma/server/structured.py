@@ -1,13 +1,23 @@
-"""Checked replies: `response_format` (a JSON object, or JSON valid against a schema) and tool calls validated
-against the offered functions' parameter schemas.
+"""Structured replies: `response_format` (a JSON object, or JSON valid against a schema), a forced tool call
+(tool_choice 'required' or a named function), and strict tools' calls fitting their parameter schemas.
 
-The sampler cannot be constrained to a grammar, so a reply is checked after it is written and, when it fails,
-regenerated with the seed bumped by one, up to a number of attempts; a reply still failing after the last
-attempt is an explicit error (HTTP 422, code `response_format_failed`), never invalid JSON labelled valid.
-A reply that must call a tool (tool_choice 'required' or a named function) starts with the call's opener
-(and the function's name), written into the prompt, and is checked and regenerated the same way.
-The request's instruction to answer in JSON (and the schema) is also written into the conversation as a
-system message, which is what steers the model towards it.
+Two paths (`constrain`), and the response's `diffgemma.structured` names the one that ran:
+
+- "grammar": the request's constraint is a grammar (grammars.py) set as the generation's `grammar` setting, and the
+  reply is valid by construction (sampling/constraint.py; docs/ARCHITECTURE.md, 'Constrained output'). It is
+  written once; the check below still runs, and a reply that fails it (the token budget ended before the grammar
+  was complete) is a 422 at once: the same budget would end the same way.
+- "checked": what no grammar here expresses exactly (a JSON schema keyword llguidance does not implement, a
+  parameter schema keyword the tool-call rules do not enforce, JSON or a tool call at the model's choice, or a model
+  without a tokenizer to run a grammar over). A looser grammar that every valid reply fits still steers each
+  attempt where one can be made (any JSON; calls with the keywords' values unconstrained). The reply is checked
+  after it is written and, when it fails, regenerated with the seed bumped by one, up to a number of attempts; a
+  reply still failing after the last attempt is an explicit error (HTTP 422, code `response_format_failed`), never
+  invalid JSON labelled valid. Without any grammar, a reply that must call a tool starts with the call's opener
+  (and the function's name), written into the prompt.
+
+The request's instruction to answer in JSON (and the schema) is also written into the conversation as a system
+message, which is what steers the model towards the content the grammar leaves open.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from dataclasses import dataclass
 
 import jsonschema
 
+from .. import grammars
+from ..errors import InputError
 from ..tool_calls import CALL_OPEN
 from .errors import RequestError
 
@@ -48,6 +60,63 @@ class ResponseFormat:
             return None if isinstance(value, dict) else f"the reply is JSON but not an object ({type(value).__name__})"
         error = jsonschema.exceptions.best_match(_validator(self.schema).iter_errors(value))
         return None if error is None else f"the reply does not match the schema: {error.message}"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """How a request's structured reply is made: `path` "grammar" or "checked" (module doc), and the grammar the
+    generation runs (None: none). why: on the checked path, what the grammar could not express."""
+
+    path: str
+    grammar: str | None
+    why: str | None = None
+
+
+def can_constrain(model) -> bool:
+    """Whether generations on `model` can run a grammar: llguidance is installed and the model has a tokenizer."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return getattr(model, "tokenizer", None) is not None
+
+
+def constrain(req, token_id, model, strict_tools: bool = True) -> Constraint | None:
+    """A chat request's Constraint, or None when its reply is free text. req: protocol.ChatRequest; token_id: the
+    tokenizer's text -> id. strict_tools: tools marked `strict` constrain their calls under tool_choice auto."""
+    tools_on = req.tools is not None and req.tool_choice != "none"
+    forced = req.tool_choice in ("required", "function")
+    strict = tools_on and not forced and strict_tools and any(t["function"].get("strict") for t in req.tools)
+    fmt = req.response_format
+    if not (forced or fmt is not None or strict):
+        return None
+    if not can_constrain(model):
+        return None if strict else Constraint("checked", None, "this model cannot run a grammar")
+    if fmt is not None and tools_on and not forced:
+        return Constraint("checked", None, "JSON or a tool call, at the model's choice")
+    try:
+        return Constraint("grammar", _grammar(req, token_id, forced, strict, exact=True))
+    except InputError as e:
+        why = str(e)
+    try:
+        return Constraint("checked", _grammar(req, token_id, forced, strict, exact=False), why)
+    except InputError:
+        return Constraint("checked", None, why)
+
+
+def _grammar(req, token_id, forced: bool, strict: bool, exact: bool) -> str:
+    """The request's grammar; exact=False: a looser one that every valid reply fits (the schema without what
+    llguidance does not implement, else any JSON; calls whose values the rules cannot enforce left free)."""
+    fmt = req.response_format
+    if fmt is not None and not forced:
+        if fmt.kind == "json_object" or exact:
+            return grammars.json_grammar(fmt.schema, token_id, thinking=req.think)
+        try:
+            return grammars.json_grammar(grammars.loosened(fmt.schema), token_id, thinking=req.think)
+        except InputError:
+            return grammars.json_grammar({}, token_id, thinking=req.think)
+    return grammars.tool_call_grammar(req.tools, token_id, name=req.forced_name, text_before=strict,
+                                      thinking=req.think, exact=exact, parallel=req.parallel_tool_calls)
 
 
 def schema_problem(schema) -> str | None:
@@ -94,6 +163,12 @@ def parse_response_format(fmt) -> ResponseFormat | None:
 def format_failed(fmt: ResponseFormat, attempts: int, problem: str) -> RequestError:
     return RequestError(422, f"response_format {fmt.kind}: no reply satisfied it in {attempts} attempt(s); the "
                              f"last: {problem}", "response_format", code="response_format_failed")
+
+
+def budget_problem(max_tokens: int, problem: str) -> str:
+    """A grammar-path reply's problem when its token budget ended it: what to change."""
+    return (f"max_tokens ({max_tokens}) ended the reply before its grammar was complete; give it more tokens "
+            f"({problem})")
 
 
 def call_failed(attempts: int, problem: str) -> RequestError:

@@ -1,0 +1,222 @@
+"""Benchmark: what a grammar costs a denoise step (docs/ARCHITECTURE.md, 'Constrained output'), full size, random
+weights, one process.
+
+    PYTHONPATH=src:. python -m bench.bench_constrained --json $OUT/constrained.json
+    PYTHONPATH=src:. python -m bench.bench_constrained --tiny      # the demo model's shapes on the CPU: a dry run
+
+After a prompt prefilled untimed, the same generation with and without a JSON-schema grammar; at batch size 1:
+  fixed    every block runs exactly --steps steps (no early stop, no trim, no re-roll): ms per forward constrained
+           against unconstrained, the ratio (the issue's bound: at most 1.10), and tokens per forward;
+  default  the model's usual stop rules: tokens per forward and ms per forward of each;
+  batch    generate_batch at --batches lanes, all constrained or none: ms per batched round, the ratio, and
+           tokens per forward;
+  hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read).
+Random weights make the model's own JSON attempts meaningless (the grammar corrects nearly every position): this
+measures cost, not quality. The tokenizer is the demo's with its vocabulary padded to the model's by synthetic
+byte-level pieces (a 262144-token trie for llguidance's masks, as the real one is; no real tokenizer is needed).
+Medians of --reps runs after one warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.balanced_routing import KINDS
+from bench.runner import dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
+from diffgemma import grammars
+from diffgemma.batch import generate_batch
+from diffgemma.generation import generate
+from diffgemma.loader import embedded_model_path
+from diffgemma.sampling.constraint import GrammarState
+from diffgemma.settings import GenerationSettings
+from diffgemma.tokenizer import load_tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"}, "age": {"type": "integer", "minimum": 0},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
+                                                                                     "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"]}}, "required": ["name", "age", "address"]}
+_PIECES = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" + "Ġ" * 8 + ".,:;!?-_'\"(){}[]/"
+
+
+def padded_tokenizer(vocab: int, directory: Path):
+    """The demo tokenizer with its vocabulary padded to `vocab` ids by random byte-level pieces of 2..8 characters
+    (written into `directory`, the demo's other tokenizer files beside it)."""
+    src = embedded_model_path()
+    for name in ("tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, directory / name)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    table = spec["model"]["vocab"]
+    used = set(table.values()) | {t["id"] for t in spec["added_tokens"]}
+    rng = random.Random(0)
+    next_id = max(used) + 1
+    while next_id < vocab:
+        piece = "".join(rng.choice(_PIECES) for _ in range(rng.randint(2, 8)))
+        if piece not in table:
+            table[piece] = next_id
+            next_id += 1
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return load_tokenizer(directory)
+
+
+def settings(canvas: int, blocks: int, steps: int, fixed: bool, grammar: str | None) -> GenerationSettings:
+    overrides = dict(max_denoising_steps=steps, max_new_tokens=blocks * canvas, seed=0, grammar=grammar)
+    if fixed:
+        overrides.update(confidence_threshold=0.0, plateau_steps=0, entropy_stop=0.0, confidence_trim=0.0,
+                         empty_reply_retry=0)
+    return GenerationSettings.resolve({}, env={}, overrides=overrides)
+
+
+def run(eng, cache, prompt_len, s, reps):
+    """-> (median wall s, the last result) of generate() from the prompt, over `reps` runs after a warm-up."""
+    walls, result = [], None
+    for i in range(reps + 1):
+        cache.truncate(prompt_len)
+        sync(eng.device)
+        t = time.perf_counter()
+        result = generate(eng, [], settings=s, cache=cache)
+        sync(eng.device)
+        if i:
+            walls.append(time.perf_counter() - t)
+    return statistics.median(walls), result
+
+
+def section(eng, cfg, grammar, prompt_len, blocks, steps, reps, fixed):
+    dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
+    prompt = torch.randint(0, V, (prompt_len,), generator=torch.Generator().manual_seed(1)).to(dev)
+    cache = eng.new_cache(prompt_len + (blocks + 1) * C, rewind_slack=blocks * C)
+    eng.prefill(cache, prompt)
+    out = {"prompt": prompt_len, "canvas": C, "blocks": blocks, "max_steps": steps}
+    for name, g in (("unconstrained", None), ("constrained", grammar)):
+        wall, r = run(eng, cache, prompt_len, settings(C, blocks, steps, fixed, g), reps)
+        out[name] = {"wall_s": round(wall, 4), "forwards": r.forwards, "tokens": len(r.tokens),
+                     "ms_per_forward": round(wall * 1e3 / max(r.forwards, 1), 3),
+                     "tokens_per_forward": round(r.tokens_per_forward, 3), "block_ends": r.block_ends}
+        if g is not None:
+            out[name]["text"] = (r.text or "")[:400]
+        log(f"  {'fixed' if fixed else 'default'}/{name}: {out[name]}")
+    out["step_ratio"] = round(out["constrained"]["ms_per_forward"] / out["unconstrained"]["ms_per_forward"], 4)
+    out["within_10_percent"] = out["step_ratio"] <= 1.10
+    return out
+
+
+def batch_section(eng, cfg, grammar, batches, prompt_len, steps, reps):
+    """generate_batch at B lanes, one block at fixed steps, every lane constrained or none: ms per batched round
+    (denoise time, prefill excluded, over the most forwards a lane ran) and tokens per forward, on reused caches."""
+    dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for B in batches:
+        prompts = [torch.randint(0, V, (prompt_len,), generator=gen).tolist() for _ in range(B)]
+        caches = [eng.new_cache(prompt_len + 2 * C) for _ in range(B)]
+        row = out[str(B)] = {}
+        for name, g in (("unconstrained", None), ("constrained", grammar)):
+            s = settings(C, 1, steps, True, g)
+            rounds, tokens, forwards = [], 0, 0
+            for i in range(reps + 1):
+                for c in caches:
+                    c.truncate(0)
+                res = generate_batch(eng, prompts, seeds=list(range(B)), settings=s, max_batch=B, caches=caches)
+                sync(dev)
+                if i:
+                    den = max(r.timings["denoise_s"] for r in res)
+                    rounds.append(den * 1e3 / max(r.forwards for r in res))
+                    tokens, forwards = sum(len(r.tokens) for r in res), sum(r.forwards for r in res)
+            row[name] = {"ms_per_round": round(statistics.median(rounds), 3),
+                         "tokens_per_forward": round(tokens / max(forwards, 1), 3)}
+        row["round_ratio"] = round(row["constrained"]["ms_per_round"] / row["unconstrained"]["ms_per_round"], 4)
+        log(f"  batch B={B}: {row}")
+        caches = None
+        eng.clear_graphs()
+    return out
+
+
+def hold_section(eng, cfg, grammar, reps):
+    """GrammarState.hold alone: a random proposal and random logits on the device (every position the grammar
+    refuses from the first on: the most corrections a step makes), and with the proposal already valid."""
+    dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
+    stop_ids = tuple(cfg.eos_token_ids)
+    state = GrammarState(grammar, eng.tokenizer, V, stop_ids)
+    gen = torch.Generator().manual_seed(2)
+    proposal = torch.randint(0, V, (C,), generator=gen).to(dev)
+    logits = torch.randn(C, V, generator=gen).to(dev)
+    out = {}
+    for name, prop in (("random_proposal", proposal), ("valid_proposal", None)):
+        if prop is None:  # a proposal the grammar takes as it stands: the last hold's tokens
+            _, prop = state.hold(proposal, logits)
+        times = []
+        for _ in range(reps + 2):
+            sync(dev)
+            t = time.perf_counter()
+            held, _ = state.hold(prop, logits)
+            sync(dev)
+            times.append((time.perf_counter() - t) * 1e3)
+        out[name] = {"ms": round(statistics.median(times[2:]), 3), "held": int(held.sum())}
+    log(f"  hold: {out}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="q4")
+    ap.add_argument("--fixtures", default="flat")
+    ap.add_argument("--sections", default="fixed,default,batch,hold")
+    ap.add_argument("--batches", default="4,8", help="comma list of batch sizes for the batch section")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--routing", default="balanced", choices=KINDS)
+    ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
+    a = ap.parse_args()
+    kinds = with_fixtures([k for k in a.kinds.split(",") if k], a.fixtures)
+    cfg, dev = shapes(a.tiny)
+    prompt_len = 32 if a.tiny else 1024
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.time()
+        tok = padded_tokenizer(cfg.vocab_size, Path(tmp))
+        grammar = grammars.json_grammar(SCHEMA, tok.token_to_id)
+        GrammarState(grammar, tok, cfg.vocab_size, tuple(cfg.eos_token_ids))  # the tokenizer's trie, made once
+        log(f"tokenizer of {cfg.vocab_size} ids and its grammar tables: {time.time() - t:.1f}s")
+        res = result_header(dev, a, schema=SCHEMA, steps=a.steps)
+        dump = dumper(res, a.json)
+
+        def jobs(eng, kind):
+            eng.tokenizer = tok
+            return (("fixed", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, True)),
+                    ("default", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, False)),
+                    ("batch", lambda: batch_section(eng, cfg, grammar, [int(b) for b in a.batches.split(",")],
+                                                    prompt_len, a.steps, a.reps)),
+                    ("hold", lambda: hold_section(eng, cfg, grammar, a.reps)))
+
+        run_kinds(kinds, cfg, dev, a.tiny, res, set(a.sections.split(",")), jobs, a.routing, dump)
+    log("\n| kind | fixed: ms/forward unconstrained / constrained (ratio) | tokens/forward unconstrained / "
+        "constrained | default: tokens/forward | hold ms random / valid |\n|---|---|---|---|---|")
+    for kind in kinds:
+        r = res.get(kind, {})
+        f, d, h = r.get("fixed", {}), r.get("default", {}), r.get("hold", {})
+        fu, fc = f.get("unconstrained", {}), f.get("constrained", {})
+        log(f"| {kind} | {fu.get('ms_per_forward')} / {fc.get('ms_per_forward')} ({f.get('step_ratio')}) | "
+            f"{fu.get('tokens_per_forward')} / {fc.get('tokens_per_forward')} | "
+            f"{d.get('unconstrained', {}).get('tokens_per_forward')} / "
+            f"{d.get('constrained', {}).get('tokens_per_forward')} | "
+            f"{h.get('random_proposal', {}).get('ms')} / {h.get('valid_proposal', {}).get('ms')} |")
+        for B, row in r.get("batch", {}).items():
+            log(f"| {kind} B={B} | round ms {row['unconstrained']['ms_per_round']} / "
+                f"{row['constrained']['ms_per_round']} ({row['round_ratio']}) | "
+                f"{row['unconstrained']['tokens_per_forward']} / {row['constrained']['tokens_per_forward']} | | |")
+
+
+if __name__ == "__main__":
+    main()
