@@ -125,6 +125,16 @@ def test_readme_names_what_ships():
     assert "`diffgemma-demo`" in README.read_text()
 
 
+def test_layout_names_every_module():
+    """The Layout tree names every top-level module and package of src/diffgemma (as `name.py` or `name/`)."""
+    (tree,) = fenced("")
+    pkg = Path(diffgemma.__file__).resolve().parent
+    names = {p.name for p in pkg.glob("*.py") if not p.name.startswith("__")}
+    names |= {p.name + "/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    missing = sorted(n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree))
+    assert not missing, f"README's Layout does not name {missing}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
