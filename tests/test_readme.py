@@ -112,6 +112,8 @@ def test_readme_has_only_blocks_this_test_runs():
     lines = bash_lines()
     assert set(SKIPPED) | set(STDIN) | set(EXTRA) <= set(lines)  # none stale
     assert lines[0] == 'pip install . && diffgemma ask "What is 17 + 25?"'  # the quickstart, exactly
+    assert lines[1] == "pip install -e '.[test]' && python -m pytest -q"
+    assert len(README.read_text().splitlines()) < 150  # a newcomer's two-minute read; the reference is in docs/
     assert all(runnable(ln).startswith("diffgemma ") for ln in lines if ln not in SKIPPED)
 
 
