@@ -317,8 +317,8 @@ if HAVE_TRITON:
 
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
-        lanes are combined once, at the segment's end. A cross-thread reduction per block (four of them, as the
-        kernel had before) cost more than the pass's reads (bench/bench_kernels.py times the passes)."""
+        lanes are combined once, at the segment's end: four cross-thread reductions per block would cost more than the
+        pass's reads (bench/bench_kernels.py times the passes)."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
