@@ -35,7 +35,13 @@ SKIPPED = {
     "pip install -e '.[test]' && python -m pytest -q": "runs this test suite itself",
     'diffgemma ask "..." --model /path/to/diffusiongemma-26B-A4B-it --device cuda':
         "needs the 26B checkpoint and a GPU",
-    "diffgemma census --arms arms.json --battery smoke --out DIR":
+    "diffgemma serve --model /path/to/DiffusionGemma-FP8-Dynamic":
+        "needs the published checkpoint (tests/test_hub_fp8.py serves and asks the test checkpoints)",
+    'diffgemma ask "..." --model /path/to/DiffusionGemma-NVFP4': "needs the published checkpoint",
+    'diffgemma ask "..." --model /path/to/DiffusionGemma-NVFP4-ModelOpt': "needs the published checkpoint",
+    'diffgemma ask "..." --model /path/to/DiffusionGemma-W4A16': "needs the published checkpoint",
+    'diffgemma ask "..." --model /path/to/DiffusionGemma-int4-AutoRound': "needs the published checkpoint",
+    "diffgemma census --arms src/diffgemma/assets/batteries/longctx.arms.json --battery longctx --out DIR":
         "a campaign takes minutes on the CPU (tests/test_quality.py runs census on small batteries)",
     "diffgemma smoketest": "the whole smoke battery takes minutes on the CPU (tests/test_quality.py checks the gate logic)",
 }
@@ -106,7 +112,29 @@ def test_readme_has_only_blocks_this_test_runs():
     lines = bash_lines()
     assert set(SKIPPED) | set(STDIN) | set(EXTRA) <= set(lines)  # none stale
     assert lines[0] == 'pip install . && diffgemma ask "What is 17 + 25?"'  # the quickstart, exactly
+    assert lines[1] == "pip install -e '.[test]' && python -m pytest -q"
+    assert len(README.read_text().splitlines()) < 150  # a newcomer's two-minute read; the reference is in docs/
     assert all(runnable(ln).startswith("diffgemma ") for ln in lines if ln not in SKIPPED)
+
+
+def test_readme_names_what_ships():
+    """What a skipped line names is there: the census line's arms file ships, and the served model id that
+    test_serve_line's client sends is the one the README gives."""
+    root = README.parent
+    for line in bash_lines():
+        for arms in re.findall(r"--arms (\S+)", line):
+            assert (root / arms).is_file(), line
+    assert "`diffgemma-demo`" in README.read_text()
+
+
+def test_layout_names_every_module():
+    """The Layout tree names every top-level module and package of src/diffgemma (as `name.py` or `name/`)."""
+    (tree,) = fenced("")
+    pkg = Path(diffgemma.__file__).resolve().parent
+    names = {p.name for p in pkg.glob("*.py") if not p.name.startswith("__")}
+    names |= {p.name + "/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    missing = sorted(n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree))
+    assert not missing, f"README's Layout does not name {missing}"
 
 
 def free_port() -> int:

@@ -131,7 +131,7 @@ def _canvas_call(path, causal_ok: bool = False):
 _KERNELS = {"triton": attention_flash, "gemm": _canvas_call(attention_gemm),
             "tiles": _canvas_call(attention_tiles, causal_ok=True)}
 CANVAS_ONLY = ("gemm", "tiles")
-# What takes over when a kernel cannot compile or launch here (e.g. a GPU with less shared memory than the H200
+# What takes over when a kernel cannot compile or launch here (e.g. a GPU with less shared memory than the one
 # the tile configs were chosen on): the canvas paths fall back to the portable cuBLAS one first.
 _FALLBACK = {"tiles": "gemm", "gemm": "triton", "triton": "sdpa"}
 _triton_failed: dict = {}  # (head_dim, causal, impl) -> why the kernel could not compile/launch here

@@ -234,19 +234,15 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
     columns per program; waves = programs per SM the canvas split aims at (0 = never split).
 
-    The fastest of a sweep on the H200 (bench/bench_attention.py at commit 8f24671), each also
-    compiled offline with Triton 3.6 for sm_90 and read back with no spills, under 227 KB of shared memory:
-      canvas hd 256 over the ring's live window (live: 1279 keys; a sweep of 64 configs, with the merge):
-          BM 64, BN 64, 4 warps, 3 stages, 2 splits 25.2 µs against 27.1 for the per-key-mask call's config;
-      canvas hd 256 with the per-key mask (1535 ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits: 32.8 µs
-          (SDPA 103.5; the live window's config takes 43.5 µs here);
-      canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps: 67.2 / 362 / 1320 µs at
-          1k / 8k / 32k keys (SDPA 165 / 936 / 3554); one wave of splits up to 4k keys, two above
-          (1k: 67 vs 77 µs; 32k: 1320 vs 1372 µs); without per-key positions (kpos=None, the engine's
-          full layers) 57.8 / 304 / 1102 µs;
-      causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute):
-          45.6 ms per 8k chunk at 24k (SDPA 75.5), 6.5 ms at 0 (SDPA 17.7);
-      causal hd 256 (window 1024): BM 64, BN 32, 4 warps: 0.82 / 0.69 ms (re-reading Q per key block: 1.12 / 0.93).
+    The fastest of a sweep (bench/bench_attention.py), each also compiled offline for sm_90 and read back with no
+    spills, within the SM's shared memory:
+      canvas hd 256 over the ring's live window: BM 64, BN 64, 4 warps, 3 stages, 2 splits;
+      canvas hd 256 with the per-key mask (ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits;
+      canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps; one wave of splits up to 4k keys, two
+          above;
+      causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute);
+      causal hd 256 (window 1024): BM 64, BN 32, 4 warps (Q read once, not per key block).
+    Each was faster than SDPA at its shape.
     """
     if d >= 512:
         if causal:
@@ -261,8 +257,8 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
 
 def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> dict:
     """A causal call's output columns per program (causal_columns) and, for head dim 512 split so, 4 warps: at a
-    commit's shape on the H200 the same bits in 77 against 121 us (bench/probes/probe_commit_attention.py; the
-    warps change no row's MMA shape, unlike BM)."""
+    commit's shape the same bits in less time (bench/probes/probe_commit_attention.py; the warps change no row's
+    MMA shape, unlike BM)."""
     bd = causal_columns(c, rows, kv_heads, d, sm_count)
     return dict(BD=bd, num_warps=4) if d >= 512 and bd < d else dict(BD=bd)
 
@@ -270,8 +266,8 @@ def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> di
 def causal_columns(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> int:
     """A causal call's output columns per program: all of them, or half where that still leaves the programs within
     one wave (a short chunk, e.g. a block's commit: 64 programs on 132 SMs). Each half recomputes QK^T, so a row's
-    keys are visited in the same blocks and order: the same bits (bench/probes/probe_commit_attention.py: at the
-    commit's shape on the H200, 66.5 against 69.9 us sliding, 121.6 against 132.6 us full)."""
+    keys are visited in the same blocks and order: the same bits, faster at the commit's shape on sliding and full
+    layers (bench/probes/probe_commit_attention.py)."""
     programs = -(-rows // c["BM"]) * kv_heads * (d // c["BD"])
     return c["BD"] // 2 if 2 * programs <= sm_count and c["BD"] >= 128 else c["BD"]
 

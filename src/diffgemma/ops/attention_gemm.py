@@ -15,8 +15,8 @@ compute roofline, and the scores make one round trip through memory:
   3. per chunk: acc = P·V (f32), one GEMM batched over the KV heads;
   4. the flash kernel's merge of (acc, m, l) over the chunks (its partials' layout).
 
-Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster (about 4x on
-the H200), so the engine keeps it.
+Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster
+(bench/bench_attention.py), so the engine keeps it.
 
 The price is that the GEMMs always run over all `n_keys` rows (a graph's padded bucket), where the flash
 kernel stops at `nlive`; masked rows hold zeros or earlier finite K/V (normed, so never inf), and
@@ -91,8 +91,8 @@ def visible_keys(n_keys: int, nlive, kpos, device) -> torch.Tensor:
 
 def chunk_size(n_keys: int) -> int:
     """Keys a chunk: n_keys / 8 rounded to a power of two, within [2048, 8192] (8192 keys: a row of the softmax
-    in one program's registers). A function of the static key count only. Measured on the H200 against
-    chunks of 512-4096: the fewer partials, the faster."""
+    in one program's registers). A function of the static key count only. Against
+    chunks of 512-4096 the fewer partials were the faster (bench/bench_attention.py)."""
     return max(2048, min(8192, next_pow2(n_keys // 8)))
 
 

@@ -46,7 +46,7 @@ if HAVE_TRITON:
 
 LOG2E = 1.4426950408889634
 
-# Tile configs measured on the H200 (bench/bench_engine.py); the CPU tests pass their own small ones.
+# Tile configs chosen by measurement (bench/bench_engine.py); the CPU tests pass their own small ones.
 QK_CONFIG = dict(BM=128, BK=64, num_warps=8, num_stages=3)
 PV_CONFIG = dict(BM=64, BN=256, num_warps=4, num_stages=3)
 # A causal call (a commit: 256 queries) has a quarter of the canvas' rows per KV head on the sliding layers: narrower

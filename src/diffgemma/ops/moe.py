@@ -136,8 +136,8 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
 def q4_row_tile(routes: int, experts: int) -> int:
     """The q4 kernel's rows a pass (BM) for `routes` rows over `experts`: 32 at denoise (~16 an expert), 64 up to
     PREFILL_ROWS an expert, 128 above (a batched denoise over several canvases: fewer passes over the decoded
-    weights). By the actual rows, not the path's: the tile changes no bit of a row (measured on the H200 at full
-    size, bench/probes/probe_batch_paths.py), only the passes."""
+    weights). By the actual rows, not the path's: the tile changes no bit of a row (checked at full size by
+    bench/probes/probe_batch_paths.py), only the passes."""
     per_expert = routes / experts
     return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 

@@ -245,8 +245,8 @@ def _check_natural(w: PackedWeight, name: str, q4_name: str):
 
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
-# stream: with the side planes prefetched, BN 128 / BK 64 / 4 warps is the fastest on the H200 (bench/bench_pack.py):
-# q4 gate_up 0.30-0.32 ms against 0.35-0.38 for (64, 32, 64, 4, 4), down 0.21-0.23 against 0.22-0.24.
+# stream: with the side planes prefetched, BN 128 / BK 64 / 4 warps was the fastest of bench/bench_pack.py's
+# configs for both q4 projections.
 CONFIGS = {"stream": (128, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 

@@ -40,7 +40,7 @@ STREAM_MAX_ROWS = 48
 
 # A down projection (K <= STREAM_SHORT_K: the experts' 704) streams up to this many rows per expert: a 1k prompt's
 # prefill chunk (1024 x 8 / 128 = 64), a batched denoise of 4 canvases. There the kernel, with a 64-row tile, beats
-# torch._grouped_mm on the H200 with balanced and with random routes, and gives its bits; gate_up (K 2816) does not
+# torch._grouped_mm with balanced and with random routes (bench/bench_pack.py), and gives its bits; gate_up (K 2816) does not
 # with random routes, so it keeps the lower bound.
 STREAM_SHORT_K = 1024
 STREAM_SHORT_K_MAX_ROWS = 64

@@ -3,9 +3,9 @@
     out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as torch._grouped_mm)
 
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
-45.7 GB of expert weights with little arithmetic per byte. torch._grouped_mm (CUTLASS) reads them at ~2.8 TB/s
-on the H200 with balanced routing; this kernel at 3.65 TB/s (gate_up) and 3.15 TB/s (down), and the 1k denoise
-step drops from 22.4 to 17.6 ms. It is the packed grouped GEMM of ops/moe_packed.py
+45.7 GB of expert weights with little arithmetic per byte, which this kernel reads closer to the memory's
+bandwidth than torch._grouped_mm (CUTLASS) does (bench/bench_pack.py). It is the packed grouped GEMM of
+ops/moe_packed.py
 run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
 narrow one; one program per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by
@@ -13,8 +13,8 @@ shapes (graph-safe, no host sync) and every SM streams weights.
 
 ops/moe.py runs it for bf16 expert stacks on CUDA when the rows per expert are few (denoise; the down projection
 also at a 1k prefill's 64), and torch._grouped_mm otherwise (ops/moe_paths.py, "stream"; `DIFFGEMMA_EXPERT_GEMM=
-cutlass` turns it off). On the H200 at the real shapes its results equal torch._grouped_mm's bit for bit, with
-every tile config tried (tests/gpu/test_stream_gemm_gpu.py), so which of the two runs changes no token.
+cutlass` turns it off). At the real shapes its results equal torch._grouped_mm's bit for bit, with every tile
+config tried (tests/gpu/test_stream_gemm_gpu.py), so which of the two runs changes no token.
 
   grouped_mm_ref      the twin: torch._grouped_mm (or its per-expert loop on builds without it)
   grouped_mm_triton   the kernel
@@ -30,7 +30,7 @@ from .moe_packed import RAW, launch_grouped
 from .moe_paths import STREAM_MAX_ROWS, STREAM_SHORT_K
 
 # (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
-# projection (K = 704) streams faster with shorter K tiles: 0.161 vs 0.169 ms per layer on the H200.
+# projection (K = 704) streams faster with shorter K tiles.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
 # a down projection with more rows an expert than denoise's (moe_paths.STREAM_SHORT_K_MAX_ROWS): 64-row tiles

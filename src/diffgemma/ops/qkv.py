@@ -87,8 +87,8 @@ if HAVE_TRITON:
 
 
 # A program takes several heads of one token (2048 values: 8 heads of 256, 4 of 512) and computes the token's
-# cos / sin once for all of them. One program per (token, head) took 9.9 / 8.6 µs a layer at the denoise shape on
-# the H200, 2-3x the bytes' time; this 3.7 / 4.7 µs.
+# cos / sin once for all of them. One program per (token, head) took two to three times the bytes' time at the
+# denoise shape; this layout is close to it (bench/bench_kernels.py, qkv_prep).
 VALUES_PER_PROGRAM = 2048
 
 

@@ -2,7 +2,7 @@
 
 Routing is control flow, so its logits stay f32. Two ways to make them on the GPU:
 - cuBLAS's f32 GEMM (`pieces=None`): bit-identical to the torch twin's logits. At the denoise shape it is a
-  split-K SIMT GEMM on ~128 thread blocks plus a reduce (15 µs), and its blocks fill every SM, so the dense MLP
+  split-K SIMT GEMM on ~128 thread blocks plus a reduce, and its blocks fill every SM, so the dense MLP
   beside it on the other stream waits for them.
 - the bf16x3 GEMM (`pieces`, the engine's default on CUDA): the f32 input is split in registers into three bf16
   parts, x = x1 + x2 + x3 exactly (8 + 8 + 8 mantissa bits), and the weight is bf16 already (a checkpoint's router
@@ -35,8 +35,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
 # the bf16x3 router GEMM: (BM rows, KS of K a program, BK a tensor-core chunk, warps, stages). At the denoise
-# shape (256 x 2816 -> 128): 4 x 11 = 44 programs; on the H200 5.5 µs alone and 28.7 µs beside
-# the dense MLP (which alone takes 21.4; cuBLAS's f32 GEMM beside it: 35.7).
+# shape (256 x 2816 -> 128): 4 x 11 = 44 programs, few enough that the dense MLP beside it keeps most SMs, so the
+# pair ends sooner than with cuBLAS's f32 GEMM (docs/ARCHITECTURE.md, 'Overlap').
 ROUTER_GEMM_CONFIG = (64, 256, 64, 4, 3)
 
 

@@ -1,8 +1,8 @@
 """A kernel input named by its address in device memory, so a CUDA graph reads the caller's tensor without a copy.
 
 A graph's kernels read fixed addresses. The denoise graph's SC input (the previous step's f32 logits, [256, 262144]
-at full size: 268 MB) copied into a static buffer before every replay would cost 536 MB of traffic, ~0.13 ms on
-the H200. Instead the graph's kernels that read it load where it lies from a one-element int64 device tensor, and
+at full size: 268 MB) copied into a static buffer before every replay would cost twice that in memory traffic
+each step. Instead the graph's kernels that read it load where it lies from a one-element int64 device tensor, and
 the replay writes the caller's tensor's place there first (an 8-byte fill).
 
   RowsAt              [rows, cols] f32 rows that lie where `offset` says; point_at(t) names t

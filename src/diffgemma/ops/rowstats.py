@@ -23,7 +23,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
 # The sampler's rows are few and long (256 x 262144 at full size). One program per row leaves most of the
-# H200's memory parallelism idle: such kernels read 1.2-1.7 TB/s. So the
+# GPU's memory parallelism idle, reading at a fraction of its bandwidth. So the
 # column range of a row is cut into segments of SEGMENT columns, one program each; reductions write one
 # partial per segment and a small kernel combines them. A row of at most SEGMENT columns (the demo
 # model's 2048) is one segment, with the same arithmetic as one program per row.
@@ -144,7 +144,7 @@ def softcap_rowstats(raw, cap, inv_temp):
 # with the same correctly rounded division (tempered_table, made once per step's temperature). So the values (z, its
 # max, argmax and the survivors) have the bits of the f32 path by construction, a pass does one cached load a value
 # instead of the softcap's two divisions and an exp and z's division, and no f32 [R, V] tensor exists (at full size the
-# softcap pass writes 256 MiB and takes ~0.1 ms a step; the passes then read half the bytes). On the GPU the row sums
+# softcap pass writes 256 MiB a step; the passes then read half the bytes). On the GPU the row sums
 # (entropy, lse) may round differently from the f32 input's: the compiler lays a 16-bit load out differently, and so
 # orders the sums.
 
@@ -317,8 +317,8 @@ if HAVE_TRITON:
 
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
-        lanes are combined once, at the segment's end. A cross-thread reduction per block (four of them, as the
-        kernel had before) cost more than the pass's reads: 128 -> 72 us at [256, 262144] on the H200."""
+        lanes are combined once, at the segment's end: four cross-thread reductions per block would cost more than the
+        pass's reads (bench/bench_kernels.py times the passes)."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -472,8 +472,8 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     n_seg, span = _segments(n, block, segment)
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
-    # 4 warps, lanes of 8: 71.6 µs at [256, 262144] on the H200 (8 warps as fast, 2 slower, lanes of 4 or 16 and
-    # blocks of 1024 or 4096 within 4 %)
+    # 4 warps, lanes of 8: the fastest at [256, 262144] (8 warps as fast, 2 slower; lanes of 4 or 16 and blocks of
+    # 1024 or 4096 close behind; bench/bench_kernels.py)
     _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, za["temp"], za["table"], za["lane"],
                                              za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"],
                                              DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"], num_warps=num_warps)

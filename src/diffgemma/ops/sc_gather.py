@@ -2,8 +2,8 @@
 
 The survivors arrive row by row (rows ascending, as nonzero lists a mask), so row r's are the index range
 starts[r] .. starts[r + 1]. On the CPU the sum is a chunked index_add_ (`segment_embed_ref`). On CUDA,
-index_add_ adds with atomics, in an order that changes from run to run: the same seed and prompt gave
-different tokens on the H200 whenever a step took the gather.
+index_add_ adds with atomics, in an order that changes from run to run, so the same seed and prompt could
+give different tokens (docs/ARCHITECTURE.md, 'Deterministic reductions, and why').
 
 The kernels fix the order instead. Each row's survivors are cut into chunks of CHUNK (a flat row can keep
 thousands of tokens, so one program per row would be one long serial loop); one program sums a chunk in index
@@ -12,8 +12,8 @@ multiply and add (`mul.rn.f32` / `add.rn.f32` in PTX: the compiler would otherwi
 and libdevice's versions flush denormals), so the result is the same on every run and equal, bit for bit,
 to `segment_embed_chunked_ref`, the same chunked sum written in torch (the tests' twin). Both kernels derive
 each row's survivor and chunk offsets from the row counts themselves, so a gather is two launches and no small
-torch ops: at 8 survivors a row (a trained model's case) it takes 65-92 µs against index_add_'s 116-120 µs,
-where computing the offsets on the host took 161-200 µs.
+torch ops; at a trained model's few survivors a row it is faster than index_add_, and than computing the
+offsets on the host (bench/probes/probe_generate.py, 'gather').
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def segment_embed_triton(row_counts, cols, weights, embedding, chunk: int = CHUN
     ptx = not interpreting()
     # CUDA's nonzero_static lays its [n, 2] result out as [2, n] storage, so the column list starts n int64s in:
     # aligned for even n only. Copied when odd, so lists of both parities run one compiled variant of the kernels
-    # (a second would compile mid-run: 130-250 ms on a fresh Triton cache).
+    # (a second would compile mid-run).
     counts, rp = aligned(row_counts), next_pow2(R)
     _chunk_sum_kernel[(max_chunks, hb)](counts, aligned(cols), aligned(weights.float()), embedding.contiguous(),
                                         part, R, H, CHUNK=chunk, RP=rp, BLOCK_H=block_h, PTX=ptx, num_warps=4)

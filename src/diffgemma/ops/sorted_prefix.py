@@ -1,8 +1,8 @@
 """The accept rule's sorted-prefix mask (sampling/accept.py) in one kernel: position i is accepted when the
 entropies sorted before it (ascending, ties by index) sum to at most the bound.
 
-The torch twin sorts, scans and scatters: eight kernels a step, 25 µs of them the sort (a radix sort, for a
-canvas of 256) and the rest launch latency, on the critical path of every step. Here one program compares
+The torch twin sorts, scans and scatters: eight kernels a step (a radix sort for a canvas of 256, then mostly
+launch latency), on the critical path of every step. Here one program compares
 every pair: j is before i when h_j < h_i, or h_j == h_i and j < i (the order of a stable sort, which the
 CUDA radix sort is), and i's prefix is the sum of the h_j before it. That sum is a tree reduction, not the
 twin's scan minus h_i, so the two round differently: they can disagree only where a prefix lies within

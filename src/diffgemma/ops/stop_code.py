@@ -1,8 +1,8 @@
 """The early-stop rules' per-step update (sampling/stops.py, DeviceStopRules) in one kernel.
 
 The torch twin spends ~30 small kernels a step on it (argmax against each remembered canvas, the accept-mask
-run counter, the pad gate, a where per rule); on the H200 that is ~70 µs of launch latency on the critical
-path of every step. One program here reads the step's argmax and accept mask once, updates the state in
+run counter, the pad gate, a where per rule), whose launch latency sits on the critical path of every
+step. One program here reads the step's argmax and accept mask once, updates the state in
 place (the ring of the last N argmax canvases, the last mask, the run counter) and writes the stop code.
 What the host knows stays a constexpr or an argument: whether the ring is full, whether there is a last mask,
 which rules apply at this step. Mean entropy is compared in float64 against float64 thresholds, as the twin

@@ -1,4 +1,4 @@
-"""`diffgemma verify DIR` for a published quantized checkpoint (docs/FORMATS.md, 'verify').
+"""`diffgemma verify DIR` for a published quantized checkpoint (docs/FORMATS.md, 'diffgemma verify DIR').
 
 safetensors shards carry no per-tensor hashes, so what can be checked is: every shard's header against its size
 (a truncated copy fails), the index against the shards, every tensor the forward reads present with its shape,

@@ -10,20 +10,11 @@ logits already divided by that step's temperature.
   tail_mass = the probability of the dropped tokens; `sparse_error_bound` computes it. The SC MLP's
   RMSNorm is scale-invariant, so the missing tail mass itself (a uniform shrink) does not matter.
 
-Which is faster (CPU, one intra-op thread, busy 2-core host, 2026-11-30, median of 3-7 runs; C = canvas
-rows, survivors = tokens per row within 10 nats of the max):
-    V=128     H=32   C=8   f32,  16 survivors:  exact    0.0 ms   sparse    0.1 ms
-    V=4096    H=256  C=64  f32,  16 survivors:  exact    1.4 ms   sparse    2.2 ms
-    V=4096    H=256  C=64  f32, 256 survivors:  exact    2.4 ms   sparse   52.1 ms
-    V=262144  H=2816 C=256 f32,  16 survivors:  exact 5707 ms     sparse 1130 ms
-    V=262144  H=2816 C=256 bf16, 16 survivors:  exact 2324 ms     sparse 1156 ms
-    V=262144  H=2816 C=256 f32, 256 survivors:  exact 5677 ms     sparse 3117 ms
-    V=262144  H=2816 C=256 bf16,256 survivors:  exact 2246 ms     sparse 2204 ms
-(With two threads fighting other jobs the same shapes were erratic: tiny-vocab sparse 125 ms, and
-2048 survivors/row made sparse 3.4x slower than exact.) So GenerationSettings.sc_mode defaults to
-"sparse": it wins where it matters (the real vocabulary) and costs well under a millisecond on tiny
-models. On the H200 at full size: the gather of 8 survivors a row ~0.26 ms (ops/sc_gather.py), the exact
-product with its softmax inside the graph 0.65-0.88 ms (bench/bench_engine.py times the step both ways).
+Which is faster: at the real vocabulary (262144 x 2816) the gather of a trained model's few survivors a row is
+much cheaper than the dense product, on the CPU and on the GPU (bench/bench_engine.py times the step both ways);
+at tiny vocabularies, or with many survivors a row, the dense product wins.
+So GenerationSettings.sc_mode defaults to "sparse", and rows with too many survivors fall back to the dense
+product (docs/ARCHITECTURE.md, 'Self-conditioning').
 """
 
 from __future__ import annotations
@@ -317,12 +308,12 @@ class SparsePlan:
 
     # Above this many bytes of gathered embedding rows (n survivors x hidden x f32) the survivors are summed
     # as one dense product of the masked probabilities instead: flat rows (random weights, an unconverged
-    # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (78 GiB seen on
+    # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (tens of GiB on
     # the full-size random model). Converging canvases keep a few tokens per row and take the gather.
     gather_bytes_limit = 256 * 2**20
     # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
-    # held its rows as bf16, f32 and weighted f32 at once, 450 MiB at the peak of a q4 session at 8k context
-    # (bench/probes/probe_memory.py, H200). Chunks keep the same adds in the same order. On CUDA the segment kernel
+    # held its rows as bf16, f32 and weighted f32 at once, a large share of a q4 session's peak at 8k context
+    # (bench/probes/probe_memory.py). Chunks keep the same adds in the same order. On CUDA the segment kernel
     # (ops/sc_gather.py) reads the embedding rows in place: no gathered copy, and the same sum on every run.
     gather_chunk_bytes = 32 * 2**20
 
@@ -376,7 +367,7 @@ class SparsePlan:
         counts = self.row_counts.to(torch.int64)
         cut = (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
         # in the row counts' own dtype, as the gather after the read passes them: one compiled variant of the gather
-        # kernels for both paths, not two (each first compile takes ~0.1 s mid-run on a fresh Triton cache)
+        # kernels for both paths, not two (each first compile would land mid-run)
         return cut.to(self.row_counts.dtype)
 
     @staticmethod

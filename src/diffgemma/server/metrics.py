@@ -1,5 +1,5 @@
 """GET /metrics: the server's state in the Prometheus text format (prometheus_client), read from the worker at each
-scrape (Worker.metrics). docs/ARCHITECTURE.md, 'Serving'.
+scrape (Worker.metrics). docs/SERVING.md, 'Metrics'.
 
     diffgemma_requests_running / _queued          gauges: requests in the batch; waiting for a place in it
     diffgemma_max_batch, _max_queue, _slots,      gauges: the limits the server runs with
