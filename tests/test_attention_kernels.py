@@ -246,6 +246,16 @@ def test_short_causal_calls_take_4_warps_only_at_head_dim_512():
     assert fl.short_causal(slide, 2 * 256, 8, 256, 132) == dict(BD=128)
 
 
+def test_long_causal_chunks_at_head_dim_512_take_two_column_halves():
+    """A long prompt's chunk at head dim 512 (LONG_CAUSAL_ROWS rows or more over LONG_CAUSAL_KEYS keys or more) runs
+    LONG_CAUSAL's tiles, two 256-wide halves whose rows are the whole row's (the test below); anything shorter keeps
+    flash_config and the short-call column rule."""
+    rows, keys = fl.LONG_CAUSAL_ROWS, fl.LONG_CAUSAL_KEYS
+    assert fl.long_causal(512, rows, keys) and fl.LONG_CAUSAL["BD"] == 256
+    assert not fl.long_causal(512, rows - 1, keys) and not fl.long_causal(512, rows, keys - 1)
+    assert not fl.long_causal(256, rows, keys)
+
+
 def test_causal_column_halves_give_the_whole_rows_bits():
     """The causal call's output columns split over more programs (causal_columns): each half recomputes QK^T and
     visits the same key blocks in the same order, so the result is the whole-row program's. On the GPU the bits are

@@ -29,14 +29,15 @@ def step_tensors(gen):
 def test_snapshot_reads_the_step_and_does_not_wait_for_later_work():
     gen = torch.Generator(device="cuda").manual_seed(0)
     draft, accepted, entropy = step_tensors(gen)
+    event = StepEvent(block=0, attempt=0, step=1, temperature=0.8, draft=draft, accepted=accepted, mean_entropy=0.5,
+                      stop_reason=None, entropy=entropy)
+    frames.snapshot(event)  # its stream made and its kernels loaded once: a module's first load may wait for the GPU
     torch.cuda.synchronize()  # the step's status read: everything the step computed is done
     a = torch.randn(8192, 8192, device="cuda", generator=gen)
     for _ in range(40):  # work queued after the status (a forward launched ahead), hundreds of ms
         a = torch.tanh(a @ a * 1e-4)
     later = torch.cuda.Event()
     later.record()
-    event = StepEvent(block=0, attempt=0, step=1, temperature=0.8, draft=draft, accepted=accepted, mean_entropy=0.5,
-                      stop_reason=None, entropy=entropy)
     frame = frames.snapshot(event)
     still_running = not later.query()
     assert frame.tokens == draft.tolist() and frame.accepted == accepted.int().tolist()

@@ -62,7 +62,9 @@ class Fp8Weight:
 
 def row_scale(amax: torch.Tensor) -> torch.Tensor:
     """Per-row scales from per-row max |values| (float32): amax / 448, at least SCALE_MIN."""
-    return torch.clamp(amax.float() / FP8_MAX, min=SCALE_MIN)
+    # a 0-dim tensor on amax's device, not a Python number: CUDA divides by a host scalar as a product with its
+    # reciprocal, which is not the IEEE quotient the kernels (div_rn) and the CPU compute
+    return torch.clamp(amax.float() / torch.full((), FP8_MAX, device=amax.device), min=SCALE_MIN)
 
 
 def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
