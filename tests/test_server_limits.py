@@ -102,8 +102,16 @@ def small(model, base):
 
 @pytest.fixture(scope="module")
 def default(model, base):
-    """A server with the default body limit (room for 8 images of 20 MB): a 50 MB body is under it."""
+    """A server with the default body limit (room for one image of 20 MB as base64): a 50 MB body is over it."""
     s = Live(model, base)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def roomy(model, base):
+    """A server taking bodies of up to 64 MB (as --max-body-mb 64 does): a 50 MB body is under it."""
+    s = Live(model, base, max_body_bytes=64 * MB)
     yield s
     s.close()
 
@@ -300,19 +308,32 @@ def test_health_answers_while_a_long_prompt_is_tokenized(model, base):
         live.close()
 
 
-def test_a_50_mb_text_under_the_default_limit_is_refused_and_its_memory_given_back(default):
-    """50 MB of text is under the default body limit (room for 8 images of 20 MB): received, parsed, refused by its
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_50_mb_body_gets_a_413_from_the_default_limit(default, chunked):
+    with default.connect() as sock:
+        t = time.perf_counter()
+        sock.sendall(head("/v1/chat/completions", None if chunked else BIG))
+        send_until_answered(sock, BIG, chunked)
+        status, body = answer(sock)
+        took = time.perf_counter() - t
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert f"limit of {default_max_body_bytes(20 * MB)} bytes" in body["error"]["message"]
+    assert took < 1.0, f"the 413 took {took:.2f} s"
+
+
+def test_a_50_mb_text_under_the_limit_is_refused_and_its_memory_given_back(roomy):
+    """50 MB of text under a 64 MB body limit: received, parsed, refused by its
     length without tokenizing (which took a minute), and the memory it took given back. Parsing holds the
     interpreter while the JSON library runs (about as long as copying the body a few times), so /health may wait
     that long, no more. (The bounds leave room for a loaded machine: here the upload itself is 50 MB.)"""
     body = huge_text_body(BIG)
-    assert len(body) < default_max_body_bytes(8, 20 * MB)
+    assert len(body) < 64 * MB
     gc.collect()
     before = rss()
     for _ in range(2):  # a second one must not keep more than the first
-        with Watch(default) as watch:
+        with Watch(roomy) as watch:
             t = time.perf_counter()
-            status, reply = default.request("POST", "/v1/chat/completions", body)
+            status, reply = roomy.request("POST", "/v1/chat/completions", body)
             took = time.perf_counter() - t
         assert status == 400 and f"{BIG // 10 * 10} characters of text" in json.loads(reply)["error"]["message"]
         assert took < 3.0, f"the 400 took {took:.2f} s"
@@ -471,9 +492,9 @@ def test_serve_takes_a_body_limit_and_defaults_to_room_for_its_images(monkeypatc
     monkeypatch.setitem(sys.modules, "uvicorn", types.ModuleType("uvicorn"))
     monkeypatch.setattr(commands, "serve", lambda model, settings, **kw: seen.update(kw) or 0)
     assert cli.main(["serve"]) == 0
-    assert seen["max_body_bytes"] == 8 * 4 * -(-20 * MB // 3) + BODY_SLACK_BYTES
+    assert seen["max_body_bytes"] == 4 * -(-20 * MB // 3) + BODY_SLACK_BYTES
     assert cli.main(["serve", "--max-images", "2", "--max-image-mb", "3"]) == 0
-    assert seen["max_body_bytes"] == default_max_body_bytes(2, 3 * MB) == 2 * 4 * MB + BODY_SLACK_BYTES
+    assert seen["max_body_bytes"] == default_max_body_bytes(3 * MB) == 4 * MB + BODY_SLACK_BYTES
     assert cli.main(["serve", "--max-body-mb", "0.5"]) == 0 and seen["max_body_bytes"] == MB // 2
     capsys.readouterr()
     for bad in ["0", "-1", "nan", "inf", "1e-9"]:

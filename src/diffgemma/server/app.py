@@ -79,7 +79,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
     served = Served(worker, tokenizer, model_id, base_settings, policy, tool_validate, strict_tools)
     if max_body_bytes is None:
         image_limits = image_limits or images.ImageLimits()
-        max_body_bytes = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes)
+        max_body_bytes = default_max_body_bytes(image_limits.max_bytes)
     handlers.install(app)
     app.include_router(playground.router(worker, base_settings, keyed=bool(api_key)))
     if api_key:

@@ -60,7 +60,7 @@ def add_subcommands(subparsers) -> None:
                    help="bytes per image, in MB; more is refused with 400 (default 20)")
     s.add_argument("--max-body-mb", type=float, default=None,
                    help="the largest request body, in MB; a larger one is refused with 413 before it is read "
-                        f"(default: room for --max-images images of --max-image-mb as base64, plus "
+                        f"(default: room for one image of --max-image-mb as base64, plus "
                         f"{BODY_SLACK_BYTES // MB} MB)")
     options.add_tool_validate_flag(s)
     options.add_gpus_flag(s)
@@ -104,7 +104,7 @@ def _run_serve(args) -> int:
                                allow_urls=args.allow_image_urls)
     if args.max_body_mb is not None and not (args.max_body_mb * MB >= 1 and math.isfinite(args.max_body_mb)):
         raise InputError(f"--max-body-mb {args.max_body_mb}: expected a positive number (at least one byte)")
-    max_body = default_max_body_bytes(image_limits.max_images, image_limits.max_bytes) \
+    max_body = default_max_body_bytes(image_limits.max_bytes) \
         if args.max_body_mb is None else int(args.max_body_mb * MB)
     options.validate_early(args)
     try:

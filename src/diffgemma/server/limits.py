@@ -17,7 +17,8 @@ MB = 1024 * 1024  # the unit of the size flags (--max-image-mb, --max-body-mb)
 BODY_SLACK_BYTES = 16 * MB
 
 
-def default_max_body_bytes(max_images: int, max_image_bytes: int) -> int:
-    """The largest request body `serve` takes unless told (--max-body-mb): the most images a request may send, each
-    at the largest size, as base64 (4 characters per 3 bytes), plus BODY_SLACK_BYTES."""
-    return max_images * 4 * -(-max_image_bytes // 3) + BODY_SLACK_BYTES
+def default_max_body_bytes(max_image_bytes: int) -> int:
+    """The largest request body `serve` takes unless told (--max-body-mb): one image of the largest size as base64 (4
+    characters per 3 bytes), plus BODY_SLACK_BYTES. Several large images in one request need a larger --max-body-mb;
+    the default keeps what any client may make the server read to tens of MB."""
+    return 4 * -(-max_image_bytes // 3) + BODY_SLACK_BYTES
