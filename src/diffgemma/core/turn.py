@@ -26,6 +26,7 @@ from .. import oplog
 from ..events import DoneEvent, RetryEvent
 from ..slots import rewind
 from ..stop_strings import text_end
+from ..vision.prompt import prefill_images
 from .request import DENOISE, PREFILL, Request, as_ids
 from .scheduler import prompt_chunks
 from .steps import generate_steps
@@ -94,8 +95,6 @@ def open_generation(model, r: Request, emit) -> None:
     r.phase = PREFILL
     tail = prompt
     if with_images:
-        from ..vision.prompt import prefill_images
-
         t = time.perf_counter()
         tail = prefill_images(model, cache, prompt, r.images or {})
         live.prefill_s += time.perf_counter() - t
