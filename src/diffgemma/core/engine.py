@@ -27,7 +27,7 @@ import time
 from ..errors import InputError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, StartEvent, StepEvent
 from .lanes import forward_lanes, lane_stats, read_asks
-from .request import DENOISE, DONE, PREFILL, Request
+from .request import DENOISE, DONE, PREFILL, Request, canvas_length
 from .scheduler import Plan, Scheduler
 from .steps import BlockRead, ForwardAsk, StatusAsk
 from .turn import Live, finish_generation, open_generation, prefill_chunk, start_steps
@@ -77,7 +77,7 @@ class EngineCore:
     def add_request(self, request: Request) -> Request:
         """Queue `request`; its settings are resolved here, once: canvas_length None becomes the model's."""
         if request.settings.canvas_length is None:
-            request.settings = request.settings.replace(canvas_length=self.model.config.canvas_length)
+            request.settings = request.settings.replace(canvas_length=canvas_length(self.model, request.settings))
         self.scheduler.add(request)
         return request
 

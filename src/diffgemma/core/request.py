@@ -56,10 +56,15 @@ def as_ids(input_ids, vocab: int, device="cpu") -> torch.Tensor:
     return ids
 
 
+def canvas_length(model, s: GenerationSettings) -> int:
+    """The one rule for a request's canvas: the settings' canvas_length, or where that is None the model's."""
+    return s.canvas_length if s.canvas_length is not None else model.config.canvas_length
+
+
 def cache_need(model, prompt_tokens: int, s: GenerationSettings) -> int:
     """The tokens a cache made for one generation holds: the prompt, the reply's budget and a canvas, never past the
     model's context (config.check_context; an overflow is an error)."""
-    need = prompt_tokens + s.max_new_tokens + (s.canvas_length or model.config.canvas_length)
+    need = prompt_tokens + s.max_new_tokens + canvas_length(model, s)
     limit = getattr(model.config, "max_positions", None)
     return need if limit is None else min(need, limit)
 
