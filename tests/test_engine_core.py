@@ -84,3 +84,37 @@ def test_abort_stops_one_request_and_the_others_keep_their_tokens(model, base):
         solo = generate(model, PROMPTS[k], settings=base.replace(seed=10 + k), cache=model.new_cache(256))
         assert reqs[k].end.result.tokens == solo.tokens
         assert [t for e in sinks[k] if isinstance(e, BlockEvent) for t in e.tokens] == solo.tokens
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_lane_stats_runs_the_rounds_row_pass_once_with_each_lanes_solo_bits(monkeypatch, cap):
+    """lane_stats over the views of one [B, C, V] buffer (a batched forward's output): one launch of the row pass for
+    every lane (the fused path, its kernels interpreted), each lane's fields the bits of its solo StepStats; lanes of
+    separate tensors go lane by lane with the same bits."""
+    import types
+
+    import torch
+
+    from diffgemma.core import lanes as lanes_mod
+    from diffgemma.ops import rowstats
+    from diffgemma.sampling import stats as stats_mod
+    from diffgemma.sampling.stats import StepStats
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for mod in (rowstats, stats_mod):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    launches, real = [], stats_mod.tempered_rowstats
+    monkeypatch.setattr(stats_mod, "tempered_rowstats", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1])
+    g = torch.Generator().manual_seed(7)
+    raw = (torch.randn(3, 8, 384, generator=g) * 20).to(torch.bfloat16 if cap else torch.float32)
+    temps = [0.5, 0.8, 1.0]
+    asks = [types.SimpleNamespace(temp=t, den=types.SimpleNamespace(cap=cap)) for t in temps]
+    for logits, want_launches in ((list(raw.unbind(0)), 1), ([x.clone() for x in raw.unbind(0)], 3)):
+        launches.clear()
+        got = lanes_mod.lane_stats(asks, logits)
+        assert len(launches) == want_launches
+        for st, x, t in zip(got, raw.unbind(0), temps):
+            solo = StepStats(x.clone(), t, cap=cap)
+            assert st.fused and solo.fused
+            for name in ("entropy", "argmax", "rowmax", "lse"):
+                assert torch.equal(getattr(st, name), getattr(solo, name)), name

@@ -48,13 +48,14 @@ def lane_stats(asks: list[ForwardAsk], logits: list) -> list[StepStats]:
     """Each lane's row stats of its step's logits at its temperature, with its denoiser's softcap: the answers to
     the round's ForwardAsks. The one place a round makes its lanes' StepStats: StepStats.batch, so lanes that are
     views of one batched forward's buffer get their row stats in one launch, each lane the bits it has alone (a
-    solo request is a batch of one). Lanes whose denoisers disagree on the softcap go lane by lane.
+    solo request is a batch of one). Lanes whose denoisers disagree on the softcap, or whose logits differ in dtype,
+    device or vocabulary, go lane by lane.
 
     The rest of a step's sampler (accept rule, sparse-SC plan, soft embedding) runs inside each request's steps
     (core/steps._denoise_block), lane by lane; accept_masks and SparsePlan.batch would batch it from a round that
     holds every lane's stats at once."""
     caps = {ask.den.cap for ask in asks}
-    if len(caps) != 1:
+    if len(caps) != 1 or len({(x.dtype, x.device, x.shape[-1]) for x in logits}) != 1:
         return [StepStats(x, ask.temp, cap=ask.den.cap) for ask, x in zip(asks, logits)]
     return StepStats.batch(logits, [ask.temp for ask in asks], cap=caps.pop())
 
