@@ -7,6 +7,7 @@ import torch
 import diffgemma
 from diffgemma.model.engine import Engine
 from diffgemma.ops.attention_topk import TopKRule
+from diffgemma.settings import GenerationSettings
 from tiny_checkpoints import CONFIGS, build_model, save
 
 pytest.importorskip("transformers")
@@ -55,20 +56,31 @@ def test_rule_covering_every_key_is_dense(ref):
         assert torch.equal(e, g)
 
 
-def test_generate_with_a_sparse_cache_on_the_demo_model():
-    """generate through a caller's cache whose full layers run top-k: a rule covering every key gives dense's tokens,
-    the default rule (64 keys a row here) runs end to end and is deterministic."""
+def test_generate_with_a_sparse_cache_on_the_demo_model(monkeypatch):
+    """generate with the topk_* settings: the request's cache gets their rule before its prompt is prefilled (so
+    prefill and every denoise step run top-k); a rule covering every key gives dense's tokens, the default rule
+    (64 keys a row here) runs end to end and is deterministic."""
     from diffgemma.generation import generate
 
     model = diffgemma.load()
     prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    seen = []
+    real_prefill = model.prefill
 
-    def tokens(rule):
-        cache = model.new_cache(1024)
-        cache.attention_topk = rule
-        return generate(model, prompt, cache=cache, max_new_tokens=8, max_denoising_steps=6, seed=3).tokens
+    def prefill(cache, ids, *a, **kw):
+        seen.append(getattr(cache, "attention_topk", None))
+        return real_prefill(cache, ids, *a, **kw)
 
-    dense = tokens(None)
-    assert tokens(TopKRule(divisor=1, min_keys=1024, max_keys=1024)) == dense
-    sparse = tokens(TopKRule())
-    assert tokens(TopKRule()) == sparse and len(sparse) >= 1
+    monkeypatch.setattr(model, "prefill", prefill)
+
+    def tokens(**topk):
+        seen.clear()
+        out = generate(model, prompt, cache=model.new_cache(1024), max_new_tokens=8, max_denoising_steps=6, seed=3,
+                       **topk).tokens
+        assert seen and all(rule == TopKRule.from_settings(GenerationSettings(**topk)) for rule in seen), seen
+        return out
+
+    dense = tokens()
+    assert tokens(topk_attention=True, topk_divisor=1, topk_min=1024, topk_max=1024) == dense
+    sparse = tokens(topk_attention=True)
+    assert tokens(topk_attention=True) == sparse and len(sparse) >= 1

@@ -16,7 +16,7 @@ import torch
 
 import diffgemma
 from diffgemma import generate, generate_batch
-from diffgemma.batch import CachePool
+from diffgemma.slots import CachePool
 from diffgemma.errors import InputError
 from diffgemma.events import BlockEvent, DoneEvent, StepEvent
 from diffgemma.model.reference import ROW_TILE, rows_matmul
@@ -212,16 +212,16 @@ def test_the_cache_pool_sizes_by_class_and_keeps_at_most_limit_caches():
     model = type("M", (), {"config": type("C", (), {"max_positions": 6000})(), "new_cache": lambda self, n: Cache(n)})()
     pool = CachePool(model, limit=2)
     assert [pool.size_for(n) for n in (1, 1024, 1025, 3000, 5000, 6000)] == [1024, 1024, 2048, 4096, 6000, 6000]
-    a, b = pool.take(100), pool.take(1500)
+    a, b = pool.take_cache(100), pool.take_cache(1500)
     assert (a.n, b.n) == (1024, 2048)
-    pool.give(a)
-    assert a.length == 0 and pool.take(900) is a  # the free cache of its class, emptied
-    pool.give(a)
-    c = pool.take(3000)  # two alive (a free, b lent): a goes, c comes
+    pool.give_cache(a)
+    assert a.length == 0 and pool.take_cache(900) is a  # the free cache of its class, emptied
+    pool.give_cache(a)
+    c = pool.take_cache(3000)  # two alive (a free, b lent): a goes, c comes
     assert c.n == 4096 and len(pool.size) == 2 and id(a) not in pool.size
-    pool.give(b)
-    pool.give(c)
-    assert pool.take(2000) is b and made == [1024, 2048, 4096]
+    pool.give_cache(b)
+    pool.give_cache(c)
+    assert pool.take_cache(2000) is b and made == [1024, 2048, 4096]
 
 
 def test_generate_batch_continues_each_requests_own_cache(tiny):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import diffgemma
+from diffgemma.core import EngineCore, Request
 from diffgemma.model.engine import Engine
-from diffgemma.session import run_generation
 from diffgemma.settings import GenerationSettings
 from diffgemma.slots import Slot, reuse_prefix, usable_prefix
 from tiny_checkpoints import CONFIGS, build_model, save
@@ -85,7 +85,7 @@ def _run(demo, ids, chunk, calls):
     try:
         slot = Slot(demo.new_cache(512))
         settings = GenerationSettings(seed=3, max_new_tokens=16)
-        return run_generation(demo, slot, 0, ids, settings, prefill_chunk=chunk).result.tokens
+        return EngineCore(demo).run([Request(settings, prompt=ids, slot=slot, prefill_chunk=chunk)])[0].result.tokens
     finally:
         del demo.prefill
 

@@ -183,9 +183,9 @@ def test_truncate_deeper_than_ring_is_an_error(ref):
 
 
 def test_rewind_falls_back_to_an_empty_cache(ref):
-    """session.rewind (the Session's and the server's KV reuse): a rewind the ring cannot undo empties the cache
+    """slots.rewind (the Session's and the server's KV reuse): a rewind the ring cannot undo empties the cache
     (the caller prefills the whole prompt again) instead of failing the turn."""
-    from diffgemma.session import reuse_prefix, rewind
+    from diffgemma.slots import reuse_prefix, rewind
 
     eng = Engine.from_reference(ref, dtype=torch.float32)
     cache = eng.new_cache(256, rewind_slack=2)

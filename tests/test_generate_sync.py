@@ -4,7 +4,7 @@ loop against the pre-fusion host loop, and a count of every host read the loop m
 - DeviceLcg / temperature_value / DeviceStopRules / the sync-free freeze mask / SparsePlan: bit-identical
   to Lcg / temperature() / StopRules / the subset freeze rule / sparse_soft_embed.
 - The tempered row-stats and survivor kernels (Triton interpreter) against their torch twins.
-- The loop: generate_stream with `_denoise_block` swapped for the host-sync loop it replaced gives the same
+- The loop: generate_stream with core/steps._denoise_block swapped for the host-sync loop it replaced gives the same
   events and results (torch path), and the fused (Triton-interpreted) path gives the same tokens.
 - The sync count: every Python-level way to read a tensor on the host (item/tolist/bool/float/int/index/
   numpy, torch.equal, nonzero, boolean-mask indexing) is counted outside the model's own forward; between
@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diffgemma import generation
+from diffgemma.core import steps as steps_mod
 from diffgemma.errors import TensorError
 from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate_stream
 from diffgemma.model import denoiser as denoiser_mod
@@ -500,7 +500,7 @@ def _host_sync_block(model, cache, s, rng, length, block, attempt, batched=False
                 sc_embeds = sparse_soft_embed(processed, model.embedding, model.config.embed_scale,
                                               s.sc_sparse_log_ratio)
     committed = argmax if frozen is None else torch.where(frozen, canvas, argmax)
-    return generation._Proposal(committed=committed, argmax=argmax, p_max=max_prob(processed), steps=step,
+    return steps_mod._Proposal(committed=committed, argmax=argmax, p_max=max_prob(processed), steps=step,
                                 stop_reason=reason)
 
 
@@ -530,7 +530,7 @@ def test_one_sync_loop_equals_the_host_sync_loop(tiny_model, monkeypatch, arm):
         new = _summary(generate_stream(tiny_model, prompt, settings=s))
         if sum(1 for e in new if e[0] == "step") >= 2:
             break
-    monkeypatch.setattr(generation, "_denoise_block", _host_sync_block)
+    monkeypatch.setattr(steps_mod, "_denoise_block", _host_sync_block)
     old = _summary(generate_stream(tiny_model, prompt, settings=s))
     assert new == old
     assert sum(1 for e in new if e[0] == "step") >= 2
@@ -540,7 +540,7 @@ def test_degenerate_first_block_retries_through_the_block_read(tiny_model, monke
     # every id is a stop id: each attempt opens "degenerate", so all re-rolls run and the turn ends empty
     s = _settings(tiny_model, stop_ids=list(range(tiny_model.config.vocab_size)), max_denoising_steps=3)
     new = _summary(generate_stream(tiny_model, torch.tensor([5, 6, 7]), settings=s))
-    monkeypatch.setattr(generation, "_denoise_block", _host_sync_block)
+    monkeypatch.setattr(steps_mod, "_denoise_block", _host_sync_block)
     assert new == _summary(generate_stream(tiny_model, torch.tensor([5, 6, 7]), settings=s))
     assert new[-1][4] == 3 and new[-1][1] == []  # three retries, no tokens
 
@@ -722,7 +722,7 @@ def test_one_host_read_per_step_and_one_per_block_attempt(tiny_model, monkeypatc
     for name in ("denoise", "prefill", "embed"):  # the forward is not the loop's to count
         counter.silence(monkeypatch, model, name)
     counter.silence(monkeypatch, denoiser_mod, "read_status", status_reads)
-    counter.silence(monkeypatch, generation.BlockRead, "run", block_reads)
+    counter.silence(monkeypatch, steps_mod.BlockRead, "run", block_reads)
 
     stream = generate_stream(model, prompt, settings=s)
     first = next(stream)  # prompt checks (range of input ids) happen before the first step: call-level

@@ -34,9 +34,11 @@ LAYERS = [
     {"ops"},  # kernels and the bit layouts they read
     {"quant"},  # pack formats: read and write them (import their layouts from ops)
     {"model", "sampling"},  # the forward pass; the sampler
-    # the generation loop; loading a model (and its vision tower); the expert-parallel engine and its ranks
-    {"generation", "batch", "loader", "warmup", "vision", "parallel"},
-    {"session", "reply", "slots", "options", "oplog", "replay", "golden", ""},  # conversations, logs; the public API
+    # KV slots, the op-log; loading a model (and its vision tower); the expert-parallel engine and its ranks
+    {"slots", "oplog", "loader", "vision", "parallel"},
+    {"core"},  # the engine core: requests, the scheduler, the generation algorithm, the one loop (step)
+    # the drivers (generate, generate_batch, warm-up, conversations, replay); the public API
+    {"generation", "batch", "warmup", "session", "reply", "options", "replay", "golden", ""},
     {"server", "cli", "batch_file", "quality", "__main__"},  # the applications
 ]
 

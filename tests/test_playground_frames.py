@@ -18,14 +18,13 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import diffgemma  # noqa: E402
-from diffgemma import generation  # noqa: E402
+from diffgemma.core import Request, steps  # noqa: E402
 from diffgemma.events import StepEvent  # noqa: E402
 from diffgemma.server import app as app_module, playground, protocol  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import listen, served_name  # noqa: E402
 from diffgemma.server.reply_text import final_message  # noqa: E402
-from diffgemma.server.scheduler import Job  # noqa: E402
-from diffgemma.server.worker import Worker  # noqa: E402
+from diffgemma.server.worker import Job, Worker  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +146,7 @@ def test_a_stream_without_frames_reads_no_step_tensor(client, monkeypatch):
             kw[name] = kw[name].as_subclass(Watched)
         return StepEvent(**kw)
 
-    monkeypatch.setattr(generation, "StepEvent", watched_step)
+    monkeypatch.setattr(steps, "StepEvent", watched_step)
     Watched.reads = 0
     raw_stream(client, seed=3)
     assert Watched.reads == 0
@@ -160,7 +159,7 @@ def test_a_job_that_did_not_ask_drops_its_steps_unread():
         def __getattr__(self, name):
             raise AssertionError(f"a step tensor was read ({name})")
 
-    job = Job([1], None)
+    job = Job(Request(GenerationSettings()))
     job.put(StepEvent(block=0, attempt=0, step=1, temperature=0.8, draft=Untouchable(), accepted=Untouchable(),
                       mean_entropy=0.0, stop_reason=None))
     assert job.events.empty()

@@ -1,4 +1,4 @@
-"""Continuous batching in the server (server/scheduler.py) on the embedded demo model: requests that run together get
+"""Continuous batching in the server (server/worker.py over the engine core, core/) on the embedded demo model: requests that run together get
 exactly the tokens each gets alone, join and leave a running batch, cancel without touching the others, wait in a
 bounded queue (503 + Retry-After when it is full), prefill long prompts a chunk per round between the running
 requests' steps, read every running request's step status with one host wait a round (a request whose status
@@ -16,16 +16,18 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import diffgemma  # noqa: E402
-from diffgemma import batch as batch_mod, cli, oplog  # noqa: E402
+from diffgemma import cli, oplog  # noqa: E402
+from diffgemma.core import EngineCore, Request  # noqa: E402
+from diffgemma.core import engine as engine_mod, lanes as lanes_mod  # noqa: E402
+from diffgemma.core.request import DENOISE, PREFILL  # noqa: E402
+from diffgemma.core.scheduler import Scheduler  # noqa: E402
 from diffgemma.errors import InputError  # noqa: E402
 from diffgemma.events import CancelledEvent, DoneEvent, ErrorEvent, StartEvent  # noqa: E402
 from diffgemma.model.denoiser import StepStatus  # noqa: E402
 from diffgemma.replay import replay  # noqa: E402
-from diffgemma.server import scheduler as scheduler_mod  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import served_name  # noqa: E402
 from diffgemma.server.worker import QueueFull, Worker, _Call  # noqa: E402
-from diffgemma.session import run_generation, run_turn  # noqa: E402
 from conftest import SESSION_SEED  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 from diffgemma.slots import Slot  # noqa: E402
@@ -54,11 +56,22 @@ def hold(worker) -> threading.Event:
     return gate
 
 
+def submitted(worker, prompts: list, settings: list, into: list | None = None) -> list:
+    """Submit the requests while the worker is parked, so they join in one round -> the jobs (appended to `into`, if
+    given, as each is made: before the worker runs)."""
+    jobs = into if into is not None else []
+    gate = hold(worker)
+    try:
+        for p, s in zip(prompts, settings):
+            jobs.append(worker.submit(p, s))
+    finally:
+        gate.set()  # a refused submit must not leave the worker parked (close would wait forever)
+    return jobs
+
+
 def together(worker, prompts: list, settings: list) -> tuple[list, list]:
     """Submit the requests while the worker is parked, so they join in one round -> (jobs, each one's last event)."""
-    gate = hold(worker)
-    jobs = [worker.submit(p, s) for p, s in zip(prompts, settings)]
-    gate.set()
+    jobs = submitted(worker, prompts, settings)
     return jobs, [finish(j)[-1] for j in jobs]
 
 
@@ -69,9 +82,16 @@ def finish(job, timeout=120) -> list:
     return events
 
 
+def run_alone(model, ids, settings, max_tokens=2048, prefill_chunk=None, turn=True):
+    """The request run by itself (a core of its own, a fresh slot) -> its last event."""
+    request = Request(settings, prompt=ids, slot=Slot(model.new_cache(max_tokens)), turn=turn,
+                      prefill_chunk=prefill_chunk)
+    return EngineCore(model).run([request])[0]
+
+
 def alone(model, ids, settings, max_tokens=2048, prefill_chunk=None):
-    """The request run by itself through the library (session.run_turn on a fresh slot) -> its DoneEvent."""
-    end = run_turn(model, Slot(model.new_cache(max_tokens)), 0, ids, settings, prefill_chunk=prefill_chunk)
+    """The request's turn run by itself -> its result."""
+    end = run_alone(model, ids, settings, max_tokens, prefill_chunk)
     assert isinstance(end, DoneEvent), end
     return end.result
 
@@ -81,11 +101,11 @@ def forwards(trace) -> list[tuple]:
 
 
 def spy_status_reads(monkeypatch, trace, poison=None):
-    """Put each read_statuses call (batch.read_asks makes them) in the scheduler's trace as (time, "status", its number
+    """Put each read_statuses call (core/lanes.read_asks makes them) in the scheduler's trace as (time, "status", its number
     of requests); poison(k,
     asks) -> a request index whose StepStatus is replaced by a stop code no step knows, "raise" (the read fails), or
     None."""
-    real = batch_mod.read_statuses
+    real = lanes_mod.read_statuses
     calls = itertools.count()
 
     def spy(asks):
@@ -98,7 +118,7 @@ def spy_status_reads(monkeypatch, trace, poison=None):
             out[bad] = StepStatus(code=10**6, mean_entropy=0.0)
         return out
 
-    monkeypatch.setattr(batch_mod, "read_statuses", spy)
+    monkeypatch.setattr(lanes_mod, "read_statuses", spy)
 
 
 def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base, monkeypatch):
@@ -128,11 +148,11 @@ def test_batched_requests_get_their_solo_tokens_and_leave_when_done(model, base,
 
 def test_requests_ending_blocks_together_read_them_in_one_wait_before_committing(model, base, monkeypatch):
     """Three requests that step together end each block in the same round: the scheduler reads their three blocks in
-    one host wait (batch.read_asks) and only then do they commit, so no block event waits for another request's
+    one host wait (core/lanes.read_asks) and only then do they commit, so no block event waits for another request's
     commit. Each gets its solo tokens."""
     from test_status_batch import FIXED, spy_reads_and_commits
 
-    log = spy_reads_and_commits(monkeypatch, scheduler_mod)
+    log = spy_reads_and_commits(monkeypatch, engine_mod)
     C = model.config.canvas_length
     settings = [base.replace(seed=60 + i, max_new_tokens=2 * C, max_denoising_steps=4, **FIXED) for i in range(3)]
     worker = Worker(model, slots=3, max_tokens=2048, max_batch=3)
@@ -211,9 +231,7 @@ def test_cancel_mid_batch_stops_that_request_only(model, base, tmp_path):
     settings = [base.replace(seed=20 + i, max_new_tokens=128) for i in range(3)]
     prompts = [ids_of(model, p) for p in PROMPTS[1:]]
     try:
-        gate = hold(worker)
-        jobs = [worker.submit(ids, s) for ids, s in zip(prompts, settings)]
-        gate.set()
+        jobs = submitted(worker, prompts, settings)
         assert isinstance(jobs[1].get(timeout=60), StartEvent)
         while len(forwards(trace)) < 2:
             threading.Event().wait(0.01)
@@ -330,73 +348,62 @@ def test_a_prompt_joining_running_streams_prefills_busy_chunks_and_yields_to_com
     assert replay(log.path, model).ok
 
 
+def _prefilling(chunks: int | None, one_chunk: bool) -> Request:
+    """A running request waiting to prefill `chunks` chunks of 16 tokens (None: endless)."""
+    r = Request(None, prompt=[1])
+    r.phase, r.chunks, r.one_chunk = PREFILL, [16] * (chunks or 10**6), one_chunk
+    return r
+
+
+def _round(sched: Scheduler, ended: bool = False) -> list:
+    """One round's plan, its chunks taken as the core would -> the id of the request of each chunk, in order."""
+    sched.block_ended = ended
+    plan = sched.schedule()
+    out = []
+    for r, n in plan.prefill:
+        out += [r.id] * n
+        del r.chunks[:n]
+        if not r.chunks:
+            r.phase = DENOISE
+    return out
+
+
 def test_the_prefill_budget_and_its_hold_round_by_round():
-    """Scheduler._prefill alone: the whole budget when nobody denoises, the busy one when some request does, held
-    in a round after a block ended while someone denoises, never two rounds in a row."""
-    from diffgemma.session import Prefill
-
-    def prompt():
-        while True:
-            yield Prefill(16)
-
-    trace: list = []
-    sched = scheduler_mod.Scheduler(None, max_batch=2, prefill_chunk=64, busy_chunk=16, trace=trace)
-    filler = scheduler_mod._Running(scheduler_mod.Job([1], None), 0, prompt())
-    filler.ask = next(filler.steps)
-    stream = scheduler_mod._Running(scheduler_mod.Job([1], None), 1, None)
-    stream.ask = object()  # waits for a forward
-
-    def round_(ended: bool) -> int:
-        sched._block_ended = ended
-        before = len(trace)
-        sched._prefill()
-        return sum(e[3] for e in trace[before:])
+    """The scheduler alone: the whole budget when nobody denoises, the busy one when some request does, held in a
+    round after a block ended while someone denoises, never two rounds in a row."""
+    sched = Scheduler(2, prefill_chunk=64, busy_chunk=16)
+    filler = _prefilling(None, False)
+    stream = Request(None, prompt=[1])
+    stream.phase = DENOISE  # waits for a forward
 
     sched.running = [filler]
-    assert round_(False) == 64 and round_(True) == 64  # alone: the whole budget, no hold
+    assert len(_round(sched, False)) * 16 == 64 and len(_round(sched, True)) * 16 == 64  # alone: no hold
     sched.running = [stream, filler]
-    assert [round_(e) for e in (False, True, True, True, False, True)] == [16, 0, 16, 0, 16, 0]
+    assert [len(_round(sched, e)) * 16 for e in (False, True, True, True, False, True)] == [16, 0, 16, 0, 16, 0]
+    assert sched.schedule().denoise == [stream]
 
 
 def test_one_chunk_prompts_prefill_in_the_round_they_join_outside_the_budget():
-    """Scheduler._prefill alone: every waiting prompt that is one chunk takes it in the round it joins, idle or busy,
+    """The scheduler alone: every waiting prompt that is one chunk takes it in the round it joins, idle or busy,
     without spending the budget the longer prompts share in join order (at least one chunk a round); a round held
     after a block's commit holds them too."""
-    from diffgemma.session import Prefill
-
-    def prompt(chunks: int | None):  # chunks of 16 tokens (None: endless), then a forward
-        n = 0
-        while chunks is None or n < chunks:
-            n += 1
-            yield Prefill(16)
-        while True:
-            yield object()
-
-    trace: list = []
-    sched = scheduler_mod.Scheduler(None, max_batch=8, prefill_chunk=32, busy_chunk=16, trace=trace)
+    sched = Scheduler(8, prefill_chunk=32, busy_chunk=16)
 
     def join(chunks, one_chunk):
-        r = scheduler_mod._Running(scheduler_mod.Job([1], None), len(sched.running), prompt(chunks), one_chunk)
-        r.ask = next(r.steps)
+        r = _prefilling(chunks, one_chunk)
         sched.running.append(r)
-        return r.job.id
-
-    def round_(ended: bool = False) -> list:
-        sched._block_ended = ended
-        before = len(trace)
-        sched._prefill()
-        return [e[2] for e in trace[before:]]
+        return r.id
 
     long1, short1, short2 = join(None, False), join(1, True), join(1, True)
     join(None, False)  # a second long prompt: it waits for long1 throughout
     # idle: long1 spends the budget (two chunks), the one-chunk prompts come anyway, the second long one waits
-    assert round_() == [long1, long1, short1, short2]
-    assert round_() == [long1]  # the shorts denoise now: the busy budget, one chunk of 16
+    assert _round(sched) == [long1, long1, short1, short2]
+    assert _round(sched) == [long1]  # the shorts denoise now: the busy budget, one chunk of 16
     short3 = join(1, True)
-    assert round_(ended=True) == []  # held after a commit, the one-chunk prompt too
-    assert round_(ended=True) == [long1, short3]  # never held twice in a row
+    assert _round(sched, ended=True) == []  # held after a commit, the one-chunk prompt too
+    assert _round(sched, ended=True) == [long1, short3]  # never held twice in a row
     short4, short5 = join(1, True), join(1, True)
-    assert round_() == [long1, short4, short5]
+    assert _round(sched) == [long1, short4, short5]
 
 
 def test_a_burst_of_one_chunk_prompts_starts_denoising_together(model, base):
@@ -420,9 +427,7 @@ def test_a_burst_of_one_chunk_prompts_starts_denoising_together(model, base):
         a = worker.submit(ids_of(model, PROMPTS[1]), run_s)
         while len(forwards(trace)) < 2:
             threading.Event().wait(0.01)
-        gate = hold(worker)
-        joined = [worker.submit(p, s) for p, s in zip(prompts, settings)]
-        gate.set()
+        joined = submitted(worker, prompts, settings)
         joined_ends = [finish(j)[-1] for j in joined + [a]]
     finally:
         worker.close()
@@ -451,9 +456,7 @@ def test_cancel_while_the_prompt_prefills_keeps_the_chunks_and_replays(model, ba
     worker = Worker(model, slots=1, max_tokens=2048, max_batch=1, prefill_chunk=32, log=log, trace=trace)
     ids = ids_of(model, " ".join(f"word{i}" for i in range(150)))
     try:
-        gate = hold(worker)
-        jobs.append(job := worker.submit(ids, base.replace(seed=1, max_new_tokens=64)))
-        gate.set()
+        (job,) = submitted(worker, [ids], [base.replace(seed=1, max_new_tokens=64)], into=jobs)
         end = finish(job)[-1]  # seen before its second chunk: the first one always runs (a short prompt is never cut)
         slot = worker.slots[0]
         assert isinstance(end, CancelledEvent) and end.blocks == 0 and end.kept == 32
@@ -508,7 +511,7 @@ def test_concurrent_streams_through_the_app_match_one_at_a_time(model, base):
             threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
             for t in threads:
                 t.start()
-            while worker._waiting < 3:
+            while worker.queued < 3:
                 threading.Event().wait(0.01)
             gate.set()
             for t in threads:
@@ -530,9 +533,7 @@ def test_a_slot_in_use_is_not_picked_and_the_queue_waits_for_one(model, base):
     s = base.replace(max_new_tokens=64)
     try:
         assert worker.pick([1, 2, 3], busy={0}) is None
-        gate = hold(worker)
-        a, b = worker.submit(ids_of(model, PROMPTS[0]), s), worker.submit(ids_of(model, PROMPTS[2]), s)
-        gate.set()
+        a, b = submitted(worker, [ids_of(model, PROMPTS[0]), ids_of(model, PROMPTS[2])], [s, s])
         assert isinstance(finish(a)[-1], DoneEvent) and isinstance(finish(b)[-1], DoneEvent)
     finally:
         worker.close()
@@ -542,9 +543,9 @@ def test_a_slot_in_use_is_not_picked_and_the_queue_waits_for_one(model, base):
 def test_chunked_prefill_gives_the_one_shot_tokens(model, base):
     ids = ids_of(model, "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 12)
     s = base.replace(seed=2, max_new_tokens=64)
-    whole = run_generation(model, Slot(model.new_cache(1024)), 0, ids, s)
+    whole = run_alone(model, ids, s, 1024, turn=False)
     for chunk in (64, 17):
-        part = run_generation(model, Slot(model.new_cache(1024)), 0, ids, s, prefill_chunk=chunk)
+        part = run_alone(model, ids, s, 1024, prefill_chunk=chunk, turn=False)
         assert part.result.tokens == whole.result.tokens, chunk
 
 
@@ -610,8 +611,8 @@ def test_random_arrivals_cancels_and_a_full_queue_never_lose_or_corrupt_a_reques
         worker = Worker(model, slots=slots, max_tokens=1024, max_batch=max_batch, max_queue=queue,
                         prefill_chunk=chunk, trace=trace)
         accepted, refused = [], 0
+        gate = hold(worker)
         try:
-            gate = hold(worker)
             for p, budget, seed, cancel, burst in plan:
                 if not burst:  # let the worker run between arrivals
                     gate.set()
@@ -633,6 +634,7 @@ def test_random_arrivals_cancels_and_a_full_queue_never_lose_or_corrupt_a_reques
             probe = worker.submit(prompts[0], base.replace(seed=1, max_new_tokens=32))
             probe_end = finish(probe, timeout=300)[-1]
         finally:
+            gate.set()  # released whatever failed above, so close does not wait on a parked worker
             worker.close()
         assert isinstance(probe_end, DoneEvent)
         assert refused + len(accepted) == n
@@ -671,17 +673,19 @@ def test_metrics_report_the_rounds_and_the_queue(model, base):
 
     try:
         # every count exists from the start: a scrape copies them from another thread while the worker counts
-        assert set(worker.scheduler.counts) == set(scheduler_mod.COUNTED)
+        assert set(worker.core.counts) == set(engine_mod.COUNTED)
         assert client.get("/metrics").status_code == 401
         m = scrape()
         assert (m["diffgemma_max_batch"], m["diffgemma_max_queue"], m["diffgemma_slots"]) == (3, 4, 3)
         assert m["diffgemma_context_tokens"] == 1024 and m["diffgemma_requests_started_total"] == 0
-        gate = hold(worker)
         prompts = [ids_of(model, p) for p in PROMPTS[:3]]
-        jobs = [worker.submit(ids, base.replace(max_new_tokens=16)) for ids in prompts]
-        m = scrape()
+        gate = hold(worker)
+        try:
+            jobs = [worker.submit(ids, base.replace(max_new_tokens=16)) for ids in prompts]
+            m = scrape()
+        finally:
+            gate.set()  # released whatever failed above, so close does not wait on a parked worker
         assert m["diffgemma_requests_queued"] == 3 and m["diffgemma_requests_running"] == 0
-        gate.set()
         assert all(isinstance(finish(j)[-1], DoneEvent) for j in jobs)
         worker.close()
         m = scrape()

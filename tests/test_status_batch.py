@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import diffgemma
-from diffgemma import batch as batch_mod
+from diffgemma.core import engine as engine_mod
+from diffgemma.core import lanes as lanes_mod
+from diffgemma.core import steps as steps_mod
 from diffgemma import generate, generate_batch
-from diffgemma.generation import Status
+from diffgemma.core.steps import StatusAsk
 from diffgemma.model import denoiser as denoiser_mod
 from diffgemma.model.denoiser import Denoiser, StepStatus, read_statuses
 from diffgemma.ops import rowstats
@@ -56,7 +58,7 @@ def _lane(model, kind, device):
         elif kind == "plan":
             plan = SparsePlan(StepStats(logits, temp, fused=False), ratio)
             assert not plan.speculative
-        return Status(den, code, mean_h, plan, canvas)
+        return StatusAsk(den, code, mean_h, plan, canvas)
 
     return ask
 
@@ -96,8 +98,8 @@ def test_read_statuses_waits_once_and_lets_a_running_ahead_request_read_alone(mo
     foreign = SimpleNamespace(read_status=lambda code, mean_h, plan, canvas: StepStatus(7, 0.5))  # no Denoiser
     own = []
     monkeypatch.setattr(ahead, "read_status", lambda *a: (own.append(a), StepStatus(9, 1.5))[1])
-    asks.insert(1, Status(ahead, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), None, None))
-    asks.append(Status(foreign, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), None, None))
+    asks.insert(1, StatusAsk(ahead, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), None, None))
+    asks.append(StatusAsk(foreign, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), None, None))
     waits, reads = [], []
     wait = denoiser_mod.wait_statuses
     monkeypatch.setattr(denoiser_mod, "wait_statuses", lambda pending: (waits.append(len(pending)), wait(pending))[1])
@@ -139,8 +141,9 @@ def test_one_status_wait_per_batched_round(tiny, monkeypatch, fused):
     solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, s, seed in zip(PROMPTS, settings, seeds)]
 
     log, plans = [], []
-    forward, wait, read = batch_mod._forward, denoiser_mod.wait_statuses, denoiser_mod.read_status
-    monkeypatch.setattr(batch_mod, "_forward", lambda m, fs: (log.append(("forward", len(fs))), forward(m, fs))[1])
+    forward, wait, read = engine_mod.forward_lanes, denoiser_mod.wait_statuses, denoiser_mod.read_status
+    monkeypatch.setattr(engine_mod, "forward_lanes",
+                        lambda m, fs: (log.append(("forward", len(fs))), forward(m, fs))[1])
     monkeypatch.setattr(denoiser_mod, "wait_statuses", lambda p: (log.append(("wait", len(p))), wait(p))[1])
     monkeypatch.setattr(denoiser_mod, "read_status", lambda *a, **k: (log.append(("solo read", 1)), read(*a, **k))[1])
     start = SparsePlan.start
@@ -179,7 +182,7 @@ def test_a_round_of_two_batched_groups_keeps_the_first_groups_logits():
     model = SimpleNamespace(denoiser=SharedOut)
     forwards = [SimpleNamespace(cache=k, canvas=torch.zeros(4 if k < 2 else 2), sc_logits=None, sc_embeds=None)
                 for k in range(4)]
-    got = batch_mod._forward(model, forwards)
+    got = lanes_mod.forward_lanes(model, forwards)
     for k, x in enumerate(got):
         assert x.shape == (len(forwards[k].canvas), 3)
         assert bool((x == k).all()), f"request {k} got another request's logits: {x[:, 0].tolist()}"
@@ -191,27 +194,25 @@ FIXED = dict(confidence_threshold=0.0, plateau_steps=0, entropy_stop=0.0, confid
 
 def spy_reads_and_commits(monkeypatch, owner) -> list:
     """A log of each read_asks call made through `owner` (the kinds of its asks) and each block's commit."""
-    from diffgemma import generation
-
     log = []
-    read, commit = owner.read_asks, generation._commit
+    read, commit = owner.read_asks, steps_mod.commit
     monkeypatch.setattr(owner, "read_asks", lambda asks: (log.append(sorted(type(a).__name__ for a in asks)),
                                                           read(asks))[1])
-    monkeypatch.setattr(generation, "_commit", lambda *a: (log.append("commit"), commit(*a))[1])
+    monkeypatch.setattr(steps_mod, "commit", lambda *a: (log.append("commit"), commit(*a))[1])
     return log
 
 
 def test_a_rounds_block_reads_wait_once_before_any_commit(tiny, monkeypatch):
-    """Requests that end a block in the same round read their blocks in one host wait (batch.read_asks) before any of
+    """Requests that end a block in the same round read their blocks in one host wait (core/lanes.read_asks) before any of
     them commits, so no request's block read waits for another's commit; the tokens are the solo ones."""
     s = GenerationSettings(max_new_tokens=16, max_denoising_steps=4, **FIXED)
     seeds = [random.getrandbits(32) for _ in range(3)]
     solo = [generate(tiny, p, settings=s.replace(seed=seed)) for p, seed in zip(PROMPTS, seeds)]
-    log = spy_reads_and_commits(monkeypatch, batch_mod)
+    log = spy_reads_and_commits(monkeypatch, engine_mod)
     batched = generate_batch(tiny, PROMPTS[:3], seeds=seeds, settings=s, max_batch=3)
     assert [_result(r) for r in batched] == [_result(r) for r in solo]
     blocks = [k for k, e in enumerate(log) if e != "commit" and "BlockRead" in e]
     assert [log[k] for k in blocks] == [["BlockRead"] * 3] * 2  # two blocks, each read by all three at once
     first = blocks[0]  # the first block is committed after the read, the last one (a lent cache) is not
-    assert log[first + 1: first + 5] == ["commit"] * 3 + [["Status"] * 3]
+    assert log[first + 1: first + 5] == ["commit"] * 3 + [["StatusAsk"] * 3]
     assert log.count("commit") == 3

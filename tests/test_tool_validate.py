@@ -75,7 +75,12 @@ def reject_first(monkeypatch):
         seen.append((list(tokens), cut))
         return cut
 
-    monkeypatch.setattr(session_mod, "malformed_call_cut", fake)
+    monkeypatch.setattr(session_mod, "malformed_call_cut", fake)  # a Session's turns
+    try:
+        from diffgemma.server import worker as worker_mod
+    except ImportError:  # no server extras
+        return seen
+    monkeypatch.setattr(worker_mod, "malformed_call_cut", fake)  # the server's
     return seen
 
 

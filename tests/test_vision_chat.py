@@ -153,12 +153,12 @@ def test_session_with_an_image_equals_a_direct_prefill(model, monkeypatch):
     tiny model amplifies that, so the direct run cuts where the Session does.)"""
     import time
 
-    from diffgemma import session as session_mod
+    from diffgemma.core import turn as turn_mod
     from diffgemma.generation import generate
     from diffgemma.vision.merge import image_groups, merge_image_embeddings
 
     image_prefill_s = []
-    real_prefill_images = session_mod.prefill_images
+    real_prefill_images = turn_mod.prefill_images
 
     def timed_prefill_images(*a, **kw):  # the image prefill's own time, measured inside the Session's timer
         t = time.perf_counter()
@@ -166,7 +166,7 @@ def test_session_with_an_image_equals_a_direct_prefill(model, monkeypatch):
         image_prefill_s.append(time.perf_counter() - t)
         return out
 
-    monkeypatch.setattr(session_mod, "prefill_images", timed_prefill_images)
+    monkeypatch.setattr(turn_mod, "prefill_images", timed_prefill_images)
     img = random_image(30, 41, seed=7)
     s = Session(model)
     reply = s.ask([{"type": "image", "image": img}, {"type": "text", "text": "What is it?"}],

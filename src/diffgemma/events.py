@@ -1,10 +1,10 @@
 """The events of a generation, one vocabulary from the denoising loop to its consumers.
 
-`generate_stream` yields StepEvent, BlockEvent and a final DoneEvent. The layers above pass the same objects on
-and add their own: `session.run_generation` ends a generation with DoneEvent, CancelledEvent or ErrorEvent;
-`session.run_turn` opens a turn with StartEvent and announces a regenerated tool call with RetryEvent. The CLI's
-canvas view, `Session`, the server's worker queue and HTTP handlers, and the op-log (`oplog.record`) all read
-these classes; nothing downstream translates them into strings or tuples.
+The generation algorithm (core/steps.py) yields StepEvent, BlockEvent and a final DoneEvent; the engine core
+(core/engine.py) hands them to each request's sink and adds its own: a generation ends with DoneEvent,
+CancelledEvent or ErrorEvent; a chat turn (core/turn.py) opens with StartEvent and announces a regenerated tool call
+with RetryEvent. The CLI's canvas view, `Session`, the server's worker queue and HTTP handlers, and the op-log
+(`oplog.record`) all read these classes; nothing downstream translates them into strings or tuples.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class GenerationResult:
     forwards: int = 0  # denoise forwards, re-rolled attempts included
     block_ends: list[str] = field(default_factory=list)
     settings: GenerationSettings | None = None
-    tool_retries: int = 0  # regenerations of a malformed tool call (session.run_turn, opt-in)
+    tool_retries: int = 0  # regenerations of a malformed tool call (core/turn.py, opt-in)
     stop_string: str | None = None  # the stop text that ended the turn (its tokens are in tokens, not in text)
 
 
@@ -73,7 +73,7 @@ class DoneEvent:
 
 @dataclass
 class StartEvent:
-    """First event of a turn (session.run_turn): how much of the prompt the KV cache already held."""
+    """First event of a turn (core/turn.py): how much of the prompt the KV cache already held."""
 
     cached_tokens: int  # prompt tokens served from the cache
     prefill_tokens: int  # prompt tokens prefilled for this turn
@@ -81,7 +81,7 @@ class StartEvent:
 
 @dataclass
 class RetryEvent:
-    """A malformed tool call is regenerated from its opener (session.run_turn): the reply keeps its first `kept`
+    """A malformed tool call is regenerated from its opener (core/turn.py): the reply keeps its first `kept`
     tokens and the blocks that follow replace the rest."""
 
     attempt: int  # 1 for the first regeneration
@@ -91,7 +91,7 @@ class RetryEvent:
 @dataclass
 class CancelledEvent:
     """Last event of a generation stopped on request, between denoise steps, or interrupted (Ctrl-C: a
-    KeyboardInterrupt, which `session.run_generation` journals and then passes on)."""
+    KeyboardInterrupt, which the engine core journals and then passes on)."""
 
     blocks: int = 0  # blocks committed before it stopped (0: it never started)
     kept: int | None = None  # tokens the slot's cache was rewound to (None: it never started)

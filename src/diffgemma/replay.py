@@ -3,7 +3,7 @@ every event with the log.
 
 The same slots, rewinds, prompts, settings and prefill chunks, in the logged order of the ops (generations that ran
 batched together are replayed one after another: the forward is batch invariant), through the same
-session.generation_steps that wrote it; a cancelled generation stops after the same number of blocks (or prompt
+engine core (core/) that wrote it; a cancelled generation stops after the same number of blocks (or prompt
 chunks), an interrupted one (Ctrl-C) is interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
 (or a different device / build, which the start record names).
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import oplog
 from .errors import DiffgemmaError, InputError
-from .session import run_generation
+from .core import EngineCore, Request
+from .events import BlockEvent, StepEvent
 from .settings import GenerationSettings
 from .slots import Slot, rewind
 
@@ -42,8 +43,8 @@ class ReplayReport:
 
 
 def _group(records: list[dict]):
-    """-> [(generate op, [its events])] in the ops' log order; each event follows its op (generations that ran in
-    one batch interleave their events; an event names its generation)."""
+    """-> [(generate op, [its events])] in the ops' log order; each event follows its op and precedes its generation's
+    end record (generations that ran in one batch interleave their events; an event names its generation)."""
     out, by_gen = [], {}
     for n, rec in enumerate(records[1:], 2):
         if rec.get("op") == "generate":
@@ -53,9 +54,12 @@ def _group(records: list[dict]):
             by_gen[gen] = (rec, [])
             out.append(by_gen[gen])
         elif "event" in rec:
-            if rec.get("gen") not in by_gen:
-                raise InputError(f"record {n}: event of generation {rec.get('gen')!r} outside its generate op")
-            by_gen[rec.get("gen")][1].append(rec)
+            gen = rec.get("gen")
+            if gen not in by_gen:
+                raise InputError(f"record {n}: event of generation {gen!r} outside its generate op")
+            if _ended(by_gen[gen][1]):
+                raise InputError(f"record {n}: event of generation {gen!r} after its end record")
+            by_gen[gen][1].append(rec)
         else:
             raise InputError(f"record {n}: unknown op {rec.get('op')!r}")
     return out
@@ -63,10 +67,6 @@ def _group(records: list[dict]):
 
 def _ended(events: list[dict]) -> bool:
     return bool(events) and events[-1].get("event") in oplog.END_EVENTS
-
-
-class _Interrupt(KeyboardInterrupt):
-    """The logged Ctrl-C, raised again at the same block (a real Ctrl-C during replay is not caught)."""
 
 
 def replay(path, model, progress=None) -> ReplayReport:
@@ -137,23 +137,27 @@ def replay(path, model, progress=None) -> ReplayReport:
 def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False,
          images=None, chunk=None, prefilled=None) -> list[dict]:
     """Generation `gen` run again -> its events as a log records them. stop_after: cancel (or with `interrupt`,
-    interrupt) it once that many blocks are committed. images: the op's images (vision/journal.py). chunk: the
-    prompt's prefill chunk size; prefilled: cancel it while it prefills, once its cache holds that many tokens."""
-
-    def should_stop(blocks):
-        if stop_after is None or blocks < stop_after:
-            return False
-        if interrupt:
-            raise _Interrupt
-        return True
-
+    interrupt, as Ctrl-C did) it once that many blocks are committed, after its next event. images: the op's images
+    (vision/journal.py). chunk: the prompt's prefill chunk size; prefilled: cancel it while it prefills, once its
+    cache holds that many tokens (the core prefills one chunk a step and checks before each chunk after the first)."""
     events: list = []
-    try:
-        run_generation(model, slot, keep, prompt, settings, gen=gen, slot_index=slot_i, should_stop=should_stop,
-                       on_event=events.append, images=images, prefill_chunk=chunk,
-                       stop_prefill=lambda: prefilled is not None and slot.cache.length >= prefilled)
-    except _Interrupt:
-        pass
+    blocks = 0
+
+    def sink(event):
+        nonlocal blocks
+        events.append(event)
+        blocks += isinstance(event, BlockEvent)
+        if stop_after is not None and isinstance(event, (StepEvent, BlockEvent)) and blocks >= stop_after:
+            request.cancel(interrupted=interrupt)
+
+    request = Request(settings, prompt=prompt, slot=slot, slot_index=slot_i, images=images, prefill_chunk=chunk,
+                      next_gen=lambda: gen, sink=sink)
+    core = EngineCore(model)
+    core.add_request(request)
+    while not request.done:
+        core.step()
+        if prefilled is not None and slot.cache.length >= prefilled:
+            request.cancel()
     return [r for r in (oplog.event_record(gen, e) for e in events) if r is not None]
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .core.request import canvas_length
 from .errors import InputError
 from .generation import generate
 
@@ -43,7 +44,7 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
     if cache.length != 0:
         raise InputError(f"warm_up: the cache holds {cache.length} tokens; expected an empty one (it is emptied after)")
     t0 = time.perf_counter()
-    canvas = settings.canvas_length or model.config.canvas_length
+    canvas = canvas_length(model, settings)
     buckets = model.context_buckets(cache)
     filler = torch.Generator().manual_seed(FILLER_SEED)
     try:
@@ -75,7 +76,7 @@ def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] 
     if any(c.length != 0 for c in caches):
         raise InputError("warm_up_batches: expected empty caches (they are emptied after)")
     t0 = time.perf_counter()
-    canvas = settings.canvas_length or model.config.canvas_length
+    canvas = canvas_length(model, settings)
     sizes = range(2, len(caches) + 1)
     room = model.batch_graphs_kept // len(sizes)  # buckets whose sizes all fit among the kept graphs
     buckets = model.context_buckets(caches[0])[:room]

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from diffgemma import generation  # noqa: E402
 from diffgemma.config import ModelConfig  # noqa: E402
+from diffgemma.core import engine as engine_mod, lanes as lanes_mod  # noqa: E402
 from diffgemma.generation import StepEvent, generate_stream  # noqa: E402
 from diffgemma.model import denoiser as denoiser_mod  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
@@ -99,14 +100,14 @@ def test_at_most_one_sync_per_denoise_step(engine, arm, monkeypatch):
 
 
 def recording(log: list):
-    """StepStats that also keeps each step's logits, temperature and softcap in `log` (one entry a denoise step)."""
+    """The engine core's lane_stats, also keeping each lane's logits, temperature and softcap in `log` (one entry a
+    denoise step of a solo request)."""
 
-    class Recording(StepStats):
-        def __init__(self, logits, temp, fused=None, cap=None):
-            super().__init__(logits, temp, fused, cap)
-            log.append((logits.clone(), temp, cap))
+    def lane_stats(asks, logits):
+        log.extend((x.clone(), ask.temp, ask.den.cap) for ask, x in zip(asks, logits))
+        return lanes_mod.lane_stats(asks, logits)
 
-    return Recording
+    return lane_stats
 
 
 def near_tie(h: torch.Tensor, bound: float, accepted: int, tol: float) -> bool:
@@ -130,9 +131,9 @@ def test_fused_step_gives_the_torch_step_tokens(engine, sc_mode, monkeypatch):
     s = settings(sc_mode=sc_mode)
     prompt = torch.randint(4, engine.config.vocab_size, (29,), device=DEV)
     log: list = []
-    monkeypatch.setattr(generation, "StepStats", recording(log))
+    monkeypatch.setattr(engine_mod, "lane_stats", recording(log))
     fused = [e for e in generate_stream(engine, prompt, settings=s)]
-    monkeypatch.setattr(generation, "StepStats", StepStats)
+    monkeypatch.setattr(engine_mod, "lane_stats", lanes_mod.lane_stats)
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: False)  # the CPU semantics' step, same forward
     plain = [e for e in generate_stream(engine, prompt, settings=s)]
     a = [e for e in fused if isinstance(e, StepEvent)]

@@ -1,6 +1,6 @@
 """How a denoise step meets the device: the forward call, the side stream, the one status read, the run-ahead.
 
-generation.py's loop says what a step computes; a Denoiser (model/protocol.py) says how it reaches the GPU:
+core/steps.py says what a step computes; a Denoiser (model/protocol.py) says how it reaches the GPU:
 
   forward(canvas, sc)     the model's denoise -> logits (raw, with `cap` the softcap the sampler applies, or capped)
   bookkeeping()           a context for the step's small kernels (accept mask, renoise, stop rules): on CUDA a
@@ -135,7 +135,7 @@ def read_status(make_status, overlap=None, side: SideStream | None = None, then=
 
 def read_statuses(asks) -> list[StepStatus]:
     """Several requests' status reads (each ask: a step's `den`, `code`, `mean_h`, `plan`, `canvas` and `run()`, e.g.
-    generation.Status) with one host wait: every request's status is packed and copied first, then every speculative
+    core/steps.StatusAsk) with one host wait: every request's status is packed and copied first, then every speculative
     plan's SC product is started and each side stream joined, then the host waits once for all copies. Each request
     gets the StepStatus its own `den.read_status` would give. A request whose denoiser runs ahead (a request stepping
     alone on the engine) or is not a Denoiser reads through its own `run()` (docs/ARCHITECTURE.md, 'Batching')."""
@@ -163,7 +163,7 @@ class Denoiser:
     """The step's device side for one cache, or for a batch of caches, on any model (model/protocol.DenoiseModel):
     `model.denoise` (one cache) or `model.denoise_batch` (several; the reference model), softcapped logits, the side
     stream on CUDA. With several caches only forward() is batched: each request's bookkeeping and status read go
-    through its own one-cache denoiser (generation.generate_steps), the reads of a batch's requests together
+    through its own one-cache denoiser (core/steps.generate_steps), the reads of a batch's requests together
     (read_statuses; docs/ARCHITECTURE.md, 'Batching')."""
 
     cap = None  # the logits forward() returns are softcapped already

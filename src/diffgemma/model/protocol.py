@@ -1,10 +1,10 @@
-"""What generate may call on a model: implemented by the reference model (model/reference.py) and the engine
-(model/engine.py). generation.py uses nothing else.
+"""What generation may call on a model: implemented by the reference model (model/reference.py) and the engine
+(model/engine.py). The engine core (core/) uses nothing else.
 
 A step reaches the device through a Denoiser (model/denoiser.py), which the model makes for the caches it denoises:
 `model.denoiser([cache])`. A model that takes several canvases per forward (its `max_batch`: None for any number;
 without the attribute, one) also makes one for several caches, whose forward takes B canvases and returns B logits;
-each request's bookkeeping and status read stay on its own one-cache denoiser (batch.py, generation.generate_steps).
+each request's bookkeeping and status read stay on its own one-cache denoiser (core/lanes.py, core/steps.generate_steps).
 """
 
 from __future__ import annotations

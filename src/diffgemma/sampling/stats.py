@@ -63,8 +63,12 @@ class StepStats:
 
     def __init__(self, logits: torch.Tensor, temp: float, fused: bool | None = None, cap: float | None = None):
         self._setup(logits, temp, fused, cap)
+        self._rowstats()
+
+    def _rowstats(self) -> None:
+        """entropy, argmax (and on the fused path rowmax, lse) of this lane alone."""
         if self.fused:
-            lanes = LaneTemps.one(temp, self.logits.shape[0], self.logits.device)
+            lanes = LaneTemps.one(self.temp, self.logits.shape[0], self.logits.device)
             self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(self.logits, lanes, cap=self.cap)
         else:
             z = self.processed
@@ -112,8 +116,10 @@ class StepStats:
             s._setup(x, t, fused, cap)
         one = shared_rows([s.logits for s in out]) if all(s.fused for s in out) and len({s.cap for s in out}) == 1 \
             else None
-        if one is None:
-            return [cls(x, t, fused=fused, cap=cap) for x, t in zip(lanes, temps)]
+        if one is None:  # lane by lane, each set up once
+            for s in out:
+                s._rowstats()
+            return out
         rows, starts = one
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
         shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))

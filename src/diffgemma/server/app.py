@@ -62,7 +62,7 @@ def create_app(worker, tokenizer, model_id: str, base_settings, tool_validate: i
                strict_tools: bool = True):
     """The ASGI app over a running Worker. `base_settings`: the server's GenerationSettings, which each request's
     fields (max_tokens, seed, diffgemma) override. tool_validate: a request with tools gets a malformed tool call
-    regenerated up to this many times (session.run_turn; the held-back call text is never streamed). api_key: when
+    regenerated up to this many times (core/turn.py; the held-back call text is never streamed). api_key: when
     set, every request but /health must carry `Authorization: Bearer <api_key>` (a 401 otherwise). limits: the
     bounds on a request's `diffgemma` settings (openai_fields.Limits; None: the model's canvas_length only).
     fresh_seed: a request that names no seed gets a fresh random one (returned in the response's `diffgemma`

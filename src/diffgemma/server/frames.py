@@ -2,7 +2,7 @@
 (the playground page, server/playground/). The wire format is in docs/SERVING.md, 'Canvas frames'.
 
 A request asks for them with `"diffgemma": {"frames": true}` beside its generation settings, on a plain stream
-(`"stream": true`). Its job then gets `snapshot` as its `on_step` (scheduler.Job): on the worker thread, right after
+(`"stream": true`). Its job then gets `snapshot` as its `on_step` (worker.Job): on the worker thread, right after
 the step's own status read, each StepEvent's canvas, accept mask and per-position entropy come to the host in one
 read and are queued as a Frame. A request that does not ask gets no `on_step`: its steps are dropped on the worker,
 their tensors never read, and its stream is what it would be without this module.

@@ -1,37 +1,103 @@
 """The one thread that owns the model and its KV caches; HTTP handlers hand it jobs and read their events.
 
-The thread runs the continuous-batching scheduler (scheduler.py): requests join the running batch at its next round
-and leave the moment their turn ends, up to `max_batch` at a time; the rest wait in a bounded queue (`max_queue`;
-a request over it is refused at once with QueueFull, which the HTTP layer sends as a 503 with Retry-After).
+The thread steps an engine core (core/engine.py): requests join the running batch at its next round and leave the
+moment their turn ends, up to `max_batch` at a time; the rest wait in a bounded queue (`max_queue`; a request over it
+is refused at once with QueueFull, which the HTTP layer sends as a 503 with Retry-After). A request whose client
+leaves while it waits frees its place at once and is dropped at the next round.
 
-KV reuse across requests: the worker keeps a few conversation slots, each a KV cache and the token ids it
-holds. An OpenAI client sends the whole conversation every turn; its rendering shares a long prefix with
-what some slot already holds, so the worker picks that slot (`pick`, among the slots no running request holds),
-rewinds its cache to the common prefix and prefills only the rest, a chunk per round. A client that leaves
-mid-reply cancels its job at its next denoise step; the cache is rewound to the prompt, so the slot still serves
-the conversation.
+KV reuse across requests: the core's slots (slots.SlotPool) are a few conversation slots, each a KV cache and the
+token ids it holds. An OpenAI client sends the whole conversation every turn; its rendering shares a long prefix
+with what some slot already holds, so that slot serves it (`pick`), rewound to the common prefix, and only the rest
+is prefilled, a chunk per round. A client that leaves mid-reply cancels its job at its next denoise step; the cache
+is rewound to the prompt, so the slot still serves the conversation.
 
-Every generation goes through session.generation_steps (via run_turn_steps, which may regenerate a malformed tool
-call), which `replay` runs too: the op-log records exactly the inputs it takes (slot, kept prefix, prompt ids,
-settings, prefill chunk). A job's events are those of run_turn (events.py), put on the job's queue as they come.
+Every generation is journaled in the op-log with exactly the inputs `diffgemma replay` needs (slot, kept prefix,
+prompt ids, settings, prefill chunk). A job's events (events.py) are put on the job's queue as they come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import queue
 import threading
 import time
+from collections import deque
 
 from ..config import cache_tokens
+from ..core import EngineCore, Request
+from ..core.request import QUEUED
 from ..errors import DiffgemmaError, InputError
+from ..events import CancelledEvent, DoneEvent, ErrorEvent, StepEvent
 from ..model.engine_batch import KEPT_GRAPHS
-from ..slots import Slot, usable_prefix
+from ..reply import malformed_call_cut
+from ..slots import Slot, SlotPool
 from .limits import BUSY_PREFILL_CHUNK, MAX_QUEUE, PREFILL_CHUNK
-from .scheduler import Job, Scheduler
 
 __all__ = ["Job", "QueueFull", "Worker", "default_max_batch"]
+
+
+class Job:
+    """One request as the HTTP layer sees it. Its events (events.py), read with `get()` (or `await aget()` on an
+    event loop), are the turn's less the steps: a StartEvent, BlockEvents, a RetryEvent when a malformed tool call is
+    regenerated (the blocks after it replace what followed the tokens it keeps), then one of DoneEvent,
+    CancelledEvent, ErrorEvent. A job cancelled before it started gets only the CancelledEvent."""
+
+    def __init__(self, request: Request, on_step=None):
+        self.request = request
+        self.id = request.id
+        self.on_step = on_step  # StepEvent -> what to queue in its place (server/frames.py); None: steps are dropped
+        request.sink = self.put
+        self.events: queue.Queue = queue.Queue()
+        try:  # made by a handler on the server's event loop: aget() waits on it without a thread
+            self._loop = asyncio.get_running_loop()
+            self._ready = asyncio.Event()
+        except RuntimeError:
+            self._loop = self._ready = None
+
+    def cancel(self) -> None:
+        self.request.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.request.cancelled
+
+    def get(self, timeout: float | None = None):
+        """The next event; queue.Empty after `timeout` seconds without one."""
+        return self.events.get(timeout=timeout)
+
+    async def aget(self):
+        """The next event, awaited on the event loop that made the job (a thread waits for it on any other)."""
+        if self._loop is None or asyncio.get_running_loop() is not self._loop:
+            while True:  # polled: a cancelled wait must not leave a thread behind that takes the next event
+                try:
+                    return self.events.get_nowait()
+                except queue.Empty:
+                    await asyncio.sleep(0.01)
+        while True:
+            try:
+                return self.events.get_nowait()
+            except queue.Empty:
+                self._ready.clear()
+            try:  # an event put before the clear is seen here; one put after it sets the flag again
+                return self.events.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
+
+    def put(self, event) -> None:
+        """Hand an event to the job's reader (on the worker thread); denoise steps stay there unless the reader asked
+        for them (`on_step` turns each into what is queued)."""
+        if isinstance(event, StepEvent):
+            if self.on_step is None:
+                return
+            event = self.on_step(event)
+        self.events.put(event)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody awaits this job any more
+                pass
 
 
 class QueueFull(DiffgemmaError):
@@ -104,6 +170,7 @@ class _Call:
         return value
 
 
+
 class Worker:
     def __init__(self, model, *, slots: int = 2, max_tokens: int | None = None, log=None, max_batch: int | None = None,
                  max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK, trace: list | None = None,
@@ -112,37 +179,54 @@ class Worker:
         together (default: default_max_batch; at most what the model's forward takes). max_queue: requests waiting
         beyond those that can start now; more are refused (QueueFull). prefill_chunk: prompt tokens prefilled a
         round; busy_prefill_chunk: the same while other requests generate, and the chunk of a long prompt joining
-        them (at most prefill_chunk). trace: see scheduler.Scheduler."""
+        them (at most prefill_chunk). trace: see core.EngineCore."""
         _positive("slots", slots)
-        cap = getattr(model, "max_batch", 1)
-        max_batch = default_max_batch(model) if max_batch is None else _positive("max_batch", max_batch)
-        if cap is not None and max_batch > cap:
-            raise InputError(f"max_batch {max_batch}: this model's forward takes at most {cap} canvas(es)")
         self.max_queue = _positive("max_queue", max_queue)
         _positive("prefill_chunk", prefill_chunk)
         _positive("busy_prefill_chunk", busy_prefill_chunk)
         max_tokens = cache_tokens(model.config, max_tokens)  # the one rule for a cache's size
         self.model, self.max_tokens, self.log = model, max_tokens, log
-        self.slots: list[Slot | None] = [None] * slots  # each cache is made on first use
-        self.max_batch = max_batch
+        self.pool = SlotPool(model, slots, max_tokens)  # each cache is made on first use
+        self.core = EngineCore(model, max_batch=default_max_batch(model) if max_batch is None else max_batch,
+                               slots=self.pool, prefill_chunk=prefill_chunk, busy_chunk=busy_prefill_chunk,
+                               max_queue=self.max_queue, trace=trace)
+        self.max_batch = self.core.max_batch
+        tokenizer = getattr(model, "tokenizer", None)
+        self._call_cut = (lambda reply: malformed_call_cut(tokenizer, reply)) if tokenizer is not None else None
         self._gens = itertools.count()
-        self._clock = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting = 0  # jobs submitted, not yet started or dropped
+        self._queued: list[Request] = []  # submitted, not started or dropped yet (the queue bound counts these)
         self._turn_s = 1.0  # a running average of a turn's seconds (for Retry-After)
         # told of each round that ran a forward, `round(seconds)`, and each turn's end, `turn(seconds)` (on the worker
         # thread; server/metrics.py's histograms listen)
         self.listeners: list = []
-        self.scheduler = Scheduler(self, max_batch=max_batch, prefill_chunk=prefill_chunk, trace=trace,
-                                   busy_chunk=busy_prefill_chunk)
         self._thread = threading.Thread(target=self._serve, name="diffgemma-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None, on_step=None) -> Job:
+    @property
+    def slots(self) -> list[Slot | None]:
+        return self.pool.slots
+
+    def slot(self, i: int) -> Slot:
+        return self.pool.slot(i)
+
+    def pick(self, ids: list[int], busy=()) -> tuple[int, int] | None:
+        """slots.SlotPool.pick: the slot a request for `ids` would take now."""
+        return self.pool.pick(ids, busy)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to start (a cancelled one stops counting at once)."""
+        with self._lock:
+            self._queued = [r for r in self._queued if r.phase == QUEUED and not r.cancelled]
+            return len(self._queued)
+
+    def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None,
+               on_step=None) -> Job:
         """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit (InputError) or
         the queue is full (QueueFull). tool_retries: regenerate a malformed tool call up to this many times
-        (session.run_turn). images: with a prompt key (vision/prompt.py), its images."""
+        (core/turn.py). images: with a prompt key (vision/prompt.py), its images."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
@@ -150,46 +234,36 @@ class Worker:
             raise InputError(f"the prompt ({len(ids)} tokens) plus max_tokens ({settings.max_new_tokens}) is {need} "
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
-        job = Job(list(ids), settings, tool_retries, images)
-        job.on_step = on_step  # the job's StepEvents, for a reader that asked for them (Job.put)
+        request = Request(settings, ids=list(ids), images=images, turn=True, tool_retries=tool_retries,
+                          call_cut=self._call_cut, log=self.log, next_gen=self.next_gen)
+        job = Job(request, on_step)
+        request.sink = lambda event: self._on_event(job, event)
+        waiting = self.queued
         with self._lock:
-            free = max(0, min(self.max_batch, len(self.slots)) - len(self.scheduler.running))
-            if self._waiting >= self.max_queue + free:
-                wait = max(1, min(60, math.ceil(self._turn_s * (self._waiting + 1) / self.max_batch)))
-                raise QueueFull(f"the server is busy: {self._waiting} requests are queued (--max-queue "
+            if not self.core.scheduler.has_room(waiting):
+                wait = max(1, min(60, math.ceil(self._turn_s * (waiting + 1) / self.max_batch)))
+                raise QueueFull(f"the server is busy: {waiting} requests are queued (--max-queue "
                                 f"{self.max_queue}); retry in {wait} s", wait)
-            self._waiting += 1
+            self._queued.append(request)
         self._inbox.put(job)
         return job
 
+    def _on_event(self, job: Job, event) -> None:
+        job.put(event)
+        r = job.request
+        if r.run is not None and isinstance(event, (DoneEvent, CancelledEvent, ErrorEvent)) and r.done:
+            seconds = time.perf_counter() - r.t0
+            self._turn_s = 0.8 * self._turn_s + 0.2 * seconds
+            for listener in self.listeners:
+                listener.turn(seconds)
+
     def metrics(self) -> dict:
         """A snapshot for /metrics (server/metrics.py): the requests running and queued, the limits, what the rounds
-        did (Scheduler.counts) and how the model's batched forwards ran (graph replays, captures, eager runs)."""
-        sched = self.scheduler
-        return {"running": len(sched.running), "queued": self._waiting, "max_batch": self.max_batch,
+        did (EngineCore.counts) and how the model's batched forwards ran (graph replays, captures, eager runs)."""
+        return {"running": len(self.core.scheduler.running), "queued": self.queued, "max_batch": self.max_batch,
                 "max_queue": self.max_queue, "slots": len(self.slots), "max_tokens": self.max_tokens,
-                "counts": dict(sched.counts), "batch_forwards": dict(getattr(self.model, "batch_graph_counts", {}))}
-
-    def left_queue(self, job: Job) -> None:
-        """The scheduler took `job` off the queue (started, or dropped as cancelled)."""
-        with self._lock:
-            self._waiting -= 1
-
-    def finished(self, slot: int, seconds: float) -> None:
-        """A turn on `slot` ended after `seconds`."""
-        self.slots[slot].last_used = self.tick()
-        self._turn_s = 0.8 * self._turn_s + 0.2 * seconds
-        for listener in self.listeners:
-            listener.turn(seconds)
-
-    def slot(self, i: int) -> Slot:
-        """Slot i, its cache made on first use."""
-        if self.slots[i] is None:
-            self.slots[i] = Slot(self.model.new_cache(self.max_tokens))
-        return self.slots[i]
-
-    def tick(self) -> int:
-        return next(self._clock)
+                "counts": dict(self.core.counts),
+                "batch_forwards": dict(getattr(self.model, "batch_graph_counts", {}))}
 
     def next_gen(self) -> int:
         return next(self._gens)
@@ -227,42 +301,34 @@ class Worker:
             stop.set()
             raise
 
-    def pick(self, ids: list[int], busy=()) -> tuple[int, int] | None:
-        """-> (slot index, common prefix length) among the slots not in `busy` (those running requests hold), or
-        None when every slot is busy. The slot sharing the longest prefix, if that is at least half of what it holds
-        (the request continues its conversation, or rewinds a little of it); otherwise an unused slot, so a new
-        conversation does not evict one that merely shares a system prompt; otherwise the least recently used slot.
-        A prefix counts only where the slot's cache can rewind to it (slots.usable_prefix)."""
-        free = [i for i in range(len(self.slots)) if i not in busy]
-        shared = {i: usable_prefix(self.slots[i], ids) for i in free if self.slots[i] is not None and self.slots[i].ids}
-        if shared:
-            i = max(shared, key=lambda j: (shared[j], self.slots[j].last_used))
-            if 2 * shared[i] >= len(self.slots[i].ids):
-                return i, shared[i]
-        unused = [i for i in free if self.slots[i] is None or not self.slots[i].ids]
-        if unused:
-            return unused[0], 0
-        if not shared:
-            return None
-        i = min(shared, key=lambda j: self.slots[j].last_used)
-        return i, shared[i]
-
     def _serve(self) -> None:
-        closing = False
-        sched = self.scheduler
-        while not (closing and sched.idle):
+        """The thread: hand submitted jobs to the core, run a between-rounds call (warm-up) once the core is idle
+        (what came after it waits for it), and step the core while it has requests."""
+        core, held, closing = self.core, deque(), False
+        while not (closing and core.idle and not held):
             try:
-                item = self._inbox.get(block=sched.idle)  # wait only when there is nothing to step
+                item = self._inbox.get(block=core.idle and not held)  # wait only when there is nothing to do
                 while True:
                     if item is None:
                         closing = True
                     else:
-                        sched.pending.append(item)
+                        held.append(item)
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
-            forwards, t = sched.counts["forwards"], time.perf_counter()
-            sched.round()
-            if sched.counts["forwards"] != forwards:
+            while held and (isinstance(held[0], Job) or core.idle):
+                item = held.popleft()
+                if isinstance(item, Job):
+                    core.add_request(item.request)
+                else:
+                    item.run()
+            if core.idle:
+                continue
+            forwards, t = core.counts["forwards"], time.perf_counter()
+            try:
+                core.step()
+            except Exception as e:  # a bug in a round must not kill the thread every request waits on
+                core.fail_running(e)
+            if core.counts["forwards"] != forwards:
                 for listener in self.listeners:
                     listener.round(time.perf_counter() - t)
