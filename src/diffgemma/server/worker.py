@@ -226,7 +226,8 @@ class Worker:
                on_step=None) -> Job:
         """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit (InputError) or
         the queue is full (QueueFull). tool_retries: regenerate a malformed tool call up to this many times
-        (core/turn.py). images: with a prompt key (vision/prompt.py), its images."""
+        (core/turn.py). images: with a prompt key (vision/prompt.py), its images. on_step: what each StepEvent becomes
+        on the job's queue (server/frames.snapshot), or None: steps are dropped unread."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
