@@ -130,52 +130,7 @@ class ModelConfig:
         if activation != "gelu_pytorch_tanh":
             raise ConfigError(f"{source}: text_config.hidden_activation={activation!r}, expected 'gelu_pytorch_tanh'")
 
-        layer_types = text.get("layer_types")
-        if layer_types is None:  # transformers' default: 5 sliding : 1 full
-            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
-        layer_types = list(layer_types)
-        if len(layer_types) != num_layers:
-            raise ConfigError(
-                f"{source}: text_config.layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}"
-            )
-        for t in layer_types:
-            if t not in (SLIDING, FULL):
-                raise ConfigError(f"{source}: text_config.layer_types entry {t!r}, expected {SLIDING!r} or {FULL!r}")
-        layer_types[-1] = FULL  # transformers forces the last layer to full attention
-
-        rope_params = text.get("rope_parameters") or _DEFAULT_ROPE
-        ropes = {t: _parse_rope(rope_params.get(t), t, source) for t in set(layer_types)}
-
-        per_layer = text.get("per_layer_config")
-        if per_layer is None:
-            # Same fallback as transformers: full layers take global_head_dim (and global KV heads if given).
-            override = {"head_dim": text.get("global_head_dim", _DEFAULT_GLOBAL_HEAD_DIM)}
-            if text.get("num_global_key_value_heads") is not None:
-                override["num_key_value_heads"] = text["num_global_key_value_heads"]
-            per_layer = {str(i): override for i, t in enumerate(layer_types) if t == FULL}
-        if not isinstance(per_layer, dict):
-            raise ConfigError(f"{source}: text_config.per_layer_config must be an object keyed by layer index")
-
-        layers = []
-        for i, t in enumerate(layer_types):
-            over = per_layer.get(str(i), per_layer.get(i, {})) or {}
-            unknown = set(over) - _PER_LAYER_KEYS
-            if unknown:
-                raise ConfigError(
-                    f"{source}: text_config.per_layer_config[{i}] overrides {sorted(unknown)}; "
-                    f"only {sorted(_PER_LAYER_KEYS)} are supported"
-                )
-            hd = over.get("head_dim", head_dim)
-            kvh = over.get("num_key_value_heads", num_kv_heads)
-            if num_heads % kvh:
-                raise ConfigError(
-                    f"{source}: layer {i}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={kvh}"
-                )
-            rope = ropes[t]
-            rotary = int(rope.partial_rotary_factor * hd // 2) if rope.rope_type == "proportional" else hd // 2
-            if hd % 2 or rotary > hd // 2:
-                raise ConfigError(f"{source}: layer {i}: head_dim={hd} cannot carry its RoPE ({rope})")
-            layers.append(LayerConfig(index=i, layer_type=t, head_dim=hd, num_kv_heads=kvh, rope=rope))
+        layers = _layers(text, _layer_types(text, num_layers, source), num_heads, head_dim, num_kv_heads, source)
 
         max_positions = text.get("max_position_embeddings")
         if max_positions is not None and (not isinstance(max_positions, int) or isinstance(max_positions, bool)
@@ -211,6 +166,60 @@ class ModelConfig:
             max_positions=max_positions,
             raw=raw,
         )
+
+
+def _layer_types(text: dict, num_layers: int, source: str) -> list[str]:
+    """text_config.layer_types checked (transformers' default where absent: 5 sliding, then 1 full), the last full."""
+    layer_types = text.get("layer_types")
+    if layer_types is None:  # transformers' default: 5 sliding : 1 full
+        layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ConfigError(
+            f"{source}: text_config.layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}"
+        )
+    for t in layer_types:
+        if t not in (SLIDING, FULL):
+            raise ConfigError(f"{source}: text_config.layer_types entry {t!r}, expected {SLIDING!r} or {FULL!r}")
+    layer_types[-1] = FULL  # transformers forces the last layer to full attention
+    return layer_types
+
+
+def _layers(text: dict, layer_types: list[str], num_heads: int, head_dim: int, num_kv_heads: int,
+            source: str) -> list["LayerConfig"]:
+    """Each layer's head dim, KV heads and RoPE: the defaults, per_layer_config's overrides (or transformers'
+    fallback: full layers take global_head_dim and the global KV heads if given), each checked."""
+    rope_params = text.get("rope_parameters") or _DEFAULT_ROPE
+    ropes = {t: _parse_rope(rope_params.get(t), t, source) for t in set(layer_types)}
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:
+        override = {"head_dim": text.get("global_head_dim", _DEFAULT_GLOBAL_HEAD_DIM)}
+        if text.get("num_global_key_value_heads") is not None:
+            override["num_key_value_heads"] = text["num_global_key_value_heads"]
+        per_layer = {str(i): override for i, t in enumerate(layer_types) if t == FULL}
+    if not isinstance(per_layer, dict):
+        raise ConfigError(f"{source}: text_config.per_layer_config must be an object keyed by layer index")
+    layers = []
+    for i, t in enumerate(layer_types):
+        over = per_layer.get(str(i), per_layer.get(i, {})) or {}
+        unknown = set(over) - _PER_LAYER_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{source}: text_config.per_layer_config[{i}] overrides {sorted(unknown)}; "
+                f"only {sorted(_PER_LAYER_KEYS)} are supported"
+            )
+        hd = over.get("head_dim", head_dim)
+        kvh = over.get("num_key_value_heads", num_kv_heads)
+        if num_heads % kvh:
+            raise ConfigError(
+                f"{source}: layer {i}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={kvh}"
+            )
+        rope = ropes[t]
+        rotary = int(rope.partial_rotary_factor * hd // 2) if rope.rope_type == "proportional" else hd // 2
+        if hd % 2 or rotary > hd // 2:
+            raise ConfigError(f"{source}: layer {i}: head_dim={hd} cannot carry its RoPE ({rope})")
+        layers.append(LayerConfig(index=i, layer_type=t, head_dim=hd, num_kv_heads=kvh, rope=rope))
+    return layers
 
 
 def _parse_rope(params, layer_type: str, source: str) -> RopeConfig:
