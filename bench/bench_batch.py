@@ -40,7 +40,7 @@ import torch
 from bench.balanced_routing import KINDS
 from bench.bench_e2e import fixed_steps
 from bench.fixtures import logit_profile
-from bench.runner import dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
+from bench.runner import call_times, dumper, log, result_header, run_kinds, shapes, sync, with_fixtures
 from bench.sampler_round import section_round, section_sampler
 from diffgemma.batch import generate_batch
 from diffgemma.generation import generate
@@ -55,15 +55,7 @@ def median(xs):
 
 
 def timed(dev, fn, reps):
-    out = []
-    for i in range(reps + 2):
-        sync(dev)
-        t = time.perf_counter()
-        fn()
-        sync(dev)
-        if i >= 2:
-            out.append((time.perf_counter() - t) * 1e3)
-    return median(out)
+    return median(call_times(dev, fn, reps))
 
 
 def lanes(eng, cfg, B, ctx, seed=0):

@@ -33,6 +33,19 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def call_times(dev, fn, reps: int) -> list[float]:
+    """ms of each of `reps` synchronised calls after two warm-up calls."""
+    out = []
+    for i in range(reps + 2):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        if i >= 2:
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def shapes(tiny: bool) -> tuple[ModelConfig, torch.device]:
     """The full-size architecture on CUDA, or (tiny) the demo model's shapes on the CPU with a 4096-token vocabulary,
     two layers and a canvas of 8: a dry run of a bench's code."""

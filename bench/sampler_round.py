@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.runner import sync
+from bench.runner import call_times
 from diffgemma.sampling.accept import accept_mask, accept_masks
 from diffgemma.sampling.schedule import temperature_value
 from diffgemma.sampling.self_condition import SparsePlan
@@ -31,19 +31,6 @@ BOUND = 0.1  # GenerationSettings.entropy_bound's default
 
 def p50(xs) -> float:
     return round(statistics.median(xs), 3)
-
-
-def call_times(dev, fn, reps: int) -> list[float]:
-    """ms of each of `reps` synchronised calls after two warm-up calls."""
-    out = []
-    for i in range(reps + 2):
-        sync(dev)
-        t = time.perf_counter()
-        fn()
-        sync(dev)
-        if i >= 2:
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 class ForwardStamps:
