@@ -81,7 +81,13 @@ def detect(directory: Path) -> HubScheme | None:
     if not isinstance(qc, dict):
         raise _refuse(directory / "config.json", f"config {qc!r}")
     method = str(qc.get("quant_method", "")).lower()
-    where = directory / ("hf_quant_config.json" if method == "modelopt" and modelopt else "config.json")
+    return scheme_of(qc, directory / ("hf_quant_config.json" if method == "modelopt" and modelopt else "config.json"))
+
+
+def scheme_of(qc: dict, where) -> HubScheme:
+    """The HubScheme of one `quantization_config` (ModelOpt's: {"quant_method": "modelopt", ...its file}); `where`
+    names the file in the refusal."""
+    method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
     if method == "modelopt":

@@ -31,7 +31,7 @@ import torch
 from ..errors import TensorError
 from . import codecs
 from ..ops.packed_weight import nvfp4e_decode
-from .codecs import pack_nibbles
+from ..ops.layouts import pack_nibbles, record_planes
 
 
 def _need(cond: bool, what: str):
@@ -61,14 +61,14 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, mul: float, div: fl
     _need(packed.dtype == torch.uint8 and scale.shape == (n, half * 2 // 16),
           f"nvfp4 weight {packed.dtype} {list(packed.shape)} / scale {list(scale.shape)}: expected uint8 [N, K/2] "
           "and e4m3 [N, K/16]")
-    pair = torch.tensor([[mul, div]], dtype=torch.float32).expand(n, 2)
+    pair = torch.tensor([[mul, div]], dtype=torch.float32, device=packed.device).expand(n, 2)
     return nvfp4e_decode(packed, as_uint8(scale), pair)
 
 
 def unpack_int4_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int32 [R, W] with 8 nibbles a word (element i at bits 4i) -> uint8 [R, cols] unsigned nibbles."""
     w = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=w.device)
     q = ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)
     _need(q.shape[1] >= cols, f"int4 packed tensor holds {q.shape[1]} values a row, expected {cols}")
     return q[:, :cols].to(torch.uint8)
@@ -87,7 +87,7 @@ def ct_int4_codes(packed, scale, zero_point, shape, group: int):
     _need(tuple(scale.shape) == (n, g), f"int4 scale {list(scale.shape)}: expected [{n}, {g}] for group {group}")
     codes = unpack_int4_rows(packed, k)
     if zero_point is None:
-        zero = torch.full((n, g), 8.0)
+        zero = torch.full((n, g), 8.0, device=codes.device)
     else:
         zp = unpack_int4_rows(zero_point.t().contiguous(), n).t()  # packed along N
         zero = zp.float()  # stored zp + 8
@@ -130,9 +130,15 @@ class Inexact:
 
 
 def nvfp4e_record(experts, shape, note: Inexact) -> memoryview:
-    """codecs' nvfp4e record of an expert stack: `experts` lists, per expert, its parts (gate, up or down) stacked
-    row-wise, each (packed uint8 [n, K/2], e4m3 scale uint8-viewable [n, K/16], mul, div) as _nvfp4 gives them.
-    Each expert keeps its (mul, div); see the module docstring for parts that differ."""
+    """nvfp4e_tensor's record as host bytes."""
+    return _host(nvfp4e_tensor(experts, shape, note))
+
+
+def nvfp4e_tensor(experts, shape, note: Inexact) -> torch.Tensor:
+    """codecs' nvfp4e record of an expert stack, a uint8 tensor on the parts' device: `experts` lists, per expert,
+    its parts (gate, up or down) stacked row-wise, each (packed uint8 [n, K/2], e4m3 scale uint8-viewable [n, K/16],
+    mul, div) as _nvfp4 gives them. Each expert keeps its (mul, div); see the module docstring for parts that
+    differ."""
     codes, scales, pairs = [], [], []
     for parts in experts:
         mul, div = max(((float(m), float(d)) for _, _, m, d in parts), key=lambda md: md[0] / md[1])
@@ -149,14 +155,19 @@ def nvfp4e_record(experts, shape, note: Inexact) -> memoryview:
         pairs.append((mul, div))
     escale = torch.tensor(pairs, dtype=torch.float32)
     note.add(torch.tensor(pairs, dtype=torch.float64), escale.double())  # f32 values given: exact
-    planes = {"codes": torch.cat(codes).numpy(), "scale": torch.cat(scales).numpy(),
-              "escale": escale.view(torch.uint8).numpy()}
-    return memoryview(codecs.assemble("nvfp4e", shape, planes))
+    return _assemble("nvfp4e", shape, {"codes": torch.cat(codes), "scale": torch.cat(scales),
+                                       "escale": escale.to(codes[0].device).view(torch.uint8)})
 
 
 def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:
-    """codecs' q4 record from int4 parts (codes uint8 [n, K] 0..15, scale f32 [n, K/g], zero f32 [n, K/g])
-    stacked row-wise; each group of g becomes g/32 q4 groups (scale, min = -zero · scale) in float16."""
+    """q4_tensor's record as host bytes."""
+    return _host(q4_tensor(parts, shape, group, note))
+
+
+def q4_tensor(parts, shape, group: int, note: Inexact) -> torch.Tensor:
+    """codecs' q4 record, a uint8 tensor on the parts' device, from int4 parts (codes uint8 [n, K] 0..15, scale f32
+    [n, K/g], zero f32 [n, K/g]) stacked row-wise; each group of g becomes g/32 q4 groups (scale, min = -zero ·
+    scale) in float16."""
     _need(group % codecs.GROUP["q4"] == 0, f"int4 group size {group} does not split into q4's groups of 32")
     rep, q4_groups = group // codecs.GROUP["q4"], shape[-1] // codecs.GROUP["q4"]
     codes = torch.cat([c for c, _, _ in parts])
@@ -165,10 +176,22 @@ def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:
     s16, m16 = scale.to(torch.float16), mn.to(torch.float16)
     note.add(scale, s16.double())
     note.add(mn, m16.double())
-    planes = {"codes": pack_nibbles(codes).numpy(),
-              "scale": s16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8).numpy(),
-              "min": m16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8).numpy()}
-    return memoryview(codecs.assemble("q4", shape, planes))
+    return _assemble("q4", shape, {"codes": pack_nibbles(codes),
+                                   "scale": s16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8),
+                                   "min": m16.repeat_interleave(rep, 1)[:, :q4_groups].contiguous().view(torch.uint8)})
+
+
+def _assemble(fmt: str, shape, parts: dict) -> torch.Tensor:
+    """A whole record (padding zero) on the parts' device, each plane's rows copied in (ops/layouts.record_planes)."""
+    first = next(iter(parts.values()))
+    rec = torch.zeros(codecs.record_nbytes(fmt, shape), dtype=torch.uint8, device=first.device)
+    for name, view in record_planes(fmt, shape, rec).items():
+        view.copy_(parts[name].reshape(view.shape))
+    return rec
+
+
+def _host(rec: torch.Tensor) -> memoryview:
+    return memoryview(rec.cpu().numpy())
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,11 @@ pulls tensors as from any other source:
                    keep quantized
   kind(name)       for expert stacks whose format the engine's 4-bit kernels hold: "nvfp4e" or "q4"; else "raw"
   record(name)     that stack's codecs record, converted at load from the published bytes (never through bf16)
+  convert(name, device)  the same record as a uint8 tensor, converted on `device`
+
+The published tensors come from the checkpoint's safetensors files, or from any store with the same names, shapes
+and dtypes (`raw`: keys / shape / dtype / get / file_of / nbytes / close), e.g. one that makes them in memory;
+`convert_device` is where they are read to and converted (the host unless given).
   fp8_weight(name) an FP8 tensor as ops.fp8_weight.Fp8Weight (e4m3 values + f32 per-row scales), for the FP8 engine
 
 Per-expert checkpoints (`layers.L.experts.E.{gate,up,down}_proj`, as llmcompressor writes them) are stacked to the
@@ -83,10 +88,11 @@ def fp8_weight(source, name: str, device="cpu") -> Fp8Weight | None:
 
 
 class HubSource:
-    def __init__(self, directory, scheme: HubScheme, cfg):
+    def __init__(self, directory, scheme: HubScheme, cfg, raw=None, convert_device="cpu"):
         self.path = Path(directory)
         self.scheme = scheme
-        self.raw = _Aliased(SafetensorsSource(self.path))
+        self.raw = _Aliased(SafetensorsSource(self.path) if raw is None else raw)
+        self.convert_device = torch.device(convert_device)
         self._raw_keys = self.raw.keys()
         self._expected = expected_tensors(cfg)
         self._plans: dict[str, tuple] = {}
@@ -195,7 +201,7 @@ class HubSource:
 
     def record(self, name: str) -> memoryview:
         if name not in self._records:
-            self._records[name] = self._convert(name)
+            self._records[name] = memoryview(self.convert(name).cpu().numpy())
         return self._records.pop(name)
 
     def close(self) -> None:
@@ -211,14 +217,14 @@ class HubSource:
 
     # ------------------------------------------------------------------------------ one linear
     def _t(self, mod: str, suffix: str) -> torch.Tensor:
-        return self.raw.get(f"{mod}.{suffix}")
+        return self.raw.get(f"{mod}.{suffix}", device=self.convert_device)
 
     def _linear_shape(self, mod: str) -> tuple[int, int]:
         kind = self._module_kind(mod)
         if kind in ("raw", "fp8"):
             return tuple(self.raw.shape(f"{mod}.weight"))
         if kind == "ct-int4":
-            return tuple(int(v) for v in self._t(mod, "weight_shape").tolist())
+            return tuple(int(v) for v in self.raw.get(f"{mod}.weight_shape").tolist())
         if kind == "gptq":
             kw, n = self.raw.shape(f"{mod}.qweight")
             return (n, kw * 8)
@@ -231,7 +237,8 @@ class HubSource:
         if self._module_kind(mod) == "ct-int4":
             zp = f"{mod}.weight_zero_point"
             return hc.ct_int4_codes(self._t(mod, "weight_packed"), self._t(mod, "weight_scale"),
-                                    self.raw.get(zp) if zp in self._raw_keys else None, self._linear_shape(mod), g)
+                                    self._t(mod, "weight_zero_point") if zp in self._raw_keys else None,
+                                    self._linear_shape(mod), g)
         return hc.gptq_int4_codes(self._t(mod, "qweight"), self._t(mod, "qzeros"), self._t(mod, "scales"), g,
                                   zero_offset=self.scheme.zero_offset)
 
@@ -301,15 +308,21 @@ class HubSource:
                               f"([{e}, {n}]), per expert or per tensor")
         raise TensorError(f"{self.raw.file_of(name)}: fp8 tensor {name!r} has no {name}_scale beside it")
 
-    def _convert(self, name: str) -> memoryview:
+    def convert(self, name: str, device=None) -> torch.Tensor:
+        """The codecs record of expert stack `name` (kind() "nvfp4e" / "q4"), converted on `convert_device` from the
+        published tensors, as a uint8 tensor on `device` (default: where it was made)."""
+        rec = self._convert(name)
+        return rec if device is None else rec.to(device)
+
+    def _convert(self, name: str) -> torch.Tensor:
         kind, what = self._plan_of(name)
         fmt = self.kind(name)
         note = hc.Inexact()
         mods = [m for row in what for m in row]
         if fmt == "nvfp4e":
-            rec = hc.nvfp4e_record([[self._nvfp4(m) for m in row] for row in what], self.shape(name), note)
+            rec = hc.nvfp4e_tensor([[self._nvfp4(m) for m in row] for row in what], self.shape(name), note)
         elif fmt == "q4":
-            rec = hc.q4_record([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
+            rec = hc.q4_tensor([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
         else:
             raise CheckpointError(f"{self.path}: {name!r} has no packed form for the engine")
         if not self.notes:
