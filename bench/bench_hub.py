@@ -1,188 +1,215 @@
-"""Published quantized checkpoints at full size (docs/FORMATS.md): write one with random weights in a hub layout,
-load it as a user would (`diffgemma.load(DIR, device="cuda")`), and time the step at 1k context and the memory at 8k
-context beside diffgemma's own q4 pack (bench.fixtures.RandomPackSource, experts q4, SC q8) in the same run.
+"""The hub's 4-bit checkpoints at full size (docs/FORMATS.md, issue 52): each layout's engine beside diffgemma's own q4
+pack (bench.fixtures.RandomPackSource: q4 experts, q8 SC MLP) in the same run, one engine at a time.
 
-    PYTHONPATH=src python3 -m bench.bench_hub --layout modelopt-nvfp4 --dir /tmp/hub --json $OUT/hub.json
+    PYTHONPATH=src:. timeout 600 python3 -m bench.bench_hub --json $OUT/hub.json
 
-Layouts: modelopt-nvfp4 (experts only, per-expert weight_scale_2 that differ, as published), autoround-int4 (GPTQ
-qweight/qzeros/scales, group 128, symmetric; the experts, attention and dense MLP), ct-fp8 (compressed-tensors
-FP8, per-channel bf16 scales: until the FP8 engine consumes Fp8Weight it runs dequantized to bf16). The expert
-codes are uniform random; the scales are chosen so the weights have std ~0.02 (bench/fixtures.py).
+Per engine: the build time and the weights' GiB; the denoise step at 1k context as generate runs it (CUDA-graphed,
+inputs staged before the replay, bench/bench_engine.generate_forward), median of --reps; the batched forward at
+B=8 (denoise_batch_raw, 1k-token lanes); the peak allocated GiB of an 8k session (an 8k-token cache, the prompt
+prefilled, one graphed step). Then each layout's step ratio and memory delta against q4 (the issue's bars: <= 1.1x,
+<= 1 GiB).
+
+Layouts (bench/hub_fixtures.py; --layouts): int4 (compressed-tensors W4A16, the engine's q4 records), modelopt-nvfp4
+(ModelOpt NVFP4, the engine's nvfp4e records) by default; gptq-int4 and nvfp4 (compressed-tensors) convert to the
+same records. By default each is built in memory through the loader's own HubSource (no file; the conversion runs on
+the GPU); --write DIR writes each as a checkpoint there and loads it with diffgemma.load instead (15-27 GB each).
+Routing is balanced (bench/balanced_routing.py) unless --routing model. --tiny: a CPU dry run at the demo's shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import math
 import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from bench.bench_engine import CANVAS, TEXT, time_cuda
-from bench.fixtures import RandomPackSource, RandomSource
-from diffgemma.checkpoint import expected_tensors
-from diffgemma.config import ModelConfig
-from diffgemma.model.engine import build_engine
+from bench import hub_fixtures
+from bench.balanced_routing import KINDS, routing
+from bench.bench_engine import generate_forward, time_cuda
+from bench.runner import build as build_q4, call_times, dumper, log, shapes, sync
+from diffgemma.quant.hub_source import describe_formats
 
 GiB = 2**30
-SHARD = 4 * GiB
-LAYOUTS = ("modelopt-nvfp4", "autoround-int4", "ct-fp8")
-DEV = "cuda"
+DEFAULT_LAYOUTS = ("int4", "modelopt-nvfp4")
+STEP_CTX, BATCH, SESSION_CTX = 1024, 8, 8192
+TINY_SIZES = (32, 2, 128)  # --tiny: the step's context, the batch, the session's context
 
 
-def log(*a):
-    print(*a, flush=True)
+def _canvas(eng, cfg, gen):
+    dev, V, C = eng.device, cfg.vocab_size, cfg.canvas_length
+    return torch.randint(0, V, (C,), generator=gen).to(dev), eng.embed(torch.randint(0, V, (C,), generator=gen).to(dev))
 
 
-def _linear_tensors(layout: str, mod: str, n: int, k: int, gen, std=0.02) -> dict:
-    dev = DEV
-
-    def rbytes(shape, lo=0, hi=256):
-        return torch.randint(lo, hi, shape, generator=gen, device=dev, dtype=torch.int32).to(torch.uint8)
-
-    if layout == "modelopt-nvfp4":
-        t2 = std / 2.93 * (1 + 0.1 * torch.rand((), generator=gen, device=dev))
-        return {f"{mod}.weight": rbytes((n, k // 2)), f"{mod}.weight_scale": rbytes((n, k // 16), 0x30, 0x41).view(
-            torch.float8_e4m3fn), f"{mod}.weight_scale_2": t2.float(), f"{mod}.input_scale": torch.ones((), device=dev)}
-    if layout == "autoround-int4":
-        g = -(-k // 128)  # groups of 128 along K, the last one partial where K is not a multiple (704)
-        return {f"{mod}.qweight": torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, device=dev,
-                                                dtype=torch.int64).to(torch.int32),
-                f"{mod}.qzeros": torch.full((g, n // 8), 0x77777777, dtype=torch.int32, device=dev),
-                f"{mod}.scales": (std * math.sqrt(12) / 16 * (0.75 + 0.5 * torch.rand((g, n), generator=gen,
-                                                                                        device=dev))).half()}
-    w = torch.randn((n, k), generator=gen, device=dev) * std
-    s = (w.abs().amax(-1, keepdim=True) / 448).to(torch.bfloat16)
-    return {f"{mod}.weight": (w / s.float()).clamp(-448, 448).to(torch.float8_e4m3fn), f"{mod}.weight_scale": s}
+def _cache(eng, cfg, ctx, gen):
+    cache = eng.new_cache(ctx + 2 * cfg.canvas_length)
+    eng.prefill(cache, torch.randint(0, cfg.vocab_size, (ctx,), generator=gen).to(eng.device))
+    return cache
 
 
-def write_checkpoint(layout: str, directory: Path, cfg: ModelConfig, text: dict = TEXT) -> float:
-    """A full-size random checkpoint in `layout` at `directory` -> seconds taken."""
-    t0 = time.time()
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    src = RandomSource(cfg, DEV, torch.bfloat16, seed=1)
-    gen = torch.Generator(device=DEV)
-    gen.manual_seed(2)
-    shard, size, files, index = {}, 0, [], {}
-
-    def put(name, t):
-        nonlocal shard, size
-        shard[name] = t.cpu().contiguous()
-        size += t.numel() * t.element_size()
-        if size > SHARD:
-            flush()
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            fname = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(directory / fname), metadata={"format": "pt"})
-            files.append(fname)
-            index.update({k: fname for k in shard})
-            shard, size = {}, 0
-
-    quantized_linears = layout != "modelopt-nvfp4"  # ModelOpt's published recipe quantizes the experts only
-    for name, shape in expected_tensors(cfg).items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            e, rows, k = shape
-            base = name.rsplit(".", 1)[0]
-            parts = (("gate_proj", rows // 2), ("up_proj", rows // 2)) if "gate_up" in name else (("down_proj", rows),)
-            for i in range(e):
-                for proj, n in parts:
-                    for key, t in _linear_tensors(layout, f"{base}.{i}.{proj}", n, k, gen).items():
-                        put(key, t)
-        elif quantized_linears and (".self_attn." in name or ".mlp." in name) and name.endswith("_proj.weight"):
-            n, k = shape
-            for key, t in _linear_tensors(layout, name[:-len(".weight")], n, k, gen).items():
-                put(key, t)
-        else:
-            put(name, src.get(name))
-    flush()
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    qc = {"modelopt-nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
-          "autoround-int4": {"quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": True,
-                             "packing_format": "auto_round:auto_gptq"},
-          "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
-              "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}}[layout]
-    (directory / "config.json").write_text(json.dumps({"model_type": "diffusion_gemma", "canvas_length": CANVAS,
-                                                       "text_config": text, "quantization_config": qc}))
-    return time.time() - t0
+def _ms(dev, fn, reps, setup=None) -> list[float]:
+    if dev.type == "cuda":
+        return time_cuda(fn, reps=reps, warmup=2, setup=setup)
+    return call_times(dev, lambda: (setup and setup(), fn()), reps)
 
 
-def step_and_memory(eng, cfg, reps: int) -> dict:
-    """Median ms of the graphed denoise at 1k context; GPU memory allocated with an 8k context prefilled."""
-    V = cfg.vocab_size
-    cache = eng.new_cache(1024)
-    eng.prefill(cache, torch.randint(0, V, (1024,), device="cuda"))
-    ids = torch.randint(0, V, (CANVAS,), device="cuda")
-    eng.denoise(cache, ids)  # capture
-    t = time_cuda(lambda: eng.denoise(cache, ids), reps=reps, warmup=3)
-    out = {"denoise_1k_ms": statistics.median(t), "denoise_1k_min_ms": min(t), "graph_error": eng.graph_error}
-    del cache
-    eng.clear_graphs()
-    gc.collect()
-    torch.cuda.empty_cache()
-    c8 = eng.new_cache(8192)
-    eng.prefill(c8, torch.randint(0, V, (8192 - CANVAS,), device="cuda"))
-    eng.denoise(c8, ids)
-    torch.cuda.synchronize()
-    out["mem_8k_allocated_gib"] = torch.cuda.memory_allocated() / GiB
-    out["mem_8k_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-    del c8
+def step(eng, cfg, ctx, reps) -> dict:
+    """The denoise step over a `ctx`-token cache, as generate calls it: the sparse-SC embedding in, staged."""
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache(eng, cfg, ctx, gen)
+    ids, emb = _canvas(eng, cfg, gen)
+    fwd = generate_forward(eng)
+    fwd(cache, ids, sc_embeds=emb)  # capture
+    stage = getattr(eng, "stage_denoise", None)
+    t = _ms(eng.device, lambda: fwd(cache, ids, sc_embeds=emb), reps,
+            setup=(lambda: stage(cache, ids, sc_embeds=emb)) if stage is not None else None)
+    out = {"ms": round(statistics.median(t), 4), "min_ms": round(min(t), 4), "graph_error": eng.graph_error}
     eng.clear_graphs()
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", choices=LAYOUTS, default="modelopt-nvfp4")
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/diffgemma-hub-bench"))
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
-    import diffgemma
+def batched(eng, cfg, B, ctx, reps) -> dict:
+    """The batched forward of B lanes over `ctx`-token caches (denoise_batch_raw), median ms and canvas rows/s."""
+    gen = torch.Generator().manual_seed(2)
+    caches = [_cache(eng, cfg, ctx, gen) for _ in range(B)]
+    lanes = [_canvas(eng, cfg, gen) for _ in range(B)]
+    ms = statistics.median(call_times(eng.device, lambda: eng.denoise_batch_raw(
+        caches, [c for c, _ in lanes], sc_embeds=[e for _, e in lanes]), reps))
+    eng.clear_graphs()
+    return {"B": B, "ms": round(ms, 4), "rows_s": round(B * cfg.canvas_length / ms * 1e3, 1)}
 
-    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layout": args.layout}
-    res["write_s"] = write_checkpoint(args.layout, args.dir, cfg)
-    res["checkpoint_gb"] = sum(p.stat().st_size for p in args.dir.glob("*.safetensors")) / 1e9
-    log(f"[{args.layout}] wrote {res['checkpoint_gb']:.2f} GB in {res['write_s']:.0f}s")
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.time()
-    eng = diffgemma.load(args.dir, device="cuda")
-    torch.cuda.synchronize()
-    res["load_s"] = time.time() - t0
-    res["weights_gib"] = torch.cuda.memory_allocated() / GiB
-    res["formats"] = getattr(eng, "weight_formats", None)
-    log(f"[{args.layout}] loaded in {res['load_s']:.0f}s, {res['weights_gib']:.2f} GiB: {res['formats']}")
-    res["hub"] = step_and_memory(eng, cfg, args.reps)
-    log(f"[{args.layout}] {res['hub']}")
-    del eng
+
+def session_memory(eng, cfg, ctx) -> dict:
+    """Peak allocated GiB over an 8k session: the cache made, the prompt (ctx - canvas) prefilled, a step captured
+    and replayed; and what stays allocated after."""
+    dev = eng.device
+    if dev.type != "cuda":
+        return {"skipped": "cpu"}
+    eng.clear_graphs()
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    q4 = build_engine(cfg, RandomPackSource(cfg, "cuda", torch.bfloat16, seed=0, experts="q4", sc="q8"), "cuda",
-                      torch.bfloat16)
-    res["q4_pack"] = step_and_memory(q4, cfg, args.reps)
-    log(f"[q4 pack] {res['q4_pack']}")
-    h, q = res["hub"], res["q4_pack"]
-    res["step_ratio"] = h["denoise_1k_ms"] / q["denoise_1k_ms"]
-    res["mem_8k_delta_gib"] = h["mem_8k_allocated_gib"] - q["mem_8k_allocated_gib"]
-    log(f"\n| {args.layout} vs q4 pack | step at 1k ms | memory at 8k GiB |\n|---|---|---|\n"
-        f"| {args.layout} | {h['denoise_1k_ms']:.3f} | {h['mem_8k_allocated_gib']:.2f} |\n"
-        f"| q4 pack | {q['denoise_1k_ms']:.3f} | {q['mem_8k_allocated_gib']:.2f} |\n"
-        f"| ratio / delta (bars: <= 1.1x, <= 1 GiB) | {res['step_ratio']:.3f}x | {res['mem_8k_delta_gib']:+.2f} |")
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
-    shutil.rmtree(args.dir, ignore_errors=True)
+    torch.cuda.reset_peak_memory_stats(dev)
+    gen = torch.Generator().manual_seed(3)
+    cache = _cache(eng, cfg, ctx - cfg.canvas_length, gen)
+    ids, emb = _canvas(eng, cfg, gen)
+    fwd = generate_forward(eng)
+    fwd(cache, ids, sc_embeds=emb)
+    fwd(cache, ids, sc_embeds=emb)
+    sync(dev)
+    out = {"ctx": ctx, "peak_gib": round(torch.cuda.max_memory_allocated(dev) / GiB, 3),
+           "allocated_gib": round(torch.cuda.memory_allocated(dev) / GiB, 3)}
+    del cache
+    eng.clear_graphs()
+    return out
+
+
+def build(kind, cfg, dev, tiny, write_dir: Path | None):
+    """(engine, its weights' formats) for "q4" (bench/runner.build) or a hub layout: in memory, or written under
+    write_dir and loaded as a user would."""
+    dtype = torch.float32 if tiny else torch.bfloat16
+    kw = {"kv_dtype": torch.float32} if tiny else {}
+    if kind == "q4":
+        return build_q4("q4", cfg, dev, tiny), "experts=q4, sc=q8"
+    if write_dir is None:
+        eng, src = hub_fixtures.build(cfg, kind, dev, dtype, **kw)
+        return eng, describe_formats(src, eng, dtype)
+    import diffgemma
+
+    directory = write_dir / kind
+    shutil.rmtree(directory, ignore_errors=True)
+    hub_fixtures.write(hub_fixtures.HubTensors(cfg, kind, dev), directory)
+    eng = diffgemma.load(directory, device=dev, dtype=dtype)
+    return eng, getattr(eng, "weight_formats", None)
+
+
+def measure(kind, cfg, dev, a, res, dump) -> None:
+    ctx, B, session = TINY_SIZES if a.tiny else (STEP_CTX, BATCH, SESSION_CTX)
+    t = time.time()
+    with routing(a.routing):
+        eng, formats = build(kind, cfg, dev, a.tiny, a.write)
+        sync(dev)
+        r = res[kind] = {"build_s": round(time.time() - t, 1), "formats": formats}
+        if dev.type == "cuda":
+            r["weights_gib"] = round(torch.cuda.memory_allocated(dev) / GiB, 3)
+        log(f"[{kind}] built in {r['build_s']}s: {formats}, {r.get('weights_gib', '-')} GiB")
+        for name, fn in (("step_1k", lambda: step(eng, cfg, ctx, a.reps)),
+                         ("batch8_1k", lambda: batched(eng, cfg, B, ctx, max(3, a.reps // 4))),
+                         ("session_8k", lambda: session_memory(eng, cfg, session))):
+            if name == "batch8_1k" and a.no_batch:
+                continue
+            t = time.time()
+            r[name] = fn()
+            log(f"[{kind} {name}] {r[name]} ({time.time() - t:.1f}s)")
+            dump()
+    del eng
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ratios(res: dict, layouts) -> dict:
+    """Each layout against q4: step ratio (bar <= 1.1), 8k peak delta GiB (bar <= 1), batched ratio."""
+    q = res["q4"]
+    out = {}
+    for kind in layouts:
+        h = res.get(kind, {})
+        row = {}
+        if "step_1k" in h:
+            row["step_ratio"] = round(h["step_1k"]["ms"] / q["step_1k"]["ms"], 4)
+        if "batch8_1k" in h and "batch8_1k" in q:
+            row["batch8_ratio"] = round(h["batch8_1k"]["ms"] / q["batch8_1k"]["ms"], 4)
+        if "peak_gib" in h.get("session_8k", {}):
+            row["mem_8k_delta_gib"] = round(h["session_8k"]["peak_gib"] - q["session_8k"]["peak_gib"], 3)
+        row["within_bars"] = (row.get("step_ratio", 99) <= 1.1 and abs(row.get("mem_8k_delta_gib", 0)) <= 1.0)
+        out[kind] = row
+    return out
+
+
+def table(res: dict, layouts) -> str:
+    lines = ["| engine | step at 1k ms (x q4) | B=8 forward ms (x q4) | 8k session peak GiB (vs q4) |",
+             "|---|---|---|---|"]
+    for kind in ("q4", *layouts):
+        r, x = res.get(kind, {}), res["ratios"].get(kind, {})
+        s, b, m = r.get("step_1k", {}), r.get("batch8_1k", {}), r.get("session_8k", {})
+        lines.append(f"| {kind} | {s.get('ms', '-')} ({x.get('step_ratio', '-')}) | {b.get('ms', '-')} "
+                     f"({x.get('batch8_ratio', '-')}) | {m.get('peak_gib', '-')} ({x.get('mem_8k_delta_gib', '-')}) |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                    help=f"comma list of {sorted(hub_fixtures.LAYOUTS)}")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--routing", default="balanced", choices=KINDS)
+    ap.add_argument("--no-batch", action="store_true", help="skip the B=8 batched forward")
+    ap.add_argument("--write", type=Path, default=None, metavar="DIR",
+                    help="write each layout as a checkpoint under DIR and load it (instead of building in memory)")
+    ap.add_argument("--tiny", action="store_true", help="a CPU dry run at the demo model's shapes")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    layouts = [x for x in a.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in hub_fixtures.LAYOUTS]
+    if bad or not layouts:
+        ap.error(f"--layouts {a.layouts!r}: expected a comma list of {sorted(hub_fixtures.LAYOUTS)}")
+    cfg, dev = shapes(a.tiny)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "routing": a.routing, "reps": a.reps, "tiny": a.tiny, "source": "written" if a.write else "in-memory",
+           "layouts": layouts}
+    dump = dumper(res, a.json)
+    t0 = time.time()
+    for kind in ("q4", *layouts):
+        measure(kind, cfg, dev, a, res, dump)
+    res["ratios"] = ratios(res, layouts)
+    res["total_s"] = round(time.time() - t0, 1)
+    dump()
+    log("\n" + table(res, layouts) + f"\n(bars: step <= 1.1x q4, 8k peak within 1 GiB; {res['total_s']}s in all)")
+    if a.write:
+        shutil.rmtree(a.write, ignore_errors=True)
+    return res
 
 
 if __name__ == "__main__":

@@ -169,8 +169,8 @@ class HubTensors:
             return ints(0x30, 0x41).to(torch.uint8).view(torch.float8_e4m3fn)  # block scales 0.5 .. 2.0
         if suffix in ("weight_scale", "scales"):
             return (self.std * math.sqrt(12) / 16 * jitter()).to(dt)
-        if suffix == "weight_shape":
-            return torch.tensor([n, k], dtype=torch.int64, device=dev)
+        if suffix == "weight_shape":  # metadata: made on the host, where the loader reads it
+            return torch.tensor([n, k], dtype=torch.int64)
         if suffix == "qzeros":
             return torch.full(shape, 0x77777777, dtype=torch.int32, device=dev)  # zero 7 + 1 (v1 packing): 8
         if suffix in ("input_global_scale", "input_scale"):
@@ -197,14 +197,17 @@ def hub_source(cfg: ModelConfig, layout: str, device="cpu", seed: int = 1, std: 
     return InMemoryHub(tensors.where, scheme, cfg, raw=tensors, convert_device=device)
 
 
-def build(cfg: ModelConfig, layout: str, device="cuda", dtype=torch.bfloat16, seed: int = 1):
-    """A full engine on `device` whose weights are a `layout` checkpoint's, as the loader converts them."""
-    return build_engine(cfg, hub_source(cfg, layout, device, seed), device, dtype)
+def build(cfg: ModelConfig, layout: str, device="cuda", dtype=torch.bfloat16, seed: int = 1, **kw):
+    """(engine, its InMemoryHub): a fast engine on `device` whose weights are a `layout` checkpoint's, as the loader
+    converts them; kw: build_engine's."""
+    src = hub_source(cfg, layout, device, seed)
+    return build_engine(cfg, src, device, dtype, **kw), src
 
 
-def write(tensors: HubTensors, directory: Path, text_config: dict, shard_bytes: int = 4 * 2**30) -> None:
+def write(tensors: HubTensors, directory: Path, shard_bytes: int = 4 * 2**30) -> None:
     """Every tensor of `tensors` into safetensors shards under `directory` (a fresh one), with an index and a
-    config.json holding `text_config` and the layout's quantization_config: a checkpoint the loader opens."""
+    config.json holding the config's text_config and the layout's quantization_config: a checkpoint the loader
+    opens."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -228,5 +231,5 @@ def write(tensors: HubTensors, directory: Path, text_config: dict, shard_bytes: 
     flush()
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (directory / "config.json").write_text(json.dumps({
-        "model_type": "diffusion_gemma", "canvas_length": tensors.cfg.canvas_length, "text_config": text_config,
+        "model_type": "diffusion_gemma", "canvas_length": tensors.cfg.canvas_length, "text_config": tensors.cfg.raw["text_config"],
         "quantization_config": LAYOUTS[tensors.layout][0]}))

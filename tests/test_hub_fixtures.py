@@ -35,7 +35,7 @@ def pair(request, cfg, tmp_path_factory):
     """(layout, the in-memory HubSource, the loader's source over the same tensors written to a directory)."""
     layout = request.param
     directory = tmp_path_factory.mktemp("hub") / layout
-    hf.write(hf.HubTensors(cfg, layout), directory, TEXT, shard_bytes=200_000)  # several shards
+    hf.write(hf.HubTensors(cfg, layout), directory, shard_bytes=200_000)  # several shards
     loaded = diffgemma.loader.open_source(directory)
     assert isinstance(loaded, HubSource) and detect(directory) == loaded.scheme
     return layout, hf.hub_source(cfg, layout), loaded
