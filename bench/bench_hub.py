@@ -9,10 +9,11 @@ B=8 (denoise_batch_raw, 1k-token lanes); the peak allocated GiB of an 8k session
 prefilled, one graphed step). Then each layout's step ratio and memory delta against q4 (the issue's bars: <= 1.1x,
 <= 1 GiB).
 
-Layouts (bench/hub_fixtures.py; --layouts): int4 (compressed-tensors W4A16, the engine's q4 records), modelopt-nvfp4
-(ModelOpt NVFP4, the engine's nvfp4e records) by default; gptq-int4 and nvfp4 (compressed-tensors) convert to the
-same records. By default each is built in memory through the loader's own HubSource (no file; the conversion runs on
-the GPU); --write DIR writes each as a checkpoint there and loads it with diffgemma.load instead (15-27 GB each).
+Layouts (bench/hub_fixtures.py; --layouts): int4 (compressed-tensors W4A16, the engine's q4 records) and
+modelopt-nvfp4 (ModelOpt NVFP4, the engine's nvfp4e records) by default; gptq-int4 and nvfp4 (compressed-tensors)
+convert to the same records; fp8 (compressed-tensors FP8_DYNAMIC, the FP8 engine's) is there for comparison. By
+default each is built in memory through the loader's own HubSource (no file; the conversion runs on the GPU);
+--write DIR writes each as a checkpoint there and loads it with diffgemma.load instead (15-27 GB each).
 Routing is balanced (bench/balanced_routing.py) unless --routing model. --tiny: a CPU dry run at the demo's shapes.
 """
 

@@ -20,6 +20,8 @@ Layouts (LAYOUTS), each as its library writes it (tests/data/hub/ holds tiny one
                   linear
   modelopt-nvfp4  ModelOpt's NVFP4 export of the experts only: weight u8 [N, K/2], weight_scale e4m3 [N, K/16],
                   weight_scale_2 and input_scale f32 []
+  fp8             compressed-tensors FP8_DYNAMIC (llmcompressor): weight e4m3 [N, K], weight_scale bf16 [N, 1];
+                  every decoder linear (not a 4-bit layout: the FP8 engine's, for comparison)
 Routers stay bf16 (both libraries leave them out). Experts are split per expert (`experts.E.{gate,up,down}_proj`);
 an expert's gate and up share its tensor scale, experts differ, as the libraries write them. Codes are uniform
 random; scales make weights of std ~`std` (a uniform random e2m1 code has rms 2.93, a uniform int4 code q - 8 has
@@ -54,13 +56,19 @@ _CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantiz
                           "dynamic": "local"},
     "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}}},
     "ignore": ["re:.*router.*", "lm_head"]}
+_CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+    "ignore": ["re:.*router.*", "lm_head"]}
 LAYOUTS = {  # layout: (quantization_config, which linears are quantized: "all" decoder linears or "experts")
     "int4": (_CT_INT4, "all"),
     "gptq-int4": ({"quant_method": "auto-round", "bits": 4, "group_size": INT4_GROUP, "sym": True,
                    "packing_format": "auto_round:auto_gptq"}, "all"),
     "nvfp4": (_CT_NVFP4, "all"),
     "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "experts"),
+    "fp8": (_CT_FP8, "all"),
 }
+FP8_SPREAD = 64.0  # the e4m3 values' std before the row scale
 _EXPERT_PARTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 _LINEAR_SUFFIXES = ("_proj.weight",)
 
@@ -97,6 +105,7 @@ def _tensor_specs(layout: str, n: int, k: int) -> dict[str, tuple[tuple, torch.d
                   "weight_global_scale": ((1,), torch.float32), "input_global_scale": ((1,), torch.float32)},
         "modelopt-nvfp4": {"weight": ((n, k // 2), torch.uint8), "weight_scale": ((n, k // 16), torch.float8_e4m3fn),
                            "weight_scale_2": ((), torch.float32), "input_scale": ((), torch.float32)},
+        "fp8": {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, 1), torch.bfloat16)},
     }[layout]
 
 
@@ -161,6 +170,10 @@ class HubTensors:
         def jitter():  # each group's or expert's own range, as trained weights have
             return 0.75 + 0.5 * torch.rand(shape, generator=gen, device=dev)
 
+        if self.layout == "fp8":  # e4m3 values of spread FP8_SPREAD, one bf16 scale per row
+            if suffix == "weight":
+                return (torch.randn(shape, generator=gen, device=dev) * FP8_SPREAD).clamp(-448, 448).to(dt)
+            return (self.std / FP8_SPREAD * jitter()).to(dt)
         if suffix in ("weight_packed", "qweight") and dt == torch.int32:
             return ints(-2**31, 2**31).to(torch.int32)
         if suffix in ("weight_packed", "weight"):  # nvfp4 nibbles

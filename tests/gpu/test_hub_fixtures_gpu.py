@@ -1,5 +1,5 @@
 """bench/hub_fixtures.py on CUDA: the bench converts each hub layout on the GPU (HubSource(convert_device="cuda"));
-the loader converts on the host. Both must give the same bytes, so the bench times the records a user's load holds.
+the loader converts on the host. Both must give the same bytes (and, for fp8, the same Fp8Weight), so the bench times the records a user's load holds.
 
 Skips without CUDA. The same host-made tensors converted on each device, at the tiny test's shapes and at the full
 model's expert widths (H 2816, F 704: the down projection's K ends in a partial int4 group of 64); then a tiny
@@ -32,11 +32,20 @@ def test_records_converted_on_cuda_equal_the_hosts(layout, text):
     scheme = scheme_of(hf.LAYOUTS[layout][0], "config.json")
     host = hf.InMemoryHub(tensors.where, scheme, cfg, raw=tensors, convert_device="cpu")
     cuda = hf.InMemoryHub(tensors.where, scheme, cfg, raw=tensors, convert_device="cuda")
-    stacks = [n for n in host.keys() if host.kind(n) in ("q4", "nvfp4e")]
-    assert stacks
-    for name in stacks:
-        got = cuda.record_tensor(name)
-        assert got.is_cuda and torch.equal(got.cpu(), host.record_tensor(name)), name
+    compared = 0
+    for name in sorted(host.keys()):
+        kind = host.kind(name)
+        if kind in ("q4", "nvfp4e"):
+            got = cuda.record_tensor(name)
+            assert got.is_cuda and torch.equal(got.cpu(), host.record_tensor(name)), name
+        elif kind == "fp8":  # the FP8 engine's operands, made on each device
+            got, want = cuda.fp8_weight(name, "cuda"), host.fp8_weight(name)
+            assert torch.equal(got.weight.cpu().view(torch.uint8), want.weight.view(torch.uint8)), name
+            assert torch.equal(got.scale.cpu(), want.scale), name
+        else:
+            continue
+        compared += 1
+    assert compared >= 2 * cfg.num_layers
     for name in ("model.decoder.layers.0.self_attn.q_proj.weight", "model.decoder.layers.1.mlp.down_proj.weight"):
         assert torch.equal(cuda.get(name, torch.float32).cpu(), host.get(name, torch.float32)), name
 
