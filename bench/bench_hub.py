@@ -122,7 +122,7 @@ def build(kind, cfg, dev, tiny, write_dir: Path | None):
     directory = write_dir / kind
     shutil.rmtree(directory, ignore_errors=True)
     hub_fixtures.write(hub_fixtures.HubTensors(cfg, kind, dev), directory)
-    eng = diffgemma.load(directory, device=dev, dtype=dtype)
+    eng = diffgemma.load(directory, device=dev, dtype=dtype, engine="fast")
     return eng, getattr(eng, "weight_formats", None)
 
 
