@@ -15,7 +15,7 @@ the tensor's scale, rounded, then times the e2m1 value, rounded.
   gptq-int4  w = (q - z) · scale                    qweight [K/8, N] packed along K, qzeros [K/g, N/8] along N,
                                                     scales [K/g, N]; q and z unsigned 0..15
 
-Conversions for the fast engine (one record per expert stack):
+Conversions for the fast engine (one record per expert stack, a uint8 tensor made on the parts' device):
   nvfp4 -> codecs' nvfp4e: the nibbles and block scales are the same bytes, and each expert keeps its tensor scale
       as its (multiplier, divisor) pair (ops/layouts.py), so the engine decodes the library's values exactly. Only
       where one expert's parts (gate, up) have different tensor scales do they share the largest, the others'
@@ -129,12 +129,7 @@ class Inexact:
             self.worst = max(self.worst, float((exact - got).abs().max()))
 
 
-def nvfp4e_record(experts, shape, note: Inexact) -> memoryview:
-    """nvfp4e_tensor's record as host bytes."""
-    return _host(nvfp4e_tensor(experts, shape, note))
-
-
-def nvfp4e_tensor(experts, shape, note: Inexact) -> torch.Tensor:
+def nvfp4e_record(experts, shape, note: Inexact) -> torch.Tensor:
     """codecs' nvfp4e record of an expert stack, a uint8 tensor on the parts' device: `experts` lists, per expert,
     its parts (gate, up or down) stacked row-wise, each (packed uint8 [n, K/2], e4m3 scale uint8-viewable [n, K/16],
     mul, div) as _nvfp4 gives them. Each expert keeps its (mul, div); see the module docstring for parts that
@@ -159,12 +154,7 @@ def nvfp4e_tensor(experts, shape, note: Inexact) -> torch.Tensor:
                                        "escale": escale.to(codes[0].device).view(torch.uint8)})
 
 
-def q4_record(parts, shape, group: int, note: Inexact) -> memoryview:
-    """q4_tensor's record as host bytes."""
-    return _host(q4_tensor(parts, shape, group, note))
-
-
-def q4_tensor(parts, shape, group: int, note: Inexact) -> torch.Tensor:
+def q4_record(parts, shape, group: int, note: Inexact) -> torch.Tensor:
     """codecs' q4 record, a uint8 tensor on the parts' device, from int4 parts (codes uint8 [n, K] 0..15, scale f32
     [n, K/g], zero f32 [n, K/g]) stacked row-wise; each group of g becomes g/32 q4 groups (scale, min = -zero ·
     scale) in float16."""
@@ -188,10 +178,6 @@ def _assemble(fmt: str, shape, parts: dict) -> torch.Tensor:
     for name, view in record_planes(fmt, shape, rec).items():
         view.copy_(parts[name].reshape(view.shape))
     return rec
-
-
-def _host(rec: torch.Tensor) -> memoryview:
-    return memoryview(rec.cpu().numpy())
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,12 @@ pulls tensors as from any other source:
                    keep quantized
   kind(name)       for expert stacks whose format the engine's 4-bit kernels hold: "nvfp4e" or "q4"; else "raw"
   record(name)     that stack's codecs record, converted at load from the published bytes (never through bf16)
-  convert(name, device)  the same record as a uint8 tensor, converted on `device`
+  convert(name)    the same record as a uint8 tensor, made on `convert_device`
+  fp8_weight(name) an FP8 tensor as ops.fp8_weight.Fp8Weight (e4m3 values + f32 per-row scales), for the FP8 engine
 
 The published tensors come from the checkpoint's safetensors files, or from any store with the same names, shapes
 and dtypes (`raw`: keys / shape / dtype / get / file_of / nbytes / close), e.g. one that makes them in memory;
-`convert_device` is where they are read to and converted (the host unless given).
-  fp8_weight(name) an FP8 tensor as ops.fp8_weight.Fp8Weight (e4m3 values + f32 per-row scales), for the FP8 engine
+`convert_device` is where they are read to, dequantized and converted (the host unless given).
 
 Per-expert checkpoints (`layers.L.experts.E.{gate,up,down}_proj`, as llmcompressor writes them) are stacked to the
 fused [E, 2F, H] / [E, H, F] tensors, gate rows before up rows; a fused FP8 form (`experts.gate_up_proj` in e4m3
@@ -311,18 +311,14 @@ class HubSource:
     def convert(self, name: str, device=None) -> torch.Tensor:
         """The codecs record of expert stack `name` (kind() "nvfp4e" / "q4"), converted on `convert_device` from the
         published tensors, as a uint8 tensor on `device` (default: where it was made)."""
-        rec = self._convert(name)
-        return rec if device is None else rec.to(device)
-
-    def _convert(self, name: str) -> torch.Tensor:
         kind, what = self._plan_of(name)
         fmt = self.kind(name)
         note = hc.Inexact()
         mods = [m for row in what for m in row]
         if fmt == "nvfp4e":
-            rec = hc.nvfp4e_tensor([[self._nvfp4(m) for m in row] for row in what], self.shape(name), note)
+            rec = hc.nvfp4e_record([[self._nvfp4(m) for m in row] for row in what], self.shape(name), note)
         elif fmt == "q4":
-            rec = hc.q4_tensor([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
+            rec = hc.q4_record([self._int4(m) for m in mods], self.shape(name), self.scheme.group_size, note)
         else:
             raise CheckpointError(f"{self.path}: {name!r} has no packed form for the engine")
         if not self.notes:
@@ -334,7 +330,7 @@ class HubSource:
                    f"converting to the engine's {fmt} record (largest change {note.worst:.3g}); docs/FORMATS.md")
             self.notes.append(msg)
             print(msg, file=sys.stderr)
-        return rec
+        return rec if device is None else rec.to(device)
 
     # ------------------------------------------------------------------------------ describing
     def formats(self) -> dict[str, str]:
