@@ -244,5 +244,6 @@ def write(tensors: HubTensors, directory: Path, shard_bytes: int = 4 * 2**30) ->
     flush()
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (directory / "config.json").write_text(json.dumps({
-        "model_type": "diffusion_gemma", "canvas_length": tensors.cfg.canvas_length, "text_config": tensors.cfg.raw["text_config"],
+        "model_type": "diffusion_gemma", "canvas_length": tensors.cfg.canvas_length,
+        "text_config": tensors.cfg.raw["text_config"],
         "quantization_config": LAYOUTS[tensors.layout][0]}))

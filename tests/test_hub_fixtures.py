@@ -42,7 +42,8 @@ def pair(request, cfg, tmp_path_factory):
 
 
 def _same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    same_bytes = torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and same_bytes
 
 
 def test_written_checkpoint_holds_the_layouts_tensors(pair):

@@ -1,5 +1,6 @@
 """bench/hub_fixtures.py on CUDA: the bench converts each hub layout on the GPU (HubSource(convert_device="cuda"));
-the loader converts on the host. Both must give the same bytes (and, for fp8, the same Fp8Weight), so the bench times the records a user's load holds.
+the loader converts on the host. Both must give the same bytes (for fp8, the same Fp8Weight), so the bench times
+the records a user's load holds.
 
 Skips without CUDA. The same host-made tensors converted on each device, at the tiny test's shapes and at the full
 model's expert widths (H 2816, F 704: the down projection's K ends in a partial int4 group of 64); then a tiny
