@@ -164,7 +164,8 @@ def ratios(res: dict, layouts) -> dict:
             row["batch8_ratio"] = round(h["batch8_1k"]["ms"] / q["batch8_1k"]["ms"], 4)
         if "peak_gib" in h.get("session_8k", {}):
             row["mem_8k_delta_gib"] = round(h["session_8k"]["peak_gib"] - q["session_8k"]["peak_gib"], 3)
-        row["within_bars"] = (row.get("step_ratio", 99) <= 1.1 and abs(row.get("mem_8k_delta_gib", 0)) <= 1.0)
+        if "step_ratio" in row and "mem_8k_delta_gib" in row:
+            row["within_bars"] = row["step_ratio"] <= 1.1 and abs(row["mem_8k_delta_gib"]) <= 1.0
         out[kind] = row
     return out
 
