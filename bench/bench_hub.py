@@ -165,7 +165,7 @@ def ratios(res: dict, layouts) -> dict:
         if "peak_gib" in h.get("session_8k", {}):
             row["mem_8k_delta_gib"] = round(h["session_8k"]["peak_gib"] - q["session_8k"]["peak_gib"], 3)
         if "step_ratio" in row and "mem_8k_delta_gib" in row:
-            row["within_bars"] = row["step_ratio"] <= 1.1 and abs(row["mem_8k_delta_gib"]) <= 1.0
+            row["within_bars"] = row["step_ratio"] <= 1.1 and row["mem_8k_delta_gib"] <= 1.0
         out[kind] = row
     return out
 
