@@ -43,7 +43,7 @@ if HAVE_TRITON:
 
 # Tile configs (bench/longctx_topk.py times them); the CPU tests pass small ones.
 SCORES_CONFIG = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
-SELECT_CONFIG = dict(BLOCK=2048, BITS=8, num_warps=8)
+SELECT_CONFIG = dict(BLOCK=2048, BITS=11, num_warps=8)
 PV_CONFIG = dict(BK=32, BD=256, num_warps=4)
 
 
@@ -95,18 +95,15 @@ if HAVE_TRITON:
         return tl.where(s == -float("inf"), 0, u)
 
     @triton.jit
-    def _digit_hist(row_base, NK, prefix, hi: tl.constexpr, shift: tl.constexpr, BITS: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        """Counts per digit (u >> shift) & (2^BITS - 1) of the row's visible keys whose bits at and above `hi`
-        equal prefix's (hi = 32: every visible key)."""
+    def _digit_hist(row_base, NK, prefix, pmask, shift: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """Counts per digit (u >> shift) & (2^BITS - 1) of the row's visible keys whose fixed bits (u & pmask) equal
+        prefix."""
         NB: tl.constexpr = 1 << BITS
         hist = tl.zeros((NB,), dtype=tl.int32)
         for c in range(0, NK, BLOCK):
             keys = c + tl.arange(0, BLOCK)
             u = _order_key(tl.load(row_base + keys, mask=keys < NK, other=-float("inf")))
-            ok = u > 0
-            if hi < 32:
-                ok = ok & ((u >> hi) == (prefix >> hi))
+            ok = (u > 0) & ((u & pmask) == prefix)
             d = tl.where(ok, (u >> shift) & (NB - 1), 0).to(tl.int32)
             h = tl.histogram(d, NB)
             # the keys left out were counted in bin 0 (the histogram takes no mask on every Triton this runs on)
@@ -117,41 +114,47 @@ if HAVE_TRITON:
     def _select_kernel(s_ptr, idx_ptr, cnt_ptr, max_ptr, NK, KCAP, divisor, kmin, kmax,
                        BITS: tl.constexpr, BLOCK: tl.constexpr):
         """One program a row of s [rows, NK] (f32, -inf = invisible): its selected key indices, in key order, to
-        idx [rows, KCAP]; their count to cnt [rows]; its largest score to max [rows]."""
+        idx [rows, KCAP]; their count to cnt [rows]; its largest score to max [rows].
+
+        (prefix, pmask): the threshold's fixed high bits; `need`: how many keys matching them remain to take.
+        A pass stops the search early when the matching keys are exactly `need` (all of them are taken)."""
         NB: tl.constexpr = 1 << BITS
         NPASS: tl.constexpr = (32 + BITS - 1) // BITS
         row = tl.program_id(0)
         base = s_ptr + row.to(tl.int64) * NK
         bins = tl.arange(0, NB)
-        n_vis = 0
-        big = -float("inf")
-        for c in range(0, NK, BLOCK):
-            keys = c + tl.arange(0, BLOCK)
-            s = tl.load(base + keys, mask=keys < NK, other=-float("inf"))
-            n_vis += tl.sum((s > -float("inf")).to(tl.int32), 0)
-            big = tl.maximum(big, tl.max(s, 0))
+        zero = tl.zeros((1,), dtype=tl.uint32).sum(0)
+        hist = _digit_hist(base, NK, zero, zero, 32 - BITS, BITS, BLOCK)
+        n_vis = tl.sum(hist, 0)
         kk = tl.minimum(tl.maximum(n_vis // divisor, kmin), kmax)
-        need = kk
-        prefix = tl.zeros((1,), dtype=tl.uint32).sum(0)  # the fixed digits of the threshold's key
+        done = kk >= n_vis  # k covers the row: every visible key matches the empty prefix and is taken
+        need = tl.where(done, n_vis, kk)
+        prefix = zero
+        pmask = zero
         for p in tl.static_range(NPASS):
             hi = 32 - p * BITS
             shift = hi - BITS if hi > BITS else 0
-            hist = _digit_hist(base, NK, prefix, hi, shift, BITS, BLOCK)
-            suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
-            dstar = tl.max(tl.where(suffix >= need, bins, -1), 0)
-            need -= tl.sum(tl.where(bins > dstar, hist, 0), 0)
-            prefix = prefix | (tl.maximum(dstar, 0).to(tl.uint32) << shift)
-        every = kk >= n_vis  # k covers the row: every visible key (u > 0), no ties to rank
-        thr = tl.where(every, 0, prefix)
-        need = tl.where(every, 0, need)
+            if not done:
+                if p > 0:
+                    hist = _digit_hist(base, NK, prefix, pmask, shift, BITS, BLOCK)
+                suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
+                dstar = tl.max(tl.where(suffix >= need, bins, -1), 0)
+                need -= tl.sum(tl.where(bins > dstar, hist, 0), 0)
+                prefix = prefix | (dstar.to(tl.uint32) << shift)
+                pmask = pmask | (((1 << (hi - shift)) - 1) << shift).to(tl.uint32)
+                done = tl.sum(tl.where(bins == dstar, hist, 0), 0) == need
         taken = 0
         ties = 0
+        big = -float("inf")
         for c in range(0, NK, BLOCK):
             keys = c + tl.arange(0, BLOCK)
-            u = _order_key(tl.load(base + keys, mask=keys < NK, other=-float("inf")))
-            tie = ((u == thr) & (u > 0)).to(tl.int32)
+            sv = tl.load(base + keys, mask=keys < NK, other=-float("inf"))
+            big = tl.maximum(big, tl.max(sv, 0))
+            u = _order_key(sv)
+            hb = u & pmask
+            tie = ((hb == prefix) & (u > 0)).to(tl.int32)
             rank = ties + tl.cumsum(tie, 0) - 1
-            take = ((u > thr) | ((tie > 0) & (rank < need))).to(tl.int32)
+            take = ((hb > prefix) | ((tie > 0) & (rank < need))).to(tl.int32)
             pos = taken + tl.cumsum(take, 0) - 1
             tl.store(idx_ptr + row.to(tl.int64) * KCAP + pos, keys, mask=(take > 0) & (pos < KCAP))
             taken += tl.sum(take, 0)
