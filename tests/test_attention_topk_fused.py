@@ -96,6 +96,12 @@ def test_fused_half_precision_and_unwritten_rows():
     rule = TopKRule(divisor=4, min_keys=4, max_keys=10)
     nl = torch.tensor(30)
     want = attention_topk_ref(q.float(), k.float(), v.float(), None, 40, rule, nlive=nl)
-    got = attention_topk_fused(q, k, v, None, 40, rule, nlive=nl, **SMALL)
-    assert got.dtype == torch.bfloat16 and got.isfinite().all()
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    for tma in (False, True):  # the score tiles read through pointers, or through tensor descriptors
+        got = attention_topk_fused(q, k, v, None, 40, rule, nlive=nl, tma=tma, **SMALL)
+        assert got.dtype == torch.bfloat16 and got.isfinite().all()
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    kpos, qpos = torch.arange(30), torch.arange(26, 30)  # causal, key row = position, the NaN rows past the last
+    want = attention_topk_ref(q.float(), k.float(), v.float(), kpos, 30, rule, qpos=qpos, causal=True)
+    for tma in (False, True):
+        got = attention_topk_fused(q, k, v, kpos, 30, rule, qpos=qpos, causal=True, q_start=26, tma=tma, **SMALL)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

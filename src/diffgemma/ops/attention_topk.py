@@ -185,7 +185,7 @@ def attention_topk_fused(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causa
                          nlive=None, q_start: int | None = None, block_rows: int | None = None, **configs):
     """The fused form (module docstring), on CUDA or under TRITON_INTERPRET=1. Arguments as attention_topk_gather;
     block_rows: query positions per block (default: each KV head's f32 scores of a block in 2^28 floats, the blocks
-    of even size); configs: the kernels' scores_config / select_config / pv_config (ops/attention_topk_fused.py)."""
+    of even size); configs: the kernels' scores_config / select_config / pv_config and tma (ops/attention_topk_fused.py)."""
     _check(q, k, kpos, qpos, causal, rule)
     H, n, _ = q.shape
     if block_rows is None:

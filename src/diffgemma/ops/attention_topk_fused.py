@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAVE_TRITON, next_pow2
+from ._backend import HAVE_TRITON, TensorDescriptor, next_pow2, tma_available
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
 # Tile configs (bench/longctx_topk.py times them); the CPU tests pass small ones.
-SCORES_CONFIG = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+SCORES_CONFIG = dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=3)
 SELECT_CONFIG = dict(BLOCK=2048, BITS=11, num_warps=8)
 PV_CONFIG = dict(BK=32, BD=256, num_warps=4)
 
@@ -50,29 +50,41 @@ PV_CONFIG = dict(BK=32, BD=256, num_warps=4)
 if HAVE_TRITON:
 
     @triton.jit
-    def _scores_kernel(q_ptr, k_ptr, s_ptr, kpos_ptr, qpos_ptr, nlive_ptr, R, NK, n_q, k_head_stride,
+    def _scores_kernel(q_ptr, k_ptr, s_ptr, kpos_ptr, qpos_ptr, nlive_ptr, R, NK, n_q, k_head_stride, k_rows,
                        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-        """Grid (row blocks, key blocks, KV heads). q [KV, R, D], k rows at k_head_stride per head, s [KV, R, NK]."""
+                       HAS_NLIVE: tl.constexpr, KPOS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                       TMA: tl.constexpr = False):
+        """Grid (row blocks, key blocks, KV heads). q [KV, R, D], k rows at k_head_stride per head, s [KV, R, NK].
+        TMA: q and k are tensor descriptors over [KV·R, D] and [KV·k_rows, D] (rows past a head's own are another
+        head's, or zeros past the tensor: masked below)."""
         pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        hi = NK
+        if HAS_NLIVE:  # the select reads no key at or past nlive: a tile wholly there does no work
+            hi = tl.minimum(NK, tl.load(nlive_ptr).to(tl.int32))
+            if pid_n * BN >= hi:
+                return
         rows = pid_m * BM + tl.arange(0, BM)
         keys = pid_n * BN + tl.arange(0, BN)
         row_ok = rows < R
         key_in = keys < NK
-        ks = tl.arange(0, BK)
-        q_rows = q_ptr + (g * R + rows).to(tl.int64)[:, None] * D
-        k_rows = k_ptr + g.to(tl.int64) * k_head_stride + keys.to(tl.int64)[:, None] * D
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            a = tl.load(q_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
-            b = tl.load(k_rows + (k0 + ks)[None, :], mask=key_in[:, None], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
+        if TMA:
+            for k0 in range(0, D, BK):
+                a = q_ptr.load([g * R + pid_m * BM, k0])
+                b = k_ptr.load([g * k_rows + pid_n * BN, k0])
                 acc = tl.dot(a, tl.trans(b), acc)
-        ok = key_in
-        if HAS_NLIVE:
-            ok = ok & (keys < tl.load(nlive_ptr).to(tl.int32))
+        else:
+            ks = tl.arange(0, BK)
+            q_rows = q_ptr + (g * R + rows).to(tl.int64)[:, None] * D
+            k_base = k_ptr + g.to(tl.int64) * k_head_stride + keys.to(tl.int64)[:, None] * D
+            for k0 in range(0, D, BK):
+                a = tl.load(q_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+                b = tl.load(k_base + (k0 + ks)[None, :], mask=key_in[:, None], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+        ok = key_in & (keys < hi)
         if KPOS:
             kp = tl.load(kpos_ptr + keys, mask=key_in, other=-1)
             ok = ok & (kp >= 0)
@@ -111,10 +123,11 @@ if HAVE_TRITON:
         return hist
 
     @triton.jit
-    def _select_kernel(s_ptr, idx_ptr, cnt_ptr, max_ptr, NK, KCAP, divisor, kmin, kmax,
-                       BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _select_kernel(s_ptr, idx_ptr, cnt_ptr, max_ptr, nlive_ptr, NK, KCAP, divisor, kmin, kmax,
+                       BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_NLIVE: tl.constexpr):
         """One program a row of s [rows, NK] (f32, -inf = invisible): its selected key indices, in key order, to
-        idx [rows, KCAP]; their count to cnt [rows]; its largest score to max [rows].
+        idx [rows, KCAP]; their count to cnt [rows]; its largest score to max [rows]. HAS_NLIVE: only the keys
+        below the device scalar nlive are read (those past it are invisible, and unwritten).
 
         (prefix, pmask): the threshold's fixed high bits; `need`: how many keys matching them remain to take.
         A pass stops the search early when the matching keys are exactly `need` (all of them are taken)."""
@@ -122,9 +135,12 @@ if HAVE_TRITON:
         NPASS: tl.constexpr = (32 + BITS - 1) // BITS
         row = tl.program_id(0)
         base = s_ptr + row.to(tl.int64) * NK
+        hi_key = NK
+        if HAS_NLIVE:
+            hi_key = tl.minimum(NK, tl.load(nlive_ptr).to(tl.int32))
         bins = tl.arange(0, NB)
         zero = tl.zeros((1,), dtype=tl.uint32).sum(0)
-        hist = _digit_hist(base, NK, zero, zero, 32 - BITS, BITS, BLOCK)
+        hist = _digit_hist(base, hi_key, zero, zero, 32 - BITS, BITS, BLOCK)
         n_vis = tl.sum(hist, 0)
         kk = tl.minimum(tl.maximum(n_vis // divisor, kmin), kmax)
         done = kk >= n_vis  # k covers the row: every visible key matches the empty prefix and is taken
@@ -136,7 +152,7 @@ if HAVE_TRITON:
             shift = hi - BITS if hi > BITS else 0
             if not done:
                 if p > 0:
-                    hist = _digit_hist(base, NK, prefix, pmask, shift, BITS, BLOCK)
+                    hist = _digit_hist(base, hi_key, prefix, pmask, shift, BITS, BLOCK)
                 suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
                 dstar = tl.max(tl.where(suffix >= need, bins, -1), 0)
                 need -= tl.sum(tl.where(bins > dstar, hist, 0), 0)
@@ -146,9 +162,9 @@ if HAVE_TRITON:
         taken = 0
         ties = 0
         big = -float("inf")
-        for c in range(0, NK, BLOCK):
+        for c in range(0, hi_key, BLOCK):
             keys = c + tl.arange(0, BLOCK)
-            sv = tl.load(base + keys, mask=keys < NK, other=-float("inf"))
+            sv = tl.load(base + keys, mask=keys < hi_key, other=-float("inf"))
             big = tl.maximum(big, tl.max(sv, 0))
             u = _order_key(sv)
             hb = u & pmask
@@ -192,9 +208,11 @@ if HAVE_TRITON:
         tl.store(o_ptr + t.to(tl.int64) * o_row_stride + h * D + cols, o.to(o_ptr.dtype.element_ty))
 
 
-def select_topk(scores: torch.Tensor, rule, kcap: int | None = None, select_config: dict | None = None):
+def select_topk(scores: torch.Tensor, rule, kcap: int | None = None, select_config: dict | None = None,
+                nlive: torch.Tensor | None = None):
     """scores [rows, keys] f32 (-inf = invisible) -> (idx [rows, kcap] int32, count [rows] int32, row max [rows]):
-    each row's selection (module docstring) in key order; idx past a row's count is unwritten."""
+    each row's selection (module docstring) in key order; idx past a row's count is unwritten. nlive (a device
+    scalar): the keys at or past it are invisible and not read."""
     rows, nk = scores.shape
     kcap = rule.candidates(nk) if kcap is None else kcap
     sc = dict(SELECT_CONFIG, **(select_config or {}))
@@ -202,13 +220,14 @@ def select_topk(scores: torch.Tensor, rule, kcap: int | None = None, select_conf
     idx = torch.empty(rows, kcap, dtype=torch.int32, device=scores.device)
     cnt = torch.empty(rows, dtype=torch.int32, device=scores.device)
     big = torch.empty(rows, dtype=torch.float32, device=scores.device)
-    _select_kernel[(rows,)](scores, idx, cnt, big, nk, kcap, rule.divisor, rule.min_keys, rule.max_keys, **sc)
+    _select_kernel[(rows,)](scores, idx, cnt, big, nlive if nlive is not None else torch.zeros(1, dtype=torch.int32, device=scores.device), nk, kcap, rule.divisor,
+                            rule.min_keys, rule.max_keys, HAS_NLIVE=nlive is not None, **sc)
     return idx, cnt, big
 
 
 def fused_topk_blocks(q, k, v, kpos, n_keys, rule, block_rows: int, qpos=None, causal=False, out_dtype=None,
                       nlive=None, q_start: int | None = None, scores_config: dict | None = None,
-                      select_config: dict | None = None, pv_config: dict | None = None):
+                      select_config: dict | None = None, pv_config: dict | None = None, tma: bool | None = None):
     """-> [n, H·d]: the three kernels per block of `block_rows` query positions (module docstring); the call already
     checked (ops/attention_topk.attention_topk_fused). q_start (causal): query i is at position q_start + i and key
     row p holds position p, so a block reads only the keys up to its last position."""
@@ -224,6 +243,10 @@ def fused_topk_blocks(q, k, v, kpos, n_keys, rule, block_rows: int, qpos=None, c
     pc = dict(PV_CONFIG, **(pv_config or {}))
     pc["BD"] = min(pc["BD"], d)
     b = max(1, block_rows)
+    k_rows = k.shape[1]
+    if tma is None:  # descriptors: half operands (f32 keeps the pointer path's exact products), 16-byte aligned bases
+        tma = (tma_available(q) and k.dtype != torch.float32 and k.data_ptr() % 16 == 0
+               and k.stride(0) == k_rows * d)
     dummy = torch.zeros(1, dtype=torch.int64, device=q.device)
     flags = dict(HAS_NLIVE=nlive is not None and not causal, KPOS=kpos is not None, CAUSAL=causal,
                  IEEE=k.dtype == torch.float32)
@@ -234,11 +257,16 @@ def fused_topk_blocks(q, k, v, kpos, n_keys, rule, block_rows: int, qpos=None, c
         qb = qg[:, :, s:e].reshape(KV, R, d).contiguous()
         scores = torch.empty(KV, R, nk, dtype=torch.float32, device=q.device)
         qp = qpos[s:e] if causal else dummy
+        qa, ka = qb, k
+        if tma:
+            qa = TensorDescriptor.from_tensor(qb.view(KV * R, d), [sc["BM"], sc["BK"]])
+            ka = TensorDescriptor.from_tensor(k.view(KV * k_rows, d), [sc["BN"], sc["BK"]])
         _scores_kernel[(triton.cdiv(R, sc["BM"]), triton.cdiv(nk, sc["BN"]), KV)](
-            qb, k, scores, kpos if kpos is not None else dummy, qp, nlive if nlive is not None else dummy,
-            R, nk, e - s, k.stride(0), D=d, **flags, **sc)
+            qa, ka, scores, kpos if kpos is not None else dummy, qp, nlive if nlive is not None else dummy,
+            R, nk, e - s, k.stride(0), k_rows, D=d, TMA=bool(tma), **flags, **sc)
         kcap = rule.candidates(nk)
-        idx, cnt, big = select_topk(scores.view(KV * R, nk), rule, kcap, select_config)
+        idx, cnt, big = select_topk(scores.view(KV * R, nk), rule, kcap, select_config,
+                                    nlive if flags["HAS_NLIVE"] else None)
         _sparse_pv_kernel[(KV * R, d // pc["BD"])](
             scores, idx, cnt, big, v, out[s:e], R, nk, e - s, kcap, v.stride(0), out.stride(0), G=G, D=d, **pc)
     return out
