@@ -1,8 +1,8 @@
 """bench/longctx_check.py's kernel sections for issue 53 (run through it: `--sections topk,tiles`):
 
   topk    the full layers' denoise canvas (256 queries, 16 heads, 2 KV heads, head dim 512) over 8k / 32k / 128k
-          cache keys: dense attention (tiles and flash), the top-k gather form and the fused form (11- and 8-bit
-          radix digits), each timed (CUDA events, median); the sparse forms' max |error| against the f32 twin and
+          cache keys: dense attention (tiles and flash), the top-k gather form and the fused form (its default
+          configs and one change each: FUSED), each timed (CUDA events, median); the sparse forms' max |error| against the f32 twin and
           the rows off by more than 1e-2 (beyond bf16 rounding); the fused form run twice (equal bits?); the
           fused form's time per kernel (profiler); then the arithmetic of issue 53's bar (top-k step <= 0.75x dense
           at 128k): the dense attention's share of the step, and the least an exact top-k can cost (the score pass
@@ -30,7 +30,13 @@ H, KV, D, CHUNK = 16, 2, 512, 8192
 TOPK_KEYS = (8192, 32768, 131072)
 TILE_KEYS = (32768, 65536, 131072)
 RULE = TopKRule()
-FUSED = {"fused": {}, "fused_bits8": dict(select_config=dict(BITS=8))}
+# the fused form's default configs (ops/attention_topk_fused.py), then one change each
+FUSED = {"fused": {}, "fused_bits8": dict(select_config=dict(BITS=8)),
+         "fused_select_block4096": dict(select_config=dict(BLOCK=4096)),
+         "fused_scores_bk64": dict(scores_config=dict(BK=64)),
+         "fused_scores_bn256_bk64": dict(scores_config=dict(BN=256, BK=64)),
+         "fused_pv_bd512": dict(pv_config=dict(BD=512, num_warps=8)),
+         "fused_pv_bk64_bd128": dict(pv_config=dict(BK=64, BD=128))}
 DEFAULT_TILES = dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=2)  # flash_config(512, causal=True)
 TILE_CANDIDATES = {
     "bm64_bn32_s3": dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=3),
