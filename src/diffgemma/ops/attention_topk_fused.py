@@ -7,19 +7,22 @@ k covers them), ties at the k-th score going to the lower key index, the softmax
 Per block of query rows (GQA folded: row r of KV head g is query head g·G + r // b, token r % b):
 
   1. `_scores_kernel`: S = Q·K^T per [BM rows × BN keys] tile, f32 accumulation, the visibility mask applied
-     (invisible keys get -inf), written once as f32 [KV, rows, keys].
+     (invisible keys get -inf), written once as f32 [KV, rows, keys]; tiles wholly at or past `nlive` (a graph
+     bucket's padding) do no work, and nothing reads them.
   2. `_select_kernel`, one program a row: the exact k-th largest score by a radix select on the scores' f32 bits
      mapped to an order-preserving unsigned key (u = bits | 2^31 for x >= 0, ~bits for x < 0; an invisible key is
      u = 0, below every real score). Pass p counts the row's keys per BITS-wide digit of u among those matching
      the digits fixed so far (a histogram in registers: integer counts, no atomics, so no order dependence); the
      digit holding the k-th largest is fixed and the count strictly above it leaves the budget. After
-     ceil(32 / BITS) passes the threshold u* is exact, and `need` keys equal to it remain to take. A last pass
-     writes, in key order, the keys with u > u* and the first `need` with u = u* (ties to the lower key index,
-     the twin's rule): the selected key indices [rows, kmax], their count, and the row's largest score.
+     ceil(32 / BITS) passes the threshold u* is exact, and `need` keys equal to it remain to take; a pass whose
+     bucket holds exactly `need` keys ends the search sooner (all of them are taken: random scores need two
+     11-bit passes). A last pass writes, in key order, the keys above the threshold and the first `need` equal to
+     it (ties to the lower key index, the twin's rule): the selected key indices [rows, kmax], their count, and
+     the row's largest score. A row whose k covers its visible keys takes all of them, with no digit pass.
   3. `_sparse_pv_kernel`, one program a (row, column block): p = exp(s - max) over the selected keys in key order,
      their V rows gathered, f32 products and sums in a fixed order (bit-identical from run to run).
 
-Why the scores go to memory once (docs/ARCHITECTURE.md, 'Attention'): the select reads a row's scores 1 +
+Why the scores go to memory once (docs/ARCHITECTURE.md, 'Attention'): the select reads a row's scores up to 1 +
 ceil(32 / BITS) times. Recomputing them instead costs one Q·K^T GEMM per read (2·rows·keys·d FLOPs: d = 512 makes
 1024 FLOPs a score, against 4 bytes a score to read back), so at tensor-core rates the f32 round trip is the cheaper
 of the two, and the only one whose cost does not grow with the head dim.
@@ -41,7 +44,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# Tile configs (bench/longctx_topk.py times them); the CPU tests pass small ones.
+# Tile configs (bench/longctx_sections.py times variants); the CPU tests pass small ones.
 SCORES_CONFIG = dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=3)
 SELECT_CONFIG = dict(BLOCK=2048, BITS=11, num_warps=8)
 PV_CONFIG = dict(BK=32, BD=256, num_warps=4)
