@@ -35,7 +35,7 @@ def _selected(idx, cnt):
 @pytest.mark.parametrize("bits", [8, 11])  # 4 passes; 3 with a narrower last digit
 def test_select_equals_topk_mask_with_ties(bits):
     g = torch.Generator().manual_seed(2)
-    sc = torch.randn(7, 75, generator=g)
+    sc = torch.randn(8, 75, generator=g)
     sc[:, 60:] = float("-inf")  # invisible
     sc[0, 5:20] = 1.25  # ties straddling the threshold
     sc[1] = sc[1].round()  # many equal scores
@@ -43,12 +43,14 @@ def test_select_equals_topk_mask_with_ties(bits):
     sc[2, :3] = torch.tensor([0.0, -0.0, -3.5])  # fewer visible keys than k: all of them
     sc[3] = -sc[3].abs()  # negative scores only
     sc[4, 10:] = float("-inf")
+    sc[5, :8] = torch.tensor([1.0, -0.0, 2.0, 0.0, -0.0, -1.0, 0.0, 3.0])  # the threshold at zero: -0 ties with +0
+    sc[5, 8:30], sc[5, 30:] = -2.0, float("-inf")  # 30 visible: k = 5, two of the four zeros
     rule = TopKRule(divisor=6, min_keys=3, max_keys=9)
     idx, cnt, big = select_topk(sc, rule, select_config=dict(BLOCK=16, BITS=bits))
     want = topk_mask(sc, sc > float("-inf"), rule)
-    assert _selected(idx, cnt) == [want[r].nonzero().flatten().tolist() for r in range(7)]
+    assert _selected(idx, cnt) == [want[r].nonzero().flatten().tolist() for r in range(8)]
     assert torch.equal(big, sc.amax(-1))
-    for r in range(7):  # key order
+    for r in range(8):  # key order
         assert idx[r, : cnt[r]].tolist() == sorted(idx[r, : cnt[r]].tolist())
 
 

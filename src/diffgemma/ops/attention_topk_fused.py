@@ -104,8 +104,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _order_key(s):
-        """f32 -> uint32 in the same order (x < y iff key(x) < key(y)); -inf (an invisible key) -> 0."""
+        """f32 -> uint32 in the same order (x < y iff key(x) < key(y), and -0 = +0 as the twin compares them);
+        -inf (an invisible key) -> 0."""
         bits = s.to(tl.uint32, bitcast=True)
+        bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 ties with +0.0
         u = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
         return tl.where(s == -float("inf"), 0, u)
 
