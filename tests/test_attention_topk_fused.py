@@ -32,8 +32,9 @@ def _selected(idx, cnt):
     return [sorted(idx[r, : cnt[r]].tolist()) for r in range(idx.shape[0])]
 
 
-@pytest.mark.parametrize("bits", [8, 11])  # 4 passes; 3 with a narrower last digit
-def test_select_equals_topk_mask_with_ties(bits):
+# 4 digits of 8 bits; 3 of 11 (a narrower last); a scratch too small for any bucket: the search over the row
+@pytest.mark.parametrize("bits,cap", [(8, 4096), (11, 4096), (11, 1)])
+def test_select_equals_topk_mask_with_ties(bits, cap):
     g = torch.Generator().manual_seed(2)
     sc = torch.randn(8, 75, generator=g)
     sc[:, 60:] = float("-inf")  # invisible
@@ -46,12 +47,10 @@ def test_select_equals_topk_mask_with_ties(bits):
     sc[5, :8] = torch.tensor([1.0, -0.0, 2.0, 0.0, -0.0, -1.0, 0.0, 3.0])  # the threshold at zero: -0 ties with +0
     sc[5, 8:30], sc[5, 30:] = -2.0, float("-inf")  # 30 visible: k = 5, two of the four zeros
     rule = TopKRule(divisor=6, min_keys=3, max_keys=9)
-    idx, cnt, big = select_topk(sc, rule, select_config=dict(BLOCK=16, BITS=bits))
+    idx, cnt, big = select_topk(sc, rule, select_config=dict(BLOCK=16, BITS=bits, CAP=cap))
     want = topk_mask(sc, sc > float("-inf"), rule)
     assert _selected(idx, cnt) == [want[r].nonzero().flatten().tolist() for r in range(8)]
     assert torch.equal(big, sc.amax(-1))
-    for r in range(8):  # key order
-        assert idx[r, : cnt[r]].tolist() == sorted(idx[r, : cnt[r]].tolist())
 
 
 @pytest.mark.parametrize("case", ["canvas", "canvas_nlive", "canvas_kpos", "causal", "causal_q_start"])

@@ -10,20 +10,24 @@ Per block of query rows (GQA folded: row r of KV head g is query head g·G + r /
      (invisible keys get -inf), written once as f32 [KV, rows, keys]; tiles wholly at or past `nlive` (a graph
      bucket's padding) do no work, and nothing reads them.
   2. `_select_kernel`, one program a row: the exact k-th largest score by a radix select on the scores' f32 bits
-     mapped to an order-preserving unsigned key (u = bits | 2^31 for x >= 0, ~bits for x < 0; an invisible key is
-     u = 0, below every real score). Pass p counts the row's keys per BITS-wide digit of u among those matching
-     the digits fixed so far (a histogram in registers: integer counts, no atomics, so no order dependence); the
-     digit holding the k-th largest is fixed and the count strictly above it leaves the budget. After
-     ceil(32 / BITS) passes the threshold u* is exact, and `need` keys equal to it remain to take; a pass whose
-     bucket holds exactly `need` keys ends the search sooner (all of them are taken: random scores need two
-     11-bit passes). A last pass writes, in key order, the keys above the threshold and the first `need` equal to
-     it (ties to the lower key index, the twin's rule): the selected key indices [rows, kmax], their count, and
-     the row's largest score. A row whose k covers its visible keys takes all of them, with no digit pass.
+     mapped to an order-preserving unsigned key (u = bits | 2^31 for x >= 0, ~bits for x < 0, -0 as +0; an
+     invisible key is u = 0, below every real score). A pass counts the entries per BITS-wide digit of u among
+     those matching the digits fixed so far (a histogram in registers: integer counts, no atomics, so no order
+     dependence); the digit holding the k-th largest is fixed and the count strictly above it leaves the budget
+     (`need`: how many entries matching the fixed digits remain to take). The first pass reads the row (and counts
+     its visible keys, for k). Then one more read of the row writes the keys above the first digit's bucket (all
+     taken) and copies the bucket's entries (key, u) to a per-row scratch of CAP entries; the remaining passes
+     search that copy. A pass whose bucket holds exactly `need` entries ends the search (all of them are taken);
+     a bucket larger than CAP is searched over the row itself. The last pass writes, in entry order, the entries
+     above the threshold and the first `need` equal to it (ties to the lower key index, the twin's rule). Out:
+     the selected key indices [rows, kmax] (those above the first digit's bucket, then the rest, each in key
+     order), their count, and the row's largest score. A row whose k covers its visible keys takes all of them.
   3. `_sparse_pv_kernel`, one program a (row, column block): p = exp(s - max) over the selected keys in key order,
-     their V rows gathered, f32 products and sums in a fixed order (bit-identical from run to run).
+     their V rows gathered, f32 products and sums in the selection's fixed order (bit-identical from run to run).
 
-Why the scores go to memory once (docs/ARCHITECTURE.md, 'Attention'): the select reads a row's scores up to 1 +
-ceil(32 / BITS) times. Recomputing them instead costs one Q·K^T GEMM per read (2·rows·keys·d FLOPs: d = 512 makes
+Why the scores go to memory once (docs/ARCHITECTURE.md, 'Attention'): the select reads a row's scores twice (up to
+1 + ceil(32 / BITS) times where a first-digit bucket outgrows CAP). Recomputing them instead costs one Q·K^T GEMM per
+read (2·rows·keys·d FLOPs: d = 512 makes
 1024 FLOPs a score, against 4 bytes a score to read back), so at tensor-core rates the f32 round trip is the cheaper
 of the two, and the only one whose cost does not grow with the head dim.
 
@@ -46,7 +50,7 @@ if HAVE_TRITON:
 
 # Tile configs (bench/longctx_sections.py times variants); the CPU tests pass small ones.
 SCORES_CONFIG = dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=3)
-SELECT_CONFIG = dict(BLOCK=2048, BITS=11, num_warps=8)
+SELECT_CONFIG = dict(BLOCK=2048, BITS=11, CAP=4096, num_warps=8)
 PV_CONFIG = dict(BK=32, BD=256, num_warps=4)
 
 
@@ -112,74 +116,143 @@ if HAVE_TRITON:
         return tl.where(s == -float("inf"), 0, u)
 
     @triton.jit
-    def _digit_hist(row_base, NK, prefix, pmask, shift: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-        """Counts per digit (u >> shift) & (2^BITS - 1) of the row's visible keys whose fixed bits (u & pmask) equal
-        prefix."""
+    def _keys_of(base, j, n, FROM_SCORES: tl.constexpr):
+        """Order keys of entries j < n: from f32 scores (FROM_SCORES), else stored keys (a row's scratch)."""
+        if FROM_SCORES:
+            return _order_key(tl.load(base + j, mask=j < n, other=-float("inf")))
+        return tl.load(base + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+
+    @triton.jit
+    def _digit_hist(base, n, prefix, pmask, shift: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                    FROM_SCORES: tl.constexpr):
+        """(counts per digit (u >> shift) & (2^BITS - 1) of the entries whose fixed bits (u & pmask) equal prefix,
+        invisible ones (u = 0) left out; the entries' largest score, from scores)."""
         NB: tl.constexpr = 1 << BITS
         hist = tl.zeros((NB,), dtype=tl.int32)
-        for c in range(0, NK, BLOCK):
-            keys = c + tl.arange(0, BLOCK)
-            u = _order_key(tl.load(row_base + keys, mask=keys < NK, other=-float("inf")))
+        big = -float("inf")
+        for c in range(0, n, BLOCK):
+            j = c + tl.arange(0, BLOCK)
+            if FROM_SCORES:
+                sv = tl.load(base + j, mask=j < n, other=-float("inf"))
+                big = tl.maximum(big, tl.max(sv, 0))
+                u = _order_key(sv)
+            else:
+                u = _keys_of(base, j, n, False)
             ok = (u > 0) & ((u & pmask) == prefix)
             d = tl.where(ok, (u >> shift) & (NB - 1), 0).to(tl.int32)
             h = tl.histogram(d, NB)
-            # the keys left out were counted in bin 0 (the histogram takes no mask on every Triton this runs on)
+            # the entries left out were counted in bin 0 (the histogram takes no mask on every Triton this runs on)
             hist += h - tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(ok.to(tl.int32), 0), 0)
-        return hist
+        return hist, big
 
     @triton.jit
-    def _select_kernel(s_ptr, idx_ptr, cnt_ptr, max_ptr, nlive_ptr, NK, KCAP, divisor, kmin, kmax,
-                       BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_NLIVE: tl.constexpr):
-        """One program a row of s [rows, NK] (f32, -inf = invisible): its selected key indices, in key order, to
-        idx [rows, KCAP]; their count to cnt [rows]; its largest score to max [rows]. HAS_NLIVE: only the keys
-        below the device scalar nlive are read (those past it are invisible, and unwritten).
+    def _fix_digit(hist, need, prefix, pmask, hi: tl.constexpr, shift: tl.constexpr, BITS: tl.constexpr):
+        """One pass's choice: the digit holding the need-th largest entry among those counted."""
+        bins = tl.arange(0, 1 << BITS)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # entries with this digit or a larger one
+        dstar = tl.max(tl.where(suffix >= need, bins, -1), 0)
+        need -= tl.sum(tl.where(bins > dstar, hist, 0), 0)
+        prefix = prefix | (dstar.to(tl.uint32) << shift)
+        pmask = pmask | ((pmask * 0 + ((1 << (hi - shift)) - 1)) << shift)  # this digit's bits, as uint32
+        return need, prefix, pmask, tl.sum(tl.where(bins == dstar, hist, 0), 0)
 
-        (prefix, pmask): the threshold's fixed high bits; `need`: how many keys matching them remain to take.
-        A pass stops the search early when the matching keys are exactly `need` (all of them are taken)."""
-        NB: tl.constexpr = 1 << BITS
+    @triton.jit
+    def _radix_rest(base, n, need, prefix, pmask, done, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                    FROM_SCORES: tl.constexpr):
+        """Passes 1.. of the search over n entries, until the bucket holds exactly `need` (done) or the last digit."""
         NPASS: tl.constexpr = (32 + BITS - 1) // BITS
-        row = tl.program_id(0)
-        base = s_ptr + row.to(tl.int64) * NK
-        hi_key = NK
-        if HAS_NLIVE:
-            hi_key = tl.minimum(NK, tl.load(nlive_ptr).to(tl.int32))
-        bins = tl.arange(0, NB)
-        zero = tl.zeros((1,), dtype=tl.uint32).sum(0)
-        hist = _digit_hist(base, hi_key, zero, zero, 32 - BITS, BITS, BLOCK)
-        n_vis = tl.sum(hist, 0)
-        kk = tl.minimum(tl.maximum(n_vis // divisor, kmin), kmax)
-        done = kk >= n_vis  # k covers the row: every visible key matches the empty prefix and is taken
-        need = tl.where(done, n_vis, kk)
-        prefix = zero
-        pmask = zero
-        for p in tl.static_range(NPASS):
+        for p in tl.static_range(1, NPASS):
             hi = 32 - p * BITS
             shift = hi - BITS if hi > BITS else 0
             if not done:
-                if p > 0:
-                    hist = _digit_hist(base, hi_key, prefix, pmask, shift, BITS, BLOCK)
-                suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this digit or a larger one
-                dstar = tl.max(tl.where(suffix >= need, bins, -1), 0)
-                need -= tl.sum(tl.where(bins > dstar, hist, 0), 0)
-                prefix = prefix | (dstar.to(tl.uint32) << shift)
-                pmask = pmask | (((1 << (hi - shift)) - 1) << shift).to(tl.uint32)
-                done = tl.sum(tl.where(bins == dstar, hist, 0), 0) == need
+                hist, _ = _digit_hist(base, n, prefix, pmask, shift, BITS, BLOCK, FROM_SCORES)
+                need, prefix, pmask, bucket = _fix_digit(hist, need, prefix, pmask, hi, shift, BITS)
+                done = bucket == need
+        return need, prefix, pmask
+
+    @triton.jit
+    def _write_taken(base, n, keys_base, out_base, start, prefix, pmask, need, KCAP, BLOCK: tl.constexpr,
+                     FROM_SCORES: tl.constexpr):
+        """Writes to out_base[start + ...], in entry order, the keys of the entries with (u & pmask) > prefix and of
+        the first `need` with (u & pmask) = prefix (visible ones only); -> how many. An entry's key is its index
+        (FROM_SCORES), else keys_base[entry]."""
         taken = 0
         ties = 0
-        big = -float("inf")
-        for c in range(0, hi_key, BLOCK):
-            keys = c + tl.arange(0, BLOCK)
-            sv = tl.load(base + keys, mask=keys < hi_key, other=-float("inf"))
-            big = tl.maximum(big, tl.max(sv, 0))
-            u = _order_key(sv)
+        for c in range(0, n, BLOCK):
+            j = c + tl.arange(0, BLOCK)
+            u = _keys_of(base, j, n, FROM_SCORES)
+            key = j
+            if not FROM_SCORES:
+                key = tl.load(keys_base + j, mask=j < n, other=0)
             hb = u & pmask
             tie = ((hb == prefix) & (u > 0)).to(tl.int32)
             rank = ties + tl.cumsum(tie, 0) - 1
             take = ((hb > prefix) | ((tie > 0) & (rank < need))).to(tl.int32)
-            pos = taken + tl.cumsum(take, 0) - 1
-            tl.store(idx_ptr + row.to(tl.int64) * KCAP + pos, keys, mask=(take > 0) & (pos < KCAP))
+            pos = start + taken + tl.cumsum(take, 0) - 1
+            tl.store(out_base + pos, key, mask=(take > 0) & (pos < KCAP))
             taken += tl.sum(take, 0)
             ties += tl.sum(tie, 0)
+        return taken
+
+    @triton.jit
+    def _split_bucket(base, n, prefix, pmask, out_base, su_base, sk_base, KCAP, BLOCK: tl.constexpr):
+        """One read of the row: the keys above the bucket (u & pmask) > prefix, all taken, to out_base in key order;
+        the bucket's entries (u & pmask) = prefix to the scratch (order key, key) in key order. -> (above, bucket)."""
+        above = 0
+        inb = 0
+        for c in range(0, n, BLOCK):
+            j = c + tl.arange(0, BLOCK)
+            u = _keys_of(base, j, n, True)
+            hb = u & pmask
+            up = ((hb > prefix) & (u > 0)).to(tl.int32)
+            mid = ((hb == prefix) & (u > 0)).to(tl.int32)
+            pa = above + tl.cumsum(up, 0) - 1
+            tl.store(out_base + pa, j, mask=(up > 0) & (pa < KCAP))
+            pb = inb + tl.cumsum(mid, 0) - 1
+            tl.store(su_base + pb, u.to(tl.int32, bitcast=True), mask=mid > 0)
+            tl.store(sk_base + pb, j, mask=mid > 0)
+            above += tl.sum(up, 0)
+            inb += tl.sum(mid, 0)
+        return above, inb
+
+    @triton.jit
+    def _select_kernel(s_ptr, idx_ptr, cnt_ptr, max_ptr, nlive_ptr, su_ptr, sk_ptr, NK, KCAP, CAP, divisor, kmin,
+                       kmax, BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_NLIVE: tl.constexpr):
+        """One program a row of s [rows, NK] (f32, -inf = invisible): its selected keys to idx [rows, KCAP] (the
+        keys above the threshold's first digit, then the rest, each in key order), their count to cnt [rows], its
+        largest score to max [rows]. HAS_NLIVE: only the keys below the device scalar nlive are read (those past it
+        are invisible, and unwritten). su, sk [rows, CAP]: a scratch for the first digit's bucket.
+
+        (prefix, pmask): the threshold's fixed high bits; `need`: how many entries matching them remain to take.
+        After the first digit, a bucket of at most CAP entries is copied out (with the keys above it, in the same
+        read of the row) and searched there; a larger one is searched over the row itself."""
+        row = tl.program_id(0)
+        base = s_ptr + row.to(tl.int64) * NK
+        out = idx_ptr + row.to(tl.int64) * KCAP
+        n = NK
+        if HAS_NLIVE:
+            n = tl.minimum(NK, tl.load(nlive_ptr).to(tl.int32))
+        zero = tl.zeros((1,), dtype=tl.uint32).sum(0)
+        hist, big = _digit_hist(base, n, zero, zero, 32 - BITS, BITS, BLOCK, True)
+        n_vis = tl.sum(hist, 0)
+        kk = tl.minimum(tl.maximum(n_vis // divisor, kmin), kmax)
+        every = kk >= n_vis  # k covers the row: every visible key matches the empty prefix and is taken
+        need = tl.where(every, n_vis, kk)
+        prefix = zero
+        pmask = zero
+        bucket = n_vis
+        if not every:
+            need, prefix, pmask, bucket = _fix_digit(hist, need, zero, zero, 32, 32 - BITS, BITS)
+        done = every | (bucket == need)
+        if (not done) & (bucket <= CAP):
+            su = su_ptr + row.to(tl.int64) * CAP
+            sk = sk_ptr + row.to(tl.int64) * CAP
+            above, nb = _split_bucket(base, n, prefix, pmask, out, su, sk, KCAP, BLOCK)
+            need, prefix, pmask = _radix_rest(su, nb, need, prefix, pmask, done, BITS, BLOCK, False)
+            taken = above + _write_taken(su, nb, sk, out, above, prefix, pmask, need, KCAP, BLOCK, False)
+        else:
+            need, prefix, pmask = _radix_rest(base, n, need, prefix, pmask, done, BITS, BLOCK, True)
+            taken = _write_taken(base, n, base, out, 0, prefix, pmask, need, KCAP, BLOCK, True)
         tl.store(cnt_ptr + row, tl.minimum(taken, KCAP))
         tl.store(max_ptr + row, big)
 
@@ -216,17 +289,22 @@ if HAVE_TRITON:
 def select_topk(scores: torch.Tensor, rule, kcap: int | None = None, select_config: dict | None = None,
                 nlive: torch.Tensor | None = None):
     """scores [rows, keys] f32 (-inf = invisible) -> (idx [rows, kcap] int32, count [rows] int32, row max [rows]):
-    each row's selection (module docstring) in key order; idx past a row's count is unwritten. nlive (a device
-    scalar): the keys at or past it are invisible and not read."""
+    each row's selection (module docstring), in a fixed order; idx past a row's count is unwritten. nlive (a
+    device scalar): the keys at or past it are invisible and not read. select_config: BLOCK, BITS, CAP (the
+    scratch entries a row: a first-digit bucket larger than CAP is searched over the row), num_warps."""
     rows, nk = scores.shape
     kcap = rule.candidates(nk) if kcap is None else kcap
     sc = dict(SELECT_CONFIG, **(select_config or {}))
     sc["BLOCK"] = min(sc["BLOCK"], next_pow2(nk))
+    cap = sc.pop("CAP")
     idx = torch.empty(rows, kcap, dtype=torch.int32, device=scores.device)
     cnt = torch.empty(rows, dtype=torch.int32, device=scores.device)
     big = torch.empty(rows, dtype=torch.float32, device=scores.device)
-    _select_kernel[(rows,)](scores, idx, cnt, big, nlive if nlive is not None else torch.zeros(1, dtype=torch.int32, device=scores.device), nk, kcap, rule.divisor,
-                            rule.min_keys, rule.max_keys, HAS_NLIVE=nlive is not None, **sc)
+    su = torch.empty(rows, max(cap, 1), dtype=torch.int32, device=scores.device)
+    sk = torch.empty_like(su)
+    nl = nlive if nlive is not None else torch.zeros(1, dtype=torch.int32, device=scores.device)
+    _select_kernel[(rows,)](scores, idx, cnt, big, nl, su, sk, nk, kcap, cap, rule.divisor, rule.min_keys,
+                            rule.max_keys, HAS_NLIVE=nlive is not None, **sc)
     return idx, cnt, big
 
 
