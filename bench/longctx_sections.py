@@ -33,6 +33,7 @@ RULE = TopKRule()
 # the fused form's default configs (ops/attention_topk_fused.py), then one change each
 FUSED = {"fused": {}, "fused_bits8": dict(select_config=dict(BITS=8)),
          "fused_select_block4096": dict(select_config=dict(BLOCK=4096)),
+         "fused_select_no_scratch": dict(select_config=dict(CAP=0)),
          "fused_scores_bk64": dict(scores_config=dict(BK=64)),
          "fused_scores_bn256_bk64": dict(scores_config=dict(BN=256, BK=64)),
          "fused_pv_bd512": dict(pv_config=dict(BD=512, num_warps=8)),

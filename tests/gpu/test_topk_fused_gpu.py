@@ -27,14 +27,14 @@ def qkv(n, rows, d=D, kv=KV):
             torch.randn(kv, rows, d, device=DEV).half())
 
 
-@pytest.mark.parametrize("bits", [8, 11])
-def test_select_equals_topk_mask(bits):
+@pytest.mark.parametrize("bits,cap", [(8, 4096), (11, 4096), (11, 0)])  # cap 0: every search over the row
+def test_select_equals_topk_mask(bits, cap):
     sc = torch.randn(64, 70000, device=DEV)
     sc[::2] = (sc[::2] * 8).round() / 8  # many exact ties at every threshold
     sc[:, 65000:] = float("-inf")
     sc[5, 50:] = float("-inf")  # k (64 at least) covers the row
     rule = TopKRule()
-    idx, cnt, big = select_topk(sc, rule, select_config=dict(BITS=bits))
+    idx, cnt, big = select_topk(sc, rule, select_config=dict(BITS=bits, CAP=cap))
     want = topk_mask(sc, sc > float("-inf"), rule)
     got = torch.zeros_like(want)
     for r in range(sc.shape[0]):
