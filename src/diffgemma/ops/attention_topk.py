@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ._backend import use_triton
 from .attention_topk_fused import fused_topk_blocks
 
 
@@ -162,12 +163,12 @@ _fused_failed: dict = {}  # head dim -> why the fused kernels could not compile 
 
 def attention_topk(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
                    q_start: int | None = None, **_):
-    """-> [n, H·d]: the fused form on CUDA (or the gather form: FORM, or where the fused kernels failed outside a
-    graph capture, noted with a warning once), the twin elsewhere."""
+    """-> [n, H·d]: the fused form on CUDA (or the gather form: FORM, without Triton or with DIFFGEMMA_NO_TRITON=1,
+    or where the fused kernels failed outside a graph capture, noted with a warning once), the twin elsewhere."""
     kw = dict(qpos=qpos, causal=causal, out_dtype=out_dtype, nlive=nlive)
     if not q.is_cuda:
         return attention_topk_ref(q, k, v, kpos, n_keys, rule, **kw)
-    if FORM == "fused" and q.shape[-1] not in _fused_failed:
+    if FORM == "fused" and use_triton(q) and q.shape[-1] not in _fused_failed:
         try:
             return attention_topk_fused(q, k, v, kpos, n_keys, rule, q_start=q_start, **kw)
         except Exception as e:
