@@ -348,8 +348,10 @@ def fused_topk_blocks(q, k, v, kpos, n_keys, rule, block_rows: int, qpos=None, c
             qa, ka, scores, kpos if kpos is not None else dummy, qp, nlive if nlive is not None else dummy,
             R, nk, e - s, k.stride(0), k_rows, D=d, TMA=bool(tma), **flags, **sc)
         kcap = rule.candidates(nk)
-        idx, cnt, big = select_topk(scores.view(KV * R, nk), rule, kcap, select_config,
-                                    nlive if flags["HAS_NLIVE"] else None)
+        # the scratch in at most a quarter of the scores' bytes (a first-digit bucket holds a few % of the keys)
+        sel = dict(SELECT_CONFIG, **(select_config or {}))
+        sel["CAP"] = min(sel["CAP"], max(nk // 8, 2 * kcap))
+        idx, cnt, big = select_topk(scores.view(KV * R, nk), rule, kcap, sel, nlive if flags["HAS_NLIVE"] else None)
         _sparse_pv_kernel[(KV * R, d // pc["BD"])](
             scores, idx, cnt, big, v, out[s:e], R, nk, e - s, kcap, v.stride(0), out.stride(0), G=G, D=d, **pc)
     return out
