@@ -438,9 +438,11 @@ def summary(res, n_full: int):
         log(f"step {T}: {r}")
     tk = res.get("topk") if isinstance(res.get("topk"), dict) else {}
     big = tk.get(131072) if isinstance(tk.get(131072), dict) else None
-    if big and isinstance(steps.get(131072), dict) and isinstance(steps.get(SHORT), dict):
-        res["bar"] = bar_arithmetic(big["dense_tiles_ms"], 131072, n_full, copy_gbps(), steps[SHORT]["dense_ms"],
-                                    steps[131072]["dense_ms"])
+    if isinstance(steps.get(131072), dict) and isinstance(steps.get(SHORT), dict):
+        s1, s128 = steps[SHORT]["dense_ms"], steps[131072]["dense_ms"]
+        # a full layer's dense canvas attention: the topk section's kernel time, else the step's growth per layer
+        call = big["dense_tiles_ms"] if big else round((s128 - s1) / n_full, 3)
+        res["bar"] = bar_arithmetic(call, 131072, n_full, copy_gbps(), s1, s128)
         log(f"the 0.75x bar at 128k from the steps: {res['bar']}")
     for T, r in (tk or {}).items():
         log(f"topk {T}: {r}")
