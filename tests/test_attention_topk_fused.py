@@ -106,3 +106,41 @@ def test_fused_half_precision_and_unwritten_rows():
     for tma in (False, True):
         got = attention_topk_fused(q, k, v, kpos, 30, rule, qpos=qpos, causal=True, q_start=26, tma=tma, **SMALL)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_with_the_fused_form_matches_the_twin(monkeypatch):
+    """The fast engine's full layers call the fused form with their own layouts (head-major q, the cache's K/V
+    buffers, a prefill chunk's q_start, the canvas' nlive): the logits match the engine on the twin."""
+    pytest.importorskip("transformers")
+    import tempfile
+
+    import diffgemma
+    import diffgemma.model.forward as fwd
+    from diffgemma.model.engine import Engine
+    from tiny_checkpoints import CONFIGS, build_model, save
+
+    hf = build_model(CONFIGS["gqa2_mixed"], canvas_length=8)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = diffgemma.load(save(hf, tmp))
+    eng = Engine.from_reference(ref, dtype=torch.float32, kv_dtype=torch.float32, prefill_chunk=7)
+    rule = TopKRule(divisor=4, min_keys=2, max_keys=6)
+    g = torch.Generator().manual_seed(0)
+    V, C = ref.config.vocab_size, ref.config.canvas_length
+    prompt, canvas = torch.randint(0, V, (20,), generator=g), torch.randint(0, V, (C,), generator=g)
+    calls = []
+
+    def fused(*a, **kw):
+        calls.append(kw.get("causal", False))
+        return attention_topk_fused(*a, **kw, **SMALL)
+
+    def logits():
+        cache = eng.new_cache(64)
+        cache.attention_topk = rule
+        eng.prefill(cache, prompt)
+        return eng.denoise(cache, canvas).float()
+
+    want = logits()
+    monkeypatch.setattr(fwd, "attention_topk", fused)
+    got = logits()
+    assert True in calls and False in calls  # prefill (causal) and denoise (canvas) both ran the fused form
+    assert (got - want).abs().max().item() <= 1e-3
