@@ -2,19 +2,23 @@
 
     PYTHONPATH=src:. python -m bench.longctx_check [--budget 450] [--json $OUT/longctx.json]
 
-Sections, in this order (prefill, profile, kernels, q4), each in its own try/except (a failure prints its traceback and the run goes on), the JSON
+Sections, in this order (topk, tiles, prefill, profile, kernels, q4), each in its own try/except (a failure prints its traceback and the run goes on), the JSON
 rewritten after each (a time-out keeps what finished), and a section that would start past `--budget` seconds is
 skipped and says so:
 
+  topk      the full layers' denoise canvas at 8k / 32k / 128k keys: dense against the top-k gather and fused forms,
+            their error against the f32 twin, and the arithmetic of issue 53's 0.75x bar (bench/longctx_sections.py)
+  tiles     the head-dim-512 causal chunk kernel's tile sweep at 32k / 64k / 128k keys, printed as the
+            LONG_CAUSAL_TILES rows to write into ops/attention_flash.py (bench/longctx_sections.py)
   kernels   the full layers' causal attention at head dim 512 alone, for one 8192-row prefill chunk ending at
-            8k / 32k / 64k / 128k / 256k keys: the flash kernel's default config, a sweep of other tile configs
-            (each checked against the default's output first, WRONG ones not timed), SDPA (efficient / cuDNN /
-            flash backends, lower-right causal, GQA expanded), and the top-k gather form; the default checked against
-            the f32 reference on the chunk's last rows; the sliding layers' chunk (hd 256, window 1024); the full
-            layers' denoise canvas (256 rows, dense tiles / flash against top-k) at 1k..256k keys
+            8k / 32k / 64k / 128k / 256k keys: the flash kernel as the engine calls it, SDPA (efficient / cuDNN /
+            flash backends, lower-right causal, GQA expanded), and the top-k gather and fused forms; the flash kernel
+            checked against the f32 reference on the chunk's last rows; the sliding layers' chunk (hd 256, window
+            1024); the full layers' denoise canvas (256 rows, dense tiles / flash against top-k) at 1k..256k keys
   prefill   the bf16 engine: dense prefill tokens/s at 8k, 32k, 64k, 128k, 256k with peak memory and KV-cache bytes;
-            the denoise step (graphed, as generate calls it) at 1k / 8k / 128k dense and top-k sparse; sparse
-            prefill at 64k / 128k (256k with --sparse-256k)
+            the denoise step (graphed, as generate calls it) at 1k / 8k / 32k / 128k, dense and top-k sparse (the
+            gather and the fused form), and the 0.75x bar's arithmetic from these steps; sparse prefill at 64k /
+            128k (256k with --sparse-256k), the fused form
   profile   one 8192-row prefill chunk after 56k cached tokens: per-part GPU time (full-layer attention, sliding
             attention, ring glue, GEMMs, MoE kernels, norms, other) from torch.profiler, the full / sliding split from
             CUDA events around each attention call, and the top kernels
@@ -41,29 +45,16 @@ from bench.bench_engine import CANVAS, generate_forward, gpu_table, time_cuda
 from bench.runner import build, shapes
 from diffgemma.ops.attention import attention, attention_ref
 from diffgemma.ops.attention_flash import NO_WINDOW, attention_flash
+from bench.longctx_sections import bar_arithmetic, copy_gbps, section_tiles, section_topk
 from diffgemma.ops import attention_topk as topk_mod
-from diffgemma.ops.attention_topk import TopKRule, attention_topk_gather
+from diffgemma.ops.attention_topk import TopKRule, attention_topk_fused, attention_topk_gather
 
 DEV = "cuda"
 H, KV, D, SKV, SD, WIN, CHUNK = 16, 2, 512, 8, 256, 1024, 8192
 ENDS = (8192, 32768, 65536, 131072, 262144)  # the prefill ladder, and where the kernel chunks end
-STEP_AT, SPARSE_AT, SHORT = (1024, 8192, 131072), (65536, 131072), 1024  # the step; sparse prefill; a short prompt
+STEP_AT, SPARSE_AT, SHORT = (1024, 8192, 32768, 131072), (65536, 131072), 1024  # the step; sparse prefill; a short prompt
 PROFILE_CACHED = 57344  # tokens cached before the profiled chunk
-# Causal hd-512 tile configs swept against flash_config's default (BM 64, BN 32, BD 512, 8 warps, 2 stages; interior
-# blocks unmasked)
-CONFIGS = {
-    "masked_all_blocks": dict(interior=False),  # the default tiles, every block masked (the form before interior)
-    "bm64_bn64_s1": dict(BM=64, BN=64, BD=512, num_warps=8, num_stages=1),
-    "bm64_bn32_s3": dict(BM=64, BN=32, BD=512, num_warps=8, num_stages=3),
-    "bm64_bn16_s3": dict(BM=64, BN=16, BD=512, num_warps=8, num_stages=3),
-    "bm128_bn32_bd256": dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2),
-    "bm128_bn64_bd256": dict(BM=128, BN=64, BD=256, num_warps=8, num_stages=2),
-    "bm64_bn64_bd256_w4": dict(BM=64, BN=64, BD=256, num_warps=4, num_stages=2),
-    "bm128_bn64_bd128": dict(BM=128, BN=64, BD=128, num_warps=8, num_stages=2),
-    "bm128_bn32_bd128_s3": dict(BM=128, BN=32, BD=128, num_warps=8, num_stages=3),
-}
 RULE = TopKRule()
-TOPK_CHUNK = 4096  # the two-stage candidates' chunk timed beside the one-pass torch.topk (ops/attention_topk.py)
 T0 = time.time()
 LINES: list[str] = []
 
@@ -124,7 +115,7 @@ def check_and_time(fn, base, reps, tol=3e-2):
     return {"max_abs_diff": round(err, 5), "ms": med_ms(fn, reps)}
 
 
-def kernel_causal(end: int, budget: float, sweep: bool) -> dict:
+def kernel_causal(end: int, budget: float) -> dict:
     from torch.nn.attention import SDPBackend
 
     gen = torch.Generator(device=DEV).manual_seed(end)
@@ -142,17 +133,6 @@ def kernel_causal(end: int, budget: float, sweep: bool) -> dict:
     if ref is not None:
         r["flash_default"]["vs_f32_ref_last_rows"] = round((base[-tail:].float() - ref.float()).abs().max().item(), 5)
     del ref
-    if sweep:
-        for name, cfg in CONFIGS.items():
-            if left(budget) < 30:
-                r[name] = "skipped: budget"
-                continue
-            try:
-                r[name] = check_and_time(lambda: attention_flash(q, k, v, kpos, end, **kw, **cfg), base, reps)
-                if isinstance(r[name]["ms"], float):
-                    r[name]["tflops"] = round(flops / r[name]["ms"] / 1e9, 1)
-            except Exception as e:
-                r[name] = f"{type(e).__name__}: {str(e)[:200]}"
     for bname in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION"):
         if end > 131072 or left(budget) < 30:
             break
@@ -162,11 +142,10 @@ def kernel_causal(end: int, budget: float, sweep: bool) -> dict:
         except Exception as e:
             r[f"sdpa_{bname.lower()}"] = f"{type(e).__name__}: {str(e)[:200]}"
         free()
-    for chunk in (0, TOPK_CHUNK):  # the top-k gather form (sparse: other results by design, timed only)
-        name = f"topk_gather{'_chunk%d' % chunk if chunk else ''}_ms"
+    topk = {"topk_gather_ms": attention_topk_gather, "topk_fused_ms": attention_topk_fused}
+    for name, fn in topk.items():  # the top-k forms (sparse: other results by design, timed only)
         try:
-            r[name] = med_ms(lambda: attention_topk_gather(q, k, v, kpos, end, RULE, qpos=qpos, causal=True,
-                                                           q_start=end - n, chunk=chunk), 1, warmup=1)
+            r[name] = med_ms(lambda: fn(q, k, v, kpos, end, RULE, qpos=qpos, causal=True, q_start=end - n), 1)
         except Exception as e:
             r[name] = f"{type(e).__name__}: {str(e)[:200]}"
     return r
@@ -187,9 +166,11 @@ def kernel_canvas(keys: int) -> dict:
             r[f"dense_{impl}_ms"] = med_ms(lambda: attention(q, k, v, None, n_keys, impl=impl, nlive=nlive), 5)
         except Exception as e:
             r[f"dense_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
-    for chunk in (0, TOPK_CHUNK):
-        r[f"topk_gather{'_chunk%d' % chunk if chunk else ''}_ms"] = med_ms(
-            lambda: attention_topk_gather(q, k, v, None, n_keys, RULE, nlive=nlive, chunk=chunk), 5)
+    for name, fn in {"topk_gather_ms": attention_topk_gather, "topk_fused_ms": attention_topk_fused}.items():
+        try:
+            r[name] = med_ms(lambda: fn(q, k, v, None, n_keys, RULE, nlive=nlive), 5)
+        except Exception as e:
+            r[name] = f"{type(e).__name__}: {str(e)[:200]}"
     return r
 
 
@@ -200,7 +181,7 @@ def section_kernels(a) -> dict:
             out["causal_full"][end] = "skipped: budget"
             continue
         try:
-            out["causal_full"][end] = r = kernel_causal(end, a.budget, sweep=end in (32768, 131072))
+            out["causal_full"][end] = r = kernel_causal(end, a.budget)
             log(f"[kernels] causal hd512 chunk ending at {end}: " + json.dumps(r))
         except Exception as e:
             traceback.print_exc()
@@ -287,17 +268,17 @@ def section_engine(eng, a, kind: str) -> dict:
             log(f"[{kind}] prefill {T}: {r}")
             if T in STEP_AT and kind == "bf16" and left(a.budget) > 40:  # the cache holds the prompt
                 st = {"dense_ms": step_ms(eng, cache, None, 10)}
-                for chunk in (0, TOPK_CHUNK):
-                    name = f"topk{'_chunk%d' % chunk if chunk else ''}"
+                for form in topk_mod.FORMS:
+                    name = f"topk_{form}"
                     try:
-                        topk_mod.CANDIDATE_CHUNK = chunk
+                        topk_mod.FORM = form
                         st[f"{name}_ms"] = step_ms(eng, cache, RULE, 10)
                         st[f"{name}_over_dense"] = round(st[f"{name}_ms"] / st["dense_ms"], 3)
                     except Exception as e:
                         traceback.print_exc()
                         st[f"{name}_ms"] = f"{type(e).__name__}: {str(e)[:300]}"
                     finally:
-                        topk_mod.CANDIDATE_CHUNK = 0
+                        topk_mod.FORM = "fused"
                 out["step"][T] = st
                 log(f"[{kind}] step at {T}: {st}")
             sparse = SPARSE_AT + ((ENDS[-1],) if a.sparse_256k else ())
@@ -387,7 +368,7 @@ def profile_chunk(eng, a) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; a section starting later is skipped")
-    ap.add_argument("--sections", default="kernels,prefill,profile,q4")
+    ap.add_argument("--sections", default="topk,tiles,kernels,prefill,profile,q4")
     ap.add_argument("--max-context", type=int, default=262144)
     ap.add_argument("--sparse-256k", action="store_true", help="also the sparse prefill at 256k (slow)")
     ap.add_argument("--json", default=None)
@@ -418,6 +399,11 @@ def main():
         dump()
 
     cfg, dev = shapes(False)
+    n_full = sum(not layer.is_sliding for layer in cfg.layers)
+    run("topk", lambda: section_topk(lambda: left(a.budget), log, n_full))
+    free()
+    run("tiles", lambda: section_tiles(lambda: left(a.budget), log))
+    free()
     if sections & {"prefill", "profile"}:
         t = time.time()
         eng = build("bf16", cfg, dev, False)
@@ -436,19 +422,33 @@ def main():
         run("q4", lambda: section_engine(eng, a, "q4"))
         del eng
         free()
-    summary(res)
+    summary(res, n_full)
     dump()
 
 
-def summary(res):
+def summary(res, n_full: int):
     log("\n== summary ==")
     pf = res.get("prefill", {}) if isinstance(res.get("prefill"), dict) else {}
     q4 = res.get("q4", {}) if isinstance(res.get("q4"), dict) else {}
     for T, r in (pf.get("prefill") or {}).items():
         q = (q4.get("prefill") or {}).get(T)
         log(f"prefill {T}: bf16 {r}" + (f" | q4 {q}" if q else ""))
-    for T, r in (pf.get("step") or {}).items():
+    steps = pf.get("step") or {}
+    for T, r in steps.items():
         log(f"step {T}: {r}")
+    tk = res.get("topk") if isinstance(res.get("topk"), dict) else {}
+    big = tk.get(131072) if isinstance(tk.get(131072), dict) else None
+    if isinstance(steps.get(131072), dict) and isinstance(steps.get(SHORT), dict):
+        s1, s128 = steps[SHORT]["dense_ms"], steps[131072]["dense_ms"]
+        # a full layer's dense canvas attention: the topk section's kernel time, else the step's growth per layer
+        call = big["dense_tiles_ms"] if big else round((s128 - s1) / n_full, 3)
+        res["bar"] = bar_arithmetic(call, 131072, n_full, copy_gbps(), s1, s128)
+        log(f"the 0.75x bar at 128k from the steps: {res['bar']}")
+    for T, r in (tk or {}).items():
+        log(f"topk {T}: {r}")
+    tl_ = res.get("tiles") if isinstance(res.get("tiles"), dict) else {}
+    if tl_.get("table"):
+        log("LONG_CAUSAL_TILES rows:\n" + "\n".join(tl_["table"]))
     for T, r in (pf.get("sparse_prefill") or {}).items():
         log(f"sparse prefill {T}: {r}")
     kern = res.get("kernels", {}) if isinstance(res.get("kernels"), dict) else {}

@@ -246,14 +246,24 @@ def test_short_causal_calls_take_4_warps_only_at_head_dim_512():
     assert fl.short_causal(slide, 2 * 256, 8, 256, 132) == dict(BD=128)
 
 
-def test_long_causal_chunks_at_head_dim_512_take_two_column_halves():
-    """A long prompt's chunk at head dim 512 (LONG_CAUSAL_ROWS rows or more over LONG_CAUSAL_KEYS keys or more) runs
-    LONG_CAUSAL's tiles, two 256-wide halves whose rows are the whole row's (the test below); anything shorter keeps
-    flash_config and the short-call column rule."""
-    rows, keys = fl.LONG_CAUSAL_ROWS, fl.LONG_CAUSAL_KEYS
-    assert fl.long_causal(512, rows, keys) and fl.LONG_CAUSAL["BD"] == 256
-    assert not fl.long_causal(512, rows - 1, keys) and not fl.long_causal(512, rows, keys - 1)
-    assert not fl.long_causal(256, rows, keys)
+def test_long_causal_chunks_at_head_dim_512_take_the_tile_table():
+    """A long prompt's chunk at head dim 512 takes the tiles of the last LONG_CAUSAL_TILES row it reaches (rows and
+    keys at least the row's); anything shorter, or another head dim, keeps flash_config and the short-call rule."""
+    table = fl.LONG_CAUSAL_TILES
+    assert [k for _, k, _ in table] == sorted(k for _, k, _ in table)
+    for rows, keys, tiles in table:
+        assert fl.long_causal_tiles(512, rows, keys) is tiles and 512 % tiles["BD"] == 0
+        assert fl.long_causal_tiles(512, 1 << 20, keys) is tiles or keys < table[-1][1]
+        assert fl.long_causal_tiles(256, rows, keys) is None
+    rows, keys, _ = table[0]
+    assert fl.long_causal_tiles(512, rows - 1, keys) is None and fl.long_causal_tiles(512, rows, keys - 1) is None
+    with_more = (*table, (table[0][0], 2 * table[-1][1], dict(BM=64, BN=64, BD=512, num_warps=8, num_stages=1)))
+    orig, fl.LONG_CAUSAL_TILES = fl.LONG_CAUSAL_TILES, with_more
+    try:  # a longer row wins from its keys on, the earlier rows below them
+        assert fl.long_causal_tiles(512, rows, 2 * table[-1][1]) is with_more[-1][2]
+        assert fl.long_causal_tiles(512, rows, 2 * table[-1][1] - 1) is table[-1][2]
+    finally:
+        fl.LONG_CAUSAL_TILES = orig
 
 
 def test_causal_column_halves_give_the_whole_rows_bits():

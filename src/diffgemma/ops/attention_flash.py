@@ -230,9 +230,13 @@ def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
 
 
-# a head-dim-512 causal call of at least these rows and keys (a long prompt's later chunks) takes these tiles
-LONG_CAUSAL_KEYS, LONG_CAUSAL_ROWS = 32768, 2048
-LONG_CAUSAL = dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2)
+# A head-dim-512 causal call of at least `rows` queries over at least `keys` keys (a long prompt's later chunks) takes
+# the tiles of the last row here it reaches (long_causal_tiles), rows in ascending keys. bench/longctx_check.py's
+# `tiles` section sweeps candidates at 8192 queries over 32k / 64k / 128k keys and prints the rows to write here.
+LONG_CAUSAL_TILES = (
+    # (rows, keys, tiles)
+    (2048, 32768, dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2)),
+)
 
 
 def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> dict:
@@ -246,8 +250,8 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps; one wave of splits up to 4k keys, two
           above;
       causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute); a long
-          prompt's chunk of LONG_CAUSAL_ROWS rows or more over LONG_CAUSAL_KEYS keys or more: LONG_CAUSAL (BM 128,
-          two 256-wide output halves, each recomputing QK^T with the same bits; bench/longctx_check.py's sweep);
+          prompt's chunk: LONG_CAUSAL_TILES by its rows and keys (e.g. BM 128, two 256-wide output halves, each
+          recomputing QK^T; bench/longctx_check.py's sweep);
       causal hd 256 (window 1024): BM 64, BN 32, 4 warps (Q read once, not per key block).
     Each was faster than SDPA at its shape.
     """
@@ -262,9 +266,15 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     return dict(BM=128, BN=64, BD=d, num_warps=8, num_stages=2, waves=1)
 
 
-def long_causal(d: int, rows: int, n_keys: int) -> bool:
-    """Whether a causal call is a long prompt's chunk at head dim 512, which takes LONG_CAUSAL's tiles."""
-    return d >= 512 and rows >= LONG_CAUSAL_ROWS and n_keys >= LONG_CAUSAL_KEYS
+def long_causal_tiles(d: int, rows: int, n_keys: int) -> dict | None:
+    """A causal call's tiles if it is a long prompt's chunk at head dim 512: those of the last LONG_CAUSAL_TILES row
+    whose rows and keys it reaches; None otherwise (flash_config and short_causal decide)."""
+    tiles = None
+    if d >= 512:
+        for min_rows, min_keys, t in LONG_CAUSAL_TILES:
+            if rows >= min_rows and n_keys >= min_keys:
+                tiles = t
+    return tiles
 
 
 def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> dict:
@@ -329,8 +339,9 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     assert q.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride() == k.stride()
     c = flash_config(d, causal, n_keys, live=live)
     G = H // KV
-    if causal and long_causal(d, n, n_keys) and "BD" not in cfg:
-        c.update(LONG_CAUSAL)
+    long = long_causal_tiles(d, n, n_keys) if causal else None
+    if long is not None and "BD" not in cfg:
+        c.update(long)
     elif causal and "BD" not in cfg:
         c.update(short_causal(c, G * n, KV, d, _sm_count(q.device.index or 0) if q.is_cuda else 132))
     c.update(cfg)

@@ -17,7 +17,11 @@ Masks: causal (prefill) with kpos/qpos (full layers: no window), or the bidirect
                         candidates and their V rows gathered; the twin elsewhere. It equals the twin's selection
                         whenever every key tied at a row's k-th score is among its max_keys candidates (always,
                         unless more than max_keys - k + 1 keys share that exact score).
-  attention_topk        dispatch: the gather form on CUDA, the twin elsewhere
+  attention_topk_fused  the fused form (ops/attention_topk_fused.py): f32 scores by a Triton GEMM, each row's exact
+                        k-th score by a radix select on its f32 bits, the softmax and P·V over the selected keys
+                        only; the twin's selection exactly, ties included
+  attention_topk        dispatch: the fused form on CUDA (FORM; the gather form where it cannot compile or launch),
+                        the twin elsewhere
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ._backend import use_triton
+from .attention_topk_fused import fused_topk_blocks
 
 
 @dataclass(frozen=True)
@@ -150,16 +156,45 @@ def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
 # The gather form's candidate chunk on CUDA (_top_candidates; 0: one torch.topk over every key). The same selection
 # either way; bench/longctx_check.py times both.
 CANDIDATE_CHUNK = 0
+FORMS = ("fused", "gather")
+FORM = "fused"  # the CUDA form (FORMS); bench/longctx_check.py times each
+_fused_failed: dict = {}  # head dim -> why the fused kernels could not compile or launch here
 
 
 def attention_topk(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
                    q_start: int | None = None, **_):
-    """-> [n, H·d]: the gather form on CUDA, the twin elsewhere."""
+    """-> [n, H·d]: the fused form on CUDA (or the gather form: FORM, without Triton or with DIFFGEMMA_NO_TRITON=1,
+    or where the fused kernels failed outside a graph capture, noted with a warning once), the twin elsewhere."""
+    kw = dict(qpos=qpos, causal=causal, out_dtype=out_dtype, nlive=nlive)
     if not q.is_cuda:
-        return attention_topk_ref(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype,
-                                  nlive=nlive)
-    return attention_topk_gather(q, k, v, kpos, n_keys, rule, qpos=qpos, causal=causal, out_dtype=out_dtype,
-                                 nlive=nlive, q_start=q_start, chunk=CANDIDATE_CHUNK)
+        return attention_topk_ref(q, k, v, kpos, n_keys, rule, **kw)
+    if FORM == "fused" and use_triton(q) and q.shape[-1] not in _fused_failed:
+        try:
+            return attention_topk_fused(q, k, v, kpos, n_keys, rule, q_start=q_start, **kw)
+        except Exception as e:
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            import warnings
+
+            _fused_failed[q.shape[-1]] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"diffgemma attention_topk: the fused kernels are unavailable for head_dim {q.shape[-1]}, "
+                          f"using the gather form ({_fused_failed[q.shape[-1]]})")
+    return attention_topk_gather(q, k, v, kpos, n_keys, rule, q_start=q_start, chunk=CANDIDATE_CHUNK, **kw)
+
+
+def attention_topk_fused(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None,
+                         nlive=None, q_start: int | None = None, block_rows: int | None = None, **configs):
+    """The fused form (module docstring), on CUDA or under TRITON_INTERPRET=1. Arguments as attention_topk_gather;
+    block_rows: query positions per block (default: each KV head's f32 scores of a block in 2^28 floats, the blocks
+    of even size); configs: the kernels' scores_config / select_config / pv_config and tma (ops/attention_topk_fused.py)."""
+    _check(q, k, kpos, qpos, causal, rule)
+    H, n, _ = q.shape
+    if block_rows is None:
+        per = max(1, (1 << 28) // max(n_keys, 1) // (H // k.shape[0]))
+        blocks = -(-n // per)
+        block_rows = -(-n // blocks)
+    return fused_topk_blocks(q, k, v, kpos, n_keys, rule, block_rows, qpos=qpos, causal=causal, out_dtype=out_dtype,
+                             nlive=nlive, q_start=q_start, **configs)
 
 
 def _top_candidates(sc: torch.Tensor, kmax: int, chunk: int):
