@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "diffgemma"
-LANES = {"read_asks", "forward_lanes", "lane_stats", "lane_masks", "lane_plans", "lane_embeds"}
-ASKS = {"ForwardAsk", "StatusAsk", "BlockRead", "EmbedAsk", "Sampled"}
+LANES = {"read_asks", "forward_lanes", "lane_stats", "lane_masks", "lane_plans", "lane_embeds", "commit_lanes"}
+ASKS = {"ForwardAsk", "StatusAsk", "BlockRead", "EmbedAsk", "CommitAsk", "Sampled"}
 MACHINERY = {"generate_steps"} | ASKS | LANES
 # where each may be named outside core/steps.py: the core's own modules
 ALLOWED = {"core/turn.py": {"generate_steps"}, "core/engine.py": ASKS | LANES, "core/lanes.py": ASKS | LANES}

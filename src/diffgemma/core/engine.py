@@ -14,7 +14,7 @@ with `add_request` and call `step()` until they are done; `abort` (or Request.ca
     read      every lane's sparse-SC plan (lanes.lane_plans), then one host wait for every lane's status
               (lanes.read_asks); each request runs on to its EmbedAsk, whose SC embeddings are summed together
               (lanes.lane_embeds), then to its next ForwardAsk or, at a block's end, to its BlockRead: those share one
-              more wait before any lane commits
+              more wait before any lane commits, and the lanes' commits run together (lanes.commit_lanes)
     events    each request's events go to its sink as they come (and to its op-log); a request whose generation is
               over leaves at once (a turn may regenerate a malformed tool call first)
 
@@ -29,12 +29,13 @@ import time
 
 from ..errors import InputError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, StartEvent, StepEvent
-from .lanes import forward_lanes, lane_embeds, lane_masks, lane_plans, lane_stats, read_asks
+from .lanes import commit_lanes, forward_lanes, lane_embeds, lane_masks, lane_plans, lane_stats, read_asks
 from .request import DENOISE, DONE, PREFILL, Request, canvas_length
 from .scheduler import Plan, Scheduler
-from .steps import BlockRead, EmbedAsk, ForwardAsk, StatusAsk
+from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, StatusAsk
 from .turn import Live, finish_generation, open_generation, prefill_chunk, start_steps
 
+READS = (StatusAsk, BlockRead, EmbedAsk, CommitAsk)  # the asks a round answers after its forward
 COUNTED = ("started", "left", "failed", "forwards", "canvas_steps", "prefill_tokens")  # EngineCore.counts
 
 
@@ -182,14 +183,18 @@ class EngineCore:
         self._read()
 
     def _read(self) -> None:
-        """Answer every request parked at an EmbedAsk (their SC embeddings summed together, queued first), then every
-        one parked at a StatusAsk (their sparse-SC plans made together) or a BlockRead with one host wait, and run each
-        on; again while any asks anew (a request runs from its status to its EmbedAsk, or at a block's end to its
-        BlockRead)."""
-        while parked := [r for r in self.scheduler.running if isinstance(r.run.ask, (StatusAsk, BlockRead, EmbedAsk))]:
+        """Answer every request parked at an EmbedAsk (their SC embeddings summed together, queued first) or a
+        CommitAsk (their blocks committed together), then every one parked at a StatusAsk (their sparse-SC plans made
+        together) or a BlockRead with one host wait, and run each on; again while any asks anew (a request runs from
+        its status to its EmbedAsk, or at a block's end to its BlockRead, then its CommitAsk)."""
+        while parked := [r for r in self.scheduler.running if isinstance(r.run.ask, READS)]:
             embeds = [r for r in parked if isinstance(r.run.ask, EmbedAsk)]
-            if embeds:
-                self._answer(embeds, lambda asks: lane_embeds(self.model, asks))
+            commits = [r for r in parked if isinstance(r.run.ask, CommitAsk)]
+            if embeds or commits:
+                if embeds:
+                    self._answer(embeds, lambda asks: lane_embeds(self.model, asks))
+                if commits:
+                    self._answer(commits, lambda asks: commit_lanes(self.model, asks))
                 continue
             self._answer(parked, self._read_asks)
 
@@ -223,7 +228,7 @@ class EngineCore:
             while True:
                 item = r.run.steps.send(answer)
                 answer = None
-                if isinstance(item, (ForwardAsk, StatusAsk, BlockRead, EmbedAsk)):
+                if isinstance(item, (ForwardAsk, *READS)):
                     r.run.ask = item
                     return
                 if isinstance(item, DoneEvent):

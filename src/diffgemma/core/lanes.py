@@ -8,6 +8,7 @@ run alone (docs/ARCHITECTURE.md, 'Batching'):
     lane_plans      every lane's sparse-SC plan, before the status read (SparsePlan.batch, counts_batch)
     read_asks       every lane's host read (step statuses, block reads) with one host wait
     lane_embeds     every lane's next SC embedding, after the read (SparsePlan.soft_embed_batch)
+    commit_lanes    the commits of the lanes that ended a block, as one batched prefill (the model's commit_batch)
 
 Each makes one launch of each kernel for all lanes where the lanes' numbers allow it, and each lane gets the bits it
 gets alone: a solo request is a batch of one. Lanes the batched kernels cannot serve together (other canvas lengths,
@@ -20,7 +21,7 @@ from ..model.denoiser import queue_copy, read_statuses, wait_statuses
 from ..sampling.accept import accept_mask, accept_masks
 from ..sampling.self_condition import SparsePlan
 from ..sampling.stats import StepStats
-from .steps import BlockRead, EmbedAsk, ForwardAsk, Sampled, StatusAsk
+from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, Sampled, StatusAsk
 
 
 def forward_lanes(model, asks: list[ForwardAsk]) -> list:
@@ -120,3 +121,16 @@ def lane_embeds(model, asks: list[EmbedAsk]) -> list:
     take it (SparsePlan.soft_embed_batch), each lane the sum it makes alone."""
     return SparsePlan.soft_embed_batch([a.plan for a in asks], [a.count for a in asks], model.embedding,
                                        model.config.embed_scale)
+
+
+def commit_lanes(model, asks: list[CommitAsk]) -> list:
+    """Append each lane's block to its cache: several through the model's `commit_batch` (one forward over their
+    caches, each cache written with the bits of its own commit) where the model has one, else each lane's own
+    commit (CommitAsk.run) -> one None per ask."""
+    batch = getattr(model, "commit_batch", None) if len(asks) > 1 else None
+    if batch is None:
+        for a in asks:
+            a.run()
+    else:
+        batch([a.cache for a in asks], [a.ids for a in asks])
+    return [None] * len(asks)

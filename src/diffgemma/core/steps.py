@@ -17,10 +17,10 @@ stop token, the token budget, or the block budget ends it:
         prefill the kept tokens into the cache
 
 `generate_steps` yields a `ForwardAsk` where a step needs the model and its sampler's row pass, a `StatusAsk` where it
-reads its step's status, an `EmbedAsk` where it needs its next step's sparse SC embedding and a `BlockRead` where it
-reads its block: the engine core (core/engine.py), its only driver, answers them for every running request of a
+reads its step's status, an `EmbedAsk` where it needs its next step's sparse SC embedding, a `BlockRead` where it
+reads its block and a `CommitAsk` where the block's kept ids go into the cache: the engine core (core/engine.py), its only driver, answers them for every running request of a
 round together (one batched forward; the lanes' row stats, accept masks, sparse-SC plans and soft embeddings each
-made once for all lanes, core/lanes.py; one host wait), each lane getting the bits it gets alone. Everything else
+made once for all lanes, core/lanes.py; one host wait; the commits of a round in one batched prefill), each lane getting the bits it gets alone. Everything else
 (sampling, renoise, grammar hold, stop rules, re-rolls, commits) is the request's own, so a request gets the same
 tokens alone or batched. The loop reaches the model only through model/protocol.DenoiseModel and its Denoiser
 (model/denoiser.py: how a step meets the device).
@@ -132,6 +132,19 @@ class BlockRead:
 
 
 @dataclass
+class CommitAsk:
+    """A request's ask to append its block's kept ids to its cache, answered with None once they are in (the engine
+    core commits a round's blocks together: core/lanes.commit_lanes)."""
+
+    model: Any
+    cache: Any
+    ids: torch.Tensor  # the kept ids, on the model's device
+
+    def run(self) -> None:
+        commit(self.model, self.cache, self.ids)
+
+
+@dataclass
 class _Proposal:
     committed: torch.Tensor  # [C] ids (device)
     argmax: torch.Tensor  # [C] last step's argmax (device)
@@ -197,7 +210,7 @@ def generate_steps(model: DenoiseModel, cache, s: GenerationSettings, *, keep_ca
                 or block + 1 >= max_blocks)
         if keep and (keep_cache or not last):
             t = time.perf_counter()
-            commit(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
+            yield CommitAsk(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
             tally.timings["prefill_s"] += time.perf_counter() - t
         tally.tokens.extend(keep)
         tally.steps_per_block.append(proposal.steps)
