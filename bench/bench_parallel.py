@@ -5,7 +5,7 @@
 
 For each expert format (q4 records with a q8 SC MLP, or bf16): the 1-GPU engine (model/engine.py) over random
 full-size weights (bench/fixtures.py, seed 0) is built on GPU 0 and measured, then freed; then G ranks are started
-(parallel/launch.py, NCCL), each builds its share of the same weights (every rank generates every tensor from the
+(launch.py, NCCL), each builds its share of the same weights (every rank generates every tensor from the
 same seed and keeps its slice) and rank 0's LeadEngine is measured the same way:
   step     a denoise at a 1k context as generate calls it (raw logits, SC embeddings; CUDA graph), wall time per call
            with a device sync after each (the same for both: rank 0's call includes handing it to the other ranks),
@@ -38,7 +38,7 @@ from bench.bench_engine import CANVAS, TEXT
 from bench.fixtures import RandomPackSource, RandomSource
 from diffgemma.config import ModelConfig
 from diffgemma.model.engine import build_engine
-from diffgemma.parallel import launch
+from diffgemma import launch
 from diffgemma.parallel.engine import build_parallel_engine, shard_source
 
 S, FULL = "sliding_attention", "full_attention"

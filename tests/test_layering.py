@@ -34,8 +34,8 @@ LAYERS = [
     {"ops"},  # kernels and the bit layouts they read
     {"quant"},  # pack formats: read and write them (import their layouts from ops)
     {"model", "sampling"},  # the forward pass; the sampler
-    # KV slots, the op-log; loading a model (and its vision tower); the expert-parallel engine and its ranks
-    {"slots", "oplog", "loader", "vision", "parallel"},
+    # KV slots, the op-log; loading a model (and its vision tower); the expert-parallel engine; starting its ranks
+    {"slots", "oplog", "loader", "vision", "parallel", "launch"},
     {"core"},  # the engine core: requests, the scheduler, the generation algorithm, the one loop (step)
     # the drivers (generate, generate_batch, warm-up, conversations, replay); the public API
     {"generation", "batch", "warmup", "session", "reply", "options", "replay", "golden", ""},
@@ -222,6 +222,15 @@ def test_sampling_imports_no_model_server_or_app(graphs):
            for m, deps in graph.items() if top(m) == "sampling"}
     bad = {m: d for m, d in bad.items() if d}
     assert not bad, f"sampling/ importing {sorted(SAMPLING_MAY_NOT_IMPORT)}: {bad}"
+
+
+def test_parallel_never_imports_the_loader(graphs):
+    """The loader builds the expert-parallel engine; parallel/ must not reach back (launch.py loads the ranks)."""
+    graph, _ = graphs
+    bad = {short(m): sorted(short(d) for d in deps if top(d) == "loader")
+           for m, deps in graph.items() if top(m) == "parallel"}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"parallel/ importing the loader: {bad}"
 
 
 def test_no_layer_imports_a_higher_one(graphs):

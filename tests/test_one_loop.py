@@ -6,11 +6,11 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "diffgemma"
-MACHINERY = {"generate_steps", "ForwardAsk", "StatusAsk", "BlockRead", "read_asks", "forward_lanes", "lane_stats"}
+LANES = {"read_asks", "forward_lanes", "lane_stats", "lane_masks", "lane_plans", "lane_embeds", "commit_lanes"}
+ASKS = {"ForwardAsk", "StatusAsk", "BlockRead", "EmbedAsk", "CommitAsk", "Sampled"}
+MACHINERY = {"generate_steps"} | ASKS | LANES
 # where each may be named outside core/steps.py: the core's own modules
-ALLOWED = {"core/turn.py": {"generate_steps"}, "core/engine.py": {"ForwardAsk", "StatusAsk", "BlockRead",
-                                                                   "read_asks", "forward_lanes", "lane_stats"},
-           "core/lanes.py": {"ForwardAsk", "BlockRead", "read_asks", "forward_lanes", "lane_stats"}}
+ALLOWED = {"core/turn.py": {"generate_steps"}, "core/engine.py": ASKS | LANES, "core/lanes.py": ASKS | LANES}
 
 
 def names_used(tree: ast.AST) -> set[str]:

@@ -32,7 +32,7 @@ from diffgemma.ops.layouts import planes
 from diffgemma.ops.moe import expert_ffn
 from diffgemma.ops.packed_weight import PackedWeight
 from diffgemma.ops.rmsnorm import unpermute_ref
-from diffgemma.parallel import launch
+from diffgemma import launch
 from diffgemma.parallel.engine import LeadEngine
 from diffgemma.parallel.expert import ExpertParallelForward, ExpertShard
 from diffgemma.parallel.group import Group, ParallelError, wait_for
@@ -189,7 +189,7 @@ def test_a_collective_that_times_out_ends_rank_0s_call(checkpoints):
 
 RANK0 = """
 import sys, time, torch, diffgemma
-from diffgemma.parallel import launch
+from diffgemma import launch
 ranks = launch.start(2, "cpu", launch.load_rank, (sys.argv[1], torch.float32), start_method="fork")
 model = diffgemma.load(sys.argv[1], dtype=torch.float32, group=ranks.group)
 print(ranks.procs[0].pid, flush=True)

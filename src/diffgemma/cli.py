@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler = COMMANDS.get(args.command) or args.func
         if hasattr(args, "gpus") and (args.gpus is not None or "WORLD_SIZE" in os.environ):
-            from .parallel.launch import run
+            from .launch import run
 
             return run(args, handler)  # rank 0 runs the command, the other ranks follow its model's calls
         return handler(args)

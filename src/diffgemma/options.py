@@ -59,7 +59,7 @@ def load_model(args):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load(args.model, device=device, group=getattr(args, "parallel_group", None))  # set by parallel/launch.py
+    return load(args.model, device=device, group=getattr(args, "parallel_group", None))  # set by launch.py
 
 
 def generation_settings(model, args):

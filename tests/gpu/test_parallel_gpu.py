@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 import diffgemma  # noqa: E402
 from diffgemma.generation import generate  # noqa: E402
-from diffgemma.parallel import launch  # noqa: E402
+from diffgemma import launch  # noqa: E402
 from diffgemma.parallel.engine import LeadEngine  # noqa: E402
 from diffgemma.parallel.group import Group  # noqa: E402
 

@@ -9,9 +9,12 @@ with `add_request` and call `step()` until they are done; `abort` (or Request.ca
     prefill   the planned prompt chunks; a request whose prompt is in starts its generation (core/steps.py) and
               runs to its first ForwardAsk
     forward   one forward over every stepping request's canvas (core/lanes.forward_lanes), every lane's StepStats
-              made in one place (lanes.lane_stats), each request running on with its stats to its StatusAsk
-    read      one host wait for every lane's status (lanes.read_asks); each request runs on to its next ForwardAsk
-              or, at a block's end, to its BlockRead: those share one more wait before any lane commits
+              and accept mask made in one place (lanes.lane_stats, lanes.lane_masks), each request running on with
+              them to its StatusAsk
+    read      every lane's sparse-SC plan (lanes.lane_plans), then one host wait for every lane's status
+              (lanes.read_asks); each request runs on to its EmbedAsk, whose SC embeddings are summed together
+              (lanes.lane_embeds), then to its next ForwardAsk or, at a block's end, to its BlockRead: those share one
+              more wait before any lane commits, and the lanes' commits run together (lanes.commit_lanes)
     events    each request's events go to its sink as they come (and to its op-log); a request whose generation is
               over leaves at once (a turn may regenerate a malformed tool call first)
 
@@ -26,12 +29,13 @@ import time
 
 from ..errors import InputError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, StartEvent, StepEvent
-from .lanes import forward_lanes, lane_stats, read_asks
+from .lanes import commit_lanes, forward_lanes, lane_embeds, lane_masks, lane_plans, lane_stats, read_asks
 from .request import DENOISE, DONE, PREFILL, Request, canvas_length
 from .scheduler import Plan, Scheduler
-from .steps import BlockRead, ForwardAsk, StatusAsk
+from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, StatusAsk
 from .turn import Live, finish_generation, open_generation, prefill_chunk, start_steps
 
+READS = (StatusAsk, BlockRead, EmbedAsk, CommitAsk)  # the asks a round answers after its forward
 COUNTED = ("started", "left", "failed", "forwards", "canvas_steps", "prefill_tokens")  # EngineCore.counts
 
 
@@ -167,32 +171,53 @@ class EngineCore:
         for r in lanes:
             r.run.ask = None
         try:
-            stats = lane_stats(asks, forward_lanes(self.model, asks))
+            sampled = lane_masks(asks, lane_stats(asks, forward_lanes(self.model, asks)))
         except Exception as e:  # a failed forward: each lane's own failure
             for r in lanes:
                 self._fail(r, e)
             return
         del asks
-        for r, st in zip(lanes, stats):
-            self._advance(r, st)
-        del stats  # each request holds its own stats until its status is read
+        for r, s in zip(lanes, sampled):
+            self._advance(r, s)
+        del sampled  # each request holds its own stats until its status is read
         self._read()
 
     def _read(self) -> None:
-        """Answer every request parked at a StatusAsk or a BlockRead with one host wait, and run each on; again
-        while any asks anew (a request whose block ended reads the block after its status)."""
-        while parked := [r for r in self.scheduler.running if isinstance(r.run.ask, (StatusAsk, BlockRead))]:
-            asks = [r.run.ask for r in parked]
-            for r in parked:
-                r.run.ask = None
-            try:  # a core of one request reads on its own denoiser, which may stage its next forward as it reads
-                answers = read_asks(asks) if self.batched else [ask.run() for ask in asks]
-            except Exception as e:
-                for r in parked:
-                    self._fail(r, e)
+        """Answer every request parked at an EmbedAsk (their SC embeddings summed together, queued first) or a
+        CommitAsk (their blocks committed together), then every one parked at a StatusAsk (their sparse-SC plans made
+        together) or a BlockRead with one host wait, and run each on; again while any asks anew (a request runs from
+        its status to its EmbedAsk, or at a block's end to its BlockRead, then its CommitAsk)."""
+        while parked := [r for r in self.scheduler.running if isinstance(r.run.ask, READS)]:
+            embeds = [r for r in parked if isinstance(r.run.ask, EmbedAsk)]
+            commits = [r for r in parked if isinstance(r.run.ask, CommitAsk)]
+            if embeds or commits:
+                if embeds:
+                    self._answer(embeds, lambda asks: lane_embeds(self.model, asks))
+                if commits:
+                    self._answer(commits, lambda asks: commit_lanes(self.model, asks))
                 continue
-            for r, answer in zip(parked, answers):
-                self._advance(r, answer)
+            self._answer(parked, self._read_asks)
+
+    def _read_asks(self, asks: list) -> list:
+        lane_plans(asks, lend=not self.batched)
+        # a core of one request reads on its own denoiser, which may stage its next forward as it reads
+        return read_asks(asks) if self.batched else [ask.run() for ask in asks]
+
+    def _answer(self, parked: list[Request], answer) -> None:
+        """Take the parked requests' asks, answer them together (answer(asks) -> one answer each) and run each request
+        on with its answer; a failure is each of theirs."""
+        asks = [r.run.ask for r in parked]
+        for r in parked:
+            r.run.ask = None
+        try:
+            answers = answer(asks)
+        except Exception as e:
+            for r in parked:
+                self._fail(r, e)
+            return
+        del asks
+        for r, a in zip(parked, answers):
+            self._advance(r, a)
 
     # -- one request --------------------------------------------------------------------------------------------
 
@@ -203,7 +228,7 @@ class EngineCore:
             while True:
                 item = r.run.steps.send(answer)
                 answer = None
-                if isinstance(item, (ForwardAsk, StatusAsk, BlockRead)):
+                if isinstance(item, (ForwardAsk, *READS)):
                     r.run.ask = item
                     return
                 if isinstance(item, DoneEvent):

@@ -16,11 +16,13 @@ stop token, the token budget, or the block budget ends it:
         cut at a stop id (end of turn), at the token budget, at the confidence trim, or where a grammar refuses
         prefill the kept tokens into the cache
 
-`generate_steps` yields a `ForwardAsk` where a step needs the model, a `StatusAsk` where it reads its step's status
-and a `BlockRead` where it reads its block: the engine core (core/engine.py), its only driver, answers them for
-every running request of a round together (one batched forward, the lanes' row stats in one place, one host wait).
-Everything else (sampler, SC, stop rules, re-rolls, commits) is the request's own, so a request gets the same tokens
-alone or batched. The loop reaches the model only through model/protocol.DenoiseModel and its Denoiser
+`generate_steps` yields a `ForwardAsk` where a step needs the model and its sampler's row pass, a `StatusAsk` where it
+reads its step's status, an `EmbedAsk` where it needs its next step's sparse SC embedding, a `BlockRead` where it
+reads its block and a `CommitAsk` where the block's kept ids go into the cache: the engine core (core/engine.py), its only driver, answers them for every running request of a
+round together (one batched forward; the lanes' row stats, accept masks, sparse-SC plans and soft embeddings each
+made once for all lanes, core/lanes.py; one host wait; the commits of a round in one batched prefill), each lane getting the bits it gets alone. Everything else
+(sampling, renoise, grammar hold, stop rules, re-rolls, commits) is the request's own, so a request gets the same
+tokens alone or batched. The loop reaches the model only through model/protocol.DenoiseModel and its Denoiser
 (model/denoiser.py: how a step meets the device).
 
 Cache contract: with keep_cache the cache gets every kept token; otherwise the last block is not committed (no one
@@ -44,11 +46,9 @@ import torch
 from ..errors import InputError
 from ..events import BlockEvent, DoneEvent, GenerationResult, StepEvent
 from ..model.protocol import DenoiseModel
-from ..sampling.accept import accept_mask
 from ..sampling.constraint import GrammarState
 from ..sampling.rng import DeviceLcg, block_seed, categorical
 from ..sampling.schedule import remaining, temperature_value
-from ..sampling.self_condition import SparsePlan
 from ..sampling.stats import StepStats
 from ..sampling.stops import REASONS, DeviceStopRules, filler_id
 from ..sampling.trim import trim_cut
@@ -65,8 +65,9 @@ CONTINUE = "continue"  # a full block was committed; the next block follows
 
 @dataclass
 class ForwardAsk:
-    """A request's ask for one denoise forward, answered with the step's StepStats (the engine core runs the round's
-    forward over every lane's canvas, then makes each lane's stats of its logits at `temp`, with its denoiser's cap)."""
+    """A request's ask for one denoise forward, answered with the step's `Sampled`: the engine core runs the round's
+    forward over every lane's canvas, makes each lane's StepStats of its logits at `temp` (with its denoiser's cap),
+    then each lane's accept mask (sampling/accept.py) by its rule: `bound`, `final_step` (accept nothing), `frozen`."""
 
     den: Any  # the request's Denoiser (model/protocol.Denoiser)
     cache: Any
@@ -74,6 +75,9 @@ class ForwardAsk:
     sc_logits: torch.Tensor | None
     sc_embeds: torch.Tensor | None
     temp: float  # the step's temperature
+    bound: float = 0.0  # the accept rule's entropy bound (nats)
+    final_step: bool = False
+    frozen: torch.Tensor | None = None  # the legacy freeze's mask
 
     def run(self) -> torch.Tensor:
         """This forward alone, on the request's own denoiser -> logits [C, V]."""
@@ -81,19 +85,40 @@ class ForwardAsk:
 
 
 @dataclass
+class Sampled:
+    """A ForwardAsk's answer: the step's row stats and its accept mask [C] (bool)."""
+
+    stats: Any  # sampling/stats.StepStats
+    mask: torch.Tensor
+
+
+@dataclass
 class StatusAsk:
     """A request's ask for its step's one host read, answered with a StepStatus (model/denoiser.read_statuses reads
-    a round's lanes with one host wait)."""
+    a round's lanes with one host wait). Where `sc_ratio` is set the engine core first makes the step's sparse-SC plan
+    of `stats` into `plan` (core/lanes.lane_plans: SparsePlan(stats, sc_ratio, dense_dtype) for every lane at once);
+    its survivor count rides in the status."""
 
     den: Any
     code: torch.Tensor  # the stop rules' device code
     mean_h: torch.Tensor  # the canvas' mean entropy (f64 device scalar)
     plan: Any  # the step's SparsePlan, or None
     canvas: torch.Tensor  # the next step's canvas
+    stats: Any = None  # the step's StepStats, which the plan is made of
+    sc_ratio: float | None = None  # the sparse SC's log ratio, or None: no plan this step
+    dense_dtype: torch.dtype | None = None  # the plan's bet on the dense product (SparsePlan's dense_dtype)
 
     def run(self):
         return self.den.read_status(self.code, self.mean_h, self.plan, self.canvas)
 
+
+@dataclass
+class EmbedAsk:
+    """A request's ask for its next step's SC embedding, answered with plan.soft_embed(count, ...) [C, H] (the engine
+    core sums every lane's at once: SparsePlan.soft_embed_batch)."""
+
+    plan: Any  # the step's SparsePlan
+    count: int  # its survivors in all, as the status read them
 
 @dataclass
 class BlockRead:
@@ -104,6 +129,19 @@ class BlockRead:
 
     def run(self) -> list[float]:
         return self.packed.tolist()
+
+
+@dataclass
+class CommitAsk:
+    """A request's ask to append its block's kept ids to its cache, answered with None once they are in (the engine
+    core commits a round's blocks together: core/lanes.commit_lanes)."""
+
+    model: Any
+    cache: Any
+    ids: torch.Tensor  # the kept ids, on the model's device
+
+    def run(self) -> None:
+        commit(self.model, self.cache, self.ids)
 
 
 @dataclass
@@ -172,7 +210,7 @@ def generate_steps(model: DenoiseModel, cache, s: GenerationSettings, *, keep_ca
                 or block + 1 >= max_blocks)
         if keep and (keep_cache or not last):
             t = time.perf_counter()
-            commit(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
+            yield CommitAsk(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
             tally.timings["prefill_s"] += time.perf_counter() - t
         tally.tokens.extend(keep)
         tally.steps_per_block.append(proposal.steps)
@@ -289,18 +327,19 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         cur = remaining(step, steps_total)
         temp = temperature_value(cur, steps_total, s.t_min, s.t_max)  # host float, bit-equal to the f32 schedule
         # the previous step's stats and plan go before this step's arrive: one [C, V] f32 alive at a time
-        stats = plan = None
-        stats = yield ForwardAsk(den, cache, canvas, sc_logits, sc_embeds, temp)
+        stats = plan = sampled = None
+        # the final scheduled step accepts nothing under the contract; transformers decides it as usual
+        sampled = yield ForwardAsk(den, cache, canvas, sc_logits, sc_embeds, temp, s.entropy_bound,
+                                   final_step=(cur == 1 and not hf), frozen=frozen)
+        stats, mask = sampled.stats, sampled.mask
         h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":  # T's device scalar made here: an SC sum made ahead reads it
             stats.temp_tensor()
-        with den.bookkeeping():  # sample, accept, renoise, stop rules: beside the SC pass below
+        with den.bookkeeping():  # sample, renoise, stop rules: beside the SC pass the status read follows
             proposal = argmax
             if s.commit == "sample":
                 proposal = categorical(torch.softmax(stats.processed, dim=-1, dtype=torch.float32),
                                        rng.uniform(length, device))
-            # the final scheduled step accepts nothing under the contract; transformers decides it as usual
-            mask = accept_mask(h, s.entropy_bound, final_step=(cur == 1 and not hf), frozen=frozen)
             if frozen is not None:
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
@@ -310,19 +349,20 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
             canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
             mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
             code = stops.update(step, argmax, mean_h, mask)
-        # the sparse SC's survivor count rides in the status; not needed when this step is the last one for sure
-        if sparse_sc and step < steps_total:
-            plan = SparsePlan(stats, s.sc_sparse_log_ratio,
-                              dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None,
-                              scratch=None if batched else den.scratch(), sparse_ahead=den.run_ahead)
-        status = yield StatusAsk(den, code, mean_h, plan, canvas)
+        # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
+        # the last one for sure
+        sc_ratio = s.sc_sparse_log_ratio if sparse_sc and step < steps_total else None
+        ask = StatusAsk(den, code, mean_h, None, canvas, stats, sc_ratio,
+                        dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None)
+        status = yield ask
+        plan, ask = ask.plan, None
         reason = REASONS[status.code]
         yield StepEvent(block=block, attempt=attempt, step=step, temperature=temp, draft=argmax,
                         accepted=mask, mean_entropy=status.mean_entropy, stop_reason=reason, entropy=h)
         if reason is None:  # the next step self-conditions on these tempered logits
             if sparse_sc:
                 sc_logits = None
-                sc_embeds = plan.soft_embed(status.count, model.embedding, cfg.embed_scale)
+                sc_embeds = yield EmbedAsk(plan, status.count)
                 bet_dense = plan.took_dense
             else:
                 sc_logits, sc_embeds = stats.processed, None

@@ -2,8 +2,8 @@
 
 `Engine` is the model object `diffgemma.load` returns on CUDA (model/protocol.DenoiseModel): the same public methods
 as the reference model (new_cache / prefill / denoise / embed / soft_embed / embedding / config /
-generation_config / tokenizer), plus what generate's fast step uses (`denoiser`, `denoise_raw`, `stage_denoise`,
-`logits_scratch`, `drop_staged`) and what warm-up visits (`context_buckets`).
+generation_config / tokenizer), plus what the fast step uses (`denoiser`, `denoise_raw`, `stage_denoise`,
+`logits_scratch`, `drop_staged`, `commit`, `commit_batch`) and what warm-up visits (`context_buckets`).
 
 CUDA graphs. On CUDA, a denoise replays a graph per (cache, canvas length, context bucket, SC mode, attention impl):
 every quantity that changes between steps (cache length, ring positions) is read from device tensors, so one capture
@@ -15,8 +15,8 @@ tensor. Each graph also gets a guarded twin (model/graph_guard.py: the same grap
 A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`prefill_pad`: the canvas, or the
 smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
 number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
-such prefill. A longer one runs eagerly in `prefill_chunk` chunks.
-"""
+such prefill; the commits of several caches padded to one length run as one forward (`commit_batch`). A longer one
+runs eagerly in `prefill_chunk` chunks."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ..ops.rows_at import RowsAt, aligned
 from ..ops.rowstats import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache, swap_stores
-from .engine_batch import BatchGraphs, check_batch, in_caller_order, in_lane_order
+from .engine_batch import BatchGraphs, check_batch, commit_batch, in_caller_order, in_lane_order
 from .engine_graph import DenoiseGraph, capture, capture_prefill, padded_ids
 from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
@@ -169,8 +169,7 @@ class Engine:
                 image_groups: torch.Tensor | None = None) -> None:
         """Append `ids` to the cache. Images (both optional, as ReferenceModel.prefill; diffgemma.vision.merge):
         `embeds` [T, hidden] replaces embed(ids) as the layer-0 input; `image_groups` [T] gives each row its image's
-        index or -1, and rows of one image also attend to each other both ways. Such a prefill runs eagerly, with
-        its image rows in one chunk."""
+        index or -1, and one image's rows also attend to each other both ways. Runs eagerly, image rows in one chunk."""
         ids = check_ids(self, ids, "prefill ids", check_range=True)
         if embeds is not None or image_groups is not None:
             embeds, image_groups = check_image_inputs(self, len(ids), embeds, image_groups)
@@ -187,6 +186,8 @@ class Engine:
         on_device = isinstance(ids, torch.Tensor) and ids.is_cuda
         self._append(cache, check_ids(self, ids, "commit ids", check_range=not on_device))
 
+    commit_batch = commit_batch  # commit of several caches' blocks, in one forward (engine_batch.commit_batch)
+
     def _append(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
         cache.check_room(len(ids))
         pad = self.prefill_pad(cache, len(ids))
@@ -196,7 +197,7 @@ class Engine:
         if self._on_graphs(lambda: self._prefill_graphed(cache, ids, pad) or True):
             return
         n_real = torch.full((), len(ids), dtype=torch.long, device=self.device)
-        key_rows = self._prefill_key_rows(cache, pad)
+        key_rows = self.prefill_key_rows(cache, pad)
         self.forward.prefill_padded(cache, padded_ids(ids, pad, self.device), n_real, key_rows)
         cache.length += len(ids)
 
@@ -214,12 +215,12 @@ class Engine:
                 return pad
         return None
 
-    def _prefill_key_rows(self, cache: EngineKVCache, pad: int) -> int:
+    def prefill_key_rows(self, cache: EngineKVCache, pad: int) -> int:
         """Full-layer cache rows a padded prefill reads: the context's bucket and the chunk, within the buffer."""
         return min(self.context_bucket(cache) + pad, cache.max_tokens + cache.canvas)
 
     def _prefill_graphed(self, cache: EngineKVCache, ids: torch.Tensor, pad: int) -> None:
-        key_rows = self._prefill_key_rows(cache, pad)
+        key_rows = self.prefill_key_rows(cache, pad)
         key = (pad, key_rows, self.forward._causal_impl(pad), cache_rule(cache))
         graphs = self._prefill_graphs.setdefault(cache, {})
         entry = graphs.get(key)

@@ -1,4 +1,5 @@
-"""The engine's batched denoise, runner side: checking a batch's inputs, and the graphs of batched forwards.
+"""The engine's batched denoise, runner side: checking a batch's inputs, and the graphs of batched forwards; and
+the batched commit of several caches' blocks (commit_batch).
 
 A batched denoise (Forward.denoise_batch) reads B caches' buffers, so its CUDA graph is captured over those caches'
 stores (engine_cache.KVStore). It is kept by the batch's shape alone (the lanes' canvas lengths and context buckets,
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..ops.attention_topk import cache_rule
-from .engine_graph import BatchGraph, capture
+from .engine_graph import BatchGraph, capture, padded_ids
 from .engine_inputs import check_ids
 
 
@@ -211,3 +212,51 @@ class BatchGraphs:
         with capture(graph, eng._graph_pool):
             out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows, out=shared)
         return BatchGraph(graph, [c.store for c in caches], ids_buf, sc_buf, has_buf, out)
+
+
+def commit_batch(engine, caches, ids) -> None:
+    """Engine.commit of each cache's block: the lanes whose commits run padded to one length (Engine.prefill_pad) in
+    one forward (prefill_padded_batch), each cache written with the bits its own commit writes; a lane alone at its
+    padded length, or unpadded, through Engine.commit."""
+    caches = list(caches)
+    if len(ids) != len(caches) or len({id(c) for c in caches}) != len(caches):
+        raise InputError(f"commit_batch: expected one block of ids for each of {len(caches)} different caches, got "
+                         f"{len(ids)} blocks")
+    groups: dict = {}
+    for cache, x in zip(caches, ids):
+        x = check_ids(engine, x, "commit ids", check_range=not (isinstance(x, torch.Tensor) and x.is_cuda))
+        cache.check_room(len(x))
+        groups.setdefault(engine.prefill_pad(cache, len(x)), []).append((cache, x))
+    for pad, lanes in groups.items():
+        if pad is None or len(lanes) == 1:
+            for cache, x in lanes:
+                engine.commit(cache, x)
+            continue
+        dev = engine.device
+        n_real = [torch.full((), len(x), dtype=torch.long, device=dev) for _, x in lanes]
+        key_rows = [engine.prefill_key_rows(cache, pad) for cache, _ in lanes]
+        rows = torch.cat([padded_ids(x, pad, dev) for _, x in lanes])
+        prefill_padded_batch(engine.forward, [c for c, _ in lanes], rows, pad, n_real, key_rows)
+        for cache, x in lanes:
+            cache.length += len(x)
+
+
+@torch.no_grad()
+def prefill_padded_batch(fwd, caches, ids: torch.Tensor, N: int, n_reals, key_rows) -> None:
+    """Forward.prefill_padded of B caches in one forward: ids [B·N], lane b's N rows (its first n_reals[b] real) after
+    lane a's; key_rows: each lane's. The projections, router and experts run over all rows at once with the kernel
+    paths of one lane's N rows (options.batch_paths, as in a batched denoise); each lane attends to and writes its own
+    cache as prefill_padded does alone (Forward.padded_lane; docs/ARCHITECTURE.md, 'Batching')."""
+    lanes = [fwd.padded_lane(c, N, n, k) for c, n, k in zip(caches, n_reals, key_rows)]
+
+    def attend(li, qkv, need_out):
+        outs = [lane(li, qkv[b * N: (b + 1) * N], need_out) for b, (lane, _) in enumerate(lanes)]
+        return torch.cat(outs) if need_out else None
+
+    fwd._lane_rows = N
+    try:
+        fwd._run_layers(fwd.embed(ids), [lw.prefill_scalar for lw in fwd.w.layers], attend, False, None)
+    finally:
+        fwd._lane_rows = None
+    for _, finish in lanes:
+        finish()

@@ -157,8 +157,15 @@ class Forward:
 
         Sliding attention takes positions shifted by ring - length (the ring's positions stay >= 0; the kernel's
         base position is then the host constant `ring`): masks depend on position differences only."""
+        attend, finish = self.padded_lane(cache, len(ids), n_real, key_rows)
+        self._run_layers(self.embed(ids), [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
+        finish()
+
+    def padded_lane(self, cache: EngineKVCache, N: int, n_real: torch.Tensor, key_rows: int):
+        """One lane of a padded prefill of N rows: (attend(li, qkv, need_out) over its cache, finish() which advances
+        the cache's device positions once the layers ran)."""
         cfg, W = self.config, self.config.sliding_window
-        N, R = len(ids), cache.ring
+        R = cache.ring
         P, sp = cache.length_t, cache.slot_pos
         ar = self._canvas_rows(N, R)[0]
         pos = P + ar
@@ -199,10 +206,11 @@ class Forward:
             return attention(q, K, V, full_kpos, key_rows, qpos=pos, window=NO_WINDOW, causal=True,
                              out_dtype=self.dtype, impl=self._causal_impl(N), nlive=chunk_end)
 
-        x = self.embed(ids)
-        self._run_layers(x, [lw.prefill_scalar for lw in self.w.layers], attend, False, None)
-        sp.index_copy_(0, slots, torch.where(real, pos, sp[slots]))
-        cache.length_t.copy_(end)
+        def finish():
+            sp.index_copy_(0, slots, torch.where(real, pos, sp[slots]))
+            cache.length_t.copy_(end)
+
+        return attend, finish
 
     def _rows_arange(self, n: int) -> torch.Tensor:
         """arange(n) on the device, made once per n: a constant a graph reads."""

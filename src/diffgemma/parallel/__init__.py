@@ -7,5 +7,6 @@
   engine    the engine every rank runs, and rank 0's model object (the Engine API), which hands each call to the
             other ranks before it runs it
   follower  the other ranks' loop: receive rank 0's calls, run the same forward
-  launch    `--gpus G` and torchrun: start the ranks, run the command on rank 0, the follower loop on the rest
+
+Starting the ranks (`--gpus G`, torchrun) lives in diffgemma/launch.py, above both this package and the loader.
 """

@@ -174,6 +174,13 @@ class LeadEngine(ExpertParallelEngine):
             return self.prefill(cache, ids)
         return super().commit(cache, ids)
 
+    def commit_batch(self, caches, ids) -> None:
+        if self.group.size > 1:  # each block handed over as its own commit
+            for cache, x in zip(caches, ids):
+                self.commit(cache, x)
+            return
+        super().commit_batch(caches, ids)
+
     def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                     sc_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if self.group.size == 1:

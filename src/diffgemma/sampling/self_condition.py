@@ -73,12 +73,14 @@ def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
 
 
 def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
-    """rowmax - log_ratio of each row's lane (a lane's rows: rowmax[sl] - its ratio, as its solo plan subtracts)."""
-    if len(set(log_ratios)) == 1:
+    """rowmax - log_ratio of each row's lane (a lane's rows: rowmax[sl] - its ratio, as its solo plan subtracts); a
+    lane whose ratio is None makes no plan: its rows' threshold is +inf (no survivor, nothing counted)."""
+    if len(set(log_ratios)) == 1 and log_ratios[0] is not None:
         return rowmax - log_ratios[0]
-    thr = torch.zeros_like(rowmax)
+    thr = torch.full_like(rowmax, float("inf"))
     for sl, r in zip(spans, log_ratios):
-        torch.sub(rowmax[sl], r, out=thr[sl])
+        if r is not None:
+            torch.sub(rowmax[sl], r, out=thr[sl])
     return thr
 
 
@@ -150,10 +152,11 @@ class SparsePlan:
     @classmethod
     def batch(cls, stats: list, log_ratios, dense_dtypes=None) -> list["SparsePlan"]:
         """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
-        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are all the lanes of one
-        StepStats.batch (fused): when every lane bets on the dense product in one dtype, one counted-probability pass
-        over all lanes' rows; else one survivor pass over all rows serves the lanes that bet on the gather (the
-        others' rows are read too, unused) and a lane that bets dense makes its own plan. Otherwise lane by lane.
+        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are lanes of one StepStats.batch
+        (fused; any of its lanes, in any order): when every lane bets on the dense product in one dtype, one
+        counted-probability pass over all the batch's rows; else one survivor pass over all rows serves the lanes that
+        bet on the gather (the others' rows are read too, unused) and a lane that bets dense makes its own plan. The
+        batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane.
 
         Exactness: each plan's mask, row counts, count, bet probabilities and soft embedding have the bits of the solo
         plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts), and
@@ -166,12 +169,15 @@ class SparsePlan:
                               f"{len(log_ratios)} / {len(dense_dtypes)} for {B} lanes")
         shared = stats[0].shared if B else None
         all_dense = len(set(dense_dtypes)) == 1 and dense_dtypes[0] is not None
-        if (shared is None or len(shared.lanes) != B or any(s.shared is not shared or not s.fused for s in stats)
-                or [s.logits.shape[0] for s in stats] != shared.lanes.lengths
+        if (shared is None or any(s.shared is not shared or not s.fused for s in stats)
+                or len({s.lane for s in stats}) != B
                 or (not all_dense and sum(d is None for d in dense_dtypes) < 2)):
             return [cls(s, r, dense_dtype=d) for s, r, d in zip(stats, log_ratios, dense_dtypes)]
         spans = shared.lanes.spans()
-        thr = _thresholds(shared.fields[2], spans, log_ratios)
+        by_lane: list = [None] * len(spans)
+        for s, r in zip(stats, log_ratios):
+            by_lane[s.lane] = r
+        thr = _thresholds(shared.fields[2], spans, by_lane)
         mask = probs = None
         if all_dense:
             probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, shared.fields[3], dense_dtypes[0],
@@ -180,12 +186,13 @@ class SparsePlan:
             mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
         group = _SharedPasses(shared, thr, mask, counts)
         plans = []
-        for i, (s, r, d, sl) in enumerate(zip(stats, log_ratios, dense_dtypes, spans)):
+        for s, r, d in zip(stats, log_ratios, dense_dtypes):
             if d is not None and not all_dense:
                 plans.append(cls(s, r, dense_dtype=d))
                 continue
+            sl = spans[s.lane]
             p = cls.__new__(cls)
-            p.lane = i  # its lane in the stats' LaneTemps
+            p.lane = s.lane  # its lane in the stats' LaneTemps
             p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
             p.product = p.product_is_dense = p.took_dense = p._count = None
             p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
@@ -198,11 +205,11 @@ class SparsePlan:
     @staticmethod
     def counts_batch(plans: list) -> torch.Tensor:
         """int64 [B] on the device: torch.stack([p.count for p in plans]), the same numbers (integer sums). For the
-        plans of one SparsePlan.batch over lanes of one length and no gap rows, one sum over all rows (each plan's
-        count is then its entry); otherwise lane by lane."""
+        plans of one SparsePlan.batch (any of its lanes) over lanes of one length and no gap rows, one sum over all
+        rows (each plan's count is then its entry); otherwise lane by lane."""
         group = plans[0].shared if plans else None
         lanes = group.shared.lanes if group is not None else None
-        if (group is None or len(plans) != len(lanes) or any(p.shared is not group for p in plans)
+        if (group is None or any(p.shared is not group for p in plans) or len({p.lane for p in plans}) != len(plans)
                 or not group.shared.whole or len(set(lanes.lengths)) != 1):
             return torch.stack([p.count for p in plans])
         C = lanes.lengths[0]

@@ -90,6 +90,7 @@ class StepStats:
         self.logits, self.cap = logits, cap
         self.fused = fused
         self.shared: LaneRows | None = None  # set by `batch`: the rows this lane shares with the others
+        self.lane: int | None = None  # set by `batch`: this lane's index in shared.lanes
 
     @classmethod
     def batch(cls, logits, temps, cap: float | None = None, fused: bool | None = None) -> list["StepStats"]:
@@ -123,9 +124,9 @@ class StepStats:
         rows, starts = one
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
         shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))
-        for s, sl in zip(out, lane_temps.spans()):
+        for i, (s, sl) in enumerate(zip(out, lane_temps.spans())):
             s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in shared.fields)
-            s.shared = shared
+            s.shared, s.lane = shared, i
         return out
 
     @staticmethod

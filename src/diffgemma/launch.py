@@ -23,10 +23,12 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import DiffgemmaError, InputError
-from .engine import STOP
-from .follower import follow
-from .group import (EXIT_FAILED, IDLE_TIMEOUT, Group, ParallelError, Watchdog, check_gpus, fatal, init_group,
+from .config import ModelConfig
+from .errors import CheckpointError, DiffgemmaError, InputError
+from .loader import load, resolve_path
+from .parallel.engine import STOP
+from .parallel.follower import follow
+from .parallel.group import (EXIT_FAILED, IDLE_TIMEOUT, Group, ParallelError, Watchdog, check_gpus, fatal, init_group,
                     parent_probe, parse_gpus, timeout_s, wait_for)
 
 STOP_WAIT_S = 10.0  # how long rank 0 waits for the others to leave after the end of a run, before ending them
@@ -135,8 +137,6 @@ def _follow_or_die(rank: int, join, build, build_args) -> None:
 
 def load_rank(group: Group, path, dtype=None):
     """A follower's engine: its share of the checkpoint at `path` (loader.load with the group)."""
-    from ..loader import load
-
     return load(path, device=group.device, dtype=dtype, progress=False, group=group)
 
 
@@ -197,10 +197,6 @@ def _device_type(device: str) -> str:
 
 def _num_experts(path) -> int:
     """The checkpoint's expert count, read before any rank starts (a bad path fails here, as the load would)."""
-    from ..config import ModelConfig
-    from ..errors import CheckpointError
-    from ..loader import resolve_path
-
     directory = resolve_path(path)
     if not directory.is_dir():
         what = "expected a checkpoint directory, got a file" if directory.exists() else "no such checkpoint directory"
