@@ -1,0 +1,160 @@
+"""The tool repair stage (the setting `tool_repair`; core/repair.py): a reply with an invalid tool call gets an error
+tool-response per bad call and is written again; only the clean reply enters the conversation and its KV cache.
+
+The invalid call is made by the real path: the demo model asked for the weather in Paris writes
+`get_weather{city:"Paris"}`; offered a get_weather whose `city` must be "Paris, France" (an enum), that call fails the
+tool's schema. Written again after the error, the demo ends its turn with no call (a clean reply).
+
+The gate: after the repair, the session's live KV is byte-identical (torch.equal, every live layer's K and V, and the
+length) to a cache that never saw the bad exchange (a fresh session's cache given the same prompt and the same clean
+reply), and a seeded next turn is identical on both."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import diffgemma
+from diffgemma import oplog
+from diffgemma.events import BlockEvent, RetryEvent
+from diffgemma.loader import embedded_model_path
+from diffgemma.replay import replay
+from diffgemma.session import Session
+from diffgemma.tool_repair import Problem, ToolRepair
+
+TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
+WEATHER = "What's the weather in Paris?"
+BUDGET = 48
+
+
+def strict_tools():
+    """The demo's tools, with get_weather's city limited to one value the demo does not write."""
+    tools = copy.deepcopy(TOOLS)
+    for t in tools:
+        if t["function"]["name"] == "get_weather":
+            t["function"]["parameters"]["properties"]["city"]["enum"] = ["Paris, France"]
+    return tools
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return diffgemma.load()
+
+
+def live_equal(a, b) -> bool:
+    ka, kb = a.live_kv(), b.live_kv()
+    return a.length == b.length and len(ka) == len(kb) and all(torch.equal(x, y) for x, y in zip(ka, kb))
+
+
+def repaired_turn(demo, log=None):
+    """A repaired turn -> (session, reply, the first generation's blocks' tokens, the retries seen)."""
+    seen, retries = [], []
+
+    def on_event(e):
+        if isinstance(e, RetryEvent):
+            retries.append(e)
+        elif isinstance(e, BlockEvent) and not retries:
+            seen.extend(e.tokens)
+
+    s = Session(demo, tools=strict_tools(), tool_repair=True, max_tokens=1024, log=log)
+    reply = s.ask(WEATHER, max_new_tokens=BUDGET, on_event=on_event)
+    return s, reply, seen, retries
+
+
+def test_feedback_renders_one_error_response_per_call(demo):
+    t = demo.tokenizer
+    ids = ToolRepair(t, TOOLS).feedback([Problem("get_weather", "bad <|\"|> city"), Problem(None, "no closing")])
+    text = t.decode(ids)
+    assert text.count("<|tool_response>") == 2 and text.count("<tool_response|>") == 2
+    assert text.startswith("<|tool_response>response:get_weather{error:") and "response:tool{error:" in text
+    assert 'bad <"> city' in text  # a special-token lookalike in the message is defused
+    repair = ToolRepair(t, strict_tools())
+    call = t.encode('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>')
+    assert [p.name for p in repair.problems(call)] == ["get_weather"]
+    assert ToolRepair(t, TOOLS).problems(call) == []
+    assert repair.trim(call + t.encode("<|tool_response>response:x{}")) == len(call)
+
+
+def test_an_invalid_call_is_repaired_and_the_kv_never_saw_it(demo):
+    s, reply, first, retries = repaired_turn(demo)
+    check = ToolRepair(demo.tokenizer, strict_tools())
+    assert [p.name for p in check.problems(first)] == ["get_weather"]  # the injected bad call was written
+    assert len(retries) == 1 and retries[0].kept == 0
+    r = reply.result
+    assert r.tool_repairs == 1 and not r.tool_repair_failed
+    assert check.problems(r.tokens) == [] and check.opener not in r.tokens  # the final reply is clean
+    assert reply.tool_calls == [] and s.messages[-1] == {"role": "assistant", "content": reply.answer}
+    # a fresh session given the same conversation and the same clean reply
+    fresh = Session(demo, tools=strict_tools(), tool_repair=True, max_tokens=1024)
+    fresh.messages = copy.deepcopy(s.messages[:-1])
+    prompt = fresh.render()
+    assert s.cached_ids == prompt + r.tokens
+    demo.prefill(fresh.cache, torch.tensor(prompt))
+    demo.prefill(fresh.cache, torch.tensor(r.tokens))
+    fresh.slot.ids = prompt + list(r.tokens)
+    fresh.messages = copy.deepcopy(s.messages)
+    assert live_equal(s.cache, fresh.cache)
+    # ... and one that kept the bad exchange differs (the check can fail)
+    bad = demo.new_cache(1024)
+    demo.prefill(bad, torch.tensor(prompt + first))
+    demo.prefill(bad, torch.tensor(r.tokens))
+    assert not live_equal(s.cache, bad)
+    # a seeded next turn is the same on both, and so are the caches after it
+    a = s.ask("And in Tokyo?", max_new_tokens=24, seed=5)
+    b = fresh.ask("And in Tokyo?", max_new_tokens=24, seed=5)
+    assert a.result.tokens == b.result.tokens and a.reused_tokens == b.reused_tokens
+    assert live_equal(s.cache, fresh.cache)
+
+
+def test_off_by_default_and_without_tools(demo):
+    bad = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET)
+    assert bad.result.tool_repairs == 0 and [c.name for c in bad.tool_calls] == ["get_weather"]
+    # a turn's own keyword turns it on; a session without tools has nothing to repair
+    on = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET, tool_repair=True)
+    assert on.result.tool_repairs == 1
+    plain = Session(demo, tool_repair=True, max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET)
+    assert plain.result.tool_repairs == 0
+
+
+class AlwaysInvalid(ToolRepair):
+    """Every reply judged invalid: the attempts run out."""
+
+    def problems(self, tokens):
+        return [Problem("get_weather", "judged invalid by the test")]
+
+
+def test_exhausted_attempts_return_the_last_reply_flagged(demo):
+    s = Session(demo, tools=TOOLS, tool_repair=True, max_tokens=1024)
+    s.repair = AlwaysInvalid(demo.tokenizer, TOOLS)
+    reply = s.ask(WEATHER, max_new_tokens=16, tool_repair_attempts=2)
+    r = reply.result
+    assert r.tool_repairs == 2 and r.tool_repair_failed
+    prompt = s.cached_ids[:len(s.cached_ids) - len(r.tokens)]
+    assert s.cached_ids == prompt + r.tokens and s.cache.length == len(s.cached_ids)
+    # a cache too small for another round ends the repair at once, flagged, with the first reply
+    small = Session(demo, tools=TOOLS, tool_repair=True, max_tokens=300)
+    small.repair = AlwaysInvalid(demo.tokenizer, TOOLS)
+    r = small.ask(WEATHER, max_new_tokens=16).result
+    assert r.tool_repairs == 0 and not r.tool_repair_failed
+
+
+def test_a_repaired_conversation_replays_identically(demo, tmp_path):
+    log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 1024))
+    s, reply, _, _ = repaired_turn(demo, log)
+    second = s.ask("And in Tokyo?", max_new_tokens=24, seed=5)  # get_weather{city:"Tokyo"}: repaired too
+    log.close()
+    records = oplog.read(log.path)
+    gens = [r for r in records if r.get("op") == "generate"]
+    assert [g.get("tool_repair") for g in gens] == [None, 1, None, 1]
+    assert all(g["settings"]["tool_repair"] for g in gens)
+    extend = [r for r in records if r.get("op") == "extend"]
+    assert [e["tokens"] for e in extend] == [reply.result.tokens, second.result.tokens]
+    report = replay(log.path, demo)
+    assert report.ok and report.generations == 4, report.problems
+    # an extend op past what its slot holds is a difference, named
+    bad = [dict(r, keep=10**6) if r.get("op") == "extend" else r for r in records]
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    problems = replay(tampered, demo).problems
+    assert problems and problems[0].startswith("extend op of slot 0: the cache rewound to")
