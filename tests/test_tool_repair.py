@@ -158,3 +158,65 @@ def test_a_repaired_conversation_replays_identically(demo, tmp_path):
     tampered.write_text("".join(json.dumps(r) + "\n" for r in bad))
     problems = replay(tampered, demo).problems
     assert problems and problems[0].startswith("extend op of slot 0: the cache rewound to")
+
+
+# ------------------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def base(demo):
+    from diffgemma.settings import GenerationSettings
+
+    return GenerationSettings.resolve(demo.generation_config, env={}).replace(max_new_tokens=BUDGET)
+
+
+def test_server_repairs_per_request_and_journals_it(demo, base, tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from test_server import Server
+
+    s = Server(demo, base, log_dir=tmp_path, max_tokens=1024)
+    try:
+        msgs = [{"role": "user", "content": WEATHER}]
+        off = s.chat(msgs, tools=strict_tools())
+        assert "tool_repair" not in off["diffgemma"]
+        assert "tool_calls" not in off["choices"][0]["message"]  # the invalid call is left out, not answered
+        on = s.chat(msgs, tools=strict_tools(), diffgemma={"tool_repair": True})
+        assert on["diffgemma"]["tool_repair"] == {"rounds": 1, "failed": False}
+        assert "tool_calls" not in on["choices"][0]["message"]
+        chunks = s.stream(msgs, tools=strict_tools(), diffgemma={"tool_repair": True})
+        assert chunks[-1]["diffgemma"]["tool_repair"] == {"rounds": 1, "failed": False}
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finish[-1] == on["choices"][0]["finish_reason"]
+        r = s.client.post("/v1/chat/completions", json={"messages": msgs, "tools": strict_tools(),
+                                                        "diffgemma": {"tool_repair_attempts": 99}})
+        assert r.status_code == 400 and "tool_repair_attempts 99: over this server's limit of 4" in r.text
+    finally:
+        s.close()
+    records = oplog.read(s.log.path)
+    gens = [r for r in records if r.get("op") == "generate"]
+    assert [g["settings"]["tool_repair"] for g in gens] == [False, True, True, True, True]
+    assert [g.get("tool_repair") for g in gens] == [None, None, 1, None, 1]
+    assert sum(r.get("op") == "extend" for r in records) == 2
+    report = replay(s.log.path, demo)
+    assert report.ok and report.generations == 5, report.problems
+
+
+def test_serve_flag_sets_the_servers_default(demo, base):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from test_server import Server
+
+    from diffgemma import cli, options
+
+    args = cli.build_parser().parse_args(["serve", "--tool-repair", "--set", "max_new_tokens=8"])
+    assert options.generation_settings(demo, args).tool_repair
+    args = cli.build_parser().parse_args(["chat", "--tool-repair", "--set", "tool_repair=false"])
+    assert not options.generation_settings(demo, args).tool_repair  # a --set of it wins
+    s = Server(demo, base.replace(tool_repair=True), max_tokens=1024)
+    try:
+        msgs = [{"role": "user", "content": WEATHER}]
+        assert s.chat(msgs, tools=strict_tools())["diffgemma"]["tool_repair"]["rounds"] == 1
+        assert "tool_repair" not in s.chat(msgs, tools=strict_tools(), diffgemma={"tool_repair": False})["diffgemma"]
+    finally:
+        s.close()
