@@ -25,7 +25,8 @@ from diffgemma.tool_repair import Problem, ToolRepair
 
 TOOLS = json.loads((embedded_model_path() / "tools.json").read_text())
 WEATHER = "What's the weather in Paris?"
-BUDGET = 48
+BUDGET = 32
+FAST = {"max_new_tokens": BUDGET, "max_denoising_steps": 12}
 
 
 def strict_tools():
@@ -58,7 +59,7 @@ def repaired_turn(demo, log=None):
             seen.extend(e.tokens)
 
     s = Session(demo, tools=strict_tools(), tool_repair=True, max_tokens=1024, log=log)
-    reply = s.ask(WEATHER, max_new_tokens=BUDGET, on_event=on_event)
+    reply = s.ask(WEATHER, on_event=on_event, **FAST)
     return s, reply, seen, retries
 
 
@@ -76,8 +77,9 @@ def test_feedback_renders_one_error_response_per_call(demo):
     assert repair.trim(call + t.encode("<|tool_response>response:x{}")) == len(call)
 
 
-def test_an_invalid_call_is_repaired_and_the_kv_never_saw_it(demo):
-    s, reply, first, retries = repaired_turn(demo)
+def test_an_invalid_call_is_repaired_the_kv_never_saw_it_and_it_replays(demo, tmp_path):
+    log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 1024))
+    s, reply, first, retries = repaired_turn(demo, log)
     check = ToolRepair(demo.tokenizer, strict_tools())
     assert [p.name for p in check.problems(first)] == ["get_weather"]  # the injected bad call was written
     assert len(retries) == 1 and retries[0].kept == 0
@@ -101,19 +103,41 @@ def test_an_invalid_call_is_repaired_and_the_kv_never_saw_it(demo):
     demo.prefill(bad, torch.tensor(r.tokens))
     assert not live_equal(s.cache, bad)
     # a seeded next turn is the same on both, and so are the caches after it
-    a = s.ask("And in Tokyo?", max_new_tokens=24, seed=5)
-    b = fresh.ask("And in Tokyo?", max_new_tokens=24, seed=5)
+    a = s.ask("And in Tokyo?", seed=5, **FAST)  # get_weather{city:"Tokyo"}: repaired too
+    b = fresh.ask("And in Tokyo?", seed=5, **FAST)
     assert a.result.tokens == b.result.tokens and a.reused_tokens == b.reused_tokens
+    assert a.result.tool_repairs == b.result.tool_repairs == 1
     assert live_equal(s.cache, fresh.cache)
+    log.close()
+    replayed(demo, log.path, [reply.result.tokens, a.result.tokens], tmp_path)
+
+
+def replayed(demo, path, finals, tmp_path):
+    """The log of two repaired turns: each round journaled, each rewind an extend op; it replays identically."""
+    records = oplog.read(path)
+    gens = [r for r in records if r.get("op") == "generate"]
+    assert [g.get("tool_repair") for g in gens] == [None, 1, None, 1]
+    assert all(g["settings"]["tool_repair"] for g in gens)
+    extend = [r for r in records if r.get("op") == "extend"]
+    assert [e["tokens"] for e in extend] == finals
+    report = replay(path, demo)
+    assert report.ok and report.generations == 4, report.problems
+    # an extend op past what its slot holds is a difference, named (the log cut after it)
+    end = records.index(extend[0]) + 1
+    bad = [dict(r, keep=10**6) if r.get("op") == "extend" else r for r in records[:end]]
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    problems = replay(tampered, demo).problems
+    assert problems and problems[0].startswith("extend op of slot 0: the cache rewound to")
 
 
 def test_off_by_default_and_without_tools(demo):
-    bad = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET)
+    bad = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, **FAST)
     assert bad.result.tool_repairs == 0 and [c.name for c in bad.tool_calls] == ["get_weather"]
     # a turn's own keyword turns it on; a session without tools has nothing to repair
-    on = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET, tool_repair=True)
+    on = Session(demo, tools=strict_tools(), max_tokens=1024).ask(WEATHER, tool_repair=True, **FAST)
     assert on.result.tool_repairs == 1
-    plain = Session(demo, tool_repair=True, max_tokens=1024).ask(WEATHER, max_new_tokens=BUDGET)
+    plain = Session(demo, tool_repair=True, max_tokens=1024).ask(WEATHER, **FAST)
     assert plain.result.tool_repairs == 0
 
 
@@ -127,7 +151,7 @@ class AlwaysInvalid(ToolRepair):
 def test_exhausted_attempts_return_the_last_reply_flagged(demo):
     s = Session(demo, tools=TOOLS, tool_repair=True, max_tokens=1024)
     s.repair = AlwaysInvalid(demo.tokenizer, TOOLS)
-    reply = s.ask(WEATHER, max_new_tokens=16, tool_repair_attempts=2)
+    reply = s.ask(WEATHER, max_new_tokens=16, max_denoising_steps=12, tool_repair_attempts=2)
     r = reply.result
     assert r.tool_repairs == 2 and r.tool_repair_failed
     prompt = s.cached_ids[:len(s.cached_ids) - len(r.tokens)]
@@ -135,29 +159,8 @@ def test_exhausted_attempts_return_the_last_reply_flagged(demo):
     # a cache too small for another round ends the repair at once, flagged, with the first reply
     small = Session(demo, tools=TOOLS, tool_repair=True, max_tokens=300)
     small.repair = AlwaysInvalid(demo.tokenizer, TOOLS)
-    r = small.ask(WEATHER, max_new_tokens=16).result
+    r = small.ask(WEATHER, max_new_tokens=16, max_denoising_steps=12).result
     assert r.tool_repairs == 0 and not r.tool_repair_failed
-
-
-def test_a_repaired_conversation_replays_identically(demo, tmp_path):
-    log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 1024))
-    s, reply, _, _ = repaired_turn(demo, log)
-    second = s.ask("And in Tokyo?", max_new_tokens=24, seed=5)  # get_weather{city:"Tokyo"}: repaired too
-    log.close()
-    records = oplog.read(log.path)
-    gens = [r for r in records if r.get("op") == "generate"]
-    assert [g.get("tool_repair") for g in gens] == [None, 1, None, 1]
-    assert all(g["settings"]["tool_repair"] for g in gens)
-    extend = [r for r in records if r.get("op") == "extend"]
-    assert [e["tokens"] for e in extend] == [reply.result.tokens, second.result.tokens]
-    report = replay(log.path, demo)
-    assert report.ok and report.generations == 4, report.problems
-    # an extend op past what its slot holds is a difference, named
-    bad = [dict(r, keep=10**6) if r.get("op") == "extend" else r for r in records]
-    tampered = tmp_path / "tampered.jsonl"
-    tampered.write_text("".join(json.dumps(r) + "\n" for r in bad))
-    problems = replay(tampered, demo).problems
-    assert problems and problems[0].startswith("extend op of slot 0: the cache rewound to")
 
 
 # ------------------------------------------------------------------------------------- the server
@@ -167,7 +170,7 @@ def test_a_repaired_conversation_replays_identically(demo, tmp_path):
 def base(demo):
     from diffgemma.settings import GenerationSettings
 
-    return GenerationSettings.resolve(demo.generation_config, env={}).replace(max_new_tokens=BUDGET)
+    return GenerationSettings.resolve(demo.generation_config, env={}).replace(**FAST)
 
 
 def test_server_repairs_per_request_and_journals_it(demo, base, tmp_path):
