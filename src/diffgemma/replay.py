@@ -3,8 +3,10 @@ every event with the log.
 
 The same slots, rewinds, prompts, settings and prefill chunks, in the logged order of the ops (generations that ran
 batched together are replayed one after another: the forward is batch invariant), through the same
-engine core (core/) that wrote it; a cancelled generation stops after the same number of blocks (or prompt
-chunks), an interrupted one (Ctrl-C) is interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
+engine core (core/) that wrote it; an 'extend' op (the tool repair's rewind) rewinds its slot and prefills its ids in
+one call; a generation's grammar is checked against its logged sha256 before it runs (a mismatch is an error); a
+cancelled generation stops after the same number of blocks (or prompt chunks), an interrupted one (Ctrl-C) is
+interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
 (or a different device / build, which the start record names).
 
 A log whose writer died (kill -9, a crash) is replayed as far as it goes: a torn last line is left out, and a
