@@ -38,7 +38,7 @@ LAYERS = [
     {"slots", "oplog", "loader", "vision", "parallel", "launch"},
     {"core"},  # the engine core: requests, the scheduler, the generation algorithm, the one loop (step)
     # the drivers (generate, generate_batch, warm-up, conversations, replay); the public API
-    {"generation", "batch", "warmup", "session", "reply", "options", "replay", "golden", ""},
+    {"generation", "batch", "warmup", "session", "reply", "options", "replay", "golden", "tool_repair", ""},
     {"server", "cli", "batch_file", "quality", "__main__"},  # the applications
 ]
 

@@ -16,7 +16,7 @@ DOCUMENTED_DEFAULTS = dict(
     entropy_stop=0.05, entropy_stop_min_steps=12, empty_reply_retry=3, confidence_trim=0.9, seed=0,
     canvas_length=None, stop_ids=None, stop_strings=(), semantics="contract",
     topk_attention=False, topk_divisor=128, topk_min=64, topk_max=512,
-    grammar=None, grammar_fixes=8, grammar_reserve=32,
+    grammar=None, grammar_fixes=8, grammar_reserve=32, tool_repair=False, tool_repair_attempts=2,
 )
 
 

@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --batch-file: prompts denoised together (default 8)")
     chat = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache between turns")
     _add_generation_flags(chat)
+    options.add_tool_repair_flag(chat)
     listing = sub.add_parser("settings", help="list the generation settings --set, DIFFGEMMA_<NAME> and the "
                                               "server's `diffgemma` request field take, with their defaults")
     listing.add_argument("--model", default=None,

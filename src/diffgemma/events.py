@@ -61,6 +61,8 @@ class GenerationResult:
     block_ends: list[str] = field(default_factory=list)
     settings: GenerationSettings | None = None
     tool_retries: int = 0  # regenerations of a malformed tool call (core/turn.py, opt-in)
+    tool_repairs: int = 0  # tool repair rounds the reply took (core/repair.py, opt-in); 0: none ran
+    tool_repair_failed: bool = False  # the repair's attempts ran out with a call still invalid (the last reply stands)
     stop_string: str | None = None  # the stop text that ended the turn (its tokens are in tokens, not in text)
 
 
@@ -81,8 +83,9 @@ class StartEvent:
 
 @dataclass
 class RetryEvent:
-    """A malformed tool call is regenerated from its opener (core/turn.py): the reply keeps its first `kept`
-    tokens and the blocks that follow replace the rest."""
+    """A malformed tool call is regenerated from its opener (core/turn.py), or a reply with an invalid call is
+    written again by the tool repair (core/repair.py, kept 0): the reply keeps its first `kept` tokens and the blocks
+    that follow replace the rest."""
 
     attempt: int  # 1 for the first regeneration
     kept: int  # reply tokens kept

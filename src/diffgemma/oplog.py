@@ -11,7 +11,12 @@ same device (seeded generation is deterministic there). Records, one JSON object
       conversation) prefilled and a reply generated with `settings` (every GenerationSettings field); with
       images the prompt is a prompt key (vision/prompt.py) and the op has "images": {key: sha256}, the
       bytes in <log>.images/<sha256> (vision/journal.py); "prefill_chunk": N where the prompt was prefilled N tokens
-      at a time (the server's scheduler)
+      at a time (the server's scheduler); "tool_repair": n where the generation is the n-th round of a turn's tool
+      repair (core/repair.py); "grammar_sha256": the sha256 of settings.grammar (its UTF-8 bytes) where the
+      generation ran under a grammar (replay rebuilds that grammar from the settings and checks the hash first)
+  {"op": "extend", "slot": S, "keep": K, "tokens": [ids...]}
+      slot S's KV cache rewound to its first K tokens, then `tokens` prefilled in one call (the tool repair's
+      rewind to a turn's prompt end with the final reply after it: core/repair.py)
   {"event": "block", "gen": G, "block": B, "tokens": [...], "steps": n, "stop_reason": ..., "end": ...}
   {"event": "done", "gen": G, "tokens": [...], "stop_token": id|null}
   {"event": "cancelled", "gen": G, "blocks": n, "kept": K}   the client left after n blocks; the cache
@@ -32,6 +37,7 @@ last line with no newline that does not parse is a torn record (`load` reports i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -59,7 +65,19 @@ def generate_record(gen: int, slot: int, keep: int, prompt: list[int], settings,
     prefill in chunks of `prefill_chunk` tokens, where the server's scheduler chunked it)."""
     record = {"op": "generate", "gen": gen, "slot": slot, "keep": keep, "prompt": list(prompt),
               "settings": settings.as_dict()}
+    if settings.grammar is not None:
+        record["grammar_sha256"] = grammar_sha256(settings.grammar)
     return record if prefill_chunk is None else {**record, "prefill_chunk": prefill_chunk}
+
+
+def grammar_sha256(grammar: str) -> str:
+    """The hash a generate op keeps of its grammar (the `grammar` setting's text)."""
+    return hashlib.sha256(grammar.encode("utf-8")).hexdigest()
+
+
+def extend_record(slot: int, keep: int, tokens: list[int]) -> dict:
+    """The 'extend' op: slot `slot` rewound to `keep` tokens, then `tokens` prefilled in one call."""
+    return {"op": "extend", "slot": slot, "keep": keep, "tokens": [int(t) for t in tokens]}
 
 
 def event_record(gen: int, event) -> dict | None:

@@ -22,6 +22,14 @@ def add_tool_validate_flag(p: argparse.ArgumentParser) -> None:
                         "bumped, up to N times (default 0: off)")
 
 
+def add_tool_repair_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-repair", action="store_true",
+                   help="with tools: a reply whose tool call is invalid (does not parse, names a tool not offered, or "
+                        "breaks its parameter schema) gets an error tool-response per bad call and is written again; "
+                        "only the clean reply enters the conversation (the setting tool_repair, which a request's "
+                        "`diffgemma` field can set too; tool_repair_attempts rounds at most)")
+
+
 def add_gpus_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=None, metavar="G",
                    help="split the model's experts over G GPUs of this machine, rank r on cuda:r (on the CPU: G "
@@ -64,11 +72,13 @@ def load_model(args):
 
 def generation_settings(model, args):
     """The GenerationSettings the command line asks for: the model's generation_config <- DIFFGEMMA_* environment
-    <- each --set, then --seed and --max-new-tokens where the command has them and they were given."""
+    <- each --set, then --seed and --max-new-tokens where the command has them and they were given. --tool-repair is
+    `tool_repair=true` put before the --set items (so a --set of it wins)."""
     from .settings import GenerationSettings
 
     flags = {name: getattr(args, name, None) for name in ("seed", "max_new_tokens")}
-    settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=list(args.sets))
+    sets = (["tool_repair=true"] if getattr(args, "tool_repair", False) else []) + list(args.sets)
+    settings = GenerationSettings.resolve(model.generation_config, env=os.environ, overrides=sets)
     given = {name: value for name, value in flags.items() if value is not None}
     return settings.replace(**given) if given else settings
 

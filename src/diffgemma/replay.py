@@ -3,8 +3,10 @@ every event with the log.
 
 The same slots, rewinds, prompts, settings and prefill chunks, in the logged order of the ops (generations that ran
 batched together are replayed one after another: the forward is batch invariant), through the same
-engine core (core/) that wrote it; a cancelled generation stops after the same number of blocks (or prompt
-chunks), an interrupted one (Ctrl-C) is interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
+engine core (core/) that wrote it; an 'extend' op (the tool repair's rewind) rewinds its slot and prefills its ids in
+one call; a generation's grammar is checked against its logged sha256 before it runs (a mismatch is an error); a
+cancelled generation stops after the same number of blocks (or prompt chunks), an interrupted one (Ctrl-C) is
+interrupted there again. On the device and build that wrote the log every event must match: a difference is a bug
 (or a different device / build, which the start record names).
 
 A log whose writer died (kill -9, a crash) is replayed as far as it goes: a torn last line is left out, and a
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from . import oplog
 from .errors import DiffgemmaError, InputError
-from .core import EngineCore, Request
+from .core import EngineCore, Request, as_ids
 from .events import BlockEvent, StepEvent
 from .settings import GenerationSettings
 from .slots import Slot, rewind
@@ -47,7 +49,9 @@ def _group(records: list[dict]):
     end record (generations that ran in one batch interleave their events; an event names its generation)."""
     out, by_gen = [], {}
     for n, rec in enumerate(records[1:], 2):
-        if rec.get("op") == "generate":
+        if rec.get("op") == "extend":
+            out.append((rec, None))
+        elif rec.get("op") == "generate":
             gen = rec.get("gen")
             if gen in by_gen and not _ended(by_gen[gen][1]):
                 raise InputError(f"record {n}: generation {gen!r} starts again before its end record")
@@ -79,6 +83,9 @@ def replay(path, model, progress=None) -> ReplayReport:
     for done, (op, logged) in enumerate(groups):
         if progress is not None:
             progress(done, len(groups))
+        if logged is None:
+            _extend(model, op, slots, int(start["max_tokens"]), report)
+            continue
         gen = op.get("gen")
         try:
             slot_i, keep, prompt = int(op["slot"]), int(op["keep"]), list(op["prompt"])
@@ -86,6 +93,7 @@ def replay(path, model, progress=None) -> ReplayReport:
             chunk = None if op.get("prefill_chunk") is None else int(op["prefill_chunk"])
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"generation {gen}: malformed generate op ({type(e).__name__}: {e})") from None
+        _check_grammar(gen, op, settings)
         if slot_i not in slots:
             slots[slot_i] = Slot(model.new_cache(int(start["max_tokens"])))
         slot = slots[slot_i]
@@ -132,6 +140,35 @@ def replay(path, model, progress=None) -> ReplayReport:
     if progress is not None:
         progress(len(groups), len(groups))
     return report
+
+
+def _check_grammar(gen, op: dict, settings) -> None:
+    """A generate op's grammar is the one it ran: its settings' grammar hashes to its grammar_sha256 (an op-log from
+    before the hash was kept has none, and its grammar is taken as it is)."""
+    want = op.get("grammar_sha256")
+    if want is None:
+        return
+    have = None if settings.grammar is None else oplog.grammar_sha256(settings.grammar)
+    if have != want:
+        raise InputError(f"generation {gen}: its grammar does not match its grammar_sha256 ({str(want)[:12]}..., "
+                         f"the grammar hashes to {str(have)[:12]}...); the op-log was edited or is damaged")
+
+
+def _extend(model, op: dict, slots: dict, max_tokens: int, report: ReplayReport) -> None:
+    """An 'extend' op: the slot's cache rewound to `keep`, then `tokens` prefilled in one call."""
+    try:
+        slot_i, keep, tokens = int(op["slot"]), int(op["keep"]), [int(t) for t in op["tokens"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"malformed extend op ({type(e).__name__}: {e})") from None
+    if slot_i not in slots:
+        slots[slot_i] = Slot(model.new_cache(max_tokens))
+    cache = slots[slot_i].cache
+    got = rewind(cache, keep)
+    if got != keep:
+        report.problems.append(f"extend op of slot {slot_i}: the cache rewound to {got} tokens, the log says {keep}")
+        return
+    if tokens:
+        model.prefill(cache, as_ids(tokens, model.config.vocab_size, model.embedding.device))
 
 
 def _run(model, slot, slot_i, keep, prompt, settings, gen, stop_after=None, interrupt=False,

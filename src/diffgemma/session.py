@@ -1,8 +1,8 @@
 """One conversation (`Session`): it renders the chat with the template, keeps its KV cache across turns (slots.py:
 only what the cache does not hold yet is prefilled), runs each turn as one chat-turn Request through an engine core
-(core/: the same loop the server's worker and `diffgemma replay` use, which journals each generation in the op-log
-and regenerates a malformed tool call: core/turn.py) and splits each reply into thought, answer and tool calls
-(reply.py).
+(core/: the same loop the server's worker and `diffgemma replay` use, which journals each generation in the op-log,
+regenerates a malformed tool call (core/turn.py) or, with tool_repair, repairs an invalid one (core/repair.py)) and
+splits each reply into thought, answer and tool calls (reply.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .errors import InputError
 from .events import BlockEvent, ErrorEvent, StepEvent
 from .reply import answer_prose, malformed_call_cut, reply_parts, tool_call_message
 from .slots import Slot, reuse_prefix
+from .tool_repair import ToolRepair
 from .vision.prompt import has_images, prepare_parts, render_prompt, vision_for
 
 
@@ -32,11 +33,16 @@ class Reply:
 
 class Session:
     def __init__(self, model, *, system: str | None = None, think: bool = False, max_tokens: int | None = None, tools=None,
-                 log=None, tool_validate: int = 0):
+                 log=None, tool_validate: int = 0, tool_repair: bool = False):
         """log: an oplog.OpLog (header: slots 1, this max_tokens) that journals every turn for `diffgemma replay`.
-        tool_validate: with tools, regenerate a malformed tool call up to this many times (core/turn.py)."""
+        tool_validate: with tools, regenerate a malformed tool call up to this many times (core/turn.py).
+        tool_repair: with tools, every turn runs the tool repair (the setting `tool_repair`, core/repair.py: an
+        invalid call answered with its error and the reply written again, the bad exchange kept out of the cache);
+        it takes the place of tool_validate. A turn's own `tool_repair=` keyword overrides it."""
         if not isinstance(tool_validate, int) or isinstance(tool_validate, bool) or tool_validate < 0:
             raise InputError(f"tool_validate: expected a whole number of retries >= 0, got {tool_validate!r}")
+        if not isinstance(tool_repair, bool):
+            raise InputError(f"tool_repair: expected True or False, got {tool_repair!r}")
         if getattr(model, "tokenizer", None) is None:
             raise InputError(f"{getattr(model, 'path', 'model')}: has no tokenizer.json; chat needs a tokenizer")
         self.model = model
@@ -47,6 +53,8 @@ class Session:
         self.slot = Slot(model.new_cache(cache_tokens(model.config, max_tokens)))
         self.log = log
         self.tool_validate = tool_validate
+        self.tool_repair = tool_repair
+        self.repair = ToolRepair(self.tokenizer, tools) if tools is not None else None
         self._gens = itertools.count()  # generations journaled (a turn with a regenerated tool call takes several)
 
     def call_cut(self, reply: list[int]) -> int | None:
@@ -119,9 +127,12 @@ class Session:
             if on_event is not None:
                 on_event(event)
 
+        if self.tool_repair:
+            overrides = {"tool_repair": True, **overrides}
         request = Request(resolve(self.model, settings, overrides), prompt=new, slot=self.slot, images=images,
                           turn=True, tool_retries=self.tool_validate if self.tools is not None else 0,
-                          call_cut=self.call_cut, log=self.log, next_gen=lambda: next(self._gens), sink=relay)
+                          call_cut=self.call_cut, repair=self.repair, log=self.log, next_gen=lambda: next(self._gens),
+                          sink=relay)
         end = EngineCore(self.model).run([request])[0]
         if isinstance(end, ErrorEvent):
             raise end.error

@@ -94,6 +94,10 @@ class GenerationSettings:
     grammar: str | None = None
     grammar_fixes: int = 8  # frontier positions a constrained step may correct with the grammar's masked argmax
     grammar_reserve: int = 32  # the last tokens of a constrained reply's budget close the grammar (sampling/constraint)
+    # A chat turn's tool repair (core/turn.py; docs/ARCHITECTURE.md, 'Tool repair'): a reply with an invalid tool call
+    # gets an error tool-response per invalid call and is written again, at most tool_repair_attempts times
+    tool_repair: bool = False
+    tool_repair_attempts: int = 2
 
     def __post_init__(self):
         # coerce lenient-but-unambiguous values (1 -> 1.0 for a float, [1, 2] -> (1, 2)), reject the rest
@@ -214,6 +218,8 @@ _FIELD_TYPES: dict[str, str] = {
     "grammar": "optional_text",
     "grammar_fixes": "int",
     "grammar_reserve": "int",
+    "tool_repair": "bool",
+    "tool_repair_attempts": "int",
 }
 _CHOICES = {"commit": COMMITS, "sc_mode": SC_MODES, "semantics": SEMANTICS}
 FIELD_NAMES = tuple(_FIELD_TYPES)
@@ -287,6 +293,7 @@ def _check_ranges(s: GenerationSettings) -> None:
     need(s.topk_max >= s.topk_min, "topk_max", f"an integer >= topk_min ({s.topk_min})")
     need(s.grammar_fixes >= 1, "grammar_fixes", "an integer >= 1")
     need(s.grammar_reserve >= 0, "grammar_reserve", "an integer >= 0")
+    need(s.tool_repair_attempts >= 1, "tool_repair_attempts", "an integer >= 1")
 
 
 def _parse(name: str, value: Any, origin: str) -> Any:

@@ -2,7 +2,8 @@
 
 Values: strings between `<|"|>` delimiters, numbers, true/false/null, lists `[..]` and objects `{..}` with
 unquoted keys. A call that does not parse is reported as malformed (with the reason), never guessed at,
-so a caller can retry or repair it.
+so a caller can retry or repair it. `call_problem` is the one check of a call against the offered tools (it parses,
+names an offered function, and its arguments fit that function's parameter schema, by jsonschema).
 """
 
 from __future__ import annotations
@@ -25,6 +26,39 @@ class ToolCall:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def schema_validator(schema: dict):
+    """A jsonschema validator for `schema`, of the draft it declares (2020-12 when it declares none)."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def tool_call_problem(name: str | None, arguments, tools: list[dict] | None) -> str | None:
+    """Why a parsed tool call does not fit the offered tools (an unknown function, arguments against its parameter
+    schema), or None when it fits (or no tools are offered)."""
+    if not tools:
+        return None
+    offered = {t["function"]["name"]: t["function"] for t in tools}
+    if name not in offered:
+        return f"calls {name!r}, which the request did not offer (offered: {sorted(offered)})"
+    schema = offered[name].get("parameters")
+    if not isinstance(schema, dict):
+        return None
+    import jsonschema
+
+    try:
+        error = jsonschema.exceptions.best_match(schema_validator(schema).iter_errors(arguments))
+    except Exception as e:  # e.g. a $ref that does not resolve: the call cannot be shown to fit
+        return f"{name}: its parameter schema cannot be checked ({type(e).__name__})"
+    return None if error is None else f"{name}: arguments do not match its parameters: {error.message}"
+
+
+def call_problem(call: ToolCall, tools: list[dict] | None) -> str | None:
+    """Why a call is invalid: it does not parse, or it does not fit the offered tools (tool_call_problem); or None."""
+    return call.error if not call.ok else tool_call_problem(call.name, call.arguments, tools)
 
 
 class _Malformed(ValueError):

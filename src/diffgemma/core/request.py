@@ -76,7 +76,8 @@ class Request:
     when the core's slots choose the slot (the prompt is then what the chosen slot does not hold). `slot`: the KV
     slot (slots.Slot; `slot.ids` None when the caller's cache is not tracked), or None for the core's slots to
     choose. keep_cache: the cache gets the last block's commit too. turn: a chat turn (a StartEvent first; a
-    malformed tool call regenerated up to `tool_retries` times where `call_cut` finds one). prefill_chunk: the
+    malformed tool call regenerated up to `tool_retries` times where `call_cut` finds one; with `repair` and the setting
+    tool_repair, a reply with an invalid tool call repaired instead: core/repair.py). prefill_chunk: the
     prompt's prefill chunk (None: one call); `log`: an oplog.OpLog journaling each generation."""
 
     settings: GenerationSettings
@@ -89,6 +90,7 @@ class Request:
     turn: bool = False
     tool_retries: int = 0
     call_cut: Callable[[list[int]], int | None] | None = None
+    repair: Any = None  # a turn's tool repair view (tool_repair.ToolRepair), used where its settings ask
     prefill_chunk: int | None = None
     log: Any = None
     next_gen: Callable[[], int] = lambda: 0

@@ -7,7 +7,9 @@ call's opener (the text before it stays, so a stream never takes back what it se
 each time, up to Request.tool_retries times (the last attempt stands, parsed or not). Each regeneration is a
 generation of its own (its own op in the log, so `diffgemma replay` needs no notion of retries); between them a
 RetryEvent tells a consumer to drop what came after the tokens it keeps. The turn ends with one DoneEvent carrying
-the whole reply as one GenerationResult (tool_retries says how many regenerations it took).
+the whole reply as one GenerationResult (tool_retries says how many regenerations it took). A turn that runs the tool
+repair (the setting `tool_repair`, core/repair.py) takes that rule's place: one retry loop a turn, the repair
+covering malformed calls too.
 
 Prefilling in chunks is exact but not bitwise the same as in one call (other GEMM shapes), so the op-log records the
 chunk size and replay uses it.
@@ -28,6 +30,7 @@ from ..ops.attention_topk import TopKRule
 from ..slots import rewind
 from ..stop_strings import text_end
 from ..vision.prompt import prefill_images
+from .repair import repair_on, repair_step
 from .request import DENOISE, PREFILL, Request, as_ids
 from .scheduler import prompt_chunks
 from .steps import generate_steps
@@ -53,6 +56,8 @@ class Live:
     kept_reply: list[int] = field(default_factory=list)  # a turn's reply kept from earlier generations
     reply_start: int | None = None  # where a turn's reply starts in the cache
     results: list = field(default_factory=list)  # a turn's generations' results
+    repairs: int = 0  # tool repair rounds run (core/repair.py)
+    turn_ids: list[int] | None = None  # a repaired turn's prompt ids, up to its mark (None: cannot be repaired)
 
     def rewind_to_prompt(self, r: Request) -> int:
         """A cancelled generation: its cache back to the prompt (or what of it is in) -> the tokens kept."""
@@ -84,6 +89,8 @@ def open_generation(model, r: Request, emit) -> None:
     if r.log is not None:
         record = oplog.generate_record(live.gen, r.slot_index, live.keep, prompt, live.settings,
                                        prefill_chunk=r.prefill_chunk)
+        if live.repairs:
+            record["tool_repair"] = live.repairs  # this generation rewrites a reply after its calls' errors
         if with_images:
             from ..vision.journal import save_images
 
@@ -140,6 +147,8 @@ def finish_generation(model, r: Request, event: DoneEvent, emit) -> DoneEvent | 
         r.log.write(oplog.event_record(live.gen, event))
     if not r.turn:
         return event
+    if repair_on(r):  # the tool repair takes over the malformed-call rule below (docs/ARCHITECTURE.md, 'Tool repair')
+        return repair_step(model, r, event, emit, open_generation, combined)
     live.results.append(result)
     reply = live.kept_reply + list(result.tokens)
     cut = None

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import DiffgemmaError
 from ..events import BlockEvent, CancelledEvent, DoneEvent, ErrorEvent, RetryEvent, StartEvent
 from ..reply import reply_parts
+from ..tool_repair import ToolRepair
 from . import frames, handlers, images, playground, structured
 from .body_limit import BodyLimit, read_body
 from .limits import default_max_body_bytes
@@ -177,17 +178,22 @@ async def _prepared(prepare, served: Served, request: Request):
 async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
     """Queue a prepared chat and answer it: whole, streamed, constrained by a grammar (response_format, a forced
     tool call, strict tools: written once, streamed as usual), or checked (what no grammar expresses, or
-    --tool-validate without streaming: regenerated while the reply fails its check; structured.py)."""
+    --tool-validate without streaming: regenerated while the reply fails its check; structured.py). With the tool
+    repair on, a reply is streamed only once it is whole (the repair may write it again) and the response's
+    `diffgemma.tool_repair` says how many rounds it took and whether a call stayed invalid."""
     req, ids, prefix, tokenizer, model_id = prep.req, prep.ids, prep.prefix, served.tokenizer, served.model_id
     fmt, forced = req.response_format, req.tool_choice in ("required", "function")
-    retries = served.tool_validate if req.tools is not None else 0
+    tools_on = req.tools is not None and req.tool_choice != "none"
+    # the tool repair (the setting tool_repair: serve --tool-repair, or the request's `diffgemma` field) takes the
+    # place of --tool-validate: one retry rule a turn (core/repair.py)
+    repair = ToolRepair(tokenizer, req.tools) if tools_on and req.settings.tool_repair else None
+    retries = served.tool_validate if req.tools is not None and repair is None else 0
 
     def submit(settings, on_step=None):
         return _submit(served.worker, "messages", ids, settings, retries,
                        **({"images": prep.pictures} if prep.pictures else {}),
-                       **({"on_step": on_step} if on_step else {}))
+                       **({"on_step": on_step} if on_step else {}), **({"repair": repair} if repair else {}))
 
-    tools_on = req.tools is not None and req.tool_choice != "none"
     stops = req.settings.stop_strings
     extra = {"seed": req.settings.seed}
     cid, t0 = new_id("chatcmpl-"), int(time.time())
@@ -247,15 +253,11 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
             raise structured.call_failed(attempts, problem) if forced else \
                 structured.format_failed(fmt, attempts, problem)
         extra["attempts"] = attempts
-        use = counted(result, cached)
-        if req.stream:
-            return _streaming(structured.buffered_chunks(message_chunk, message, _finish(result, calls),
-                                                         use if req.include_usage else None))
-        return dict(completion(model_id, message, _finish(result, calls), use), diffgemma=extra)
+        return _whole(req, model_id, message_chunk, message, _finish(result, calls), counted(result, cached), extra)
     live = frames.FrameStream(tokenizer, req.settings, lambda: message_chunk({}, choices=False)) \
-        if prep.frames and req.stream else None
+        if prep.frames and req.stream and repair is None else None
     job = submit(req.settings, None if live is None else frames.snapshot)
-    if req.stream:
+    if req.stream and repair is None:
         deltas = ReplyDeltas(tokenizer, tools_on, stops, req.tools, req.parallel_tool_calls)
         return _streaming(_events(job, len(ids), req.include_usage, deltas, message_chunk,
                                   first={"role": "assistant", "content": ""}, empty={}, live=live))
@@ -264,7 +266,17 @@ async def _chat_reply(served: Served, request: Request, prep: PreparedChat):
         return done
     cached, result = done
     message, calls = build(result)
-    return dict(completion(model_id, message, _finish(result, calls), counted(result, cached)), diffgemma=extra)
+    if repair is not None:  # a stream of a reply the repair may write again is sent once it is whole
+        extra["tool_repair"] = {"rounds": result.tool_repairs, "failed": result.tool_repair_failed}
+    return _whole(req, model_id, message_chunk, message, _finish(result, calls), counted(result, cached), extra)
+
+
+def _whole(req, model_id: str, message_chunk, message: dict, finish: str, use: dict, extra: dict):
+    """A reply answered once it is whole: a completion, or for a stream its chunks sent at once."""
+    if req.stream:
+        usage_ = use if req.include_usage else None
+        return _streaming(structured.buffered_chunks(message_chunk, message, finish, usage_))
+    return dict(completion(model_id, message, finish, use), diffgemma=extra)
 
 
 async def _completion_reply(served: Served, request: Request, req, ids: list[int]):

@@ -63,6 +63,7 @@ def add_subcommands(subparsers) -> None:
                         f"(default: room for one image of --max-image-mb as base64, plus "
                         f"{BODY_SLACK_BYTES // MB} MB)")
     options.add_tool_validate_flag(s)
+    options.add_tool_repair_flag(s)
     options.add_gpus_flag(s)
     s.set_defaults(func=_run_serve)
 

@@ -75,12 +75,14 @@ class Limits:
     canvas_length: int | None = None  # default: the model's canvas_length
     max_denoising_steps: int = 256
     empty_reply_retry: int = 8
+    tool_repair_attempts: int = 4  # each round of a tool repair is a whole generation (core/repair.py)
     stop_strings: int = 16  # how many stop texts
     stop_string_chars: int = 256  # the longest one
 
     @staticmethod
     def names() -> tuple[str, ...]:
-        return ("canvas_length", "max_denoising_steps", "empty_reply_retry", "stop_strings", "stop_string_chars")
+        return ("canvas_length", "max_denoising_steps", "empty_reply_retry", "tool_repair_attempts", "stop_strings",
+                "stop_string_chars")
 
     def replace(self, items) -> "Limits":
         """A copy with NAME=VALUE strings applied (serve's --limit); a bad one raises ValueError naming it."""
@@ -109,7 +111,7 @@ def over_limit(settings, base, limits: Limits, model_canvas: int | None) -> tupl
             and settings.canvas_length != base.canvas_length:
         return "canvas_length", (f"canvas_length {settings.canvas_length}: over this server's limit of {canvas_cap} "
                                  f"(serve --limit canvas_length=N)")
-    for name in ("max_denoising_steps", "empty_reply_retry"):
+    for name in ("max_denoising_steps", "empty_reply_retry", "tool_repair_attempts"):
         value, cap = getattr(settings, name), getattr(limits, name)
         if value > cap and value != getattr(base, name):
             return name, f"{name} {value}: over this server's limit of {cap} (serve --limit {name}=N)"

@@ -29,7 +29,8 @@ import jsonschema
 
 from .. import grammars
 from ..errors import InputError
-from ..tool_calls import CALL_OPEN
+from ..tool_calls import CALL_OPEN, schema_validator
+from ..tool_calls import tool_call_problem  # noqa: F401 (reply_text.py takes the one check from here)
 from .errors import RequestError
 
 FORMAT_ATTEMPTS = 4  # a response_format reply is written at most this many times
@@ -58,7 +59,7 @@ class ResponseFormat:
             return f"the reply is not valid JSON ({getattr(e, 'msg', 'nested too deeply')})"
         if self.kind == "json_object":
             return None if isinstance(value, dict) else f"the reply is JSON but not an object ({type(value).__name__})"
-        error = jsonschema.exceptions.best_match(_validator(self.schema).iter_errors(value))
+        error = jsonschema.exceptions.best_match(schema_validator(self.schema).iter_errors(value))
         return None if error is None else f"the reply does not match the schema: {error.message}"
 
 
@@ -124,17 +125,12 @@ def schema_problem(schema) -> str | None:
     if not isinstance(schema, dict):
         return "expected an object"
     try:
-        _validator(schema).check_schema(schema)
+        schema_validator(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         return e.message
     except Exception as e:  # a malformed $schema or $ref the library trips over
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def _validator(schema: dict):
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
 
 
 def parse_response_format(fmt) -> ResponseFormat | None:
@@ -174,24 +170,6 @@ def budget_problem(max_tokens: int, problem: str) -> str:
 def call_failed(attempts: int, problem: str) -> RequestError:
     return RequestError(422, f"tool_choice: no reply made the required tool call in {attempts} attempt(s); the "
                              f"last: {problem}", "tool_choice", code="tool_choice_failed")
-
-
-def tool_call_problem(name: str | None, arguments, tools: list[dict] | None) -> str | None:
-    """Why a parsed tool call does not fit the offered tools (an unknown function, arguments against its parameter
-    schema), or None when it fits."""
-    if not tools:
-        return None
-    offered = {t["function"]["name"]: t["function"] for t in tools}
-    if name not in offered:
-        return f"calls {name!r}, which the request did not offer (offered: {sorted(offered)})"
-    schema = offered[name].get("parameters")
-    if not isinstance(schema, dict):
-        return None
-    try:
-        error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(arguments))
-    except Exception as e:  # e.g. a $ref that does not resolve: the call cannot be shown to fit
-        return f"{name}: its parameter schema cannot be checked ({type(e).__name__})"
-    return None if error is None else f"{name}: arguments do not match its parameters: {error.message}"
 
 
 def check_tools_schemas(tools: list[dict] | None) -> None:

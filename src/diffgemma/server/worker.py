@@ -223,11 +223,12 @@ class Worker:
             return len(self._queued)
 
     def submit(self, ids: list[int], settings, tool_retries: int = 0, images: dict | None = None,
-               on_step=None) -> Job:
+               on_step=None, repair=None) -> Job:
         """Queue a generation for the rendered conversation `ids`; refused at once if it cannot fit (InputError) or
         the queue is full (QueueFull). tool_retries: regenerate a malformed tool call up to this many times
         (core/turn.py). images: with a prompt key (vision/prompt.py), its images. on_step: what each StepEvent becomes
-        on the job's queue (server/frames.snapshot), or None: steps are dropped unread."""
+        on the job's queue (server/frames.snapshot), or None: steps are dropped unread. repair: the chat's tool repair
+        view (tool_repair.ToolRepair), run where the settings' tool_repair asks (core/repair.py)."""
         if not ids:
             raise InputError("the rendered prompt is empty")
         need = len(ids) + settings.max_new_tokens
@@ -236,7 +237,7 @@ class Worker:
                              f"tokens, over this server's context of {self.max_tokens}; lower max_tokens or start "
                              f"the server with a larger --max-tokens")
         request = Request(settings, ids=list(ids), images=images, turn=True, tool_retries=tool_retries,
-                          call_cut=self._call_cut, log=self.log, next_gen=self.next_gen)
+                          call_cut=self._call_cut, repair=repair, log=self.log, next_gen=self.next_gen)
         job = Job(request, on_step)
         request.sink = lambda event: self._on_event(job, event)
         waiting = self.queued
