@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:. python -m bench.fp8_fidelity [--out DIR]                 # GPU: full size, 30 layers
     PYTHONPATH=src:. python -m bench.fp8_fidelity --cpu [--layers 2]          # CPU: real widths, few layers
+    ... [--sections layers,engines] [--fixtures flat,peaked]
 
 One set of random weights (bench/fixtures.RandomSource, per fixture) is run through the reference forward
 (model/reference.py, float32) in several variants at once, layer by layer: each layer's weights are made, every
@@ -11,7 +12,7 @@ reference asks for them). The variants:
 
   bf16              the random weights as drawn (bf16 values, float32 math): the baseline
   fp8_w             attention projections, dense MLP and experts quantized to FP8 per output row
-                    (ops/fp8_weight.quantize_fp8), activations float32: the CPU engine's weights-only reference
+                    (ops/fp8_weight.quantize_fp8), activations float32: the reference path's FP8 model
   fp8_wa            the same with every input of those GEMMs quantized per token (ops/fp8_quant.fake_quant_rows): the
                     CUDA FP8 engine's math
   fp8_wa_pinned     fp8_wa with each layer's expert choice (ids and mixing weights) taken from the bf16 run
@@ -25,7 +26,14 @@ the share of (token, expert) choices bf16 also made; at the end the final hidden
 logits' cosine (mean, min) and argmax agreement; for bf16, each layer's median router margin (log-probability of the
 k-th expert minus the (k+1)-th: how close the choice is to a tie). A variant that only moves logits by the weights'
 own rounding keeps its layers' cosine near 1 once its routing is pinned; the unpinned one shows what a flipped
-expert choice costs. Results: DIR/fp8_fidelity.json (rewritten after each fixture) and a table on stdout.
+expert choice costs.
+
+engines (CUDA only): the engines themselves at full size over each fixture's weights (bench/runner.build: bf16, and
+fp8 on the FP8 GEMMs; and "q4_values", the bf16 engine with its expert stacks replaced by their q4 values and the
+SC MLP by its q8 values), model routing, two lanes of --ctx context: each one's softcapped denoise logits against the
+bf16 engine's (cosine mean / min, argmax agreement), the figure issue 50's bar names, beside the layers' reference.
+
+Results: DIR/fp8_fidelity.json (rewritten after each part) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -306,6 +314,75 @@ def final_figures(cfg, lanes, C) -> dict:
     return out
 
 
+class Q4Values:
+    """A TensorSource whose expert stacks come as their q4 values (CHUNK experts at a time) and SC MLP as its q8
+    values, in the source's dtype; every other tensor as drawn (each name drawn once, in the caller's order)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def kind(self, name) -> str:
+        return "raw"
+
+    def get(self, name, dtype=None, device=None):
+        t = self.inner.get(name, dtype=dtype, device=device)
+        if is_expert(name):
+            return torch.cat([q4_dequantized(t[i:i + CHUNK]).to(t.dtype) for i in range(0, len(t), CHUNK)])
+        if name.startswith(SC) and t.dim() == 2:
+            return q8_dequantized(t).to(t.dtype)
+        return t
+
+
+def engine_logits(kind: str, cfg, dev, fixture: str, ctx: int, lanes_n: int = 2) -> torch.Tensor:
+    """The softcapped f32 denoise logits [lanes_n · C, V] (on the host) of a full-size engine of `kind` over the
+    fixture's weights, model routing."""
+    from bench.balanced_routing import routing
+    from bench.bench_batch import lanes
+    from bench.runner import build
+    from diffgemma.model.engine import build_engine
+
+    if kind == "q4_values":
+        eng = build_engine(cfg, Q4Values(RandomSource(cfg, dev, torch.bfloat16, seed=0, fixture=fixture)), dev,
+                           torch.bfloat16)
+    else:
+        eng = build(kind if fixture == "flat" else f"{kind}-{fixture}", cfg, dev, False)
+    try:
+        with routing("model"):
+            caches, canvases, scs = lanes(eng, cfg, lanes_n, ctx, seed=5)
+            cap = eng.logit_softcap
+            return torch.cat([(cap * torch.tanh(eng.denoise_raw(c, x, sc_embeds=s).float() / cap)).cpu()
+                              for c, x, s in zip(caches, canvases, scs)])
+    finally:
+        eng = None
+        torch.cuda.empty_cache()
+
+
+def section_engines(dev, fixture: str, ctx: int, log) -> dict:
+    """engines (module docstring) at full size on one fixture."""
+    cfg = config(TEXT["num_hidden_layers"], TEXT["vocab_size"], CANVAS)
+    out, base = {}, None
+    for kind in ("bf16", "fp8", "q4_values"):
+        t = time.time()
+        try:
+            logits = engine_logits(kind, cfg, dev, fixture, ctx)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            out[kind] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        if base is None:
+            base = logits
+            out[kind] = {"seconds": round(time.time() - t, 1)}
+        else:
+            out[kind] = {"logits": cosines(logits, base), "argmax_agreement": round(
+                (logits.argmax(-1) == base.argmax(-1)).float().mean().item(), 4), "seconds": round(time.time() - t, 1)}
+        log(f"  [{fixture} engines] {kind}: {out[kind]}")
+    return out
+
+
 def config(layers: int, vocab: int, canvas: int) -> ModelConfig:
     """TEXT (the full-size model) with its last `layers` layers (a full layer and the sliding ones before it) and a
     `vocab`-token vocabulary."""
@@ -330,6 +407,13 @@ def table(res: dict) -> str:
             lines.append(f"{name:16} {f['logits']['cos_mean']:16.6f} {f['logits']['cos_min']:9.5f} "
                          f"{f['argmax_agreement']:7.4f} {f['hidden']['cos_mean']:11.6f} "
                          f"{last[name]['route_agreement']:23.4f}")
+    for fixture, r in res.get("engines", {}).items():
+        for name, f in r.items():
+            if "logits" in f:
+                lines.append(f"engine {fixture} {name:10} logits cos mean {f['logits']['cos_mean']:.6f} min "
+                             f"{f['logits']['cos_min']:.5f} argmax {f['argmax_agreement']:.4f}")
+            elif "error" in f:
+                lines.append(f"engine {fixture} {name}: {f['error']}")
     return "\n".join(lines)
 
 
@@ -343,6 +427,7 @@ def main(argv=None):
     p.add_argument("--ctx", type=int, default=None)
     p.add_argument("--fixtures", default="flat,peaked")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sections", default="layers,engines", help="comma list of layers, engines (CUDA only)")
     a = p.parse_args(argv)
     dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
     small = dev.type == "cpu"
@@ -352,15 +437,21 @@ def main(argv=None):
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "layers": layers, "vocab": cfg.vocab_size, "canvas": a.canvas, "ctx": ctx, "fixtures": {}}
+           "layers": layers, "vocab": cfg.vocab_size, "canvas": a.canvas, "ctx": ctx}
     t0 = time.time()
-    for fixture in fixture_list(a.fixtures):
+    sections = set(a.sections.split(","))
+    log = lambda *m: print(*m, flush=True)  # noqa: E731
+    jobs = [("fixtures", f, lambda f=f: run_fixture(cfg, dev, f, ctx, a.seed, log)) for f in fixture_list(a.fixtures)
+            if "layers" in sections]
+    if "engines" in sections and dev.type == "cuda":
+        jobs += [("engines", f, lambda f=f: section_engines(dev, f, ctx, log)) for f in fixture_list(a.fixtures)]
+    for part, fixture, fn in jobs:
         try:
-            res["fixtures"][fixture] = run_fixture(cfg, dev, fixture, ctx, a.seed, lambda *m: print(*m, flush=True))
-        except Exception as e:  # the other fixture still runs
+            res.setdefault(part, {})[fixture] = fn()
+        except Exception as e:  # the other parts still run
             import traceback
             traceback.print_exc()
-            res["fixtures"][fixture] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            res.setdefault(part, {})[fixture] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         res["seconds"] = round(time.time() - t0, 1)
         tmp = out_dir / "fp8_fidelity.json.tmp"
         tmp.write_text(json.dumps(res, indent=1))
