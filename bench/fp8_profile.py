@@ -93,6 +93,12 @@ def profiled_forward(eng, cfg, B: int, ctx: int, top: int = 25) -> dict:
             "top_kernels": [[round(ms, 3), classify(name, owners), name[:120]] for name, ms in ordered]}
 
 
+def graphed_ms(eng, cfg, B: int, ctx: int, reps: int) -> float:
+    """Median ms of the graphed B-lane forward (its lanes freed on return)."""
+    caches, canvases, scs = lanes(eng, cfg, B, ctx)
+    return timed(eng.device, lambda: eng.denoise_batch_raw(caches, canvases, sc_embeds=scs), reps)
+
+
 def section_profile(cfg, dev, kinds, build, B: int = 8, ctx: int = 1024, reps: int = 10) -> dict:
     """For each engine kind: the graphed B-lane forward's median ms and the eager forward's GPU time by class."""
     if dev.type != "cuda":
@@ -102,11 +108,8 @@ def section_profile(cfg, dev, kinds, build, B: int = 8, ctx: int = 1024, reps: i
         eng = build(kind, cfg, dev, False)
         try:
             with routing("balanced"):
-                caches, canvases, scs = lanes(eng, cfg, B, ctx)
-                r = {f"B{B}_graphed_ms": timed(dev, lambda: eng.denoise_batch_raw(caches, canvases, sc_embeds=scs),
-                                               reps)}
+                r = {f"B{B}_graphed_ms": graphed_ms(eng, cfg, B, ctx, reps)}
                 eng.clear_graphs()
-                del caches, canvases, scs
                 r.update(profiled_forward(eng, cfg, B, ctx))
             out[kind] = r
             log(f"  [profile {kind}] B={B}: graphed {r[f'B{B}_graphed_ms']} ms; eager kernels {r['gpu_ms']} ms: "
