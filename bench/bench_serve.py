@@ -1,10 +1,11 @@
 """Benchmark: the OpenAI server under concurrent streaming clients, with and without continuous batching.
 
-    PYTHONPATH=src:. python -m bench.bench_serve [--kind q4|bf16] [--clients 8] [--json out.json]
+    PYTHONPATH=src:. python -m bench.bench_serve [--kind q4|bf16|fp8] [--clients 8] [--json out.json]
+    PYTHONPATH=src:. python -m bench.bench_serve --kinds q4,fp8 --sections throughput --fixtures peaked
     PYTHONPATH=src:. python -m bench.bench_serve --tiny      # the demo model on the CPU: a dry run (< 1 min)
 
 The real HTTP server (server/app.py served by uvicorn in-process on a free port) over a model built from random
-full-size weights (bench.fixtures: q4 experts + q8 SC MLP, or bf16; balanced expert routing), or with --tiny the
+full-size weights (bench.runner.build: q4 experts + q8 SC MLP, bf16, or fp8; balanced expert routing), or with --tiny the
 embedded demo model (the reference forward, which takes any batch). Every request does the same work: fixed
 denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a reply is exactly --reply tokens.
 
@@ -20,6 +21,9 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
               the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
               others generate, at most --chunk): their p50 / p99 and both ratios. Unless --tiny, the same script
               runs first on other ids, so that no graph capture lands in the measured pass.
+  --kinds A,B  the throughput section across two engines in one process: kind A serial (--max-batch 1), then its
+              engine freed, kind B batched (--batch), and the ratio B batched / A serial (the FP8 engine serving 8
+              clients against the q4 engine serving them one at a time: `--kinds q4,fp8`)
 Per fixture (--fixtures; bench/fixtures.py; full size only, --tiny runs the demo's real weights): the flat fixture's
 numbers at the top of the JSON as before, the peaked one's under "peaked", each with the fixture's logit profile
 (median row entropy, SC survivors per row).
@@ -42,7 +46,7 @@ import httpx
 import torch
 
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
-from bench.runner import fixture_list
+from bench.runner import KINDS, fixture_list
 
 TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, busy=64, batch=8, passes=1)
 FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, busy=256, batch=8, passes=2)
@@ -237,7 +241,7 @@ def prefill_interference(model, tokenizer, settings, a, rng, max_batch: int) -> 
     return out
 
 
-def build(a, fixture: str = "flat"):
+def build(a, fixture: str = "flat", kind: str | None = None):
     from diffgemma.loader import embedded_model_path
     from diffgemma.tokenizer import load_tokenizer
 
@@ -251,13 +255,15 @@ def build(a, fixture: str = "flat"):
     from diffgemma.config import ModelConfig
 
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
-    model = build_engine_kind(a.kind if fixture == "flat" else f"{a.kind}-{fixture}", cfg, torch.device("cuda"), False)
+    kind = kind or a.kind
+    model = build_engine_kind(kind if fixture == "flat" else f"{kind}-{fixture}", cfg, torch.device("cuda"), False)
     return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", default="q4", choices=["q4", "bf16"])
+    ap.add_argument("--kind", default="q4", choices=list(KINDS))
+    ap.add_argument("--kinds", default=None, help="A,B: kind A serial vs kind B batched, one process (throughput)")
     ap.add_argument("--tiny", action="store_true", help="the demo model on the CPU (a dry run of the script)")
     for name, help_ in (("clients", "concurrent streaming clients"), ("prompt", "prompt tokens per client"),
                         ("reply", "reply tokens per client"), ("steps", "denoise steps per block"),
@@ -275,8 +281,9 @@ def main():
         if getattr(a, k) is None:
             setattr(a, k, v)
     fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
+    kinds = cross_kinds(a)
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
-                 "model": "demo" if a.tiny else a.kind, "routing": a.routing, "clients": a.clients,
+                 "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing, "clients": a.clients,
                  "prompt": a.prompt, "reply": a.reply, "steps": a.steps}
 
     def dump():
@@ -285,7 +292,10 @@ def main():
 
     for fixture in fixtures:
         r = res if fixture == "flat" else res.setdefault(fixture, {})
-        measure(a, fixture, r, dump)
+        if kinds:
+            cross(a, fixture, kinds, r, dump)
+        else:
+            measure(a, fixture, r, dump)
         log(f"\n[{fixture}]")
         summary(r)
         gc.collect()
@@ -293,20 +303,58 @@ def main():
             torch.cuda.empty_cache()
 
 
-def measure(a, fixture: str, res: dict, dump) -> None:
-    """One fixture's model: its logit profile, then the sections, into `res`."""
+def cross_kinds(a) -> list[str] | None:
+    """--kinds as [A, B] (each one of bench/runner.KINDS), or None."""
+    if not a.kinds:
+        return None
+    kinds = a.kinds.split(",")
+    if len(kinds) != 2 or any(k not in KINDS for k in kinds) or a.tiny:
+        raise SystemExit(f"--kinds {a.kinds!r}: expected two of {KINDS} as A,B (full size, not with --tiny)")
+    return kinds
+
+
+def prepared(a, fixture: str, res: dict, kind: str | None = None):
+    """One fixture's model of `kind` (default --kind) -> (model, tokenizer, settings, prompts, rng)."""
     t = time.time()
-    model, tokenizer = build(a, fixture)
+    model, tokenizer = build(a, fixture, kind)
     cap = getattr(model, "max_batch", 1)
     if cap is not None and a.batch > cap:
         log(f"note: this model's forward takes at most {cap} canvas(es); --batch {a.batch} -> {cap}")
         a.batch = cap
-    log(f"model built in {time.time() - t:.1f}s ({type(model).__name__}, max_batch {cap}, fixture {fixture})")
+    log(f"model built in {time.time() - t:.1f}s ({type(model).__name__}, max_batch {cap}, fixture {fixture}, "
+        f"kind {kind or a.kind})")
     C = model.config.canvas_length
     res["canvas"] = C
     settings = fixed_steps(C, -(-a.reply // C)).replace(max_denoising_steps=a.steps, max_new_tokens=a.reply)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, tokenizer.vocab_size) for _ in range(a.prompt)] for _ in range(a.clients)]
+    return model, tokenizer, settings, prompts, rng
+
+
+def cross(a, fixture: str, kinds: list[str], res: dict, dump) -> None:
+    """--kinds A,B: kind A's engine serves the clients one at a time, then (A freed) kind B's serves them batched."""
+    from bench.balanced_routing import routing
+    from bench.fixtures import logit_profile
+
+    res["kinds"] = {"serial": kinds[0], "batched": kinds[1]}
+    for run, kind, max_batch in (("serial", kinds[0], 1), ("batched", kinds[1], None)):
+        model, tokenizer, settings, prompts, _ = prepared(a, fixture, res, kind)
+        with routing(a.routing):
+            if run == "batched":
+                res["profile"] = logit_profile(model, model.config, a.prompt)
+            res[run] = throughput(model, tokenizer, settings, a, prompts, max_batch or a.batch)
+        res[run]["kind"] = kind
+        dump()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    res["ratio"] = round(res["batched"]["tok_s"] / res["serial"]["tok_s"], 2)
+    dump()
+
+
+def measure(a, fixture: str, res: dict, dump) -> None:
+    """One fixture's model: its logit profile, then the sections, into `res`."""
+    model, tokenizer, settings, prompts, rng = prepared(a, fixture, res)
 
     from contextlib import nullcontext
 
@@ -328,13 +376,16 @@ def measure(a, fixture: str, res: dict, dump) -> None:
 
 
 def summary(res: dict) -> None:
-    log("| run | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|")
+    log("| run | kind | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|---|")
     for run in ("serial", "batched"):
         r = res.get(run)
         if r:
-            log(f"| {run} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | {r['mean_batch']} |")
+            log(f"| {run} | {r.get('kind', res.get('model'))} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | "
+                f"{r['mean_batch']} |")
     if "ratio" in res:
-        log(f"aggregate tokens/s, batched / serial: {res['ratio']}x")
+        kinds = res.get("kinds")
+        what = f"{kinds['batched']} batched / {kinds['serial']} serial" if kinds else "batched / serial"
+        log(f"aggregate tokens/s, {what}: {res['ratio']}x")
     p = res.get("prefill")
     if p:
         log(f"running stream's step ms while a {p['long_prompt']}-token prompt prefills ({p['chunks']} chunks of "

@@ -1,6 +1,7 @@
 """FP8 engine check: availability, kernels vs twins, GEMM timings FP8 vs bf16, and the full-size denoise step.
 
     PYTHONPATH=src:. python -m bench.fp8_check [--out DIR] [--reps 20] [--skip kernels,gemms,engine,demo,memory]
+    PYTHONPATH=src:. python -m bench.fp8_check --sections profile [--profile-kinds fp8,bf16]
     python bench/fp8_check.py ...                             # the same
     PYTHONPATH=src:. python -m bench.fp8_check --tiny     # the demo model's shapes on the CPU: a dry run
 
@@ -29,6 +30,9 @@ vocab 262144, canvas 256).
            batched denoise vs their solo denoise (bit-identical count)
   demo     the embedded demo model (real weights): bf16 vs its FP8 form (Fp8QuantizedSource), 8 chat prompts' tokens
   memory   fp8, 8 lanes of 8k context, one batched step: peak allocated GiB (skipped when the time budget is spent)
+  profile  (only when --sections names it) per --profile-kinds engine: the graphed B=8 forward's median ms and the
+           eager one's GPU kernel time by op class (expert GEMMs, linears, attention, quant / norm epilogues,
+           routing, glue) from torch.profiler, and its top kernels (bench/fp8_profile.py)
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "")]
 
 from bench.bench_batch import lanes, timed
-from bench.fixtures import RandomPackSource, RandomSource
-from bench.runner import log, shapes, sync
+from bench.fp8_profile import section_profile
+from bench.runner import build, log, shapes, sync
 from diffgemma.model.engine import build_engine
 from diffgemma.model.engine_weights import DictSource, Fp8QuantizedSource
 from diffgemma.ops import fp8_linear, fp8_moe, fp8_quant, moe_stream
@@ -58,6 +62,7 @@ from diffgemma.ops.fp8_weight import has_fp8_mma, has_scaled_grouped_mm, probe_s
 from diffgemma.ops.grouped import grouped_mm_torch
 
 BF16 = torch.bfloat16
+DEFAULT_SECTIONS = ("env", "kernels", "gemms", "engine", "demo", "memory")
 BUDGET_S = 400  # the demo and memory sections run only if this much time has not yet passed
 ENGINE_BUDGET_S = 360  # the same for each engine kind after the first two (q4: timing only)
 T0 = time.time()
@@ -297,17 +302,6 @@ def section_gemms(cfg, dev, reps):
     return out
 
 
-def build(kind, cfg, dev, tiny):
-    dtype = torch.float32 if tiny else BF16
-    kw = {"kv_dtype": torch.float32} if tiny else {}
-    if kind == "q4":
-        return build_engine(cfg, RandomPackSource(cfg, dev, dtype, seed=0, experts="q4", sc="q8"), dev, dtype, **kw)
-    src = RandomSource(cfg, dev, dtype, seed=0)
-    if kind == "fp8":
-        src = Fp8QuantizedSource(src, cache=False)
-    return build_engine(cfg, src, dev, dtype, **kw)
-
-
 def softcapped(eng, raw):
     cap = eng.logit_softcap
     return (cap * torch.tanh(raw.float() / cap)).cpu()
@@ -460,6 +454,9 @@ def summary(res) -> str:
         lines.append(f"engine {kind}: {json.dumps(r)}")
     lines.append(f"demo: {json.dumps(res.get('demo'))}")
     lines.append(f"memory: {json.dumps(res.get('memory'))}")
+    for kind, r in (res.get("profile") or {}).items():
+        lines.append(f"profile {kind}: " + (json.dumps({k: v for k, v in r.items() if k != "top_kernels"})
+                                            if isinstance(r, dict) else str(r)))
     lines += [f"{k}: {v}" for k, v in res.items() if k.endswith("_error")]
     lines.append(f"total {time.time() - T0:.0f} s")
     return "\n".join(lines)
@@ -470,10 +467,17 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip", default="")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma list of {DEFAULT_SECTIONS + ('profile',)}")
+    p.add_argument("--profile-kinds", default="fp8,bf16")
     p.add_argument("--tiny", action="store_true")
     a = p.parse_args()
     cfg, dev = shapes(a.tiny)
     skip = set(filter(None, a.skip.split(",")))
+    wanted = set(filter(None, a.sections.split(",")))
+    bad = wanted - set(DEFAULT_SECTIONS + ("profile",))
+    if bad:
+        raise SystemExit(f"--sections: unknown {sorted(bad)}; expected a comma list of {DEFAULT_SECTIONS + ('profile',)}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {}
@@ -485,9 +489,10 @@ def main():
                 ("gemms", lambda: section_gemms(cfg, dev, a.reps)),
                 ("engine", lambda: section_engine(cfg, dev, a.tiny, a.reps, res, dump)),
                 ("demo", lambda: section_demo(dev)),
-                ("memory", lambda: section_memory(cfg, dev, a.tiny))]
+                ("memory", lambda: section_memory(cfg, dev, a.tiny)),
+                ("profile", lambda: section_profile(cfg, dev, a.profile_kinds.split(","), build))]
     for name, fn in sections:
-        if name in skip:
+        if name in skip or name not in wanted:
             continue
         t = time.time()
         log(f"== {name}")

@@ -22,6 +22,7 @@ from bench.fixtures import FIXTURES, RandomPackSource, RandomSource
 from diffgemma.config import ModelConfig
 from diffgemma.loader import embedded_model_path
 from diffgemma.model.engine import build_engine
+from diffgemma.model.engine_weights import Fp8QuantizedSource
 
 
 def log(*a):
@@ -73,16 +74,25 @@ def with_fixtures(kinds, fixtures: str) -> list[str]:
     return [k if f == "flat" else f"{k}-{f}" for f in fixture_list(fixtures) for k in kinds]
 
 
+KINDS = ("q4", "bf16", "fp8")
+
+
 def build(kind, cfg, dev, tiny):
-    """An engine of random weights: "q4" (q4 experts, q8 SC MLP) or "bf16", with "-peaked" the peaked fixture
-    (bench/fixtures.py); f32 with an f32 KV cache when tiny."""
+    """An engine of random weights: "q4" (q4 experts, q8 SC MLP), "bf16", or "fp8" (the bf16 weights with the
+    attention projections, dense MLP and experts quantized to FP8 per output row, as an FP8-dynamic checkpoint
+    holds them: model/engine_weights.Fp8QuantizedSource), with "-peaked" the peaked fixture (bench/fixtures.py); f32
+    with an f32 KV cache when tiny."""
     dtype = torch.float32 if tiny else torch.bfloat16
     kind, _, fixture = kind.partition("-")
     fixture = fixture or "flat"
+    if kind not in KINDS:
+        raise ValueError(f"engine kind {kind!r}: expected one of {KINDS}")
     if kind == "q4":
         src = RandomPackSource(cfg, dev, dtype, seed=0, experts="q4", sc="q8", fixture=fixture)
     else:
         src = RandomSource(cfg, dev, dtype, seed=0, fixture=fixture)
+    if kind == "fp8":  # each tensor quantized as it is drawn (cache=False: the source draws each name once)
+        src = Fp8QuantizedSource(src, cache=False)
     return build_engine(cfg, src, dev, dtype, **({"kv_dtype": torch.float32} if tiny else {}))
 
 

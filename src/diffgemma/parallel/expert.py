@@ -1,8 +1,8 @@
 """Expert parallelism: rank r of G holds experts [r·E/G, (r+1)·E/G) of every layer, every other weight whole.
 
-  ExpertShard            a TensorSource that hands out this rank's slice of each expert stack (bf16 or packed
-                         records) and every other tensor as it is; it reads only the slice where the source allows
-                         (safetensors slices, a pack's record bytes)
+  ExpertShard            a TensorSource that hands out this rank's slice of each expert stack (bf16, packed records,
+                         or FP8 values with their row scales) and every other tensor as it is; it reads only the
+                         slice where the source allows (safetensors slices, a pack's record bytes)
   ExpertParallelForward  Forward with the layer's experts split: routing runs whole on every rank (replicated
                          weights, the same bits), each rank runs its experts on the routes sent to them and sums
                          their weighted outputs in f32, one all-reduce adds the ranks' sums, and the layer's finish
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..model.forward import Forward
+from ..ops.fp8_weight import Fp8Weight
 from ..ops.layouts import planes
 from ..ops.moe import expert_ffn
 from ..ops.moe_plan import expert_order_ref
@@ -47,6 +48,8 @@ class ExpertShard:
         self._handles = {}
         if hasattr(source, "record_tensor"):  # a source that makes its records on the device (the benchmark's)
             self.record_tensor = self._record_tensor
+        if hasattr(source, "fp8_weight"):  # a source with FP8 tensors (a hub FP8 checkpoint, Fp8QuantizedSource)
+            self.fp8_weight = self._fp8_weight
 
     def __getattr__(self, name):
         return getattr(self.source, name)
@@ -64,6 +67,17 @@ class ExpertShard:
         else:
             t = self.source.get(name, dtype=dtype, device=device).narrow(0, self.first, self.count)
         return t.to(device=device, dtype=dtype or t.dtype).clone()
+
+    def _fp8_weight(self, name, device="cpu") -> Fp8Weight | None:
+        """The source's FP8 form of `name` (None where it has none); of an expert stack, experts [first, first + count)
+        of its values and of its per-row scales alike, read on the host and then moved to `device`."""
+        if not is_expert(name):
+            return self.source.fp8_weight(name, device)
+        fw = self.source.fp8_weight(name, "cpu")
+        if fw is None:
+            return None
+        return Fp8Weight(fw.weight.narrow(0, self.first, self.count).contiguous(),
+                         fw.scale.narrow(0, self.first, self.count).contiguous()).to(device)
 
     def _safetensors_slice(self, path, name) -> torch.Tensor:
         from safetensors import safe_open
