@@ -268,6 +268,7 @@ def section_engine(eng, a, kind: str) -> dict:
             log(f"[{kind}] prefill {T}: {r}")
             if T in STEP_AT and kind == "bf16" and left(a.budget) > 40:  # the cache holds the prompt
                 st = {"dense_ms": step_ms(eng, cache, None, 10)}
+                default_form = topk_mod.FORM
                 for form in topk_mod.FORMS:
                     name = f"topk_{form}"
                     try:
@@ -278,7 +279,7 @@ def section_engine(eng, a, kind: str) -> dict:
                         traceback.print_exc()
                         st[f"{name}_ms"] = f"{type(e).__name__}: {str(e)[:300]}"
                     finally:
-                        topk_mod.FORM = "fused"
+                        topk_mod.FORM = default_form
                 out["step"][T] = st
                 log(f"[{kind}] step at {T}: {st}")
             sparse = SPARSE_AT + ((ENDS[-1],) if a.sparse_256k else ())

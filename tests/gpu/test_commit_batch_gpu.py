@@ -118,8 +118,10 @@ def test_demo_rounds_commits_run_as_one_forward_and_keep_each_requests_tokens():
     eng = diffgemma.load(None, device="cuda")
     tok = eng.tokenizer
     prompts = [tok.encode(p) for p in ("Name a colour.", "What is 2+2?", "Say hi.", "Count to five.")]
-    kw = dict(max_new_tokens=48, max_denoising_steps=8, stability_threshold=0, entropy_stop=0.0, plateau_steps=0,
-              confidence_trim=0.0, empty_reply_retry=0)
+    # three whole blocks each, no stop id: every lane commits its first two blocks (a one-shot generate skips the
+    # last), in the same rounds
+    kw = dict(max_new_tokens=3 * eng.config.canvas_length, max_denoising_steps=8, stability_threshold=0,
+              entropy_stop=0.0, plateau_steps=0, confidence_trim=0.0, empty_reply_retry=0, stop_ids=[])
     with Runs() as runs:
         batched = generate_batch(eng, prompts, seeds=[5, 6, 7, 8], max_batch=4, **kw)
     assert runs and max(runs) >= 2, runs

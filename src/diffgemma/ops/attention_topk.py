@@ -20,8 +20,8 @@ Masks: causal (prefill) with kpos/qpos (full layers: no window), or the bidirect
   attention_topk_fused  the fused form (ops/attention_topk_fused.py): f32 scores by a Triton GEMM, each row's exact
                         k-th score by a radix select on its f32 bits, the softmax and P·V over the selected keys
                         only; the twin's selection exactly, ties included
-  attention_topk        dispatch: the fused form on CUDA (FORM; the gather form where it cannot compile or launch),
-                        the twin elsewhere
+  attention_topk        dispatch: on CUDA the form FORM names (the gather form by default; the fused form, opt-in,
+                        falls back to the gather form where it cannot compile or launch), the twin elsewhere
 """
 
 from __future__ import annotations
@@ -157,14 +157,15 @@ def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
 # either way; bench/longctx_check.py times both.
 CANDIDATE_CHUNK = 0
 FORMS = ("fused", "gather")
-FORM = "fused"  # the CUDA form (FORMS); bench/longctx_check.py times each
+FORM = "gather"  # the CUDA form (FORMS); "fused" is opt-in. bench/longctx_check.py times each
 _fused_failed: dict = {}  # head dim -> why the fused kernels could not compile or launch here
 
 
 def attention_topk(q, k, v, kpos, n_keys, rule: TopKRule, qpos=None, causal=False, out_dtype=None, nlive=None,
                    q_start: int | None = None, **_):
-    """-> [n, H·d]: the fused form on CUDA (or the gather form: FORM, without Triton or with DIFFGEMMA_NO_TRITON=1,
-    or where the fused kernels failed outside a graph capture, noted with a warning once), the twin elsewhere."""
+    """-> [n, H·d]: on CUDA the form FORM names (the fused one needs Triton, no DIFFGEMMA_NO_TRITON=1, and falls back
+    to the gather form where its kernels failed outside a graph capture, noted with a warning once); the twin
+    elsewhere."""
     kw = dict(qpos=qpos, causal=causal, out_dtype=out_dtype, nlive=nlive)
     if not q.is_cuda:
         return attention_topk_ref(q, k, v, kpos, n_keys, rule, **kw)
