@@ -10,7 +10,7 @@ and launches it on a stream. The flag is read when the GPU reaches the launch, s
 just before. torch 2.11 (the version this engine is deployed with) has no Python API for conditional nodes, hence
 ctypes on libcuda: the driver's C API, the same calls CUDA C++ makes. The device half, `cudaGraphSetConditional`, is
 a device-runtime builtin; `_SET_PTX` below is what nvcc 13.0 emits for that one-line kernel, kept as text and
-JIT-compiled by the driver (`nvcc -arch=sm_90 -ptx` of
+JIT-compiled by the driver (`nvcc -ptx` of
 `__global__ void set_if(cudaGraphConditionalHandle h, const bool* f) { cudaGraphSetConditional(h, *f ? 1u : 0u); }`,
 with the target lowered to sm_80 and the ISA version to 8.4, the CUDA 12.4 driver's).
 

@@ -243,7 +243,7 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
     columns per program; waves = programs per SM the canvas split aims at (0 = never split).
 
-    The fastest of a sweep (bench/bench_attention.py), each also compiled offline for sm_90 and read back with no
+    Chosen by a sweep (bench/bench_attention.py), each also compiled offline for the target and read back with no
     spills, within the SM's shared memory:
       canvas hd 256 over the ring's live window: BM 64, BN 64, 4 warps, 3 stages, 2 splits;
       canvas hd 256 with the per-key mask (ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits;

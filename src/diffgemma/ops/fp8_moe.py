@@ -41,7 +41,7 @@ if HAVE_TRITON:
 # BM by the rows an expert gets (more rows: fewer passes over the weights). bench/fp8_check.py times alternatives.
 # IMPRECISE: the K-elements the tensor cores may sum in their own reduced-precision accumulator before the sum joins
 # the f32 accumulator (tl.dot's max_num_imprecise_acc, at most the K tile): one K tile's, 128 (as FP8 GEMMs without
-# fast accumulation promote). None: Triton's default for the device (on Hopper: never, the whole K in the tensor
+# fast accumulation promote). None: Triton's default for the device (with wgmma: never, the whole K in the tensor
 # cores' accumulator).
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 128, 8, 4)

@@ -4,7 +4,7 @@ The math. Each weight is decoded in registers to f16 with one rounding: w = fma(
 (fma.rn.f16x2: two weights an instruction). x goes to f16 in the kernel (exact for bf16 values inside the f16
 range; outside it, clamped to ±65504 instead of overflowing), unless its producer already wrote it so
 (ops/f16_operand.py: the engine's attn_finish and gelu·up do), and the f16 MMA accumulates in f32 on a
-loop-carried accumulator. On Hopper the planes come through the tensor-memory accelerator (one bulk copy per
+loop-carried accumulator. Where the device has a tensor-memory accelerator (TMA) the planes come through it (one bulk copy per
 plane and K step), elsewhere through cp.async: the same words, the same bits. The weights keep 11 bits where the
 twin (dequantize, then the bf16 GEMM) keeps 8 (plus the one rounding of each group's c), so the kernel's products
 sit closer to the exact ones than the twin's do (tests hold both to them); ops/q4_tiles.decode_f16 is the kernel's
@@ -203,7 +203,7 @@ if HAVE_TRITON:
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
         the order given (the most rows first: the longest programs start first instead of ending the grid).
         The one-pass case is not written as a loop of one trip (a K loop inside a row loop ran slower, same bits).
-        TMA: codes and sides are tensor descriptors of the two planes (Hopper), else plain pointers."""
+        TMA: codes and sides are tensor descriptors of the two planes (devices with TMA), else plain pointers."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)
         if GLU:  # the result's columns: BN/2 of F = N/2
@@ -299,7 +299,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     if M == 0:
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
-    # TMA, 4 through cp.async (the fastest measured, bench/bench_pack.py).
+    # TMA, 4 through cp.async (chosen by bench/bench_pack.py).
     GC = _group_chunk(K // GROUP)
     tma = tma_available(x) if tma is None else tma
     planes = _descriptors(w, GC) if tma else _planes(w)
