@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import httpx
 import torch
 
 from bench.bench_e2e import STEPS, fixed_steps
-from bench.bench_serve import Served, build
+from bench.bench_serve import Served, build, concurrently
 
 TINY = dict(clients=4, prompt=64, reply=128, steps=8, batch=4, passes=2)
 FULL = dict(clients=8, prompt=1024, reply=1024, steps=STEPS, batch=8, passes=5)
@@ -73,17 +72,8 @@ def chat(url: str, content: str, max_tokens: int, seed: int, frames: bool, clien
 def one_pass(url: str, prompts: list[str], reply: int, frames: bool) -> dict:
     """Every prompt at once, a client thread each -> aggregate tokens/s and frames per request."""
     outs = [{} for _ in prompts]
-    clients = [httpx.Client(timeout=None) for _ in prompts]
-    threads = [threading.Thread(target=chat, args=(url, p, reply, i, frames, c, o))
-               for i, (p, c, o) in enumerate(zip(prompts, clients, outs))]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
-    for c in clients:
-        c.close()
+    wall, _ = concurrently([lambda c, i=i, p=p, o=o: chat(url, p, reply, i, frames, c, o)
+                            for i, (p, o) in enumerate(zip(prompts, outs))])
     if any("tokens" not in o for o in outs):
         raise RuntimeError("a client got no usage chunk (see the server's log)")
     if frames and not all(o["frames"] for o in outs):

@@ -33,6 +33,7 @@ JSON (--json) holds every number; a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -111,14 +112,12 @@ def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict, c
     out["s"] = out["t_end"] - t
 
 
-def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float, list[dict]]:
-    """All prompts at once, one client thread each -> (wall seconds, completion tokens, the perf_counter time the
-    first thread started, each client's record: see stream)."""
-    outs = [{} for _ in prompts]
-    # each client's httpx.Client (its SSL context alone is tens of ms of CPU) is made before the clock starts
-    clients = [httpx.Client(timeout=None) for _ in prompts]
-    threads = [threading.Thread(target=stream, args=(url, p, max_tokens, i, o, c))
-               for i, (p, o, c) in enumerate(zip(prompts, outs, clients))]
+def concurrently(calls: list) -> tuple[float, float]:
+    """calls: functions of one httpx.Client each, run at once, a thread and a client each -> (wall seconds, the
+    perf_counter time the first thread started). Each client (its SSL context alone is tens of ms of CPU) is made
+    before the clock starts."""
+    clients = [httpx.Client(timeout=None) for _ in calls]
+    threads = [threading.Thread(target=f, args=(c,)) for f, c in zip(calls, clients)]
     t = time.perf_counter()
     for th in threads:
         th.start()
@@ -127,6 +126,15 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     wall = time.perf_counter() - t
     for c in clients:
         c.close()
+    return wall, t
+
+
+def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float, list[dict]]:
+    """All prompts at once, one client thread each -> (wall seconds, completion tokens, the perf_counter time the
+    first thread started, each client's record: see stream)."""
+    outs = [{} for _ in prompts]
+    wall, t = concurrently([functools.partial(stream, url, p, max_tokens, i, o) for i, (p, o) in
+                            enumerate(zip(prompts, outs))])
     missing = [i for i, o in enumerate(outs) if "tokens" not in o]
     if missing:
         raise RuntimeError(f"clients {missing} got no usage chunk")
