@@ -1,11 +1,12 @@
 """Fidelity of each pack profile on the embedded demo model: logits vs bf16, held-out accuracy.
 
-For each profile: quantize the demo checkpoint, load the pack through diffgemma.load (on the CPU: the
+For each profile: quantize the demo checkpoint (fp8: the hub's compressed-tensors FP8 layout, `quantize_fp8`; on the
+CPU its weights dequantized, on CUDA the FP8 engine with per-token activations), load the pack through diffgemma.load (on the CPU: the
 dequantizing reference path; with --device cuda: the fast engine and its packed kernels, q4 in
 ops/moe_q4.py's tile order), and measure (1) cosine and top-1 agreement of denoise logits against the unquantized model on
 held-out prompts with random canvases, and (2) exact match of diffgemma.generate on held-out prompts.
 
-    python bench/quant_fidelity.py [--per-family 12] [--profiles q4,q5,q6,nvfp4,nvfp4x] [--device cuda]
+    python bench/quant_fidelity.py [--per-family 12] [--profiles q4,q5,q6,nvfp4,nvfp4x,fp8] [--device cuda]
     python bench/quant_fidelity.py --mid      # a mid-size random transformers checkpoint: logits agreement only
 """
 
@@ -22,6 +23,7 @@ import torch
 
 import diffgemma
 from diffgemma.loader import embedded_model_path
+from diffgemma.quant.hub_fp8 import quantize_fp8
 from diffgemma.quant.quantize import quantize
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
@@ -140,8 +142,11 @@ def main():
         for profile in args.profiles.split(","):
             t = time.time()
             out = Path(tmp) / profile
-            quantize(src, out, profile=profile, progress=False)
-            size = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("model.pack"))
+            if profile == "fp8":
+                quantize_fp8(src, out, progress=False)
+            else:
+                quantize(src, out, profile=profile, progress=False)
+            size = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("model"))  # model.pack* or model*.safetensors
             model = diffgemma.load(out, device=args.device)
             cos, top1 = logits_agreement(base, model, items)
             rows.append((profile, size, cos, top1, exact_match(model, items)))
