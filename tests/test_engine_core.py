@@ -12,6 +12,7 @@ from diffgemma.events import BlockEvent, CancelledEvent, DoneEvent, StepEvent
 from diffgemma.generation import generate
 from diffgemma.settings import GenerationSettings
 from diffgemma.slots import Slot
+from test_tool_repair import live_equal
 
 PROMPTS = [[2, 5, 9, 14], [2, 11, 12, 13, 14, 15], [2, 7, 7, 30, 31]]
 
@@ -118,3 +119,28 @@ def test_lane_stats_runs_the_rounds_row_pass_once_with_each_lanes_solo_bits(monk
             assert st.fused and solo.fused
             for name in ("entropy", "argmax", "rowmax", "lse"):
                 assert torch.equal(getattr(st, name), getattr(solo, name)), name
+
+
+def _last_commit_run(model, base, **request_kw):
+    """Three requests to their ends; each sink notes its slot's cache length when the DoneEvent arrives."""
+    at_done, reqs = {}, []
+    for k, p in enumerate(PROMPTS):
+        r = Request(base.replace(seed=10 + k), prompt=p, slot=Slot(model.new_cache(256)), **request_kw)
+        r.sink = lambda e, r=r: at_done.setdefault(r.id, r.slot.cache.length) if isinstance(e, DoneEvent) else None
+        reqs.append(r)
+    EngineCore(model, max_batch=3).run(reqs)
+    return reqs, at_done
+
+
+def test_a_replys_end_goes_out_before_its_last_block_is_committed(model, base):
+    """The last block's commit runs after the DoneEvent, at the round's end, with the same cache bits as a commit
+    before it (a turn that may regenerate a tool call commits first); the cache holds prompt + reply either way."""
+    reqs, at_done = _last_commit_run(model, base)
+    first, first_done = _last_commit_run(model, base, turn=True, call_cut=lambda reply: None, tool_retries=1)
+    for r, f, p in zip(reqs, first, PROMPTS):
+        tokens = r.end.result.tokens
+        assert tokens == f.end.result.tokens and len(r.end.result.block_ends) > 1
+        assert r.slot.cache.length == f.slot.cache.length == len(p) + len(tokens)
+        assert live_equal(r.slot.cache, f.slot.cache)
+        assert at_done[r.id] < r.slot.cache.length  # the end went out before the last block was in
+        assert first_done[f.id] == f.slot.cache.length  # the regenerable turn committed first

@@ -15,6 +15,9 @@ with `add_request` and call `step()` until they are done; `abort` (or Request.ca
               (lanes.read_asks); each request runs on to its EmbedAsk, whose SC embeddings are summed together
               (lanes.lane_embeds), then to its next ForwardAsk or, at a block's end, to its BlockRead: those share one
               more wait before any lane commits, and the lanes' commits run together (lanes.commit_lanes)
+    last      a generation's last block is committed after its end events, with the round's other last blocks, as
+              the round's final work: a reply is out before its cache is written (a generation that may still be
+              written again, turn.may_regenerate, commits first, as every other block does)
     events    each request's events go to its sink as they come (and to its op-log); a request whose generation is
               over leaves at once (a turn may regenerate a malformed tool call first)
 
@@ -33,7 +36,7 @@ from .lanes import commit_lanes, forward_lanes, lane_embeds, lane_masks, lane_pl
 from .request import DENOISE, DONE, PREFILL, Request, canvas_length
 from .scheduler import Plan, Scheduler
 from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, StatusAsk
-from .turn import Live, finish_generation, open_generation, prefill_chunk, start_steps
+from .turn import Live, finish_generation, may_regenerate, open_generation, prefill_chunk, start_steps
 
 READS = (StatusAsk, BlockRead, EmbedAsk, CommitAsk)  # the asks a round answers after its forward
 COUNTED = ("started", "left", "failed", "forwards", "canvas_steps", "prefill_tokens")  # EngineCore.counts
@@ -69,6 +72,7 @@ class EngineCore:
         # stepped, prompt tokens prefilled. Every key is there from the start: /metrics copies this from another
         # thread, and a key added during the copy would break it.
         self.counts: collections.Counter = collections.Counter(dict.fromkeys(COUNTED, 0))
+        self._last: list[tuple[Request, CommitAsk]] = []  # ended requests' last blocks, committed at the round's end
 
     @property
     def max_batch(self) -> int:
@@ -115,9 +119,13 @@ class EngineCore:
                 self._denoise(lanes)
             else:  # steps that ask a read before any forward (a step loop that runs its model itself) are read too
                 self._read()
+            self._commit_last()
         except KeyboardInterrupt:
             for r in list(self.scheduler.running):
                 self._interrupt(r)
+            for r, _ in self._last:  # their caches may hold part of a write
+                r.run.empty(r)
+            self._last = []
             raise
         return plan
 
@@ -193,10 +201,28 @@ class EngineCore:
             if embeds or commits:
                 if embeds:
                     self._answer(embeds, lambda asks: lane_embeds(self.model, asks))
-                if commits:
+                later = [r for r in commits if r.run.ask.last and not may_regenerate(r)]
+                for r in later:  # committed by _commit_last, after the request's end events
+                    self._last.append((r, r.run.ask))
+                    r.run.ask = None
+                    self._advance(r, None)
+                if commits := [r for r in commits if r not in later]:
                     self._answer(commits, lambda asks: commit_lanes(self.model, asks))
                 continue
             self._answer(parked, self._read_asks)
+
+    def _commit_last(self) -> None:
+        """Commit the last blocks of the requests that ended this round, together (lanes.commit_lanes). They have had
+        their end events; a failure empties their caches (the next turn on a slot prefills it whole) and is raised."""
+        if not self._last:
+            return
+        last, self._last = self._last, []
+        try:
+            commit_lanes(self.model, [ask for _, ask in last])
+        except Exception:
+            for r, _ in last:
+                r.run.empty(r)
+            raise
 
     def _read_asks(self, asks: list) -> list:
         lane_plans(asks, lend=not self.batched)

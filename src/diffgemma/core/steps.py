@@ -134,11 +134,13 @@ class BlockRead:
 @dataclass
 class CommitAsk:
     """A request's ask to append its block's kept ids to its cache, answered with None once they are in (the engine
-    core commits a round's blocks together: core/lanes.commit_lanes)."""
+    core commits a round's blocks together: core/lanes.commit_lanes). `last`: the generation's last block, whose
+    commit the core may run after the generation's end events, before the round ends (core/engine.py)."""
 
     model: Any
     cache: Any
     ids: torch.Tensor  # the kept ids, on the model's device
+    last: bool = False
 
     def run(self) -> None:
         commit(self.model, self.cache, self.ids)
@@ -210,7 +212,7 @@ def generate_steps(model: DenoiseModel, cache, s: GenerationSettings, *, keep_ca
                 or block + 1 >= max_blocks)
         if keep and (keep_cache or not last):
             t = time.perf_counter()
-            yield CommitAsk(model, cache, proposal.committed[: len(keep)])  # a prefix of the device ids: no copy back
+            yield CommitAsk(model, cache, proposal.committed[: len(keep)], last=last)  # a prefix of the device ids
             tally.timings["prefill_s"] += time.perf_counter() - t
         tally.tokens.extend(keep)
         tally.steps_per_block.append(proposal.steps)

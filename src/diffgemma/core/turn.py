@@ -149,11 +149,10 @@ def finish_generation(model, r: Request, event: DoneEvent, emit) -> DoneEvent | 
         return event
     if repair_on(r):  # the tool repair takes over the malformed-call rule below (docs/ARCHITECTURE.md, 'Tool repair')
         return repair_step(model, r, event, emit, open_generation, combined)
+    retry = _may_retry(r)
     live.results.append(result)
     reply = live.kept_reply + list(result.tokens)
-    cut = None
-    if r.call_cut is not None and len(live.results) <= r.tool_retries:
-        cut = r.call_cut(reply)
+    cut = r.call_cut(reply) if retry else None
     if cut is None or cut >= live.budget or result.stop_string is not None:  # a stop string ends the reply
         if len(live.results) == 1:
             return event
@@ -165,6 +164,17 @@ def finish_generation(model, r: Request, event: DoneEvent, emit) -> DoneEvent | 
     emit(r, RetryEvent(attempt=len(live.results), kept=cut), log=False)
     open_generation(model, r, emit)
     return None
+
+
+def _may_retry(r: Request) -> bool:
+    """Whether a turn's generation, ending now, may be regenerated from a malformed tool call (r.call_cut)."""
+    return r.call_cut is not None and len(r.run.results) < r.tool_retries
+
+
+def may_regenerate(r: Request) -> bool:
+    """Whether r's generation, once over, may be written again (a malformed tool call regenerated, or the tool
+    repair): its cache is then rewound, so its last block must be in the cache before finish_generation runs."""
+    return r.turn and (repair_on(r) or _may_retry(r))
 
 
 def combined(results: list, tokens: list[int], tokenizer) -> object:
