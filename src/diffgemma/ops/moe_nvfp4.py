@@ -27,6 +27,7 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .grouped import route_count
+from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
 from .moe_q4 import _group_chunk
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
@@ -109,12 +110,17 @@ if HAVE_TRITON:
                         GC)
 
     @triton.jit
-    def _chunk(words, scales, gc, rows, N, GC: tl.constexpr):
-        """Groups gc .. gc+GC-1 of an expert's rows `rows`: words int32 [R, 4GC] and scale pairs int32 [R, GC]."""
+    def _words(words, gc, rows, N, GC: tl.constexpr):
+        """Groups gc .. gc+GC-1 of an expert's rows `rows`: their words int32 [R, 4GC]."""
         c = tl.arange(0, 4 * GC)
-        wd = tl.load(words + ((gc + c // 4)[None, :] * N + rows[:, None]) * 4 + (c % 4)[None, :])
-        sp = tl.load(scales + (gc + tl.arange(0, GC))[None, :] * N + rows[:, None]).to(tl.int32)
-        return wd, sp
+        return tl.load(words + ((gc + c // 4)[None, :] * N + rows[:, None]) * 4 + (c % 4)[None, :])
+
+    @triton.jit
+    def _scale_pairs(scales, gc, rows, N, G, GC: tl.constexpr):
+        """Their scale pairs int32 [R, GC] (0 past the last group). Two bytes a row and group: under cp.async's four,
+        so the GEMM loads them one K step ahead by hand (as ops/moe_packed._side_tile's)."""
+        g = gc + tl.arange(0, GC)
+        return tl.load(scales + g[None, :] * N + rows[:, None], mask=(g < G)[None, :], other=0).to(tl.int32)
 
     @triton.jit
     def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, m0, end, n, N, K, stride_x, stride_o, mul, div,
@@ -130,12 +136,16 @@ if HAVE_TRITON:
             tok = m.to(tl.int64)
         x_rows = x_ptr + tok[None, :] * stride_x
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for gc in range(0, K // 32, GC):
-            wd, sp = _chunk(words, scales, gc, rows, N, GC)
+        G = K // 32
+        sp = _scale_pairs(scales, 0, rows, N, G, GC)
+        for gc in range(0, G, GC):
+            sp_next = _scale_pairs(scales, gc + GC, rows, N, G, GC)
+            wd = _words(words, gc, rows, N, GC)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:
                 xt = f16_clamped(xt.to(tl.float32))
             acc = tl.dot(_decode(wd, sp, GC, ASM), xt, acc)
+            sp = sp_next
         acc = acc * mul
         if DIVIDES:
             acc = tl.math.div_rn(acc, tl.zeros((BN, BM), dtype=tl.float32) + div)
@@ -205,7 +215,8 @@ if HAVE_TRITON:
         G = K // 32
         words = codes.to(tl.pointer_type(tl.int32)) + e * G * N * 4
         scales = scale_plane.to(tl.pointer_type(tl.int16)) + e * G * N
-        wd, sp = _chunk(words, scales, tl.program_id(1) * GC, rows, N, GC)
+        wd = _words(words, tl.program_id(1) * GC, rows, N, GC)
+        sp = _scale_pairs(scales, tl.program_id(1) * GC, rows, N, G, GC)
         one = tl.full(wd.shape, 1.0, tl.float32)
         less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
         q = _k_order(_pair_f16(_register(wd, 0), one, less16), _pair_f16(_register(wd, 1), one, less16),
@@ -223,12 +234,20 @@ def _planes(w):
     return w.planes["codes"], w.planes["scale"], w.escale
 
 
-def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
+def row_tile(routes: int, experts: int) -> int:
+    """Rows a pass (BM) for `routes` rows over `experts`, by ops/moe.q4_row_tile's rule (the same kernel structure):
+    32 at denoise (~16 an expert), 64 below PREFILL_ROWS an expert, 128 above."""
+    per_expert = routes / experts
+    return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
+
+
+def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
                            order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
     epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
-    BM / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on CUDA)."""
+    BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
+    CUDA)."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     M = route_count(x, src)
@@ -241,6 +260,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16,
     if M == 0:
         return out
     offs = offs.to(torch.int32).contiguous()
+    BM = BM or row_tile(M, E)
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *_planes(w), N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,

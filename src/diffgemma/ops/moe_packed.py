@@ -262,8 +262,8 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     (gelu_mul(as_f16=True) after the kernel), for a down GEMM that takes one."""
     E, N, K = w.shape
     M = route_count(x, src)
-    if w.layout == NVFP4_TILES:  # its own kernel; the row tile by this kernel's stream / compute choice
-        return moe_nvfp4.grouped_mm_nvfp4_tiles(x, w, offs, src=src, BM=(config or pick_config(M, E))[1], order=order,
+    if w.layout == NVFP4_TILES:  # its own kernel (config: only the row tile is taken)
+        return moe_nvfp4.grouped_mm_nvfp4_tiles(x, w, offs, src=src, BM=config[1] if config else None, order=order,
                                                 out_dtype=out_dtype, glu=glu, glu_f16=glu_f16)
     _check_natural(w, "grouped_mm_packed_triton", "grouped_mm_q4_tiles")
     x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
