@@ -131,3 +131,33 @@ def test_hub_fixture_engine_holds_and_runs_the_tiles(monkeypatch):
         out.append(len(calls) - before)
     assert out[1] > 0 and out[3] == 0, out[1::2]
     assert rel(out[0], out[2]) < 2e-2
+
+
+def test_kernel_times_beside_q4():
+    """Printed, not asserted (bench/bench_hub.py holds the issue's bars): ms of one denoise-shape GEMM (B=1: 2048
+    routes) per stack for the q4-tiles kernel, this kernel, and the generic packed kernel on the pack's order."""
+    from bench.fixtures import random_record
+    from diffgemma.ops import q4_tiles
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    src, offs = (t.to(DEV) for t in routes_of(256, TOPK, E))
+    for shape in ((E, 2 * F, H), (E, H, F)):
+        q4 = q4_tiles.to_tile_layout(pwm.PackedWeight.from_record("q4", shape, random_record("q4", shape, DEV, gen)))
+        nat = natural_stack(shape, False)
+        tiles = pwm.PackedWeight.from_record("nvfp4e", shape, nat.record)
+        x = torch.randn(256, shape[2], device=DEV).bfloat16()
+        ms = {}
+        for name, w in (("q4-tiles", q4), ("nvfp4-tiles", tiles), ("nvfp4e generic", nat)):
+            def run():
+                return moe.grouped_mm(x, w, offs, src=src)
+            for _ in range(3):
+                run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                run()
+            end.record()
+            torch.cuda.synchronize()
+            ms[name] = round(start.elapsed_time(end) / 20, 4)
+        print(f"\n[{list(shape)} B=1 denoise GEMM ms] {ms}")
+        assert all(v > 0 for v in ms.values())
