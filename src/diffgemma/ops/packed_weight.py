@@ -25,12 +25,12 @@ import torch
 from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
+from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
 from .q4_tiles import _nibble_source, _pack_words, _unpack_words, natural_planes
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 NVFP4_TILES = "nvfp4-tiles"
 NVFP4_TILE_N = 64  # output rows of a program of the nvfp4-tiles GEMM (ops/moe_nvfp4.py): N must be a multiple
-CODE_GROUP = 32  # codes of a word group along K (4 int32 words)
 
 
 @dataclass
