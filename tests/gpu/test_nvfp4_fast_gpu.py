@@ -66,7 +66,7 @@ def test_gemm_at_model_shapes_matches_the_twin(which, tokens, divides):
     w = mp.dequantize(nat)
     xs = x[src.long()].float()
     assert rel(got, exact_product(xs, w, offs)) < 1e-5  # only the f32 accumulation's roundings
-    assert rel(got, mp.grouped_mm_packed_ref(xs, nat, offs)) < 1e-5
+    assert rel(got, mp.grouped_mm_packed_ref(xs, nat, offs)) < 2e-3  # the twin's f32 GEMM may run as TF32
     plain = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, out_dtype=torch.float32, asm=False)
     assert torch.equal(got, plain)  # the PTX decode makes the plain ops' f16 weights
     bf = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, BM=64)
