@@ -126,16 +126,23 @@ def build(kind, cfg, dev, tiny, write_dir: Path | None):
     return eng, getattr(eng, "weight_formats", None)
 
 
+def expert_layout(eng) -> str:
+    """The byte order the engine's first expert stack is held in (the kernel it runs: ops/moe_paths.py)."""
+    w = eng.w.layers[0].experts_gu
+    return getattr(w, "layout", type(w).__name__)
+
+
 def measure(kind, cfg, dev, a, res, dump) -> None:
     ctx, B, session = TINY_SIZES if a.tiny else (STEP_CTX, BATCH, SESSION_CTX)
     t = time.time()
     with routing(a.routing):
         eng, formats = build(kind, cfg, dev, a.tiny, a.write)
         sync(dev)
-        r = res[kind] = {"build_s": round(time.time() - t, 1), "formats": formats}
+        r = res[kind] = {"build_s": round(time.time() - t, 1), "formats": formats,
+                         "expert_layout": expert_layout(eng)}
         if dev.type == "cuda":
             r["weights_gib"] = round(torch.cuda.memory_allocated(dev) / GiB, 3)
-        log(f"[{kind}] built in {r['build_s']}s: {formats}, {r.get('weights_gib', '-')} GiB")
+        log(f"[{kind}] built in {r['build_s']}s: {formats} ({r['expert_layout']}), {r.get('weights_gib', '-')} GiB")
         for name, fn in (("step_1k", lambda: step(eng, cfg, ctx, a.reps)),
                          ("batch8_1k", lambda: batched(eng, cfg, B, ctx, max(3, a.reps // 4))),
                          ("session_8k", lambda: session_memory(eng, cfg, session))):

@@ -15,6 +15,8 @@ bf16 copy, and the dequantize kernel.
   expert_ffn_packed_ref     the twin of the packed expert FFN
 
 A q4 stack re-laid in the q4-tiles order has its own kernels (ops/moe_q4.py); ops/moe.py chooses between them.
+An nvfp4e stack re-laid in the nvfp4-tiles order (ops/packed_weight.py, on CUDA) is handed to ops/moe_nvfp4.py's
+kernels by the two entry points here (grouped_mm_packed_triton, dequantize_triton).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from .grouped import gelu_after, grouped_mm_torch, route_count
 from .layouts import GROUP, rows_k
 from .moe_paths import STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .packed_weight import EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401  (also model/'s names for them)
+from . import moe_nvfp4
+from .packed_weight import NVFP4_TILES, EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401  (also model/'s names for them)
 
 # model/ imports these from here; their homes are ops/moe_paths.py and ops/q8_linear.py
 from .moe_paths import PREFILL_ROWS, dequantizes_for, takes_f16_operand  # noqa: F401
@@ -39,6 +42,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .gelu_mul import glu_tile
+    from .moe_nvfp4 import e2m1_f32, e4m3_f32
     from .moe_plan import expert_rows
 
 _FMT_ID = {"q4": 0, "q5": 1, "q6": 2, "nvfp4": 3, "nvfp4e": 3}  # nvfp4e: nvfp4 + ESCALE
@@ -104,15 +108,8 @@ if HAVE_TRITON:
             hb = (h.to(tl.int32)[:, :, None] >> (2 * tl.arange(0, 4))[None, None, :]) & 3
             q = q | (tl.reshape(hb, (BR, BK // GS, GS)) << 4)
         if FMT == 3:  # nvfp4: sign bit 3, e2m1 magnitude code in bits 0-2; e4m3 group scales; f32 tensor scale
-            mag = q & 7
-            e = mag >> 1
-            mb = (mag & 1).to(tl.float32)
-            v = tl.where(e == 0, 0.5 * mb, (2.0 + mb) * tl.exp2((e - 2).to(tl.float32)))
-            v = tl.where((q & 8) != 0, -v, v)
-            b = s.to(tl.int32)
-            be = (b >> 3) & 0xF
-            bm = (b & 7).to(tl.float32)
-            sc = tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32)))
+            v = e2m1_f32(q)
+            sc = e4m3_f32(s.to(tl.int32))
             if ESCALE:
                 sc = sc * tscale[:, None]
                 if TDIV:
@@ -263,9 +260,12 @@ def grouped_mm_packed_triton(x, w: PackedWeight, offs, config: tuple | None = No
     on it. out_dtype: the result's (default x's; x is converted to it). glu: w is a gate ‖ up stack and the result is gelu_tanh(gate)·up [M, N/2]
     (gelu_mul of the plain result), made in the kernel's epilogue; glu_f16: as the f16 operand of its bf16 value
     (gelu_mul(as_f16=True) after the kernel), for a down GEMM that takes one."""
-    _check_natural(w, "grouped_mm_packed_triton", "grouped_mm_q4_tiles")
     E, N, K = w.shape
     M = route_count(x, src)
+    if w.layout == NVFP4_TILES:  # its own kernel (config: only the row tile is taken)
+        return moe_nvfp4.grouped_mm_nvfp4_tiles(x, w, offs, src=src, BM=config[1] if config else None, order=order,
+                                                out_dtype=out_dtype, glu=glu, glu_f16=glu_f16)
+    _check_natural(w, "grouped_mm_packed_triton", "grouped_mm_q4_tiles")
     x = x.contiguous() if out_dtype in (None, x.dtype) else x.to(out_dtype)
     if x.shape[1] != K:
         raise TensorError(f"grouped_mm_packed: x has K={x.shape[1]}, the packed weight {list(w.shape)} wants {K}")
@@ -300,6 +300,8 @@ def launch_grouped(x, src, offs, order, E, N, K, BN, BM, BK, warps, stages, glu,
 
 def dequantize_triton(w: PackedWeight, dtype=torch.bfloat16, out: torch.Tensor | None = None, BR: int = 32, BK: int = 256):
     """The packed tensor decoded by a kernel into `out` (or a new tensor) of its logical shape."""
+    if w.layout == NVFP4_TILES:
+        return moe_nvfp4.dequantize_nvfp4_tiles(w, dtype, out)
     _check_natural(w, "dequantize_triton", "dequantize_q4_tiles")
     R, K = rows_k(w.shape)
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out

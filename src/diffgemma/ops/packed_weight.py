@@ -3,7 +3,14 @@
 A `PackedWeight` is one pack record (ops/layouts.py byte layout) uploaded to the device as it is: one uint8
 buffer, with zero-copy [R, row_bytes] views of its planes. Every plane is 64-byte aligned in the record, so
 the kernels may use wide typed loads on it. On CUDA a q4 expert stack is re-laid at load into the kernels'
-"q4-tiles" byte order (ops/q4_tiles.py; PackedWeight.layout says which).
+"q4-tiles" byte order (ops/q4_tiles.py) and an nvfp4e stack into the "nvfp4-tiles" order (below; its kernels:
+ops/moe_nvfp4.py); PackedWeight.layout says which.
+
+  nvfp4-tiles  for each (expert, group of 32 codes along K) the stack's N rows are contiguous: codes int32 [E, K/32, N, 4]
+               (a row's 32 codes as q4-tiles words: ops/q4_tiles._pack_words' slot order and bit placement), scales
+               uint8 [E, K/32, N, 2] (the row's e4m3 scales of k 0..15 and 16..31 of the group), escale as nvfp4e;
+               made at load on CUDA (from_record), same planes and sizes as nvfp4e. Any set of rows of an expert is
+               addressable, so one order serves the plain and the gelu·up (gate ‖ up rows) GEMM.
 
   dequantize   the whole tensor decoded in f32 by torch ops, device-agnostic: the twin every packed kernel
                (ops/moe_packed.py, ops/moe_q4.py, ops/q8_linear.py) is compared with
@@ -11,15 +18,19 @@ the kernels may use wide typed loads on it. On CUDA a q4 expert stack is re-laid
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import TensorError
-from .layouts import E2M1_VALUES, record_planes, rows_k, unpack_bits, unpack_nibbles
-from .q4_tiles import natural_planes
+from ._backend import HAVE_TRITON
+from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
+from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
+from .q4_tiles import _nibble_source, _pack_words, _unpack_words, natural_planes
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
+NVFP4_TILES = "nvfp4-tiles"
+NVFP4_TILE_N = 64  # output rows of a program of the nvfp4-tiles GEMM (ops/moe_nvfp4.py): N must be a multiple
 
 
 @dataclass
@@ -31,7 +42,7 @@ class PackedWeight:
     record: torch.Tensor  # uint8 [record_nbytes]
     planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
     tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
-    layout: str = "natural"  # the pack's byte order, or ops/q4_tiles.py's "q4-tiles" (made on the device at load)
+    layout: str = "natural"  # the pack's byte order, q4_tiles.py's "q4-tiles" or "nvfp4-tiles" (made on the device at load)
     # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
     # the GEMM can make gelu·up in its epilogue (ops/q4_tiles.to_tile_layout(glu=True)); the logical shape is unchanged
     glu: bool = False
@@ -39,7 +50,9 @@ class PackedWeight:
     divides: bool = False
 
     @classmethod
-    def from_record(cls, fmt: str, shape, record: torch.Tensor) -> "PackedWeight":
+    def from_record(cls, fmt: str, shape, record: torch.Tensor, layout: str | None = None) -> "PackedWeight":
+        """The record (in its pack order) as a weight; layout None: an nvfp4e stack is re-laid in the nvfp4-tiles
+        order where its kernels run (nvfp4_tiles_wanted), "natural": never."""
         shape = tuple(int(s) for s in shape)
         planes = record_planes(fmt, shape, record)
         tscale, divides = 1.0, False
@@ -47,7 +60,10 @@ class PackedWeight:
             tscale = float(planes["tscale"].cpu().view(torch.float32)[0, 0])
         if fmt == "nvfp4e":
             divides = bool((planes["escale"].cpu().view(torch.float32)[:, 1] != 1.0).any())
-        return cls(fmt, shape, record, planes, tscale, divides=divides)
+        pw = cls(fmt, shape, record, planes, tscale, divides=divides)
+        if layout is None and nvfp4_tiles_wanted(fmt, shape, record.device):
+            pw = to_nvfp4_tiles(pw)
+        return pw
 
     @property
     def escale(self) -> torch.Tensor:
@@ -73,7 +89,10 @@ _AFFINE_HI_BITS = {"q5": 1, "q6": 2}
 def dequantize(pw: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     """The whole tensor, decoded in f32 on its own device, returned as `dtype` in its logical shape."""
     r, k = rows_k(pw.shape)
-    p = pw.planes if pw.layout == "natural" else natural_planes(pw)
+    if pw.layout == "natural":
+        p = pw.planes
+    else:
+        p = nvfp4_natural_planes(pw) if pw.layout == NVFP4_TILES else natural_planes(pw)
     if pw.fmt in ("q4", "q5", "q6"):
         q = unpack_nibbles(p["codes" if pw.fmt == "q4" else "lo"])
         if pw.fmt in _AFFINE_HI_BITS:
@@ -100,3 +119,57 @@ def nvfp4e_decode(codes: torch.Tensor, scale: torch.Tensor, row_escale: torch.Te
     val = _E2M1.to(codes.device)[unpack_nibbles(codes).long()].reshape(r, half // 8, 16)
     s = scale.contiguous().view(torch.float8_e4m3fn).float() * row_escale[:, :1] / row_escale[:, 1:]
     return (val * s.unsqueeze(-1)).reshape(r, half * 2)
+
+
+# ------------------------------------------------------------------------------------------- nvfp4-tiles
+
+def nvfp4_tiles_ok(fmt: str, shape) -> bool:
+    """Whether a stack can take the nvfp4-tiles layout: nvfp4e [E, N, K], N a multiple of NVFP4_TILE_N (then a
+    gate ‖ up stack's F = N/2 is a multiple of its half), K of CODE_GROUP."""
+    return fmt == "nvfp4e" and len(shape) == 3 and shape[1] % NVFP4_TILE_N == 0 and shape[2] % CODE_GROUP == 0
+
+
+def nvfp4_tiles_wanted(fmt: str, shape, device) -> bool:
+    """Whether a stack is loaded in the nvfp4-tiles layout: where its kernels run (CUDA with Triton)."""
+    return HAVE_TRITON and torch.device(device).type == "cuda" and nvfp4_tiles_ok(fmt, shape)
+
+
+def to_nvfp4_tiles(pw: PackedWeight, experts_per_chunk: int = 4) -> PackedWeight:
+    """The natural nvfp4e stack `pw` re-laid in the nvfp4-tiles order, in a new record on its device (pw is left as
+    it is), `experts_per_chunk` experts at a time so the scratch stays small."""
+    if not nvfp4_tiles_ok(pw.fmt, pw.shape) or pw.layout != "natural":
+        raise TensorError(f"{NVFP4_TILES}: needs a natural-order nvfp4e stack [E, N, K] with N a multiple of "
+                          f"{NVFP4_TILE_N} and K of {CODE_GROUP}, got {pw.fmt} {list(pw.shape)} ({pw.layout})")
+    E, N, K = pw.shape
+    G = K // CODE_GROUP
+    record = pw.record.clone()  # the escale plane and the padding as they are; codes and scales rewritten below
+    out = replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=NVFP4_TILES)
+    words = out.planes["codes"].view(torch.int32).view(E, G, N, 4)
+    scales = out.planes["scale"].view(E, G, N, 2)
+    perm = _nibble_source(pw.device)
+    for e0 in range(0, E, experts_per_chunk):
+        e1 = min(E, e0 + experts_per_chunk)
+        rows = slice(e0 * N, e1 * N)
+        q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, N, G, CODE_GROUP)[..., perm]
+        words[e0:e1].copy_(_pack_words(q).permute(0, 2, 1, 3))
+        scales[e0:e1].copy_(pw.planes["scale"][rows].view(e1 - e0, N, G, 2).permute(0, 2, 1, 3))
+    return out
+
+
+def nvfp4_natural_planes(pw: PackedWeight) -> dict:
+    """codes uint8 [E·N, K/2], scale uint8 [E·N, K/16] in the pack's own order, from an nvfp4-tiles weight."""
+    check_nvfp4_tiles(pw)
+    E, N, K = pw.shape
+    G = K // CODE_GROUP
+    inv = torch.argsort(_nibble_source(pw.device))
+    q = _unpack_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
+    codes = pack_nibbles(q).permute(0, 2, 1, 3).reshape(E * N, K // 2)
+    scale = pw.planes["scale"].view(E, G, N, 2).permute(0, 2, 1, 3).reshape(E * N, K // 16)
+    return {"codes": codes, "scale": scale, "escale": pw.planes["escale"]}
+
+
+def check_nvfp4_tiles(w):
+    """Refuse a weight that is not in the nvfp4-tiles layout (its kernels read nothing else)."""
+    if getattr(w, "layout", None) != NVFP4_TILES:
+        raise TensorError(f"{NVFP4_TILES} kernels need a weight made by to_nvfp4_tiles, got a {w.fmt} "
+                          f"{list(w.shape)} in {w.layout} order")
