@@ -225,6 +225,8 @@ def generate_steps(model: DenoiseModel, cache, s: GenerationSettings, *, keep_ca
         if end == STOP_STRING:
             break
     tally.timings["total_s"] = time.perf_counter() - t_start
+    if grammar is not None:  # the hold's split: its read's wait, its walk, its write (sampling/constraint.py)
+        tally.timings.update({f"grammar_{k}": v for k, v in grammar.timings.items()})
     yield DoneEvent(_result(model, s, tally))
 
 
