@@ -146,6 +146,9 @@ def masked_argmax(logits_row: torch.Tensor, allowed: torch.Tensor) -> int:
 class GrammarState:
     """One request's grammar, fed the reply's committed tokens."""
 
+    candidates = CANDIDATES  # the read's best tokens a position (module doc)
+    reference = False  # every masked argmax by masked_argmax over allowed_mask: the twin of the fast paths
+
     def __init__(self, grammar: str, tokenizer, vocab: int, stop_ids, fixes: int = 8):
         import llguidance
 
@@ -153,8 +156,6 @@ class GrammarState:
             raise InputError("grammar: this model has no tokenizer to match the grammar's text with")
         self.vocab = vocab
         self.fixes = fixes
-        self.candidates = CANDIDATES
-        self.reference = False
         self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "device_choices": 0}
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
