@@ -104,10 +104,8 @@ def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int
     ids = ids[ids < vocab]
     if len(ids) == 0:
         return masked_argmax(logits_row, torch.zeros(vocab, dtype=torch.bool, device=device))
-    idx = torch.from_numpy(ids).to(device)
-    values = logits_row.index_select(0, idx).float()
-    j = values.argmax()
-    best, at = torch.stack([values[j].double(), j.double()]).tolist()
+    best, at = logits_row.index_select(0, torch.from_numpy(ids).to(device)).max(0)  # max: the first of ties
+    best, at = torch.stack([best.double(), at.double()]).tolist()
     if best == float("-inf"):
         return masked_argmax(logits_row, words_mask(words, vocab, device))
     return int(ids[int(at)])
@@ -186,7 +184,7 @@ class GrammarState:
         k = min(self.candidates, logits.shape[-1])
         if k == 0:
             return proposal.tolist(), None
-        top = torch.topk(logits, k, dim=-1)
+        top = torch.topk(logits, k, dim=-1, sorted=False)
         flat = torch.cat([proposal.double(), top.indices.double().flatten(), top.values.double().flatten()])
         host = flat.cpu().numpy()
         C = proposal.shape[0]
