@@ -71,11 +71,21 @@ def bitmask_words(matcher) -> np.ndarray:
     return np.frombuffer(matcher.compute_bitmask(), dtype="<u4")
 
 
-def words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
-    """bool [vocab] of bitmask words, expanded on `device` (allowed_mask's bits; the packed words are what moves)."""
+_SHIFTS: dict = {}
+
+
+def _word_bits(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """int32 [vocab] of 0/1: the words' bits, expanded on `device` (the packed words are what moves)."""
+    device = torch.device(device)
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
     w = torch.from_numpy(words.view(np.int32).copy()).to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    return ((w.unsqueeze(1) >> shifts) & 1).flatten()[:vocab].bool()
+    return ((w.unsqueeze(1) >> _SHIFTS[device]) & 1).flatten()[:vocab]
+
+
+def words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """bool [vocab] of bitmask words, expanded on `device` (allowed_mask's bits)."""
+    return _word_bits(words, vocab, device).bool()
 
 
 def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, vocab: int) -> int | None:
@@ -94,11 +104,11 @@ def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, v
 def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int, sparse_words: int = 256) -> int:
     """masked_argmax of a row against bitmask words: where at most `sparse_words` words allow anything, the allowed
     ids go to the device and the row is gathered at them (the first best of ascending ids is the lowest); else the
-    packed words go and are expanded there (words_mask). A best allowed value of -inf takes masked_argmax itself."""
+    packed words go and are expanded there. A gathered best of -inf takes masked_argmax itself."""
     device = logits_row.device
     live = np.flatnonzero(words)
-    if len(live) > sparse_words:
-        return masked_argmax(logits_row, words_mask(words, vocab, device))
+    if len(live) > sparse_words:  # masked_argmax's fill and first max, in the row's own dtype (the same order)
+        return int(logits_row.masked_fill(_word_bits(words, vocab, device) == 0, float("-inf")).argmax())
     rows, bits = np.nonzero(np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32))
     ids = live[rows] * 32 + bits
     ids = ids[ids < vocab]
