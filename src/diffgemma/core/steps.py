@@ -345,11 +345,13 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
             if frozen is not None:
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
+            # what no hold changes is queued before the hold's read waits, so its launches hide behind the forward
+            noise = rng.randint(length, vocab, device)
+            mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
             if grammar is not None:  # the grammar's valid prefix is held (sampling/constraint.py)
                 held, held_ids = grammar.hold(proposal, stats.logits, close_from)  # logits: argmax-equivalent
                 proposal, mask = torch.where(held, held_ids, proposal), mask | held
-            canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
-            mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
+            canvas = torch.where(mask, proposal, noise)
             code = stops.update(step, argmax, mean_h, mask)
         # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
         # the last one for sure
