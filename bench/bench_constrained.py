@@ -13,9 +13,9 @@ After a prompt prefilled untimed, the same generation with and without a JSON-sc
   hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read).
 Each constrained run also reports its holds' per-step split (hold_split): read_ms (the host's wait for the step's
 one read: the forward and stats still running, then the copy), walk_ms (the host walk, its device masked argmaxes
-included: the GPU idles through it), write_ms (the held tokens' write) and device_choices_per_step (masked argmaxes
-the read's candidates could not decide). --candidates 32,0 adds a run per count; --reference adds the reference walk
-(every masked argmax on the device over a bool mask), so one run shows what each part costs.
+included: the GPU idles through it), write_ms (the held tokens' write), choices_per_step (masked argmaxes) and
+device_choices_per_step (those the read's candidates could not decide). --candidates 32,0 adds a run per count;
+--reference adds the reference walk (every masked argmax on the device over a bool mask): one run shows each part.
 Random weights make the model's own JSON attempts meaningless (the grammar corrects nearly every position): this
 measures cost, not quality. The tokenizer is the demo's with its vocabulary padded to the model's by synthetic
 byte-level pieces (a 262144-token trie for llguidance's masks, as the real one is; no real tokenizer is needed).
@@ -124,6 +124,7 @@ def hold_split(timings: dict) -> dict:
     return {"holds": int(timings.get("grammar_holds", 0)),
             **{f"{k}_ms": round(timings.get(f"grammar_{k}_s", 0.0) * 1e3 / holds, 4) for k in ("read", "walk",
                                                                                                  "write")},
+            "choices_per_step": round(timings.get("grammar_choices", 0) / holds, 3),
             "device_choices_per_step": round(timings.get("grammar_device_choices", 0) / holds, 3)}
 
 

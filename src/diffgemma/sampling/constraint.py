@@ -32,7 +32,7 @@ argmax is chosen on the host from the grammar's bitmask: the best allowed candid
 value is above the least candidate value (every token outside the candidates scores at most that; ties go to the
 lowest id, as torch.argmax). Otherwise (no candidate allowed, or a tie with the least) the position's masked argmax
 runs on the device, with the packed bitmask written there. The write is the held tokens and their count, packed in
-one tensor. `timings` sums the host's wait for the read, its walk and the write, per hold.
+one tensor. `timings` sums the host's wait for the read, its walk and the write, and counts holds and choices.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class GrammarState:
             raise InputError("grammar: this model has no tokenizer to match the grammar's text with")
         self.vocab = vocab
         self.fixes = fixes
-        self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "device_choices": 0}
+        self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "choices": 0, "device_choices": 0}
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, stop_ids), grammar)
@@ -234,6 +234,7 @@ class GrammarState:
         (`reference`: masked_argmax over allowed_mask, the twin the fast paths are tested against)."""
         if self.reference:
             return masked_argmax(logits[pos], allowed_mask(m, self.vocab, logits.device))
+        self.timings["choices"] += 1
         words = bitmask_words(m)
         t = host_masked_argmax(cand[0][pos], cand[1][pos], words, self.vocab) if cand is not None else None
         if t is None:
