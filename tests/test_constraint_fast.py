@@ -133,3 +133,31 @@ def test_demo_generation_is_the_reference_walks(demo, monkeypatch):
     fast = tokens()
     monkeypatch.setattr(GrammarState, "reference", True)
     assert fast == tokens()
+
+
+def test_candidates_that_decide_nothing_back_off(tok, monkeypatch):
+    """Where the read's candidates decide none of a walk's choices, the next 1, 2, 4 .. holds read none (no top-k),
+    any decision starts over, and the tokens stay the reference walk's throughout."""
+    from diffgemma.sampling import constraint
+
+    tops = []
+    real_topk = torch.topk
+    monkeypatch.setattr(constraint.torch, "topk", lambda *a, **k: tops.append(1) or real_topk(*a, **k))
+    monkeypatch.setattr(constraint, "host_masked_argmax", lambda *a: None)  # candidates never decide
+    g = grammars.json_grammar(SCHEMAS[0], tok.token_to_id)
+    fast, ref = GrammarState(g, tok, VOCAB, STOPS, fixes=4), GrammarState(g, tok, VOCAB, STOPS, fixes=4)
+    ref.reference = True
+    gen = torch.Generator().manual_seed(5)
+    read = []
+    for _ in range(10):
+        proposal = torch.randint(VOCAB, (32,), generator=gen)
+        logits = torch.randn(32, VOCAB, generator=gen)
+        n = len(tops)
+        a, b = fast.hold(proposal, logits), ref.hold(proposal, logits)
+        read.append(len(tops) > n)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert read == [True, False, True, False, False, True, False, False, False, False]
+    fast._back_off(2, 1)  # a decision: the next failure skips one hold again
+    fast._skip = 0
+    fast._back_off(2, 2)
+    assert fast._skip == 1

@@ -32,7 +32,9 @@ argmax is chosen on the host from the grammar's bitmask: the best allowed candid
 value is above the least candidate value (every token outside the candidates scores at most that; ties go to the
 lowest id, as torch.argmax). Otherwise (no candidate allowed, or a tie with the least) the position's masked argmax
 runs on the device, with the packed bitmask written there. The write is the held tokens and their count, packed in
-one tensor. `timings` sums the host's wait for the read, its walk and the write, and counts holds and choices.
+one tensor. Where a walk's candidates decide none of its choices (logits that disagree with the grammar), the next
+holds read none, for 1, 2, 4 .. `MAX_SKIP` holds while that lasts: the top-k would only cost; every choice is exact
+either way. `timings` sums the host's wait for the read, its walk and the write, and counts holds and choices.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..errors import InputError
 
 _LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 CANDIDATES = 32  # best tokens a position's read carries for the host's masked argmax; 0: every one on the device
+MAX_SKIP = 16  # the most holds read without candidates after their walks' candidates decided nothing (_back_off)
 
 
 def ll_tokenizer(tokenizer, vocab: int, stop_ids):
@@ -164,6 +167,7 @@ class GrammarState:
             raise InputError("grammar: this model has no tokenizer to match the grammar's text with")
         self.vocab = vocab
         self.fixes = fixes
+        self._skip, self._backoff = 0, 1  # holds left to read no candidates; the next skip's length (_back_off)
         self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "choices": 0, "device_choices": 0}
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
@@ -180,8 +184,11 @@ class GrammarState:
         t0 = time.perf_counter()
         ids, cand = self._read(proposal, logits)
         t1 = time.perf_counter()
+        before = (self.timings["choices"], self.timings["device_choices"])
         pos = self._walk(ids, cand, logits, close_from)
         t2 = time.perf_counter()
+        if cand is not None:
+            self._back_off(self.timings["choices"] - before[0], self.timings["device_choices"] - before[1])
         held, tokens = self._write(ids, pos, proposal)
         t3 = time.perf_counter()
         for key, dt in (("read_s", t1 - t0), ("walk_s", t2 - t1), ("write_s", t3 - t2)):
@@ -191,7 +198,8 @@ class GrammarState:
 
     def _read(self, proposal: torch.Tensor, logits: torch.Tensor):
         """The step's one read -> (the proposal's ids, (candidate ids [C, k], values [C, k]) as numpy, or None)."""
-        k = min(self.candidates, logits.shape[-1])
+        k = min(self.candidates, logits.shape[-1]) if self._skip == 0 and not self.reference else 0
+        self._skip = max(self._skip - 1, 0)
         if k == 0:
             return proposal.tolist(), None
         top = torch.topk(logits, k, dim=-1, sorted=False)
@@ -200,6 +208,14 @@ class GrammarState:
         C = proposal.shape[0]
         return host[:C].astype(np.int64).tolist(), (host[C: C + C * k].astype(np.int64).reshape(C, k),
                                                     host[C + C * k:].reshape(C, k))
+
+    def _back_off(self, choices: int, on_device: int) -> None:
+        """After a walk with candidates: where they decided none of its choices, read none for the next 1, 2, 4 ..
+        `MAX_SKIP` holds (doubling while they keep failing; any decision starts over)."""
+        if choices and choices == on_device:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SKIP)
+        elif choices:
+            self._backoff = 1
 
     def _walk(self, ids: list[int], cand, logits: torch.Tensor, close_from: int | None) -> int:
         """Walk `ids` (rewritten in place) through a copy of the matcher -> the held count."""
