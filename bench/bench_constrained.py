@@ -10,7 +10,8 @@ After a prompt prefilled untimed, the same generation with and without a JSON-sc
   default  the model's usual stop rules: tokens per forward and ms per forward of each;
   batch    generate_batch at --batches lanes, all constrained or none: ms per batched round, the ratio, and
            tokens per forward;
-  hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read).
+  hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read),
+           and the read's top-k alone (f32 and bf16 logits).
 Each constrained run also reports its holds' per-step split (hold_split): read_ms (the host's wait for the step's
 one read: the forward and stats still running, then the copy), walk_ms (the host walk, its device masked argmaxes
 included: the GPU idles through it), write_ms (the held tokens' write), choices_per_step (masked argmaxes) and
@@ -205,6 +206,17 @@ def hold_section(eng, cfg, grammar, reps):
             times.append((time.perf_counter() - t) * 1e3)
         out[name] = {"ms": round(statistics.median(times[2:]), 3), "held": int(held.sum()),
                      "split": hold_split({f"grammar_{k}": v for k, v in state.timings.items()})}
+    times = []
+    for dtype in (torch.float32, torch.bfloat16):  # the read's top-k alone, on logits as wide as the step's may be
+        x = logits.to(dtype)
+        for _ in range(reps + 2):
+            sync(dev)
+            t = time.perf_counter()
+            torch.topk(x, max(GrammarState.candidates, 1), dim=-1, sorted=False)
+            sync(dev)
+            times.append((time.perf_counter() - t) * 1e3)
+        out[f"topk_ms_{str(dtype)[6:]}"] = round(statistics.median(times[2:]), 3)
+        times = []
     log(f"  hold: {out}")
     return out
 
