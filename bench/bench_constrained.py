@@ -10,7 +10,13 @@ After a prompt prefilled untimed, the same generation with and without a JSON-sc
   default  the model's usual stop rules: tokens per forward and ms per forward of each;
   batch    generate_batch at --batches lanes, all constrained or none: ms per batched round, the ratio, and
            tokens per forward;
-  hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read).
+  hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read),
+           and the read's top-k alone (f32 and bf16 logits).
+Each constrained run also reports its holds' per-step split (hold_split): read_ms (the host's wait for the step's
+one read: the forward and stats still running, then the copy), walk_ms (the host walk, its device masked argmaxes
+included: the GPU idles through it), write_ms (the held tokens' write), choices_per_step (masked argmaxes) and
+device_choices_per_step (those the read's candidates could not decide). --candidates 32,0 adds a run per count;
+--reference adds the reference walk (every masked argmax on the device over a bool mask): one run shows each part.
 Random weights make the model's own JSON attempts meaningless (the grammar corrects nearly every position): this
 measures cost, not quality. The tokenizer is the demo's with its vocabulary padded to the model's by synthetic
 byte-level pieces (a 262144-token trie for llguidance's masks, as the real one is; no real tokenizer is needed).
@@ -20,6 +26,7 @@ Medians of --reps runs after one warm-up; CUDA-synchronised wall clock. The JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -92,21 +99,54 @@ def run(eng, cache, prompt_len, s, reps):
     return statistics.median(walls), result
 
 
-def section(eng, cfg, grammar, prompt_len, blocks, steps, reps, fixed):
+def walks(candidates: list[int], reference: bool) -> list[tuple[str, dict]]:
+    """The constrained runs: (name, GrammarState attributes) per --candidates count, and the reference walk."""
+    out = [(("constrained" if i == 0 else f"constrained_k{k}"), {"candidates": k}) for i, k in enumerate(candidates)]
+    return out + ([("constrained_reference", {"reference": True})] if reference else [])
+
+
+@contextlib.contextmanager
+def walk_as(attrs: dict):
+    """GrammarState's class attributes set to `attrs` for the block (the generation makes its own GrammarState)."""
+    old = {k: getattr(GrammarState, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(GrammarState, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(GrammarState, k, v)
+
+
+def hold_split(timings: dict) -> dict:
+    """The per-step split of a constrained generation's holds (GenerationResult.timings' grammar_* sums): the read's
+    wait (the step's forward and stats still running, then the copy), the host walk and the write, in ms a step."""
+    holds = max(timings.get("grammar_holds", 0), 1)
+    return {"holds": int(timings.get("grammar_holds", 0)),
+            **{f"{k}_ms": round(timings.get(f"grammar_{k}_s", 0.0) * 1e3 / holds, 4) for k in ("read", "walk",
+                                                                                                 "write")},
+            "choices_per_step": round(timings.get("grammar_choices", 0) / holds, 3),
+            "device_choices_per_step": round(timings.get("grammar_device_choices", 0) / holds, 3)}
+
+
+def section(eng, cfg, grammar, prompt_len, blocks, steps, reps, fixed, variants):
     dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
     prompt = torch.randint(0, V, (prompt_len,), generator=torch.Generator().manual_seed(1)).to(dev)
     cache = eng.new_cache(prompt_len + (blocks + 1) * C, rewind_slack=blocks * C)
     eng.prefill(cache, prompt)
     out = {"prompt": prompt_len, "canvas": C, "blocks": blocks, "max_steps": steps}
-    for name, g in (("unconstrained", None), ("constrained", grammar)):
-        wall, r = run(eng, cache, prompt_len, settings(C, blocks, steps, fixed, g), reps)
+    for name, g, attrs in [("unconstrained", None, {})] + [(n, grammar, a) for n, a in variants]:
+        with walk_as(attrs):
+            wall, r = run(eng, cache, prompt_len, settings(C, blocks, steps, fixed, g), reps)
         out[name] = {"wall_s": round(wall, 4), "forwards": r.forwards, "tokens": len(r.tokens),
                      "ms_per_forward": round(wall * 1e3 / max(r.forwards, 1), 3),
                      "tokens_per_forward": round(r.tokens_per_forward, 3), "block_ends": r.block_ends}
         if g is not None:
             out[name]["text"] = (r.text or "")[:400]
+            out[name]["hold_split"] = hold_split(r.timings)  # the last rep's
+            out[name]["step_ratio"] = round(out[name]["ms_per_forward"] / out["unconstrained"]["ms_per_forward"], 4)
         log(f"  {'fixed' if fixed else 'default'}/{name}: {out[name]}")
-    out["step_ratio"] = round(out["constrained"]["ms_per_forward"] / out["unconstrained"]["ms_per_forward"], 4)
+    out["step_ratio"] = out["constrained"]["step_ratio"]
     out["within_10_percent"] = out["step_ratio"] <= 1.10
     return out
 
@@ -156,13 +196,27 @@ def hold_section(eng, cfg, grammar, reps):
         if prop is None:  # a proposal the grammar takes as it stands: the last hold's tokens
             _, prop = state.hold(proposal, logits)
         times = []
-        for _ in range(reps + 2):
+        for i in range(reps + 2):
+            if i == 2:
+                state.timings = dict.fromkeys(state.timings, 0)
             sync(dev)
             t = time.perf_counter()
             held, _ = state.hold(prop, logits)
             sync(dev)
             times.append((time.perf_counter() - t) * 1e3)
-        out[name] = {"ms": round(statistics.median(times[2:]), 3), "held": int(held.sum())}
+        out[name] = {"ms": round(statistics.median(times[2:]), 3), "held": int(held.sum()),
+                     "split": hold_split({f"grammar_{k}": v for k, v in state.timings.items()})}
+    times = []
+    for dtype in (torch.float32, torch.bfloat16):  # the read's top-k alone, on logits as wide as the step's may be
+        x = logits.to(dtype)
+        for _ in range(reps + 2):
+            sync(dev)
+            t = time.perf_counter()
+            torch.topk(x, max(GrammarState.candidates, 1), dim=-1, sorted=False)
+            sync(dev)
+            times.append((time.perf_counter() - t) * 1e3)
+        out[f"topk_ms_{str(dtype)[6:]}"] = round(statistics.median(times[2:]), 3)
+        times = []
     log(f"  hold: {out}")
     return out
 
@@ -177,10 +231,16 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--candidates", default=str(GrammarState.candidates),
+                    help="comma list: the hold read's candidates a position, one constrained run each (the first is "
+                         "'constrained', the bound's figure)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also a constrained run with the reference walk (every masked argmax on the device)")
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
     kinds = with_fixtures([k for k in a.kinds.split(",") if k], a.fixtures)
+    variants = walks([int(k) for k in a.candidates.split(",") if k], a.reference)
     cfg, dev = shapes(a.tiny)
     prompt_len = 32 if a.tiny else 1024
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,8 +254,10 @@ def main():
 
         def jobs(eng, kind):
             eng.tokenizer = tok
-            return (("fixed", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, True)),
-                    ("default", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, False)),
+            return (("fixed", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, True,
+                                              variants)),
+                    ("default", lambda: section(eng, cfg, grammar, prompt_len, a.blocks, a.steps, a.reps, False,
+                                                variants[:1])),
                     ("batch", lambda: batch_section(eng, cfg, grammar, [int(b) for b in a.batches.split(",")],
                                                     prompt_len, a.steps, a.reps)),
                     ("hold", lambda: hold_section(eng, cfg, grammar, a.reps)))
@@ -212,6 +274,9 @@ def main():
             f"{d.get('unconstrained', {}).get('tokens_per_forward')} / "
             f"{d.get('constrained', {}).get('tokens_per_forward')} | "
             f"{h.get('random_proposal', {}).get('ms')} / {h.get('valid_proposal', {}).get('ms')} |")
+        for name, v in f.items():
+            if isinstance(v, dict) and "hold_split" in v:
+                log(f"| {kind} fixed/{name} | ratio {v['step_ratio']} | split {v['hold_split']} | | |")
         for B, row in r.get("batch", {}).items():
             log(f"| {kind} B={B} | round ms {row['unconstrained']['ms_per_round']} / "
                 f"{row['constrained']['ms_per_round']} ({row['round_ratio']}) | "

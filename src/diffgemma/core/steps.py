@@ -227,6 +227,8 @@ def generate_steps(model: DenoiseModel, cache, s: GenerationSettings, *, keep_ca
         if end == STOP_STRING:
             break
     tally.timings["total_s"] = time.perf_counter() - t_start
+    if grammar is not None:  # the hold's split: its read's wait, its walk, its write (sampling/constraint.py)
+        tally.timings.update({f"grammar_{k}": v for k, v in grammar.timings.items()})
     yield DoneEvent(_result(model, s, tally))
 
 
@@ -345,11 +347,13 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
             if frozen is not None:
                 proposal = torch.where(frozen, canvas, proposal)  # frozen positions keep their token
                 frozen = mask
+            # what no hold changes is queued before the hold's read waits, so its launches hide behind the forward
+            noise = rng.randint(length, vocab, device)
+            mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
             if grammar is not None:  # the grammar's valid prefix is held (sampling/constraint.py)
                 held, held_ids = grammar.hold(proposal, stats.logits, close_from)  # logits: argmax-equivalent
                 proposal, mask = torch.where(held, held_ids, proposal), mask | held
-            canvas = torch.where(mask, proposal, rng.randint(length, vocab, device))
-            mean_h = h.mean().double()  # the f32 mean, compared in f64 like the host float it used to be
+            canvas = torch.where(mask, proposal, noise)
             code = stops.update(step, argmax, mean_h, mask)
         # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
         # the last one for sure

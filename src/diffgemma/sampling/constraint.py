@@ -26,12 +26,20 @@ call's closing token, else one holding a quote, else a closing bracket, else a s
 logits), so an open thought, string, list or object ends in a few tokens and the remaining required keys are written
 by the grammar's forced tokens.
 
-Each step adds one device->host read (the proposal) and one mask a corrected position; unconstrained generations
-never reach this module.
+Each step adds one device->host read and one host->device write; unconstrained generations never reach this module.
+The read holds the proposal and each position's `CANDIDATES` best tokens by the logits (ids and values), so a masked
+argmax is chosen on the host from the grammar's bitmask: the best allowed candidate is the masked argmax whenever its
+value is above the least candidate value (every token outside the candidates scores at most that; ties go to the
+lowest id, as torch.argmax). Otherwise (no candidate allowed, or a tie with the least) the position's masked argmax
+runs on the device, with the packed bitmask written there. The write is the held tokens and their count, packed in
+one tensor. Where a walk's candidates decide none of its choices (logits that disagree with the grammar), the next
+holds read none, for 1, 2, 4 .. `MAX_SKIP` holds while that lasts: the top-k would only cost; every choice is exact
+either way. `timings` sums the host's wait for the read, its walk and the write, and counts holds and choices.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import numpy as np
@@ -40,6 +48,8 @@ import torch
 from ..errors import InputError
 
 _LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+CANDIDATES = 32  # best tokens a position's read carries for the host's masked argmax; 0: every one on the device
+MAX_SKIP = 16  # the most holds read without candidates after their walks' candidates decided nothing (_back_off)
 
 
 def ll_tokenizer(tokenizer, vocab: int, stop_ids):
@@ -57,6 +67,61 @@ def allowed_mask(matcher, vocab: int, device) -> torch.Tensor:
     """bool [vocab]: the tokens the matcher allows next (llguidance's bitmask, 32 tokens a little-endian word)."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab]
     return torch.from_numpy(bits.astype(bool)).to(device)
+
+
+def bitmask_words(matcher) -> np.ndarray:
+    """The matcher's bitmask as uint32 words (token t allowed: bit t % 32 of word t // 32)."""
+    return np.frombuffer(matcher.compute_bitmask(), dtype="<u4")
+
+
+_SHIFTS: dict = {}
+
+
+def _word_bits(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """int32 [vocab] of 0/1: the words' bits, expanded on `device` (the packed words are what moves)."""
+    device = torch.device(device)
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    w = torch.from_numpy(words.view(np.int32).copy()).to(device)
+    return ((w.unsqueeze(1) >> _SHIFTS[device]) & 1).flatten()[:vocab]
+
+
+def words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """bool [vocab] of bitmask words, expanded on `device` (allowed_mask's bits)."""
+    return _word_bits(words, vocab, device).bool()
+
+
+def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, vocab: int) -> int | None:
+    """masked_argmax from a row's best candidates (`ids`, `values`: the top k by value, any order among ties) and the
+    bitmask words, or None where the candidates cannot decide it: the best allowed candidate is the row's masked
+    argmax when its value is above the least candidate value, or the candidates are the whole row."""
+    ok = ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
+    if not ok.any() or np.isnan(values).any():
+        return None
+    best = values[ok].max()
+    if best <= values.min() and len(ids) < vocab:
+        return None
+    return int(ids[ok & (values == best)].min())
+
+
+def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int, sparse_words: int = 256) -> int:
+    """masked_argmax of a row against bitmask words: where at most `sparse_words` words allow anything, the allowed
+    ids go to the device and the row is gathered at them (the first best of ascending ids is the lowest); else the
+    packed words go and are expanded there. A gathered best of -inf takes masked_argmax itself."""
+    device = logits_row.device
+    live = np.flatnonzero(words)
+    if len(live) > sparse_words:  # masked_argmax's fill and first max, in the row's own dtype (the same order)
+        return int(logits_row.masked_fill(_word_bits(words, vocab, device) == 0, float("-inf")).argmax())
+    rows, bits = np.nonzero(np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32))
+    ids = live[rows] * 32 + bits
+    ids = ids[ids < vocab]
+    if len(ids) == 0:
+        return masked_argmax(logits_row, torch.zeros(vocab, dtype=torch.bool, device=device))
+    best, at = logits_row.index_select(0, torch.from_numpy(ids).to(device)).max(0)  # max: the first of ties
+    best, at = torch.stack([best.double(), at.double()]).tolist()
+    if best == float("-inf"):
+        return masked_argmax(logits_row, words_mask(words, vocab, device))
+    return int(ids[int(at)])
 
 
 _CLOSING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -92,6 +157,9 @@ def masked_argmax(logits_row: torch.Tensor, allowed: torch.Tensor) -> int:
 class GrammarState:
     """One request's grammar, fed the reply's committed tokens."""
 
+    candidates = CANDIDATES  # the read's best tokens a position (module doc)
+    reference = False  # every masked argmax by masked_argmax over allowed_mask: the twin of the fast paths
+
     def __init__(self, grammar: str, tokenizer, vocab: int, stop_ids, fixes: int = 8):
         import llguidance
 
@@ -99,6 +167,8 @@ class GrammarState:
             raise InputError("grammar: this model has no tokenizer to match the grammar's text with")
         self.vocab = vocab
         self.fixes = fixes
+        self._skip, self._backoff = 0, 1  # holds left to read no candidates; the next skip's length (_back_off)
+        self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "choices": 0, "device_choices": 0}
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, stop_ids), grammar)
@@ -111,7 +181,44 @@ class GrammarState:
 
         close_from: the canvas position from which the reply's token budget is short; from there every position is
         chosen to close the grammar (`closing_token`), whatever the proposal says."""
-        ids = proposal.tolist()
+        t0 = time.perf_counter()
+        ids, cand = self._read(proposal, logits)
+        t1 = time.perf_counter()
+        before = (self.timings["choices"], self.timings["device_choices"])
+        pos = self._walk(ids, cand, logits, close_from)
+        t2 = time.perf_counter()
+        if cand is not None:
+            self._back_off(self.timings["choices"] - before[0], self.timings["device_choices"] - before[1])
+        held, tokens = self._write(ids, pos, proposal)
+        t3 = time.perf_counter()
+        for key, dt in (("read_s", t1 - t0), ("walk_s", t2 - t1), ("write_s", t3 - t2)):
+            self.timings[key] += dt
+        self.timings["holds"] += 1
+        return held, tokens
+
+    def _read(self, proposal: torch.Tensor, logits: torch.Tensor):
+        """The step's one read -> (the proposal's ids, (candidate ids [C, k], values [C, k]) as numpy, or None)."""
+        k = min(self.candidates, logits.shape[-1]) if self._skip == 0 and not self.reference else 0
+        self._skip = max(self._skip - 1, 0)
+        if k == 0:
+            return proposal.tolist(), None
+        top = torch.topk(logits, k, dim=-1, sorted=False)
+        flat = torch.cat([proposal.double(), top.indices.double().flatten(), top.values.double().flatten()])
+        host = flat.cpu().numpy()
+        C = proposal.shape[0]
+        return host[:C].astype(np.int64).tolist(), (host[C: C + C * k].astype(np.int64).reshape(C, k),
+                                                    host[C + C * k:].reshape(C, k))
+
+    def _back_off(self, choices: int, on_device: int) -> None:
+        """After a walk with candidates: where they decided none of its choices, read none for the next 1, 2, 4 ..
+        `MAX_SKIP` holds (doubling while they keep failing; any decision starts over)."""
+        if choices and choices == on_device:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SKIP)
+        elif choices:
+            self._backoff = 1
+
+    def _walk(self, ids: list[int], cand, logits: torch.Tensor, close_from: int | None) -> int:
+        """Walk `ids` (rewritten in place) through a copy of the matcher -> the held count."""
         n = len(ids) if close_from is None else max(0, min(close_from, len(ids)))
         m = self.matcher.deep_copy()
         pos, fixed = 0, 0
@@ -130,15 +237,35 @@ class GrammarState:
                 ids[pos: pos + len(forced)] = forced
                 pos += len(forced)
                 continue
-            allowed = allowed_mask(m, self.vocab, logits.device)
-            t = masked_argmax(logits[pos], allowed) if pos < n else self.closing_token(logits[pos], allowed)
+            t = self._choose(m, pos, logits, cand) if pos < n else \
+                self.closing_token(logits[pos], allowed_mask(m, self.vocab, logits.device))
             if not m.consume_token(t):
                 break
             ids[pos] = t
             pos, fixed = pos + 1, fixed + (pos < n)
-        device = proposal.device
-        held = torch.arange(len(ids), device=device) < pos
-        return held, torch.tensor(ids, dtype=proposal.dtype, device=device)
+        return pos
+
+    def _choose(self, m, pos: int, logits: torch.Tensor, cand) -> int:
+        """The grammar's masked argmax at `pos`: from the read's candidates where they decide it, else on the device
+        (`reference`: masked_argmax over allowed_mask, the twin the fast paths are tested against)."""
+        if self.reference:
+            return masked_argmax(logits[pos], allowed_mask(m, self.vocab, logits.device))
+        self.timings["choices"] += 1
+        words = bitmask_words(m)
+        t = host_masked_argmax(cand[0][pos], cand[1][pos], words, self.vocab) if cand is not None else None
+        if t is None:
+            self.timings["device_choices"] += 1
+            t = device_masked_argmax(logits[pos], words, self.vocab)
+        return t
+
+    def _write(self, ids: list[int], pos: int, proposal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(held, tokens) on the proposal's device: one write of the tokens and the held count, packed."""
+        C, device = len(ids), proposal.device
+        packed = torch.tensor(ids + [pos], dtype=torch.int64)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        held = torch.arange(C, device=device) < packed[C]
+        return held, packed[:C].to(proposal.dtype)
 
     def closing_token(self, logits_row: torch.Tensor, allowed: torch.Tensor) -> int:
         """The allowed token of the first closing class that has one (closing_classes' order, then anything), by the
