@@ -128,3 +128,22 @@ def test_host_dispatch_runs_the_twin_on_the_tiles():
     offs = ragged_offs(E, M)
     assert moe_paths.expert_gemm_path(tiled, M, xs) == "twin"  # without CUDA
     assert torch.equal(moe.grouped_mm(xs, tiled, offs), moe.grouped_mm(xs, pw, offs))
+
+
+@interpreted
+def test_dispatch_runs_the_tiles_kernel_on_the_f16_operand(monkeypatch):
+    """With Triton, an nvfp4-tiles stack takes the "nvfp4-tiles" path and its kernel gets the f16 operand as it is
+    (ops/moe_paths.takes_f16_operand): the twin's product on the same rows, rounded once to bf16."""
+    E, N, K, M = 5, 64, 64, 37
+    pw, tiled = stack(E, N, K, divides=True, exact=True)
+    x = (torch.randint(-4, 5, (M, K)).float() / 4).bfloat16()
+    offs = ragged_offs(E, M)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda t: True)
+    assert moe_paths.expert_gemm_path(tiled, M, x) == "nvfp4-tiles" and moe_paths.expert_gemm_path(pw, M, x) == "packed"
+    assert moe_paths.takes_f16_operand(tiled, M, x) and not moe_paths.takes_f16_operand(pw, M, x)
+    seen, real = [], moe_nvfp4.grouped_mm_nvfp4_tiles
+    monkeypatch.setattr(moe_nvfp4, "grouped_mm_nvfp4_tiles", lambda xx, *a, **k: seen.append(xx.dtype) or real(xx, *a, **k))
+    got = moe.grouped_mm(x.half(), tiled, offs, out_dtype=torch.bfloat16)
+    assert seen == [torch.float16] and got.dtype == torch.bfloat16
+    want = mp.grouped_mm_packed_ref(x.float(), pw, offs).to(torch.bfloat16).float()
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-7)  # exact products; at most one bf16 ulp

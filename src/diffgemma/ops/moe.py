@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from .gelu_mul import gelu_mul
 from .grouped import gelu_after, grouped_mm_torch, route_count, routed
-from . import fp8_moe, moe_packed, moe_q4, moe_stream
+from . import fp8_moe, moe_nvfp4, moe_packed, moe_q4, moe_stream
 from .fp8_quant import quantize_rows
 from .fp8_weight import Fp8Weight
-from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
+from .moe_paths import F16_PATHS, PREFILL_ROWS, STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
 from .q4_tiles import LAYOUT
 from .route import route  # noqa: F401  (routing's torch twin, long imported from here)
 
@@ -102,7 +102,7 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
     W a plain [E, N, K] stack or a packed one; offs int32 [E] cumulative ends -> [M, N].
     order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
     out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
-    and a path other than the q4-tiles kernel first turns x back into it (exact: it is a copy of bf16 values).
+    and a path other than the q4-tiles and nvfp4-tiles kernels first turns x back into it (exact: it is a copy of bf16 values).
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
     epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
     count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: q4_row_tile)."""
@@ -112,7 +112,7 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
                                                  path_routes=path_routes), glu, glu_f16)
     routes = route_count(x, src) if path_routes is None else path_routes
     path = expert_gemm_path(w, routes, x)
-    if out_dtype is not None and x.dtype != out_dtype and path != "q4-tiles":
+    if out_dtype is not None and x.dtype != out_dtype and path not in F16_PATHS:
         x = x.to(out_dtype)
     if path == "stream":  # its epilogue writes x's dtype; the f16-operand form is gelu_mul's
         if glu_f16:
@@ -129,6 +129,9 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
         out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=q4_row_tile(route_count(x, src), w.shape[0]),
                                          order=order, out_dtype=out_dtype, glu=fused, glu_f16=fused and glu_f16)
         return out if fused else gelu_after(out, glu, glu_f16)
+    if path == "nvfp4-tiles":  # one layout serves the plain GEMM and the gelu·up epilogue
+        return moe_nvfp4.grouped_mm_nvfp4_tiles(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu,
+                                                glu_f16=glu_f16)
     return moe_packed.grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu,
                                                glu_f16=glu_f16)
 

@@ -10,6 +10,7 @@
               bf16 scratch, then torch._grouped_mm, which is compute bound there and faster than dequantizing in
               the GEMM's loop
   "q4-tiles"  a q4 stack in the q4-tiles layout (ops/q4_tiles.py): ops/moe_q4.py's kernel
+  "nvfp4-tiles" an nvfp4e stack in the nvfp4-tiles layout (ops/packed_weight.py): ops/moe_nvfp4.py's kernel
   "packed"    any other packed stack (q4 / q5 / q6 / nvfp4 in the pack's order): ops/moe_packed.py's kernel
 
 An FP8 stack (ops/fp8_weight.Fp8Weight) takes one of fp8_expert_path's (ops/fp8_moe.py runs them):
@@ -30,7 +31,7 @@ import torch
 
 from ._backend import env_choice, use_triton
 from .fp8_weight import FP8_DTYPE, Fp8Weight, has_fp8_mma, has_scaled_grouped_mm
-from .packed_weight import PackedWeight
+from .packed_weight import NVFP4_TILES, PackedWeight
 from .q4_tiles import LAYOUT
 
 # Up to this many rows per expert a grouped GEMM streams its weights (denoise: 2048 routes / 128 experts = 16);
@@ -80,13 +81,17 @@ def expert_gemm_path(w, routes: int, x) -> str:
         return "twin"
     if dequantizes_for(routes / w.shape[0]):
         return "dequant"
-    return "q4-tiles" if w.layout == LAYOUT else "packed"
+    return "q4-tiles" if w.layout == LAYOUT else "nvfp4-tiles" if w.layout == NVFP4_TILES else "packed"
 
 
 def takes_f16_operand(w, routes: int, x) -> bool:
-    """Whether the GEMM of x against w over `routes` rows runs ops/moe_q4.py's kernel, whose MMA takes f16: then
-    the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same bits, less work."""
-    return isinstance(w, PackedWeight) and expert_gemm_path(w, routes, x) == "q4-tiles"
+    """Whether the GEMM of x against w over `routes` rows runs ops/moe_q4.py's or ops/moe_nvfp4.py's kernel, whose
+    MMA takes f16: then the producer of x may hand it the f16 operand of x's bf16 values (ops/f16_operand.py), same
+    bits, less work."""
+    return isinstance(w, PackedWeight) and expert_gemm_path(w, routes, x) in F16_PATHS
+
+
+F16_PATHS = ("q4-tiles", "nvfp4-tiles")  # the paths whose kernels take an f16 operand as it is
 
 
 def fp8_expert_path(w: Fp8Weight, routes: int, x, out_dtype) -> str:
