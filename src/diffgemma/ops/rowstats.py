@@ -252,13 +252,13 @@ def tempered_rowstats_ref(logits, temp, cap=None):
 
 
 def group_maxima_ref(logits, temp, cap=None, block=2048, segment=SEGMENT) -> torch.Tensor:
-    """f32 [R, n_seg, block // GROUP]: the row-stats pass's group maxima of z = logits / temp (a NaN as +inf; a group
-    past the row's end: -inf)."""
+    """f32 [R, n_seg, block // GROUP]: the row-stats pass's group maxima of z = logits / temp, NaNs left out (a group
+    of NaNs only, or past the row's end: -inf)."""
     z = _tempered_ref(logits, temp, cap)
     rows, n = z.shape
     n_seg, span = row_segments(n, block, segment)
     z = torch.nn.functional.pad(z, (0, n_seg * span - n), value=-float("inf"))
-    z = torch.where(z.isnan(), float("inf"), z)
+    z = torch.where(z.isnan(), -float("inf"), z)
     return z.view(rows, n_seg, span // block, block // GROUP, GROUP).amax(dim=(2, 4))
 
 
@@ -329,7 +329,8 @@ if HAVE_TRITON:
         tempered_z. EVEN: every segment is whole (no masks). LANES: the row's temperature and table are its lane's
         (lane_of_row).
         GROUP (0: off): also the segment's group maxima (ops/survivor_list.py), the max z of each group of GROUP
-        columns at one offset in every block, a NaN as +inf: the running maxima of GROUP // LANE lanes, combined.
+        columns at one offset in every block: the running maxima of GROUP // LANE lanes, combined. The maxima leave
+        NaNs out; were one to reach a lane's running max, the group's maximum is +inf (the group is read).
 
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the

@@ -1,8 +1,8 @@
 """The sparse SC's survivors (z >= thr[row], z = logits / T) counted and listed without a pass over every column.
 
 The row-stats pass (ops/rowstats.py, groups=True) leaves, per (row, segment), the group maxima: the max z of each
-group, the GROUP columns at one offset of every BLOCK-column block of the segment (a NaN counted as +inf). A survivor's
-group maximum is at least its z, so at least thr: only the columns of groups whose maximum reaches thr can hold
+group, the GROUP columns at one offset of every BLOCK-column block of the segment (NaNs, which never survive, left
+out). A survivor's group maximum is at least its z, so at least thr: only the columns of groups whose maximum reaches thr can hold
 survivors, and the kernels here load only those (whole groups, masked loads; the other columns are never read). A
 trained model's row keeps a few tokens, so they read a few groups a row, where a survivor pass reads every column and
 writes a mask; a flat row reaches thr in most groups and is read whole, as before.
@@ -46,7 +46,7 @@ if HAVE_TRITON:
         NG: tl.constexpr = BLOCK // GROUP
         thr = tl.load(thr_ptr + row)
         g = tl.load(gmax_ptr + at * NG + tl.arange(0, NG))
-        sel = g >= thr  # a NaN maximum was stored as +inf
+        sel = g >= thr
         if LIST:  # the count as a [NG] tensor: a scalar's & a tensor would not be a bool mask in the interpreter
             sel = sel & ((tl.zeros((NG,), tl.int32) + tl.load(count_ptr + at)) > 0)
         first = seg * span
