@@ -2,10 +2,10 @@
 
 The row-stats pass (ops/rowstats.py, groups=True) leaves, per (row, segment), the group maxima: the max z of each
 group, the GROUP columns at one offset of every BLOCK-column block of the segment (NaNs, which never survive, left
-out). A survivor's group maximum is at least its z, so at least thr: only the columns of groups whose maximum reaches thr can hold
-survivors, and the kernels here load only those (whole groups, masked loads; the other columns are never read). A
-trained model's row keeps a few tokens, so they read a few groups a row, where a survivor pass reads every column and
-writes a mask; a flat row reaches thr in most groups and is read whole, as before.
+out). A survivor's group maximum is at least its z, so at least thr: only the columns of groups whose maximum reaches
+thr can hold survivors, and the kernels here load only those (whole groups, masked loads; the other columns are never
+read). A trained model's row keeps a few tokens, so they read a few groups a row, where a survivor pass reads every
+column and writes a mask; a flat row reaches thr in most groups and is read whole, as before.
 
   survivor_counts   the survivors of each (row, segment), int32 [R, n_seg]; their sum over a row is
                     rowstats.tempered_survivors' count of that row
