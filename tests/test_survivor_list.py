@@ -99,7 +99,9 @@ def test_survivor_counts_and_list_are_the_masks(raw):
     keep = mask.clone()
     for r, s in (left == 0).nonzero().tolist():
         keep[r, s * SEGMENT:(s + 1) * SEGMENT] = False
-    assert torch.equal(torch.stack(got, 1), keep.nonzero())  # the mask's nonzero, in row-major order
+    rows_, cols = got[:2]
+    assert torch.equal(torch.stack([rows_, cols], 1), keep.nonzero())  # the mask's nonzero, in row-major order
+    assert torch.equal(got[2], z[rows_, cols])  # z as the solo gather makes it: softcap(value) / T
 
 
 def test_survivor_passes_refuse_maxima_of_another_pass():

@@ -83,7 +83,7 @@ def test_sparse_plan_batch_is_each_lane_alone(peaked):
         assert p.mask is None and torch.equal(p.row_counts, q.row_counts) and torch.equal(p.thr, q.thr)
     n = sum(counts)
     if n <= 4 * 2**20:  # the list of all lanes' survivors is the solo masks' nonzero, row after row
-        rows, cols = survivor_list(buf, group.shared.lanes, group.thr, group.shared.groups, group.seg_counts, n,
+        rows, cols, _ = survivor_list(buf, group.shared.lanes, group.thr, group.shared.groups, group.seg_counts, n,
                                    cap=CAP)
         want = torch.cat([q.mask.nonzero() + torch.tensor([k * C, 0], device=DEV) for k, q in enumerate(solo)])
         assert torch.equal(torch.stack([rows, cols], 1), want)

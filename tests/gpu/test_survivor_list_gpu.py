@@ -79,9 +79,11 @@ def test_counts_and_list_are_the_survivor_mask(dtype, peaked):
     n = int(left.sum())
     if n > 8 * 2**20:
         pytest.skip(f"{n} survivors: the list would not fit the test's budget")
-    rows, cols = survivor_list.survivor_list(x, lanes, thr, gmax, left, n, cap=cap)
+    rows, cols, z = survivor_list.survivor_list(x, lanes, thr, gmax, left, n, cap=cap)
     mask[3 * C: 4 * C] = False
     assert torch.equal(torch.stack([rows, cols], 1), torch.nonzero_static(mask, size=n))
+    values = x[rows, cols] if cap is None else rowstats.softcap_lookup(x[rows, cols], cap)
+    assert torch.equal(z, values / lanes.row_temps()[rows])  # the z the solo gather makes
     if dtype == torch.bfloat16:
         before = timed(lambda: torch.nonzero_static(rowstats.tempered_survivors_triton(x, lanes, thr, cap=cap)[0],
                                                     size=n))

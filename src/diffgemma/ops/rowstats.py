@@ -224,7 +224,7 @@ def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
     return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
 
 
-def _tempered_ref(logits, temp, cap):
+def tempered_ref(logits, temp, cap):
     """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw).
     temp: a number, or a LaneTemps (each row divided by its lane's temperature: the same quotients)."""
     x = logits if cap is None else softcap_ref(logits, cap)
@@ -244,7 +244,7 @@ def tempered_rowstats_ref(logits, temp, cap=None):
     if isinstance(temp, LaneTemps) and len(temp) > 1:
         parts = [tempered_rowstats_ref(logits[sl], t, cap) for t, sl in zip(temp.temps, temp.spans())]
         return tuple(_scatter_rows([p[k] for p in parts], temp) for k in range(4))
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(torch.exp(logp) * logp).sum(-1)
@@ -254,7 +254,7 @@ def tempered_rowstats_ref(logits, temp, cap=None):
 def group_maxima_ref(logits, temp, cap=None, block=2048, segment=SEGMENT) -> torch.Tensor:
     """f32 [R, n_seg, block // GROUP]: the row-stats pass's group maxima of z = logits / temp, NaNs left out (a group
     of NaNs only, or past the row's end: -inf)."""
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     rows, n = z.shape
     n_seg, span = row_segments(n, block, segment)
     z = torch.nn.functional.pad(z, (0, n_seg * span - n), value=-float("inf"))
@@ -272,7 +272,7 @@ def _scatter_rows(parts: list, lanes: LaneTemps) -> torch.Tensor:
 
 def tempered_survivors_ref(logits, temp, thr, cap=None):
     """-> (bool mask [R, V] of z >= thr[:, None], int32 counts [R]) with z = logits / temp."""
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     mask = z >= thr[:, None]
     return mask, mask.sum(-1, dtype=torch.int32)
 
@@ -527,7 +527,7 @@ def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, ou
 
 def tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=None):
     """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 

@@ -9,7 +9,7 @@ column and writes a mask; a flat row reaches thr in most groups and is read whol
 
   survivor_counts   the survivors of each (row, segment), int32 [R, n_seg]; their sum over a row is
                     rowstats.tempered_survivors' count of that row
-  survivor_list     (rows, cols), int64 [n]: the survivors of the (row, segment)s whose count is not 0, in row-major
+  survivor_list     (rows, cols) int64 [n] and their z: the survivors of the (row, segment)s whose count is not 0, in row-major
                     order, as nonzero lists the survivor mask with the other (row, segment)s cleared. Each (row,
                     segment) writes its survivors from its offset (the exclusive sum of the counts before it), block by
                     block in column order (a prefix sum over each block's keep flags)
@@ -25,7 +25,7 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
-from .rowstats import GROUP, SEGMENT, row_segments, tempered_survivors_ref, z_args
+from .rowstats import GROUP, SEGMENT, tempered_ref, row_segments, tempered_survivors_ref, z_args
 
 if HAVE_TRITON:
     import triton
@@ -71,13 +71,15 @@ if HAVE_TRITON:
         tl.store(count_ptr + at, count)
 
     @triton.jit
-    def _survivor_list_kernel(x_ptr, thr_ptr, gmax_ptr, count_ptr, offs_ptr, rows_ptr, cols_ptr, size, n_cols, span,
-                              temp, table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    def _survivor_list_kernel(x_ptr, thr_ptr, gmax_ptr, count_ptr, ends_ptr, rows_ptr, cols_ptr, z_ptr, size, n_cols,
+                              span, temp, table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                               TABLE: tl.constexpr, DIV: tl.constexpr, LANES: tl.constexpr):
+        """ends: the inclusive sum of the counts (row-major), so this (row, segment)'s first slot is its end minus its
+        count."""
         row, at, thr, temp, table_ptr, sel, offs, first, last, stop = _kept_groups(
             thr_ptr, gmax_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr, temps_ptr, True, LANES, BLOCK,
             GROUP)
-        base = tl.load(offs_ptr + at)
+        base = tl.load(ends_ptr + at) - tl.load(count_ptr + at)
         for start in range(first, stop, BLOCK):
             cols = start + offs
             live = sel[:, None] & (cols < last)
@@ -90,6 +92,7 @@ if HAVE_TRITON:
                 ok = (keep != 0) & (pos < size)
                 tl.store(rows_ptr + pos, tl.zeros_like(pos) + row, mask=ok)
                 tl.store(cols_ptr + pos, cols.to(tl.int64), mask=ok)
+                tl.store(z_ptr + pos, z, mask=ok)
             base += here
 
 
@@ -125,15 +128,14 @@ def survivor_counts_triton(logits, temp, thr, gmax, block=2048, segment=SEGMENT,
 
 
 def survivor_list_triton(logits, temp, thr, gmax, counts, size: int, block=2048, segment=SEGMENT, cap=None):
-    logits = logits.contiguous()
+    logits, counts = logits.contiguous(), counts.contiguous()
     _check(logits, thr, gmax, counts, block, segment)
-    flat = counts.reshape(-1).to(torch.int64)
-    offs = flat.cumsum(0) - flat
+    ends = counts.view(-1).cumsum(0, dtype=torch.int64)
     rows = torch.empty(size, dtype=torch.int64, device=logits.device)
     cols = torch.empty(size, dtype=torch.int64, device=logits.device)
-    _launch(_survivor_list_kernel, logits, temp, thr, gmax, cap, block, segment, counts.contiguous(), offs, rows, cols,
-            size)
-    return rows, cols
+    z = torch.empty(size, dtype=torch.float32, device=logits.device)
+    _launch(_survivor_list_kernel, logits, temp, thr, gmax, cap, block, segment, counts, ends, rows, cols, z, size)
+    return rows, cols, z
 
 
 def _segment_mask(logits, temp, thr, cap, block: int, segment: int) -> torch.Tensor:
@@ -150,8 +152,9 @@ def survivor_counts_ref(logits, temp, thr, block=2048, segment=SEGMENT, cap=None
 
 def survivor_list_ref(logits, temp, thr, counts, size: int, block=2048, segment=SEGMENT, cap=None):
     mask = _segment_mask(logits, temp, thr, cap, block, segment) & (counts > 0)[..., None]
-    rows, n = logits.shape
-    return torch.nonzero_static(mask.view(rows, -1)[:, :n], size=size).unbind(1)
+    n_rows, n = logits.shape
+    rows, cols = torch.nonzero_static(mask.view(n_rows, -1)[:, :n], size=size).unbind(1)
+    return rows, cols, tempered_ref(logits, temp, cap)[rows, cols]
 
 
 def survivor_counts(logits, temp, thr, gmax, cap=None) -> torch.Tensor:
@@ -164,9 +167,11 @@ def survivor_counts(logits, temp, thr, gmax, cap=None) -> torch.Tensor:
     return survivor_counts_ref(logits, temp, thr, cap=cap)
 
 
-def survivor_list(logits, temp, thr, gmax, counts, size: int, cap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) int64 [size]: the survivors of the (row, segment)s whose entry in `counts` (survivor_counts', some
-    set to 0 to leave them out) is not 0, in row-major order; `size` is the sum of `counts`."""
+def survivor_list(logits, temp, thr, gmax, counts, size: int, cap=None) -> tuple[torch.Tensor, ...]:
+    """(rows, cols) int64 [size] and their z f32 [size]: the survivors of the (row, segment)s whose entry in `counts`
+    (survivor_counts', some set to 0 to leave them out) is not 0, in row-major order; `size` is the sum of `counts`.
+    z is the value the passes compared: on raw logits the tempered table's entry, which has the bits of the softcap
+    table's entry divided by the temperature (rowstats.lane_tables)."""
     if use_triton(logits):
         return survivor_list_triton(logits, temp, thr, gmax, counts, size, cap=cap)
     _check(logits, thr, gmax, counts, 2048, SEGMENT)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from ..ops.rowstats import softcap_lookup, tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
 from ..ops import sc_gather
 from ..ops.lane_temps import host_to_device
 from ..ops.sc_gather import segment_embed
@@ -69,11 +69,6 @@ class _SharedPasses:
         self.shared, self.thr, self.seg_counts, self.counts = shared, thr, seg_counts, counts
 
 
-def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
-    """StepStats.softcapped for values gathered out of a LaneRows' rows."""
-    return values if shared.cap is None else softcap_lookup(values, shared.cap)
-
-
 def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
     """rowmax - log_ratio of each row's lane (a lane's rows: rowmax[sl] - its ratio, as its solo plan subtracts); a
     lane whose ratio is None makes no plan: its rows' threshold is +inf (no survivor, nothing counted)."""
@@ -93,8 +88,8 @@ def _gather_rows(group, seg_counts: torch.Tensor, row_counts: torch.Tensor, n: i
     (ops/survivor_list.py: the mask's nonzero, from the group maxima's columns only), weighted with each row's lane
     temperature."""
     shared = group.shared
-    rows, cols = survivor_list(shared.rows, shared.lanes, group.thr, shared.groups, seg_counts, n, cap=shared.cap)
-    z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
+    # z as the passes compared it: the bits of softcap(value) / its lane's temperature, as the solo gather makes it
+    rows, cols, z = survivor_list(shared.rows, shared.lanes, group.thr, shared.groups, seg_counts, n, cap=shared.cap)
     weights = torch.exp(z - shared.fields[3][rows])
     step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
     return (segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
