@@ -56,16 +56,25 @@ if HAVE_TRITON:
         return row, at, thr, temp, table_ptr, sel, offs, first, last, stop
 
     @triton.jit
+    def _live(sel, cols, last, NG: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+        """The columns a block reads: its kept groups' (EVEN: every segment whole, so a mask constant along a group,
+        which keeps the loads wide)."""
+        if EVEN:
+            return tl.broadcast_to(sel[:, None], (NG, GROUP))
+        return sel[:, None] & (cols < last)
+
+    @triton.jit
     def _survivor_counts_kernel(x_ptr, thr_ptr, gmax_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr,
                                 temps_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, TABLE: tl.constexpr,
-                                DIV: tl.constexpr, LANES: tl.constexpr):
+                                DIV: tl.constexpr, LANES: tl.constexpr, EVEN: tl.constexpr):
+        NG: tl.constexpr = BLOCK // GROUP
         row, at, thr, temp, table_ptr, sel, offs, first, last, stop = _kept_groups(
             thr_ptr, gmax_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr, temps_ptr, False, LANES, BLOCK,
             GROUP)
         count = 0
         for start in range(first, stop, BLOCK):
             cols = start + offs
-            live = sel[:, None] & (cols < last)
+            live = _live(sel, cols, last, NG, GROUP, EVEN)
             z = tempered_z(x_ptr + row * n_cols + cols, live, table_ptr, temp, TABLE, DIV)
             count += tl.sum(tl.sum((live & (z >= thr)).to(tl.int32), axis=1), axis=0)
         tl.store(count_ptr + at, count)
@@ -73,16 +82,17 @@ if HAVE_TRITON:
     @triton.jit
     def _survivor_list_kernel(x_ptr, thr_ptr, gmax_ptr, count_ptr, ends_ptr, rows_ptr, cols_ptr, z_ptr, size, n_cols,
                               span, temp, table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                              TABLE: tl.constexpr, DIV: tl.constexpr, LANES: tl.constexpr):
+                              TABLE: tl.constexpr, DIV: tl.constexpr, LANES: tl.constexpr, EVEN: tl.constexpr):
         """ends: the inclusive sum of the counts (row-major), so this (row, segment)'s first slot is its end minus its
         count."""
+        NG: tl.constexpr = BLOCK // GROUP
         row, at, thr, temp, table_ptr, sel, offs, first, last, stop = _kept_groups(
             thr_ptr, gmax_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr, temps_ptr, True, LANES, BLOCK,
             GROUP)
         base = tl.load(ends_ptr + at) - tl.load(count_ptr + at)
         for start in range(first, stop, BLOCK):
             cols = start + offs
-            live = sel[:, None] & (cols < last)
+            live = _live(sel, cols, last, NG, GROUP, EVEN)
             z = tempered_z(x_ptr + row * n_cols + cols, live, table_ptr, temp, TABLE, DIV)
             keep = (live & (z >= thr)).to(tl.int32)
             per = tl.sum(keep, axis=1)  # survivors per group, the groups in column order
@@ -113,10 +123,11 @@ def _check(logits, thr, gmax, counts, block: int, segment: int) -> tuple[int, in
 
 def _launch(kernel, logits, temp, thr, gmax, cap, block, segment, *args):
     za = z_args(logits, cap, temp)
-    n_seg, span = row_segments(logits.shape[1], block, segment)
-    kernel[(logits.shape[0], n_seg)](za["x"], thr.float().contiguous(), gmax.contiguous(), *args, logits.shape[1],
-                                     span, za["temp"], za["table"], za["lane"], za["temps"], BLOCK=block, GROUP=GROUP,
-                                     TABLE=za["TABLE"], DIV=za["DIV"], LANES=za["LANES"], num_warps=4)
+    n = logits.shape[1]
+    n_seg, span = row_segments(n, block, segment)
+    kernel[(logits.shape[0], n_seg)](za["x"], thr.float().contiguous(), gmax.contiguous(), *args, n, span, za["temp"],
+                                     za["table"], za["lane"], za["temps"], BLOCK=block, GROUP=GROUP, TABLE=za["TABLE"],
+                                     DIV=za["DIV"], LANES=za["LANES"], EVEN=n % span == 0, num_warps=4)
 
 
 def survivor_counts_triton(logits, temp, thr, gmax, block=2048, segment=SEGMENT, cap=None) -> torch.Tensor:
