@@ -135,10 +135,11 @@ def softcap_rowstats(raw, cap, inv_temp):
 # z = logits / T is a correctly rounded division (div_rn) so z, its max and its argmax are bit-identical to
 # torch's `logits / T`; entropy and lse come from the online formula above (float-rounding away from the
 # torch formula in sampling/stats.py, which stays the CPU path). One read of the [R, V] logits gives all of
-# entropy, argmax, row max and lse; `tempered_survivors` is the second full read of a step: the sparse
-# self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a sync-free
-# nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
-# `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
+# entropy, argmax, row max and lse (and, with groups, the group maxima from which ops/survivor_list.py counts and lists
+# the survivors reading only the columns that may hold one: a batched round's plans); `tempered_survivors` is a second
+# full read: the sparse self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a
+# sync-free nonzero (a solo plan). Only when the survivors are too many to gather (flat rows) does another read follow:
+# `tempered_masked_probs` writes their probabilities for one dense product. All of them run over segments.
 #
 # cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass reads z from a table of
 # 65536 f32 entries, one per 16-bit pattern: the softcap kernel's result for that pattern (softcap_table), divided by T
