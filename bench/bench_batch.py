@@ -22,8 +22,11 @@ every lane its own cache holding a 1k prompt:
   profile  the fixture's rows (bench/fixtures.logit_profile): median row entropy and SC survivors per row
   round    at the largest B: generate_batch's round p50 against the batched forward alone (bench/sampler_round.py)
   sampler  at the largest B: the sampler batched across lanes against B solo sampler calls (bench/sampler_round.py)
+  phases   at the largest B: the batched sampler's phases on one batched forward's logits (stats, accept, plans, the
+           soft embedding after the status read): each one's device ms (CUDA events) and the host's ms from the read
+           to the last soft-embedding launch (in a round the device waits for it)
 Each kind runs per fixture (--fixtures; bench/fixtures.py): "q4" is the flat fixture, "q4-peaked" the peaked one.
-The issue-49 check, one run:  --sections profile,round,sampler --batches 8 --json $OUT/round.json
+The issue-49 check, one run:  --sections profile,round,sampler,phases --batches 8 --json $OUT/round.json
 Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
 """
 
@@ -45,6 +48,10 @@ from bench.sampler_round import section_round, section_sampler
 from diffgemma.batch import generate_batch
 from diffgemma.generation import generate
 from diffgemma.model.options import BATCH_PATHS, EngineOptions
+from diffgemma.sampling.accept import accept_masks
+from diffgemma.sampling.schedule import temperature_value
+from diffgemma.sampling.self_condition import SparsePlan
+from diffgemma.sampling.stats import StepStats
 
 STEPS = 16
 PATHS = BATCH_PATHS  # EngineOptions.batch_paths' forms
@@ -229,11 +236,63 @@ def section_memory(eng, cfg, B, ctx):
     return out
 
 
+def _stamp(dev):
+    """A point on the device's stream (a recorded CUDA event), else the host clock."""
+    if dev.type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _between(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def section_phases(eng, cfg, B, ctx, reps, ratio=10.0):
+    """The batched sampler's phases, p50 ms over reps (see the module docstring), on the batch's one buffer of raw
+    logits, each lane at its own temperature."""
+    dev, C = eng.device, cfg.canvas_length
+    caches, canvases, scs = lanes(eng, cfg, B, ctx, seed=8)
+    buf = torch.cat([x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)])
+    logits = list(buf.split(C))
+    temps = [temperature_value(STEPS - (i * 5) % STEPS, STEPS, 0.4, 0.8) for i in range(B)]
+    names = ("stats", "accept", "plans", "embed")
+    times = {k: [] for k in (*names, "host_after_read", "total")}
+    for i in range(reps + 2):
+        sync(dev)
+        marks = [_stamp(dev)]
+        stats = StepStats.batch(logits, temps, cap=eng.logit_softcap)
+        marks.append(_stamp(dev))
+        accept_masks([s.entropy for s in stats], [0.1] * B, [False] * B)
+        marks.append(_stamp(dev))
+        plans = SparsePlan.batch(stats, [ratio] * B)
+        counts = SparsePlan.counts_batch(plans)
+        marks.append(_stamp(dev))
+        counts = counts.tolist()  # the round's status read
+        t = time.perf_counter()
+        SparsePlan.soft_embed_batch(plans, counts, eng.embedding, cfg.embed_scale)
+        host = (time.perf_counter() - t) * 1e3
+        marks.append(_stamp(dev))
+        sync(dev)
+        if i >= 2:
+            for k, a, b in zip(names, marks, marks[1:]):
+                times[k].append(_between(a, b))
+            times["host_after_read"].append(host)
+            times["total"].append(_between(marks[0], marks[-1]))
+    out = {"B": B, **{f"{k}_ms": median(v) for k, v in times.items()},
+           "survivors_per_row": round(sum(counts) / (B * C), 2), "took_dense": sum(bool(p.took_dense) for p in plans)}
+    log(f"  phases B={B}: {out}")
+    del caches
+    eng.clear_graphs()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="q4,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--sections", default="forward,steps,queue,invariance,memory,demo,profile,round,sampler")
+    ap.add_argument("--sections", default="forward,steps,queue,invariance,memory,demo,profile,round,sampler,phases")
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--paths", default=EngineOptions().batch_paths, choices=BATCH_PATHS,
@@ -272,7 +331,8 @@ def main():
                                  ("profile", lambda: logit_profile(eng, cfg, ctx)),
                                  ("round", lambda: section_round(eng, cfg, max(batches), ctx, a.reps, lanes,
                                                                  generate_batch, fixed_steps(cfg.canvas_length, 1))),
-                                 ("sampler", lambda: section_sampler(eng, cfg, max(batches), ctx, a.reps, lanes))),
+                                 ("sampler", lambda: section_sampler(eng, cfg, max(batches), ctx, a.reps, lanes)),
+                                 ("phases", lambda: section_phases(eng, cfg, max(batches), ctx, a.reps))),
               a.routing, dump)
 
     log("\n| kind | paths | " + " | ".join(f"B={b} fwd rows/s (x B=1)" for b in batches) + " | steps x B=1 cold / warm (B="

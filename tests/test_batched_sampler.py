@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import rowstats
+from diffgemma.ops import rowstats, survivor_list
 from diffgemma.ops.lane_temps import LaneTemps, shared_rows
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.schedule import temperature_value
@@ -37,7 +37,7 @@ def _rows(rows, vocab, raw):
 def kernels(monkeypatch):
     """The fused path with its kernels, interpreted."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod):
+    for mod in (rowstats, stats_mod, survivor_list):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     from diffgemma.ops import sc_gather
     monkeypatch.setattr(sc_gather, "use_triton", lambda t: True)
@@ -170,9 +170,16 @@ def test_batch_refuses_what_it_cannot_serve():
 
 
 def _plans_equal(a, b):
+    """a: a batch's plan, b: the solo plan. A plan of a batch's shared survivor count holds no mask (its survivors are
+    listed by the gather: the soft embeddings compare them); the solo plan's is the twin's."""
     for f in ("thr", "log_z", "row_counts", "count"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
-    assert (a.mask is None) == (b.mask is None) and (a.mask is None or torch.equal(a.mask, b.mask))
+    if a.shared is not None and a.shared.seg_counts is not None:
+        assert a.mask is None and b.mask is not None
+        want = rowstats.tempered_survivors_ref(b.stats.logits, b.stats.temp, b.thr, b.stats.cap)[0]
+        assert torch.equal(b.mask, want)
+    else:
+        assert (a.mask is None) == (b.mask is None) and (a.mask is None or torch.equal(a.mask, b.mask))
     assert (a.probs is None) == (b.probs is None) and (a.probs is None or torch.equal(a.probs, b.probs))
 
 
@@ -211,8 +218,8 @@ def test_sparse_plan_batch_is_each_lane_alone(kernels, monkeypatch, bet, raw):
     want = [q.soft_embed(n, emb, 3.0) for q, n in zip(solo, counts)]
     for g, w, p, q in zip(got, want, plans, solo):
         assert torch.equal(g, w) and p.took_dense == q.took_dense == (bet == "dense")
-    if bet == "gather":  # one gather served all lanes (and let go of the shared mask)
-        assert plans[0].shared.shared.whole and plans[0].shared.mask is None
+    if bet == "gather":  # one gather served all lanes
+        assert plans[0].shared.shared.whole and plans[0].shared.seg_counts is not None
 
 
 def test_sparse_plan_batch_falls_back_lane_by_lane_with_the_same_bits(kernels):
@@ -299,4 +306,4 @@ def test_mixed_bets_and_counts_share_one_pass_and_one_gather(kernels, monkeypatc
         assert torch.equal(g, w), k
         assert p.took_dense == q.took_dense
     gathered = [k for k in range(B) if dense[k] is None and not plans[k].took_dense]
-    assert (plans[0].shared.mask is None) == (len(gathered) >= 2)  # one gather served them (the mask's last use)
+    assert all(plans[k].mask is None for k in gathered)  # one list of the shared count served them: no mask made

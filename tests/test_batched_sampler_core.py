@@ -74,20 +74,20 @@ def test_mixed_settings_lanes_get_their_solo_tokens_through_the_batched_sampler(
 @pytest.fixture
 def kernels(monkeypatch):
     """The fused sampler path with its Triton kernels, interpreted; counts the batched kernels' launches."""
-    from diffgemma.ops import rowstats, sc_gather
+    from diffgemma.ops import rowstats, sc_gather, survivor_list
     from diffgemma.sampling import accept
     from diffgemma.sampling import self_condition as sc_mod
     from diffgemma.sampling import stats as stats_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod, accept, sc_gather):
+    for mod in (rowstats, stats_mod, accept, sc_gather, survivor_list):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     launches = {"accept": [], "survivors": [], "counted": []}
-    lanes_kernel, surv, counted = accept.sorted_prefix_lanes_triton, sc_mod.tempered_survivors, \
+    lanes_kernel, surv, counted = accept.sorted_prefix_lanes_triton, sc_mod.survivor_counts, \
         sc_mod.tempered_counted_probs
     monkeypatch.setattr(accept, "sorted_prefix_lanes_triton", lambda *a: launches["accept"].append(1) or
                         lanes_kernel(*a))
-    monkeypatch.setattr(sc_mod, "tempered_survivors", lambda x, lanes, *a, **kw: (
+    monkeypatch.setattr(sc_mod, "survivor_counts", lambda x, lanes, *a, **kw: (  # the batch's gather-bet pass
         launches["survivors"].append(getattr(lanes, "lengths", None)), surv(x, lanes, *a, **kw))[1])
     monkeypatch.setattr(sc_mod, "tempered_counted_probs", lambda x, lanes, *a, **kw: (
         launches["counted"].append(getattr(lanes, "lengths", None)), counted(x, lanes, *a, **kw))[1])

@@ -12,6 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from diffgemma.ops import rowstats  # noqa: E402
+from diffgemma.ops.survivor_list import survivor_list  # noqa: E402
 from diffgemma.sampling.schedule import temperature_value  # noqa: E402
 from diffgemma.sampling.self_condition import SparsePlan  # noqa: E402
 from diffgemma.sampling.stats import StepStats  # noqa: E402
@@ -77,8 +78,15 @@ def test_sparse_plan_batch_is_each_lane_alone(peaked):
     solo = [SparsePlan(StepStats(x, t, cap=CAP), 10.0) for x, t in zip(lanes, temps)]
     counts = [int(q.count) for q in solo]
     assert SparsePlan.counts_batch(plans).tolist() == counts
-    for p, q in zip(plans, solo):
-        assert torch.equal(p.mask, q.mask) and torch.equal(p.row_counts, q.row_counts) and torch.equal(p.thr, q.thr)
+    group = plans[0].shared
+    for p, q in zip(plans, solo):  # the batch's plans hold no mask: their survivors are listed from the group maxima
+        assert p.mask is None and torch.equal(p.row_counts, q.row_counts) and torch.equal(p.thr, q.thr)
+    n = sum(counts)
+    if n <= 4 * 2**20:  # the list of all lanes' survivors is the solo masks' nonzero, row after row
+        rows, cols, _ = survivor_list(buf, group.shared.lanes, group.thr, group.shared.groups, group.seg_counts, n,
+                                   cap=CAP)
+        want = torch.cat([q.mask.nonzero() + torch.tensor([k * C, 0], device=DEV) for k, q in enumerate(solo)])
+        assert torch.equal(torch.stack([rows, cols], 1), want)
     got = SparsePlan.soft_embed_batch(plans, counts, emb, 53.0)
     want = [q.soft_embed(n, emb, 53.0) for q, n in zip(solo, counts)]
     assert [p.took_dense for p in plans] == [q.took_dense for q in solo]

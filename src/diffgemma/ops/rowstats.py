@@ -29,9 +29,10 @@ if HAVE_TRITON:
 # model's 2048) is one segment, with the same arithmetic as one program per row.
 SEGMENT = 16384
 ROW_LANE = 8  # the row-stats pass's lanes: consecutive columns one thread reduces in registers (one 16-byte load)
+GROUP = 32  # columns of a group maximum (ops/survivor_list.py): 4 lanes, 64 bytes of raw logits a block
 
 
-def _segments(n_cols: int, block: int, segment: int) -> tuple[int, int]:
+def row_segments(n_cols: int, block: int, segment: int) -> tuple[int, int]:
     """-> (segments per row, columns per segment: a whole number of blocks)."""
     span = max(block, segment // block * block)
     return -(-n_cols // span), span
@@ -104,7 +105,7 @@ if HAVE_TRITON:
 def softcap_rowstats_triton(raw, cap, inv_temp, stats=True, block=2048, segment=SEGMENT):
     raw = raw.contiguous()
     rows, n = raw.shape
-    n_seg, span = _segments(n, block, segment) if not stats else (1, max(n, 1))
+    n_seg, span = row_segments(n, block, segment) if not stats else (1, max(n, 1))
     out = torch.empty((rows, n), dtype=torch.float32, device=raw.device)
     ent = torch.empty(rows, dtype=torch.float32, device=raw.device)
     amax = torch.empty(rows, dtype=torch.int64, device=raw.device)
@@ -134,10 +135,11 @@ def softcap_rowstats(raw, cap, inv_temp):
 # z = logits / T is a correctly rounded division (div_rn) so z, its max and its argmax are bit-identical to
 # torch's `logits / T`; entropy and lse come from the online formula above (float-rounding away from the
 # torch formula in sampling/stats.py, which stays the CPU path). One read of the [R, V] logits gives all of
-# entropy, argmax, row max and lse; `tempered_survivors` is the second full read of a step: the sparse
-# self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a sync-free
-# nonzero. Only when the survivors are too many to gather (flat rows) does a third read follow:
-# `tempered_masked_probs` writes their probabilities for one dense product. All three run over segments.
+# entropy, argmax, row max and lse (and, with groups, the group maxima from which ops/survivor_list.py counts and lists
+# the survivors reading only the columns that may hold one: a batched round's plans); `tempered_survivors` is a second
+# full read: the sparse self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a
+# sync-free nonzero (a solo plan). Only when the survivors are too many to gather (flat rows) does another read follow:
+# `tempered_masked_probs` writes their probabilities for one dense product. All of them run over segments.
 #
 # cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass reads z from a table of
 # 65536 f32 entries, one per 16-bit pattern: the softcap kernel's result for that pattern (softcap_table), divided by T
@@ -223,7 +225,7 @@ def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
     return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
 
 
-def _tempered_ref(logits, temp, cap):
+def tempered_ref(logits, temp, cap):
     """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw).
     temp: a number, or a LaneTemps (each row divided by its lane's temperature: the same quotients)."""
     x = logits if cap is None else softcap_ref(logits, cap)
@@ -243,11 +245,22 @@ def tempered_rowstats_ref(logits, temp, cap=None):
     if isinstance(temp, LaneTemps) and len(temp) > 1:
         parts = [tempered_rowstats_ref(logits[sl], t, cap) for t, sl in zip(temp.temps, temp.spans())]
         return tuple(_scatter_rows([p[k] for p in parts], temp) for k in range(4))
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(torch.exp(logp) * logp).sum(-1)
     return entropy, z.argmax(-1), z.max(-1).values, lse
+
+
+def group_maxima_ref(logits, temp, cap=None, block=2048, segment=SEGMENT) -> torch.Tensor:
+    """f32 [R, n_seg, block // GROUP]: the row-stats pass's group maxima of z = logits / temp, NaNs left out (a group
+    of NaNs only, or past the row's end: -inf)."""
+    z = tempered_ref(logits, temp, cap)
+    rows, n = z.shape
+    n_seg, span = row_segments(n, block, segment)
+    z = torch.nn.functional.pad(z, (0, n_seg * span - n), value=-float("inf"))
+    z = torch.where(z.isnan(), -float("inf"), z)
+    return z.view(rows, n_seg, span // block, block // GROUP, GROUP).amax(dim=(2, 4))
 
 
 def _scatter_rows(parts: list, lanes: LaneTemps) -> torch.Tensor:
@@ -260,7 +273,7 @@ def _scatter_rows(parts: list, lanes: LaneTemps) -> torch.Tensor:
 
 def tempered_survivors_ref(logits, temp, thr, cap=None):
     """-> (bool mask [R, V] of z >= thr[:, None], int32 counts [R]) with z = logits / temp."""
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     mask = z >= thr[:, None]
     return mask, mask.sum(-1, dtype=torch.int32)
 
@@ -280,7 +293,7 @@ if HAVE_TRITON:
         tl.store(z_ptr + lane * 65536 + i, tl.math.div_rn(tl.load(t_ptr + i), tl.load(temps_ptr + lane)))
 
     @triton.jit
-    def _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES: tl.constexpr):
+    def lane_of_row(row, lane_ptr, temps_ptr, table_ptr, temp, LANES: tl.constexpr):
         """(temp, table) of `row`: the pass's own (LANES off), else its lane's (ops/lane_temps.py) temperature and
         tempered table (row lane of the [B, 65536] tables)."""
         if LANES:
@@ -289,7 +302,7 @@ if HAVE_TRITON:
         return temp, table_ptr
 
     @triton.jit
-    def _z(ptrs, mask, table_ptr, temp, TABLE: tl.constexpr, DIV: tl.constexpr, WHOLE: tl.constexpr = False):
+    def tempered_z(ptrs, mask, table_ptr, temp, TABLE: tl.constexpr, DIV: tl.constexpr, WHOLE: tl.constexpr = False):
         """z = logits / temp at ptrs (WHOLE: every one inside, mask unused). TABLE: ptrs hold raw logits' 16-bit
         patterns, and z is their entry in the tempered table; else the f32 logits' correctly rounded quotient (DIV
         off when temp is 1: x / 1 is x)."""
@@ -308,12 +321,17 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, n_cols, span, temp, table_ptr,
-                                  lane_ptr, temps_ptr, BLOCK: tl.constexpr, LANE: tl.constexpr, ADDR: tl.constexpr,
-                                  TABLE: tl.constexpr, DIV: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):
+    def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, gmax_ptr, n_cols, span, temp,
+                                  table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, LANE: tl.constexpr,
+                                  ADDR: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr, EVEN: tl.constexpr,
+                                  LANES: tl.constexpr, GROUP: tl.constexpr):
         """Partials of one (row, segment): m = max z, s = sum e, u = sum e * (z - m) with e = exp(z - m), and
-        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z.
-        EVEN: every segment is whole (no masks). LANES: the row's temperature and table are its lane's (_lane).
+        the first column holding m. ADDR: the logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV:
+        tempered_z. EVEN: every segment is whole (no masks). LANES: the row's temperature and table are its lane's
+        (lane_of_row).
+        GROUP (0: off): also the segment's group maxima (ops/survivor_list.py), the max z of each group of GROUP
+        columns at one offset in every block: the running maxima of GROUP // LANE lanes, combined. The maxima leave
+        NaNs out; were one to reach a lane's running max, the group's maximum is +inf (the group is read).
 
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
@@ -324,7 +342,7 @@ if HAVE_TRITON:
         else:
             xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
-        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
+        temp, table_ptr = lane_of_row(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -340,10 +358,11 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             if EVEN:
-                z = _z(xb + row * n_cols + cols, None, table_ptr, temp, TABLE, DIV, WHOLE=True)
+                z = tempered_z(xb + row * n_cols + cols, None, table_ptr, temp, TABLE, DIV, WHOLE=True)
             else:
                 mask = cols < last
-                z = tl.where(mask, _z(xb + row * n_cols + cols, mask, table_ptr, temp, TABLE, DIV), -float("inf"))
+                z = tl.where(mask, tempered_z(xb + row * n_cols + cols, mask, table_ptr, temp, TABLE, DIV),
+                             -float("inf"))
             cmax = tl.max(z, axis=1)
             # the lane's lowest column holding its max; strictly-greater keeps the earlier block on ties
             best = tl.where(cmax > m, tl.min(tl.where(z == cmax[:, None], cols, BIG), axis=1), best)
@@ -369,6 +388,10 @@ if HAVE_TRITON:
         tl.store(u_ptr + at, tl.sum(a * (u + s * dm), axis=0))
         # the segment's first column holding its max (a segment of -inf only: column 0, as one running max gave)
         tl.store(best_ptr + at, tl.min(tl.where(m == top, best, BIG), axis=0).to(tl.int64))
+        if GROUP:
+            NG: tl.constexpr = BLOCK // GROUP
+            gm = tl.max(tl.reshape(tl.where(m != m, float("inf"), m), (NG, GROUP // LANE)), axis=1)
+            tl.store(gmax_ptr + at * NG + tl.arange(0, NG), gm)
 
     @triton.jit
     def _rowstats_combine_kernel(m_ptr, s_ptr, u_ptr, best_ptr, ent_ptr, amax_ptr, max_ptr, lse_ptr, n_seg,
@@ -400,7 +423,7 @@ if HAVE_TRITON:
                                    temps_ptr, BLOCK: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr,
                                    LANES: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
+        temp, table_ptr = lane_of_row(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -410,7 +433,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            keep = (_z(x_ptr + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV) >= thr) & inside
+            keep = (tempered_z(x_ptr + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV) >= thr) & inside
             tl.store(mask_ptr + row * n_cols + cols, keep.to(tl.int8), mask=inside)
             count += tl.sum(keep.to(tl.int32), axis=0)
         tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
@@ -420,13 +443,13 @@ if HAVE_TRITON:
                                       table_ptr, lane_ptr, temps_ptr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
                                       ADDR: tl.constexpr, TABLE: tl.constexpr, DIV: tl.constexpr, LANES: tl.constexpr):
         """COUNT: also the survivors of this (row, segment), as `_tempered_survivors_kernel` counts them. ADDR: the
-        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: _z. LANES: _lane."""
+        logits lie at x_ptr + *xoff_ptr (ops/rows_at.py). TABLE / DIV: tempered_z. LANES: lane_of_row."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
             xb = x_ptr
         row = tl.program_id(0).to(tl.int64)
-        temp, table_ptr = _lane(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
+        temp, table_ptr = lane_of_row(row, lane_ptr, temps_ptr, table_ptr, temp, LANES)
         seg = tl.program_id(1)
         first = seg * span
         last = tl.minimum(first + span, n_cols)
@@ -437,7 +460,7 @@ if HAVE_TRITON:
         for start in range(first, last, BLOCK):
             cols = start + offs
             inside = cols < last
-            z = _z(xb + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV)
+            z = tempered_z(xb + row * n_cols + cols, inside, table_ptr, temp, TABLE, DIV)
             keep = z >= thr
             p = tl.where(keep, tl.exp(z - lse), 0.0)
             tl.store(out_ptr + row * n_cols + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
@@ -447,9 +470,9 @@ if HAVE_TRITON:
             tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
-def _z_args(logits, cap, temp) -> dict:
-    """What a pass reads and how it forms z (_z): f32 logits (a tensor or a RowsAt) with their own buffer as an unread
-    placeholder table, or raw logits' bits as int16 and their tempered table. temp: a number, or a LaneTemps (a
+def z_args(logits, cap, temp) -> dict:
+    """What a pass reads and how it forms z (tempered_z): f32 logits (a tensor or a RowsAt) with their own buffer as an
+    unread placeholder table, or raw logits' bits as int16 and their tempered table. temp: a number, or a LaneTemps (a
     temperature per lane of rows, and one table per lane: row lane of lane_tables)."""
     lanes = isinstance(temp, LaneTemps)
     if lanes and temp.rows != logits.shape[0]:
@@ -463,35 +486,38 @@ def _z_args(logits, cap, temp) -> dict:
     return dict(args, x=logits.view(torch.int16), table=table, TABLE=True, DIV=False)
 
 
-def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None):
-    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above)."""
-    za = _z_args(logits, cap, temp)
+def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None, groups=False):
+    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). groups: also return
+    the group maxima f32 [R, n_seg, block // GROUP] (ops/survivor_list.py), from the same pass."""
+    za = z_args(logits, cap, temp)
     x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape
     dev = logits.device
-    n_seg, span = _segments(n, block, segment)
+    n_seg, span = row_segments(n, block, segment)
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
+    gmax = torch.empty(rows, n_seg, block // GROUP, dtype=torch.float32, device=dev) if groups else m
     # 4 warps, lanes of 8: the fastest at [256, 262144] (8 warps as fast, 2 slower; lanes of 4 or 16 and blocks of
     # 1024 or 4096 close behind; bench/bench_kernels.py)
-    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, n, span, za["temp"], za["table"], za["lane"],
-                                             za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr, TABLE=za["TABLE"],
-                                             DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"], num_warps=num_warps)
+    _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, gmax, n, span, za["temp"], za["table"],
+                                             za["lane"], za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr,
+                                             TABLE=za["TABLE"], DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"],
+                                             GROUP=GROUP if groups else 0, num_warps=num_warps)
     ent = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     rowmax = torch.empty(rows, dtype=torch.float32, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
     _rowstats_combine_kernel[(rows,)](m, s, u, best, ent, amax, rowmax, lse, n_seg,
                                       SEGS=triton.next_power_of_2(n_seg), num_warps=1)
-    return ent, amax, rowmax, lse
+    return (ent, amax, rowmax, lse, gmax) if groups else (ent, amax, rowmax, lse)
 
 
 def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None, cap=None):
     """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits (see above)."""
     logits = logits.contiguous()
-    za = _z_args(logits, cap, temp)
+    za = z_args(logits, cap, temp)
     rows, n = logits.shape
-    n_seg, span = _segments(n, block, segment)
+    n_seg, span = row_segments(n, block, segment)
     mask = _out_buffer(out, rows, n, torch.int8, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device)
     _tempered_survivors_kernel[(rows, n_seg)](za["x"], thr.float().contiguous(), mask, counts, n, span, za["temp"],
@@ -502,7 +528,7 @@ def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, ou
 
 def tempered_masked_probs_ref(logits, temp, thr, lse, dtype, cap=None):
     """softmax(z) where z >= thr[row] and 0 elsewhere, as `dtype` [R, V]; z = logits / temp, lse its logsumexp."""
-    z = _tempered_ref(logits, temp, cap)
+    z = tempered_ref(logits, temp, cap)
     return torch.where(z >= thr[:, None], torch.exp(z - lse[:, None]), 0.0).to(dtype)
 
 
@@ -526,10 +552,10 @@ def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segm
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
     tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). out: write the probabilities
     there (see _out_buffer)."""
-    za = _z_args(logits, cap, temp)
+    za = z_args(logits, cap, temp)
     x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape
-    n_seg, span = _segments(n, block, segment)
+    n_seg, span = row_segments(n, block, segment)
     out = _out_buffer(out, rows, n, dtype, logits.device)
     counts = torch.empty(rows, n_seg, dtype=torch.int32, device=logits.device) if count else out
     _tempered_masked_probs_kernel[(rows, n_seg)](x, xoff, thr.float().contiguous(), lse.float().contiguous(), out,
@@ -551,12 +577,14 @@ def tempered_counted_probs(logits, temp, thr, lse, dtype, out=None, cap=None):
     return probs, tempered_survivors_ref(logits, temp, thr, cap)[1]
 
 
-def tempered_rowstats(logits, temp, cap=None):
+def tempered_rowstats(logits, temp, cap=None, groups=False):
     """Row stats of logits / temp: -> (entropy, argmax, rowmax, lse); Triton on CUDA, torch elsewhere. cap: the
-    logits are raw, softcapped as they are read (the same numbers as passing softcap(logits, cap))."""
+    logits are raw, softcapped as they are read (the same numbers as passing softcap(logits, cap)). groups: and the
+    group maxima (ops/survivor_list.py) as a fifth."""
     if use_triton(logits):
-        return tempered_rowstats_triton(logits, temp, cap=cap)
-    return tempered_rowstats_ref(logits, temp, cap)
+        return tempered_rowstats_triton(logits, temp, cap=cap, groups=groups)
+    out = tempered_rowstats_ref(logits, temp, cap)
+    return (*out, group_maxima_ref(logits, temp, cap)) if groups else out
 
 
 def tempered_survivors(logits, temp, thr, out=None, cap=None):

@@ -4,11 +4,11 @@ Each host-side rule has a device-side twin the loop actually runs (no host sync 
 temperature / temperature_value, StopRules / DeviceStopRules, sparse_soft_embed / SparsePlan.
 
 A batched round samples every lane at once, each lane's numbers the bits it has alone (ops/lane_temps.py):
-    stats = StepStats.batch(logits, temps, cap=cap)          # one row-stats launch; logits: the forward's lane views
+    stats = StepStats.batch(logits, temps, cap=cap)          # one row-stats launch (the one full read of the logits)
     masks = accept_masks([s.entropy for s in stats], bounds, final_steps)   # one accept launch
-    plans = SparsePlan.batch(stats, log_ratios, dense_dtypes)               # one survivor pass
+    plans = SparsePlan.batch(stats, log_ratios, dense_dtypes)               # one survivor count (reads kept groups)
     counts = SparsePlan.counts_batch(plans)                                 # for the status read: int64 [B]
-    embeds = SparsePlan.soft_embed_batch(plans, counts, embedding, scale)   # one gather for all lanes
+    embeds = SparsePlan.soft_embed_batch(plans, counts, embedding, scale)   # one survivor list, one gather
     StepStats.processed_batch(stats)                                        # lanes that sample, or run exact SC
 """
 

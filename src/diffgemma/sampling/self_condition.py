@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from ..ops.rowstats import softcap_lookup, tempered_counted_probs, tempered_masked_probs, tempered_survivors
+from ..ops.rowstats import tempered_counted_probs, tempered_masked_probs, tempered_survivors
 from ..ops import sc_gather
 from ..ops.lane_temps import host_to_device
 from ..ops.sc_gather import segment_embed
+from ..ops.survivor_list import survivor_counts, survivor_list
 
 
 def exact_soft_embed(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
@@ -60,16 +61,12 @@ def sparse_error_bound(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: 
 
 
 class _SharedPasses:
-    """A SparsePlan.batch's passes over all lanes' rows: the stats' LaneRows, thresholds, survivor mask (or None),
-    row counts; each plan's are views of them."""
+    """A SparsePlan.batch's passes over all lanes' rows: the stats' LaneRows, thresholds, survivor counts per (row,
+    segment) (ops/survivor_list.py; None where the pass was the dense bet's), row counts; each plan's are views of
+    them."""
 
-    def __init__(self, shared, thr, mask, counts):
-        self.shared, self.thr, self.mask, self.counts = shared, thr, mask, counts
-
-
-def softcap_rows(shared, values: torch.Tensor) -> torch.Tensor:
-    """StepStats.softcapped for values gathered out of a LaneRows' rows."""
-    return values if shared.cap is None else softcap_lookup(values, shared.cap)
+    def __init__(self, shared, thr, seg_counts, counts):
+        self.shared, self.thr, self.seg_counts, self.counts = shared, thr, seg_counts, counts
 
 
 def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
@@ -84,12 +81,15 @@ def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Te
     return thr
 
 
-def _gather_rows(group, row_counts: torch.Tensor, n: int, embedding: torch.Tensor, scale: float) -> torch.Tensor:
+def _gather_rows(group, seg_counts: torch.Tensor, row_counts: torch.Tensor, n: int, embedding: torch.Tensor,
+                 scale: float) -> torch.Tensor:
     """The survivors' soft embedding of every row of a batch's passes, [R, H] (SparsePlan._gather over all lanes'
-    rows at once): the `n` survivors the group's mask lists, weighted with each row's lane temperature."""
+    rows at once): the `n` survivors of the (row, segment)s whose `seg_counts` are not 0, listed in row-major order
+    (ops/survivor_list.py: the mask's nonzero, from the group maxima's columns only), weighted with each row's lane
+    temperature."""
     shared = group.shared
-    rows, cols = torch.nonzero_static(group.mask, size=n).unbind(1)
-    z = softcap_rows(shared, shared.rows[rows, cols]) / shared.lanes.row_temps()[rows]
+    # z as the passes compared it: the bits of softcap(value) / its lane's temperature, as the solo gather makes it
+    rows, cols, z = survivor_list(shared.rows, shared.lanes, group.thr, shared.groups, seg_counts, n, cap=shared.cap)
     weights = torch.exp(z - shared.fields[3][rows])
     step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
     return (segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
@@ -154,13 +154,16 @@ class SparsePlan:
         """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
         dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are lanes of one StepStats.batch
         (fused; any of its lanes, in any order): when every lane bets on the dense product in one dtype, one
-        counted-probability pass over all the batch's rows; else one survivor pass over all rows serves the lanes that
-        bet on the gather (the others' rows are read too, unused) and a lane that bets dense makes its own plan. The
-        batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane.
+        counted-probability pass over all the batch's rows; else one survivor count over all rows serves the lanes that
+        bet on the gather (ops/survivor_list.py: it reads only the columns of the groups whose maximum, from the row
+        pass, reaches the threshold; the others' rows are counted too, unused) and a lane that bets dense makes its own
+        plan. The batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
+        plan of the shared count holds no mask: soft_embed_batch lists its survivors, and a plan summing on its own
+        makes its mask then (_take_mask).
 
-        Exactness: each plan's mask, row counts, count, bet probabilities and soft embedding have the bits of the solo
-        plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts), and
-        z is read with the lane's temperature (ops/lane_temps.py)."""
+        Exactness: each plan's survivors, row counts, count, bet probabilities and soft embedding have the bits of the
+        solo plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts),
+        and z is read with the lane's temperature (ops/lane_temps.py)."""
         B = len(stats)
         log_ratios = [float(r) for r in log_ratios]
         dense_dtypes = list(dense_dtypes) if dense_dtypes is not None else [None] * B
@@ -178,13 +181,14 @@ class SparsePlan:
         for s, r in zip(stats, log_ratios):
             by_lane[s.lane] = r
         thr = _thresholds(shared.fields[2], spans, by_lane)
-        mask = probs = None
+        seg_counts = probs = None
         if all_dense:
             probs, counts = tempered_counted_probs(shared.rows, shared.lanes, thr, shared.fields[3], dense_dtypes[0],
                                                    cap=shared.cap)
-        else:
-            mask, counts = tempered_survivors(shared.rows, shared.lanes, thr, cap=shared.cap)
-        group = _SharedPasses(shared, thr, mask, counts)
+        else:  # no mask: the gather lists the survivors from the group maxima after the read (soft_embed_batch)
+            seg_counts = survivor_counts(shared.rows, shared.lanes, thr, shared.groups, cap=shared.cap)
+            counts = seg_counts[:, 0] if seg_counts.shape[1] == 1 else seg_counts.sum(-1, dtype=torch.int32)
+        group = _SharedPasses(shared, thr, seg_counts, counts)
         plans = []
         for s, r, d in zip(stats, log_ratios, dense_dtypes):
             if d is not None and not all_dense:
@@ -196,7 +200,7 @@ class SparsePlan:
             p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
             p.product = p.product_is_dense = p.took_dense = p._count = None
             p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
-            p.mask = None if mask is None else mask[sl]
+            p.mask = None  # made from the logits if the plan sums on its own (_take_mask)
             p.probs = None if probs is None else probs[sl]
             p.shared = group
             plans.append(p)
@@ -224,34 +228,34 @@ class SparsePlan:
     @staticmethod
     def soft_embed_batch(plans: list, counts, embedding: torch.Tensor, scale: float) -> list[torch.Tensor]:
         """[p.soft_embed(n, embedding, scale) for p, n in zip(plans, counts)], the same bits. The plans of one
-        SparsePlan.batch (over rows that are all some lane's) whose count takes the gather are summed by one gather
-        (ops/sc_gather.py sums each row's survivors on their own, in index order; the other lanes' rows are left out
-        of it); every other plan makes its own."""
+        SparsePlan.batch's survivor counts (over rows that are all some lane's) whose count takes the gather are summed
+        by one gather (their survivors listed from the group maxima, ops/survivor_list.py; ops/sc_gather.py sums each
+        row's survivors on their own, in index order; the other lanes' rows are left out of both); every other plan
+        makes its own."""
         counts = [int(n) for n in counts]
         hidden = embedding.shape[1]
         group = next((p.shared for p in plans if p.shared is not None), None)
-        gather = [] if group is None or not group.shared.whole or group.mask is None else [
+        gather = [] if group is None or not group.shared.whole or group.seg_counts is None else [
             k for k, (p, n) in enumerate(zip(plans, counts))
-            if p.shared is group and p.mask is not None and p.product is None and not p.takes_dense(n, hidden)]
+            if p.shared is group and p.product is None and not p.takes_dense(n, hidden)]
         out = [None if k in gather else p.soft_embed(n, embedding, scale)
                for k, (p, n) in enumerate(zip(plans, counts))]
-        if len(gather) < 2:  # nothing to share
-            return [o if o is not None else plans[k].soft_embed(counts[k], embedding, scale) for k, o in enumerate(out)]
+        if not gather:
+            return out
         lanes = group.shared.lanes
         spans = lanes.spans()
-        row_counts = group.counts
+        seg_counts, row_counts = group.seg_counts, group.counts
         left_out = set(range(len(lanes))) - {plans[k].lane for k in gather}
-        if left_out:  # their rows' survivors stay out of the list and the sums (the mask is the group's last use)
-            row_counts = row_counts.clone()
+        if left_out:  # their rows' survivors stay out of the list and the sums
+            seg_counts, row_counts = seg_counts.clone(), row_counts.clone()
             for j in left_out:
-                group.mask[spans[j]] = False
+                seg_counts[spans[j]] = 0
                 row_counts[spans[j]] = 0
-        summed = _gather_rows(group, row_counts, sum(counts[k] for k in gather), embedding, scale)
+        summed = _gather_rows(group, seg_counts, row_counts, sum(counts[k] for k in gather), embedding, scale)
         for k in gather:
             p = plans[k]
             p.took_dense, p.mask, p.probs = False, None, None
             out[k] = summed[spans[p.lane]]
-        group.mask = None
         return out
 
     @property

@@ -35,10 +35,12 @@ def max_prob(logits: torch.Tensor) -> torch.Tensor:
 class LaneRows:
     """What a batch's StepStats share: `rows` [R, V] (every lane's logits in one tensor, raw while `cap` is set),
     `lanes` (ops/lane_temps.LaneTemps: which rows are whose, and their temperatures), `fields` (entropy, argmax, rowmax,
-    lse of all R rows; each lane's are views of them). `whole`: every row is some lane's (no gap rows)."""
+    lse of all R rows; each lane's are views of them), `groups` (the row pass's group maxima of all rows, which the
+    sparse SC's survivor passes read: ops/survivor_list.py). `whole`: every row is some lane's (no gap rows)."""
 
-    def __init__(self, rows: torch.Tensor, lanes: LaneTemps, cap: float | None, fields: tuple):
-        self.rows, self.lanes, self.cap, self.fields = rows, lanes, cap, fields
+    def __init__(self, rows: torch.Tensor, lanes: LaneTemps, cap: float | None, passed: tuple):
+        self.rows, self.lanes, self.cap = rows, lanes, cap
+        self.fields, self.groups = passed[:4], passed[4]
         self.whole = sum(lanes.lengths) == rows.shape[0]
 
 
@@ -69,7 +71,9 @@ class StepStats:
         """entropy, argmax (and on the fused path rowmax, lse) of this lane alone."""
         if self.fused:
             lanes = LaneTemps.one(self.temp, self.logits.shape[0], self.logits.device)
-            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(self.logits, lanes, cap=self.cap)
+            # the pass as a batch's (with group maxima): one compiled form, so a lane alone gets a batch's bits
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(self.logits, lanes, cap=self.cap,
+                                                                                 groups=True)[:4]
         else:
             z = self.processed
             self.entropy = entropy(z)
@@ -123,7 +127,8 @@ class StepStats:
             return out
         rows, starts = one
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
-        shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap))
+        shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap,
+                                                                          groups=True))
         for i, (s, sl) in enumerate(zip(out, lane_temps.spans())):
             s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in shared.fields)
             s.shared, s.lane = shared, i
