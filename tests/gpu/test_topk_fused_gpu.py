@@ -55,6 +55,24 @@ def test_select_equals_topk_mask(bits, cap):
     assert torch.equal(big, sc.amax(-1))
 
 
+def test_select_of_a_short_canvas_row_equals_topk_mask():
+    """The select at the short canvas' geometry (the [300] case below): 620 key rows, the last 64 past nlive and never
+    read (NaN), a row block of 1024 under the 2048 bins of an 11-bit digit, k 64, the scratch as fused_topk_blocks
+    bounds it (128)."""
+    sc = torch.randn(512, 620, device=DEV)
+    sc[::2] = (sc[::2] * 8).round() / 8  # exact ties
+    sc[:, 556:] = float("nan")
+    rule = TopKRule()
+    idx, cnt, big = select_topk(sc, rule, 64, dict(CAP=128), nlive=torch.tensor(556, device=DEV))
+    vis = torch.arange(620, device=DEV) < 556
+    want = topk_mask(sc.masked_fill(~vis, float("-inf")), vis[None], rule)
+    got = torch.zeros_like(want)
+    for r in range(sc.shape[0]):
+        got[r, idx[r, : cnt[r]].long()] = True
+    assert torch.equal(got, want)
+    assert torch.equal(big, sc[:, :556].amax(-1))
+
+
 @pytest.mark.parametrize("keys", [300, 5000, 40000])
 def test_fused_canvas_matches_twin_and_repeats(keys):
     n = 256
