@@ -144,3 +144,23 @@ def test_engine_with_the_fused_form_matches_the_twin(monkeypatch):
     got = logits()
     assert True in calls and False in calls  # prefill (causal) and denoise (canvas) both ran the fused form
     assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_short_canvas_in_a_bucket_with_the_default_select():
+    """A short canvas in a graph bucket: the rows past nlive unwritten (NaN) and counted in n_keys, k the rule's
+    minimum (the live keys // divisor fall below it), the select at its default digits with a row block shorter than
+    its 2^BITS bins and the scratch bounded as fused_topk_blocks bounds it; half-precision inputs on a grid whose
+    scores are exact, so the selection is the twin's, ties included."""
+    g = torch.Generator().manual_seed(7)
+    grid = lambda *shape: (torch.randint(-2, 3, shape, generator=g).float() / 8)  # noqa: E731
+    live, pad = 140, 36
+    q, k = grid(4, 6, 32).bfloat16(), grid(2, live + pad, 32).half()
+    v = torch.randn(2, live + pad, 32, generator=g).half()
+    k[:, live:], v[:, live:] = float("nan"), float("nan")
+    rule = TopKRule(divisor=32, min_keys=8, max_keys=16)  # 140 // 32 = 4 live keys a row: k = 8
+    nl = torch.tensor(live)
+    want = attention_topk_ref(q.float(), k.float(), v.float(), None, live + pad, rule, nlive=nl)
+    got = attention_topk_fused(q, k, v, None, live + pad, rule, nlive=nl, scores_config=SMALL["scores_config"],
+                               pv_config=SMALL["pv_config"])
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

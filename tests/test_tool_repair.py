@@ -141,6 +141,30 @@ def test_off_by_default_and_without_tools(demo):
     assert plain.result.tool_repairs == 0
 
 
+def test_the_engine_cache_prefills_what_its_ring_cannot_rewind(demo, tmp_path):
+    """The fast engine's cache (f16 KV, a sliding-window ring that rewinds at most its slack) cannot go back from the
+    last rewrite to the mark: the repair's rewind falls back to an empty cache, and the prompt is prefilled again in a
+    call of its own, then the final reply in one call. Its live KV is then byte-identical to a cache given the prompt
+    and then the reply (in one call the two would give other bits: other shapes)."""
+    from diffgemma.model.engine import Engine
+
+    eng = Engine.from_reference(demo, dtype=torch.float32)
+    log = oplog.OpLog(tmp_path, oplog.header(demo, 1, 1024))
+    s = Session(eng, tools=strict_tools(), tool_repair=True, max_tokens=1024, log=log)
+    r = s.ask(WEATHER, **FAST).result
+    log.close()
+    assert r.tool_repairs == 1
+    fresh = Session(eng, tools=strict_tools(), max_tokens=1024)
+    fresh.messages = copy.deepcopy(s.messages[:-1])
+    prompt = fresh.render()
+    assert s.cached_ids == prompt + r.tokens
+    eng.prefill(fresh.cache, torch.tensor(prompt))
+    eng.prefill(fresh.cache, torch.tensor(r.tokens))
+    assert live_equal(s.cache, fresh.cache)
+    extend = [(e["keep"], e["tokens"]) for e in oplog.read(log.path) if e.get("op") == "extend"]
+    assert extend == [(0, prompt), (len(prompt), r.tokens)]  # the ring's fallback ran: two prefills, journaled
+
+
 class AlwaysInvalid(ToolRepair):
     """Every reply judged invalid: the attempts run out."""
 

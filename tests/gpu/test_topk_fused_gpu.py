@@ -1,8 +1,9 @@
 """The fused top-k attention (ops/attention_topk_fused.py) natively, at the full layers' shapes (head dim 512, 16 heads
 over 2 KV heads, k up to 512): the radix select equals topk_mask on the same f32 scores, ties included; the whole
-form equals the f32 twin within bf16 rounding, canvas (a graph bucket's unwritten NaN rows) and causal chunk; the
-same bits twice; a CUDA graph of it replays the eager bits at another live length; the long causal tile table's
-rows stay within one bf16 ulp of the default tiles. The dispatcher's CUDA form is the fused one.
+form equals the f32 twin within bf16 rounding on inputs whose scores are exact in any summation order (exact_qkv),
+canvas (a graph bucket's unwritten NaN rows) and causal chunk; the same bits twice; a CUDA graph of it replays the
+eager bits at another live length; the long causal tile table's rows stay within one bf16 ulp of the default tiles.
+The dispatcher's CUDA form is the fused one.
 
 Skips without CUDA.
 """
@@ -27,6 +28,17 @@ def qkv(n, rows, d=D, kv=KV):
             torch.randn(kv, rows, d, device=DEV).half())
 
 
+def exact_qkv(n, rows, d=D, kv=KV):
+    """q and k on a grid of eighths in [-1/4, 1/4]: every product a multiple of 1/64 and every partial sum too, of
+    magnitude at most d/16 (11 significant bits), so the scores are exact in f32 whatever the summation order (the
+    tensor cores' f16 products, the twin's f32 GEMM) and both forms select the same keys, ties included (many: the
+    scores are coarse). On random normal inputs the two GEMMs' roundings differ in the last bits, which can swap the
+    keys at a near-tie at a row's k-th score; one key swapped moves that row by about p·|v_a - v_b|, past the bf16
+    tolerance where k is small."""
+    grid = lambda *shape: torch.randint(-2, 3, shape, device=DEV).float() / 8  # noqa: E731
+    return grid(H, n, d).bfloat16(), grid(kv, rows, d).half(), torch.randn(kv, rows, d, device=DEV).half()
+
+
 @pytest.mark.parametrize("bits,cap", [(8, 4096), (11, 4096), (11, 0)])  # cap 0: every search over the row
 def test_select_equals_topk_mask(bits, cap):
     sc = torch.randn(64, 70000, device=DEV)
@@ -43,10 +55,28 @@ def test_select_equals_topk_mask(bits, cap):
     assert torch.equal(big, sc.amax(-1))
 
 
+def test_select_of_a_short_canvas_row_equals_topk_mask():
+    """The select at the short canvas' geometry (the [300] case below): 620 key rows, the last 64 past nlive and never
+    read (NaN), a row block of 1024 under the 2048 bins of an 11-bit digit, k 64, the scratch as fused_topk_blocks
+    bounds it (128)."""
+    sc = torch.randn(512, 620, device=DEV)
+    sc[::2] = (sc[::2] * 8).round() / 8  # exact ties
+    sc[:, 556:] = float("nan")
+    rule = TopKRule()
+    idx, cnt, big = select_topk(sc, rule, 64, dict(CAP=128), nlive=torch.tensor(556, device=DEV))
+    vis = torch.arange(620, device=DEV) < 556
+    want = topk_mask(sc.masked_fill(~vis, float("-inf")), vis[None], rule)
+    got = torch.zeros_like(want)
+    for r in range(sc.shape[0]):
+        got[r, idx[r, : cnt[r]].long()] = True
+    assert torch.equal(got, want)
+    assert torch.equal(big, sc[:, :556].amax(-1))
+
+
 @pytest.mark.parametrize("keys", [300, 5000, 40000])
 def test_fused_canvas_matches_twin_and_repeats(keys):
     n = 256
-    q, k, v = qkv(n, keys + n + 64)
+    q, k, v = exact_qkv(n, keys + n + 64)
     k[:, keys + n:] = v[:, keys + n:] = float("nan")  # a graph bucket's unwritten rows
     nlive = torch.tensor(keys + n, device=DEV)
     rule = TopKRule()
@@ -58,9 +88,30 @@ def test_fused_canvas_matches_twin_and_repeats(keys):
     assert torch.equal(got, attention_topk_fused(q, k, v, None, keys + n + 64, rule, nlive=nlive, tma=False))
 
 
+@pytest.mark.parametrize("keys", [300, 5000])
+def test_random_inputs_part_from_the_twin_only_at_near_ties(keys):
+    """Random normal inputs (the canvas case above): a row off the twin by more than the bf16 tolerance must be one
+    whose twin scores nearly tie at its k-th and k+1-th largest (within 1e-5 relative: the two GEMMs' rounding), where
+    the forms may select different keys; a row off elsewhere is a wrong selection."""
+    n = 256
+    q, k, v = qkv(n, keys + n + 64)
+    k[:, keys + n:] = v[:, keys + n:] = float("nan")
+    live = keys + n
+    rule = TopKRule()
+    got = attention_topk_fused(q, k, v, None, live + 64, rule, nlive=torch.tensor(live, device=DEV)).float()
+    exp = attention_topk_ref(q, k, v, None, live + 64, rule, nlive=torch.tensor(live, device=DEV), q_block=64).float()
+    off = ((got - exp).abs() > 2e-2 + 2e-2 * exp.abs()).view(n, H, D).any(-1).T  # [H, n]
+    sc = q.float() @ k[:, :live].float().repeat_interleave(H // KV, 0).transpose(1, 2)  # [H, n, live]
+    kk = int(rule.keys(torch.tensor(live)))
+    top = sc.topk(kk + 1, dim=-1).values
+    gap = (top[..., kk - 1] - top[..., kk]) <= 1e-5 * top[..., kk - 1].abs().clamp_min(1.0)
+    print(f"\n[topk random {keys}] rows off {int(off.sum())}, near ties {int(gap.sum())} of {H * n}")
+    assert not (off & ~gap).any()
+
+
 def test_fused_causal_chunk_matches_twin():
     P, n = 20000, 512
-    q, k, v = qkv(n, P + n)
+    q, k, v = exact_qkv(n, P + n)
     kpos, qpos = torch.arange(P + n, device=DEV), torch.arange(P, P + n, device=DEV)
     rule = TopKRule()
     got = attention_topk_fused(q, k, v, kpos, P + n, rule, qpos=qpos, causal=True, q_start=P)

@@ -9,7 +9,9 @@ trimmed off. That repeats, each round on top of the last, while a call is invali
 rounds or while the cache has room. Then the cache is rewound to the mark and the last reply (the clean one, or the
 last one with the result's `tool_repair_failed` set) is prefilled there in one call: the cache holds the prompt and
 that reply only, exactly as a cache that never saw the bad exchange and was given the same reply, and the turn's
-result carries that reply alone. The rewind and prefill are journaled as an 'extend' op (oplog.py), so `diffgemma
+result carries that reply alone. Where the rewind cannot reach the mark (a sliding-window ring goes back only its
+slack), the prompt's lost part is prefilled again in a call of its own, then the reply in one call: the calls a cache
+given the prompt and then the reply makes. Each prefill is journaled as an 'extend' op (oplog.py), so `diffgemma
 replay` rebuilds the same cache.
 """
 
@@ -67,19 +69,21 @@ def repair_step(model, r, event: DoneEvent, emit, reopen, combine) -> DoneEvent 
 
 def _set_cache(model, r, ids: list[int], mark: int | None = None) -> None:
     """r's cache made to hold `ids`, which extend a prefix of what it holds (slot.ids): rewound to their common part
-    (to `mark` at most), the rest prefilled in one call; journaled as an 'extend' op where anything was prefilled, or
-    where a mark is given."""
+    (to `mark` at most), the rest prefilled in one call, or where the rewind fell short of `mark`, in two: up to the
+    mark, then from it. Each prefill is journaled as an 'extend' op, and so is the rewind to a mark with nothing
+    after it."""
     cache, held = r.slot.cache, r.slot.ids
     same, most = 0, min(len(held), len(ids), len(ids) if mark is None else mark)
     while same < most and held[same] == ids[same]:
         same += 1
     kept = rewind(cache, same)
-    todo = ids[kept:]
-    if todo:
-        model.prefill(cache, as_ids(todo, model.config.vocab_size, model.embedding.device))
+    cuts = [kept, mark, len(ids)] if mark is not None and kept < mark else [kept, len(ids)]
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            model.prefill(cache, as_ids(ids[a:b], model.config.vocab_size, model.embedding.device))
+        if r.log is not None and (b > a or a == mark):
+            r.log.write(oplog.extend_record(r.slot_index, a, ids[a:b]))
     r.slot.ids = list(ids)
-    if r.log is not None and (todo or mark is not None):
-        r.log.write(oplog.extend_record(r.slot_index, kept, todo))
 
 
 def _commit(model, r, tokens: list[int], stop, failed: bool, combine):
