@@ -116,9 +116,9 @@ def test_lane_plans_leave_out_the_lanes_that_ask_none(kernels):
     from diffgemma.sampling.stats import StepStats
 
     g = torch.Generator().manual_seed(3)
-    x = torch.tanh(torch.randn(4 * 5, 300, generator=g) * 3) * 30
+    x = (torch.randn(4 * 5, 300, generator=g) * 90).to(torch.bfloat16)  # raw logits: the pass makes group maxima
     temps = [0.5, 0.7, 0.9, 1.0]
-    stats = StepStats.batch([x[5 * i: 5 * i + 5] for i in range(4)], temps)
+    stats = StepStats.batch([x[5 * i: 5 * i + 5] for i in range(4)], temps, cap=30.0)
     pick = [2, 0, 3]  # lane 1 asks no plan
     plans = SparsePlan.batch([stats[i] for i in pick], [4.0, 6.0, 4.0])
     assert len(kernels["survivors"]) == 1 and all(p.shared is plans[0].shared for p in plans)
@@ -126,7 +126,7 @@ def test_lane_plans_leave_out_the_lanes_that_ask_none(kernels):
     emb = torch.randn(300, 8, generator=g)
     got = SparsePlan.soft_embed_batch(plans, counts.tolist(), emb, 2.0)
     for i, p, n, e in zip(pick, plans, counts.tolist(), got):
-        solo = SparsePlan(StepStats(x[5 * i: 5 * i + 5].clone(), temps[i]), {2: 4.0, 0: 6.0, 3: 4.0}[i])
+        solo = SparsePlan(StepStats(x[5 * i: 5 * i + 5].clone(), temps[i], cap=30.0), {2: 4.0, 0: 6.0, 3: 4.0}[i])
         assert n == int(solo.count)
         assert torch.equal(p.row_counts, solo.row_counts)
         assert torch.equal(e, solo.soft_embed(n, emb, 2.0))

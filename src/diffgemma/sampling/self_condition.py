@@ -156,8 +156,8 @@ class SparsePlan:
         (fused; any of its lanes, in any order): when every lane bets on the dense product in one dtype, one
         counted-probability pass over all the batch's rows; else one survivor count over all rows serves the lanes that
         bet on the gather (ops/survivor_list.py: it reads only the columns of the groups whose maximum, from the row
-        pass, reaches the threshold; the others' rows are counted too, unused) and a lane that bets dense makes its own
-        plan. The batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
+        pass, reaches the threshold; the others' rows are counted too, unused; a row pass without group maxima,
+        stats.with_groups, sends them lane by lane) and a lane that bets dense makes its own plan. The batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
         plan of the shared count holds no mask: soft_embed_batch lists its survivors, and a plan summing on its own
         makes its mask then (_take_mask).
 
@@ -173,7 +173,7 @@ class SparsePlan:
         shared = stats[0].shared if B else None
         all_dense = len(set(dense_dtypes)) == 1 and dense_dtypes[0] is not None
         if (shared is None or any(s.shared is not shared or not s.fused for s in stats)
-                or len({s.lane for s in stats}) != B
+                or len({s.lane for s in stats}) != B or (not all_dense and shared.groups is None)
                 or (not all_dense and sum(d is None for d in dense_dtypes) < 2)):
             return [cls(s, r, dense_dtype=d) for s, r, d in zip(stats, log_ratios, dense_dtypes)]
         spans = shared.lanes.spans()

@@ -32,6 +32,14 @@ def max_prob(logits: torch.Tensor) -> torch.Tensor:
     return torch.exp(logits.max(dim=-1).values - logits.logsumexp(dim=-1))
 
 
+def with_groups(logits: torch.Tensor, cap: float | None) -> bool:
+    """Whether a row pass also stores its group maxima (the batched survivor passes' input, ops/survivor_list.py):
+    for the engine's raw bfloat16 logits (softcapped as read), the form whose stats keep the plain pass's bits on the
+    GPU (tests/gpu/test_survivor_list_gpu.py); other logits take the plain pass, and their batched plans the solo
+    survivor mask."""
+    return cap is not None and logits.dtype == torch.bfloat16
+
+
 class LaneRows:
     """What a batch's StepStats share: `rows` [R, V] (every lane's logits in one tensor, raw while `cap` is set),
     `lanes` (ops/lane_temps.LaneTemps: which rows are whose, and their temperatures), `fields` (entropy, argmax, rowmax,
@@ -40,7 +48,7 @@ class LaneRows:
 
     def __init__(self, rows: torch.Tensor, lanes: LaneTemps, cap: float | None, passed: tuple):
         self.rows, self.lanes, self.cap = rows, lanes, cap
-        self.fields, self.groups = passed[:4], passed[4]
+        self.fields, self.groups = passed[:4], passed[4] if len(passed) > 4 else None
         self.whole = sum(lanes.lengths) == rows.shape[0]
 
 
@@ -71,9 +79,9 @@ class StepStats:
         """entropy, argmax (and on the fused path rowmax, lse) of this lane alone."""
         if self.fused:
             lanes = LaneTemps.one(self.temp, self.logits.shape[0], self.logits.device)
-            # the pass as a batch's (with group maxima): one compiled form, so a lane alone gets a batch's bits
-            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(self.logits, lanes, cap=self.cap,
-                                                                                 groups=True)[:4]
+            # the pass as a batch's (with group maxima where it makes them): one compiled form a lane alone or batched
+            self.entropy, self.argmax, self.rowmax, self.lse = tempered_rowstats(
+                self.logits, lanes, cap=self.cap, groups=with_groups(self.logits, self.cap))[:4]
         else:
             z = self.processed
             self.entropy = entropy(z)
@@ -128,7 +136,7 @@ class StepStats:
         rows, starts = one
         lane_temps = LaneTemps(temps, starts, [s.logits.shape[0] for s in out], rows.shape[0], rows.device)
         shared = LaneRows(rows, lane_temps, out[0].cap, tempered_rowstats(rows, lane_temps, cap=out[0].cap,
-                                                                          groups=True))
+                                                                          groups=with_groups(rows, out[0].cap)))
         for i, (s, sl) in enumerate(zip(out, lane_temps.spans())):
             s.entropy, s.argmax, s.rowmax, s.lse = (f[sl] for f in shared.fields)
             s.shared, s.lane = shared, i
