@@ -146,4 +146,4 @@ def test_dispatch_runs_the_tiles_kernel_on_the_f16_operand(monkeypatch):
     got = moe.grouped_mm(x.half(), tiled, offs, out_dtype=torch.bfloat16)
     assert seen == [torch.float16] and got.dtype == torch.bfloat16
     want = mp.grouped_mm_packed_ref(x.float(), pw, offs).to(torch.bfloat16).float()
-    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-7)  # exact products; at most one bf16 ulp
+    torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-7)  # one bf16 ulp; the scale pair rounds once
