@@ -218,7 +218,7 @@ def planes_read_only(x, w, offs, src=None, glu=False, glu_f16=False, out_dtype=N
     """Stands in for moe_q4.grouped_mm_q4_tiles: reads w's planes as the GEMM's grid does and returns an unwritten
     result of the GEMM's shape and dtype (wrong on purpose: for timing only)."""
     E, N, K = w.shape
-    gc_ = moe_q4._group_chunk(K // moe_q4.GROUP)
+    gc_ = moe_q4.group_chunk(K // moe_q4.GROUP)
     sink = torch.empty(E * N // moe_q4.TILE_N, dtype=torch.int32, device=x.device)
     _planes_read_kernel[(N // moe_q4.TILE_N, E)](*moe_q4._descriptors(w, gc_), sink, N=N, K=K, BN=moe_q4.TILE_N,
                                                   GC=gc_, num_warps=4, num_stages=4)

@@ -325,7 +325,7 @@ def test_fused_fp8_experts_load_like_the_split_ones(tmp_path, scale_form):
         assert torch.equal(fp8_weight(fused, name).scale, fp8_weight(split, name).scale)
 
 
-def _pack_words(vals):
+def pack_words(vals):
     """Independent twin of the int32 nibble packing: a list of 8 values 0..15 -> one signed int32 word."""
     w = sum(int(v) << (4 * i) for i, v in enumerate(vals))
     return w - (1 << 32) if w >= 1 << 31 else w
@@ -344,9 +344,9 @@ def test_gptq_and_ct_int4_decode_with_a_partial_last_group(k, group):
     expect = torch.tensor([[(q[r, c] - z[r, c // group]).item() * s[r, c // group].float().item() for c in range(k)]
                            for r in range(n)])
     # GPTQ: qweight [K/8, N] packs along K, qzeros [G, N/8] along N, stored zero - 1 (offset 1)
-    qweight = torch.tensor([[_pack_words(q[r, 8 * j:8 * j + 8]) for r in range(n)] for j in range(k // 8)],
+    qweight = torch.tensor([[pack_words(q[r, 8 * j:8 * j + 8]) for r in range(n)] for j in range(k // 8)],
                            dtype=torch.int32)
-    qzeros = torch.tensor([[_pack_words(z[8 * j:8 * j + 8, g] - 1 & 0xF) for j in range(n // 8)] for g in range(G)],
+    qzeros = torch.tensor([[pack_words(z[8 * j:8 * j + 8, g] - 1 & 0xF) for j in range(n // 8)] for g in range(G)],
                           dtype=torch.int32)
     has_zero_one = (z == 0).any()  # stored zero - 1 wraps for a zero of 0: the original GPTQ format cannot hold it
     codes, scale, zero = hc.gptq_int4_codes(qweight, qzeros, s.t().contiguous(), group, zero_offset=1)
@@ -355,9 +355,9 @@ def test_gptq_and_ct_int4_decode_with_a_partial_last_group(k, group):
         assert torch.equal(got, expect)
     # compressed-tensors: weight_packed [N, K/8] along K and weight_zero_point [N/8, G] along N hold the nibbles of
     # q_signed + 8 and zp_signed + 8: their difference is the same q - z
-    packed = torch.tensor([[_pack_words(q[r, 8 * j:8 * j + 8]) for j in range(k // 8)] for r in range(n)],
+    packed = torch.tensor([[pack_words(q[r, 8 * j:8 * j + 8]) for j in range(k // 8)] for r in range(n)],
                           dtype=torch.int32)
-    zp = torch.tensor([[_pack_words(z[8 * j:8 * j + 8, g]) for g in range(G)] for j in range(n // 8)],
+    zp = torch.tensor([[pack_words(z[8 * j:8 * j + 8, g]) for g in range(G)] for j in range(n // 8)],
                       dtype=torch.int32)
     codes, scale, zero = hc.ct_int4_codes(packed, s.float(), zp, (n, k), group)
     assert torch.equal(hc.dequant_int4(codes, scale, zero, group), expect)

@@ -53,9 +53,9 @@ def test_word_bits_round_trip_and_reach_bits_6_to_9_and_22_to_25():
     """Every slot's code lands where register r = slot % 4's shift (none, <<4, >>4, rotate 8) puts it at bits 6..9
     (slot r) and 22..25 (slot r + 4): the fields the kernel's LOP3 masks."""
     q = torch.randint(0, 16, (5, 32), dtype=torch.uint8)
-    w = q4_tiles._pack_words(q)
+    w = q4_tiles.pack_words(q)
     assert w.dtype == torch.int32 and w.shape == (5, 4)
-    assert torch.equal(q4_tiles._unpack_words(w), q)
+    assert torch.equal(q4_tiles.unpack_words(w), q)
     u = w.to(torch.int64) & 0xFFFFFFFF
     regs = [u, (u << 4) & 0xFFFFFFFF, u >> 4, ((u << 8) | (u >> 24)) & 0xFFFFFFFF]
     slots = q.view(5, 4, 8).to(torch.int64)
@@ -65,7 +65,7 @@ def test_word_bits_round_trip_and_reach_bits_6_to_9_and_22_to_25():
 
 def test_word_order_puts_a_quads_codes_in_one_word():
     """Slot 8t + p of a group holds k = 16(r//2) + 8(r%2) + 2t + h (r = p % 4, h = p // 4): lane t's registers."""
-    src = q4_tiles._nibble_source("cpu").tolist()
+    src = q4_tiles.nibble_source("cpu").tolist()
     assert sorted(src) == list(range(32))
     for t in range(4):
         ks = src[8 * t: 8 * t + 8]

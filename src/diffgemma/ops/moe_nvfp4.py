@@ -29,7 +29,7 @@ from ._backend import HAVE_TRITON
 from .grouped import route_count
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .moe_q4 import _group_chunk
+from .moe_q4 import group_chunk
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
 
 if HAVE_TRITON:
@@ -39,7 +39,7 @@ if HAVE_TRITON:
     from .f16_operand import f16_clamped, f16_operand
     from .gelu_mul import glu_tile
     from .moe_plan import expert_rows
-    from .moe_q4 import _k_order, _pair_f16, _per_group, _register
+    from .moe_q4 import k_order, pair_f16, per_group, word_register
 
 # ----------------------------------------------------------------------------------------- Triton
 
@@ -100,14 +100,15 @@ if HAVE_TRITON:
         group, byte 1: k 16..31) -> f16 weights e2m1 · e4m3 [R, 32GC] in k order. Registers 0, 1 hold codes of
         k 0..15 of their group, registers 2, 3 of k 16..31 (ops/q4_tiles.py's slot order)."""
         lo, hi = e4m3_f32(sp & 0xFF), e4m3_f32((sp >> 8) & 0xFF)
-        s_lo, s_hi = _per_group(lo, 4), _per_group(hi, 4)
+        s_lo, s_hi = per_group(lo, 4), per_group(hi, 4)
         if ASM:  # (s, s) f16x2 pairs made once a group, then spread over its registers
-            p_lo, p_hi = _per_group(_f16_pair(lo), 4), _per_group(_f16_pair(hi), 4)
+            p_lo, p_hi = per_group(_f16_pair(lo), 4), per_group(_f16_pair(hi), 4)
         else:
             p_lo, p_hi = wd, wd  # unused
-        return _k_order(_register_w(_register(wd, 0), s_lo, p_lo, ASM), _register_w(_register(wd, 1), s_lo, p_lo, ASM),
-                        _register_w(_register(wd, 2), s_hi, p_hi, ASM), _register_w(_register(wd, 3), s_hi, p_hi, ASM),
-                        GC)
+        return k_order(_register_w(word_register(wd, 0), s_lo, p_lo, ASM),
+                       _register_w(word_register(wd, 1), s_lo, p_lo, ASM),
+                       _register_w(word_register(wd, 2), s_hi, p_hi, ASM),
+                       _register_w(word_register(wd, 3), s_hi, p_hi, ASM), GC)
 
     @triton.jit
     def _words(words, gc, rows, N, GC: tl.constexpr):
@@ -219,13 +220,13 @@ if HAVE_TRITON:
         sp = _scale_pairs(scales, tl.program_id(1) * GC, rows, N, G, GC)
         one = tl.full(wd.shape, 1.0, tl.float32)
         less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
-        q = _k_order(_pair_f16(_register(wd, 0), one, less16), _pair_f16(_register(wd, 1), one, less16),
-                     _pair_f16(_register(wd, 2), one, less16), _pair_f16(_register(wd, 3), one, less16), GC)
+        q = k_order(pair_f16(word_register(wd, 0), one, less16), pair_f16(word_register(wd, 1), one, less16),
+                    pair_f16(word_register(wd, 2), one, less16), pair_f16(word_register(wd, 3), one, less16), GC)
         s = tl.reshape(tl.join(e4m3_f32(sp & 0xFF), e4m3_f32((sp >> 8) & 0xFF)), (BN, 2 * GC))  # [R, k // 16]
         s = s * tl.load(es_ptr + 2 * e)
         if DIVIDES:
             s = tl.math.div_rn(s, tl.zeros((BN, 2 * GC), dtype=tl.float32) + tl.load(es_ptr + 2 * e + 1))
-        w = e2m1_f32(q.to(tl.int32)) * _per_group(s, 16)
+        w = e2m1_f32(q.to(tl.int32)) * per_group(s, 16)
         k = tl.program_id(1) * GC * 32 + tl.arange(0, 32 * GC)
         tl.store(out_ptr + (e * N + rows)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty))
 
@@ -264,7 +265,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *_planes(w), N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
-        GC=_group_chunk(K // CODE_GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        GC=group_chunk(K // CODE_GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, DIVIDES=w.divides, GLU=glu,
         GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0), F16_OUT=glu and glu_f16,
         num_warps=4, num_stages=4)
@@ -276,7 +277,7 @@ def dequantize_nvfp4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = N
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
-    GC = _group_chunk(K // CODE_GROUP)
+    GC = group_chunk(K // CODE_GROUP)
     _nvfp4_tiles_dequant_kernel[(E * N // NVFP4_TILE_N, K // CODE_GROUP // GC)](
         out, *_planes(w), N, K, GC=GC, BN=NVFP4_TILE_N, DIVIDES=w.divides, num_warps=4)
     return out

@@ -39,7 +39,7 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _per_group(v, n: tl.constexpr):
+    def per_group(v, n: tl.constexpr):
         """[R, GC] -> [R, GC·n]: each group's value repeated over its n columns."""
         R: tl.constexpr = v.shape[0]
         GC: tl.constexpr = v.shape[1]
@@ -52,7 +52,7 @@ if HAVE_TRITON:
         return s, ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _register(wd, r: tl.constexpr):
+    def word_register(wd, r: tl.constexpr):
         """Register r's source bits moved so that its two codes sit at bits 6..9 and 22..25 (plain ops)."""
         if r == 0:
             return wd
@@ -64,7 +64,7 @@ if HAVE_TRITON:
             return (wd << 8) | ((wd >> 24) & 0xFF)
 
     @triton.jit
-    def _k_order(o0, o1, o2, o3, GC: tl.constexpr):
+    def k_order(o0, o1, o2, o3, GC: tl.constexpr):
         """Register r's pairs [R, 4GC] (lo: slot r, hi: slot r + 4, f16 bits) -> f16 [R, 32GC] in k order. The join /
         reshape / permute only renames registers: Triton carries the MMA operand layout back to the word load."""
         R: tl.constexpr = o0.shape[0]
@@ -76,7 +76,7 @@ if HAVE_TRITON:
         return tl.reshape(v, (R, 32 * GC))
 
     @triton.jit
-    def _pair_f16(t, s, c):
+    def pair_f16(t, s, c):
         """Plain-op twin of one LOP3 + fma.rn.f16x2: the f16 bits of (16 + q)·s + c for the codes at 6..9, 22..25."""
         lo = (((t >> 6) & 0xF).to(tl.float32) + 16.0) * s + c
         hi = (((t >> 22) & 0xF).to(tl.float32) + 16.0) * s + c
@@ -99,7 +99,7 @@ if HAVE_TRITON:
                 prmt.b32 m, $2, 0, 0x3232;
                 fma.rn.f16x2 $1, $0, k, m;
                 }""", constraints="=r,=r,r", args=[sm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-            s2, c2 = _per_group(s2, 4), _per_group(c2, 4)
+            s2, c2 = per_group(s2, 4), per_group(c2, 4)
             o0, o1, o2, o3 = tl.inline_asm_elementwise(
                 asm="""{
                 .reg .b32 t, u;
@@ -119,12 +119,12 @@ if HAVE_TRITON:
                 is_pure=True, pack=1)
         else:
             s32, m32 = _scale_min(sm)
-            s, c = _per_group(s32, 4), _per_group((m32 - 16.0 * s32).to(tl.float16).to(tl.float32), 4)
-            o0 = _pair_f16(_register(wd, 0), s, c)
-            o1 = _pair_f16(_register(wd, 1), s, c)
-            o2 = _pair_f16(_register(wd, 2), s, c)
-            o3 = _pair_f16(_register(wd, 3), s, c)
-        return _k_order(o0, o1, o2, o3, GC)
+            s, c = per_group(s32, 4), per_group((m32 - 16.0 * s32).to(tl.float16).to(tl.float32), 4)
+            o0 = pair_f16(word_register(wd, 0), s, c)
+            o1 = pair_f16(word_register(wd, 1), s, c)
+            o2 = pair_f16(word_register(wd, 2), s, c)
+            o3 = pair_f16(word_register(wd, 3), s, c)
+        return k_order(o0, o1, o2, o3, GC)
 
     @triton.jit
     def _chunk(words, side, gc, nl, BN: tl.constexpr, GC: tl.constexpr):
@@ -138,7 +138,7 @@ if HAVE_TRITON:
     def _chunk_tma(wdesc, sdesc, tile, gc, G, BN: tl.constexpr, GC: tl.constexpr):
         """_chunk through the tensor-memory accelerator: the words seen as rows of 64 int32 (a group of a tile is
         BN/16 such rows: 16 tile rows of 4 words each), the side words likewise (a group is one row); one bulk copy
-        each, then the same [BN, 4GC] and [BN, GC] in registers (the permute renames, as in _k_order)."""
+        each, then the same [BN, 4GC] and [BN, GC] in registers (the permute renames, as in k_order)."""
         raw = wdesc.load([(tile * G + gc) * (BN // 16), 0])  # [GC·BN/16, 64]
         wd = tl.reshape(tl.permute(tl.reshape(raw, (GC, BN // 16, 16, 4)), (1, 2, 0, 3)), (BN, 4 * GC))
         return wd, tl.trans(sdesc.load([tile * G + gc, 0]))
@@ -237,12 +237,12 @@ if HAVE_TRITON:
         words = codes.to(tl.pointer_type(tl.int32)) + tile * G * BN * 4
         wd, sm = _chunk(words, sides + tile * G * BN, tl.program_id(1) * GC, nl, BN, GC)
         s, mn = _scale_min(sm)
-        s, mn = _per_group(s, 32), _per_group(mn, 32)
+        s, mn = per_group(s, 32), per_group(mn, 32)
         # the codes in k order through the GEMM's own renaming, carried as f16 integers (exact)
         one = tl.full(wd.shape, 1.0, tl.float32)
         less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
-        q = _k_order(_pair_f16(_register(wd, 0), one, less16), _pair_f16(_register(wd, 1), one, less16),
-                     _pair_f16(_register(wd, 2), one, less16), _pair_f16(_register(wd, 3), one, less16), GC)
+        q = k_order(pair_f16(word_register(wd, 0), one, less16), pair_f16(word_register(wd, 1), one, less16),
+                    pair_f16(word_register(wd, 2), one, less16), pair_f16(word_register(wd, 3), one, less16), GC)
         w = q.to(tl.float32) * s + mn  # the twin's f32 expression (moe_packed.dequantize)
         rows = tile * BN + nl
         if GLU:  # back to logical rows from the glu tile order (glu_row_order)
@@ -256,7 +256,7 @@ def _planes(w):
     return w.planes["codes"], side_words(w)
 
 
-def _group_chunk(G: int, most: int = 4) -> int:
+def group_chunk(G: int, most: int = 4) -> int:
     """Groups a K-step: the most (≤ `most`, a power of 2) that divides G."""
     gc = most
     while G % gc:
@@ -300,7 +300,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
     # TMA, 4 through cp.async (chosen by bench/bench_pack.py).
-    GC = _group_chunk(K // GROUP)
+    GC = group_chunk(K // GROUP)
     tma = tma_available(x) if tma is None else tma
     planes = _descriptors(w, GC) if tma else _planes(w)
     offs = offs.to(torch.int32).contiguous()
@@ -321,7 +321,7 @@ def dequantize_q4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = None
     check_tiles(w)
     E, N, K = w.shape
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
-    GC = _group_chunk(K // GROUP)
+    GC = group_chunk(K // GROUP)
     _q4_tiles_dequant_kernel[(E * N // TILE_N, K // GROUP // GC)](out, *_planes(w), N, K, GC=GC, BN=TILE_N,
                                                                   GLU=w.glu, num_warps=4)
     return out

@@ -7,7 +7,7 @@ the kernels may use wide typed loads on it. On CUDA a q4 expert stack is re-laid
 ops/moe_nvfp4.py); PackedWeight.layout says which.
 
   nvfp4-tiles  for each (expert, group of 32 codes along K) the stack's N rows are contiguous: codes int32 [E, K/32, N, 4]
-               (a row's 32 codes as q4-tiles words: ops/q4_tiles._pack_words' slot order and bit placement), scales
+               (a row's 32 codes as q4-tiles words: ops/q4_tiles.pack_words' slot order and bit placement), scales
                uint8 [E, K/32, N, 2] (the row's e4m3 scales of k 0..15 and 16..31 of the group), escale as nvfp4e;
                made at load on CUDA (from_record), same planes and sizes as nvfp4e. Any set of rows of an expert is
                addressable, so one order serves the plain and the gelu·up (gate ‖ up rows) GEMM.
@@ -26,7 +26,7 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
 from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
-from .q4_tiles import _nibble_source, _pack_words, _unpack_words, natural_planes
+from .q4_tiles import nibble_source, pack_words, unpack_words, natural_planes
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 NVFP4_TILES = "nvfp4-tiles"
@@ -146,12 +146,12 @@ def to_nvfp4_tiles(pw: PackedWeight, experts_per_chunk: int = 4) -> PackedWeight
     out = replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=NVFP4_TILES)
     words = out.planes["codes"].view(torch.int32).view(E, G, N, 4)
     scales = out.planes["scale"].view(E, G, N, 2)
-    perm = _nibble_source(pw.device)
+    perm = nibble_source(pw.device)
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
         rows = slice(e0 * N, e1 * N)
         q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, N, G, CODE_GROUP)[..., perm]
-        words[e0:e1].copy_(_pack_words(q).permute(0, 2, 1, 3))
+        words[e0:e1].copy_(pack_words(q).permute(0, 2, 1, 3))
         scales[e0:e1].copy_(pw.planes["scale"][rows].view(e1 - e0, N, G, 2).permute(0, 2, 1, 3))
     return out
 
@@ -161,8 +161,8 @@ def nvfp4_natural_planes(pw: PackedWeight) -> dict:
     check_nvfp4_tiles(pw)
     E, N, K = pw.shape
     G = K // CODE_GROUP
-    inv = torch.argsort(_nibble_source(pw.device))
-    q = _unpack_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
+    inv = torch.argsort(nibble_source(pw.device))
+    q = unpack_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
     codes = pack_nibbles(q).permute(0, 2, 1, 3).reshape(E * N, K // 2)
     scale = pw.planes["scale"].view(E, G, N, 2).permute(0, 2, 1, 3).reshape(E * N, K // 16)
     return {"codes": codes, "scale": scale, "escale": pw.planes["escale"]}

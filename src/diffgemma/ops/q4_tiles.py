@@ -55,7 +55,7 @@ def wanted(fmt: str, shape, device) -> bool:
             and env_choice(LAYOUT_ENV, (LAYOUT, "natural")) == LAYOUT)
 
 
-def _nibble_source(device) -> torch.Tensor:
+def nibble_source(device) -> torch.Tensor:
     """For each of the 32 nibble slots of a group (slot 8t + p), the k (0..31) whose code it holds."""
     src = []
     for t in range(4):
@@ -77,7 +77,7 @@ def _signed(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(v >= 2 ** (bits - 1), v - 2 ** bits, v).to(dtype)
 
 
-def _pack_words(q: torch.Tensor) -> torch.Tensor:
+def pack_words(q: torch.Tensor) -> torch.Tensor:
     """Codes [..., 32] in slot order (slot 8t + p) -> int32 words [..., 4] in the bit placement above."""
     q = q.reshape(*q.shape[:-1], 4, 8).to(torch.int64)
     w = torch.zeros(q.shape[:-1], dtype=torch.int64, device=q.device)
@@ -87,8 +87,8 @@ def _pack_words(q: torch.Tensor) -> torch.Tensor:
     return _signed(w, torch.int32)
 
 
-def _unpack_words(w: torch.Tensor) -> torch.Tensor:
-    """The inverse of _pack_words: int32 words [..., 4] -> uint8 codes [..., 32] in slot order."""
+def unpack_words(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_words: int32 words [..., 4] -> uint8 codes [..., 32] in slot order."""
     w = w.to(torch.int64) & 0xFFFFFFFF
     q = torch.zeros(*w.shape, 8, dtype=torch.int64, device=w.device)
     for slot, bits, shift in _BIT_RUNS:
@@ -131,7 +131,7 @@ def to_tile_layout(pw, experts_per_chunk: int = 4, glu: bool = False):
     out = _with_record(pw, torch.empty_like(pw.record), LAYOUT, glu)
     words = out.planes["codes"].view(torch.int32)
     side = side_words(out)
-    perm = _nibble_source(pw.device)
+    perm = nibble_source(pw.device)
     rows_in = glu_row_order(N, pw.device) if glu else None
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
@@ -140,7 +140,7 @@ def to_tile_layout(pw, experts_per_chunk: int = 4, glu: bool = False):
         if glu:
             planes = {n: v.view(e1 - e0, N, -1)[:, rows_in].reshape(v.shape) for n, v in planes.items()}
         q = unpack_nibbles(planes["codes"]).view(e1 - e0, T, TILE_N, G, GROUP)[..., perm]
-        words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(_pack_words(q).permute(0, 1, 3, 2, 4))
+        words[rows].view(e1 - e0, T, G, TILE_N, 4).copy_(pack_words(q).permute(0, 1, 3, 2, 4))
         s, m = (planes[n].view(torch.int16).to(torch.int64) & 0xFFFF for n in ("scale", "min"))
         sm = (s | (m << 16)).view(e1 - e0, T, TILE_N, G).permute(0, 1, 3, 2)
         side[e0 * N * G: e1 * N * G].view(e1 - e0, T, G, TILE_N).copy_(_signed(sm, torch.int32))
@@ -160,8 +160,8 @@ def natural_planes(pw) -> dict:
     """codes uint8 [E·N, K/2], scale / min f16 [E·N, K/32] in the pack's own order, from a q4-tiles weight."""
     E, N, K = pw.shape
     G, T = K // GROUP, N // TILE_N
-    inv = torch.argsort(_nibble_source(pw.device))
-    q = _unpack_words(pw.planes["codes"].view(torch.int32).view(E, T, G, TILE_N, 4))[..., inv]
+    inv = torch.argsort(nibble_source(pw.device))
+    q = unpack_words(pw.planes["codes"].view(torch.int32).view(E, T, G, TILE_N, 4))[..., inv]
     codes = pack_nibbles(q).permute(0, 1, 3, 2, 4).reshape(E * N, K // 2)
     sm = side_words(pw).view(E, T, G, TILE_N).permute(0, 1, 3, 2).reshape(E * N, G)
     out = {"codes": codes, "scale": _f16_bits(sm & 0xFFFF), "min": _f16_bits((sm >> 16) & 0xFFFF)}
