@@ -18,6 +18,7 @@ from diffgemma.ops import moe_packed as mp  # noqa: E402
 from diffgemma.ops import packed_weight as pwm  # noqa: E402
 from diffgemma.ops.gelu_mul import gelu_mul  # noqa: E402
 from diffgemma.ops.layouts import record_nbytes, record_planes  # noqa: E402
+from test_moe_nvfp4 import exact_product  # noqa: E402
 from test_moe_stream import routes_of  # noqa: E402
 
 DEV = "cuda"
@@ -40,15 +41,6 @@ def natural_stack(shape, divides: bool) -> pwm.PackedWeight:
     pairs = torch.stack([one, t * 1000], 1) if divides else torch.stack([t * 1e-3, one], 1)
     planes["escale"].copy_(pairs.float().contiguous().view(torch.uint8))
     return pwm.PackedWeight.from_record("nvfp4e", shape, rec, layout="natural")
-
-
-def exact_product(xs, w, offs):
-    """Per expert, f16(x) @ W^T in float64 (W the twin's f32 weights)."""
-    out, start = [], 0
-    for g, end in enumerate(offs.tolist()):
-        out.append(xs[start:end].half().double() @ w[g].double().T)
-        start = end
-    return torch.cat(out).float()
 
 
 @pytest.mark.parametrize("divides", [False, True], ids=["modelopt", "ct"])

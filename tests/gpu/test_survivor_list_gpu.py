@@ -15,6 +15,7 @@ from diffgemma.ops import rowstats, survivor_list  # noqa: E402
 from diffgemma.ops.lane_temps import LaneTemps  # noqa: E402
 from diffgemma.sampling.stats import with_groups  # noqa: E402
 from diffgemma.sampling.schedule import temperature_value  # noqa: E402
+from test_generate_gpu import timed  # noqa: E402
 
 DEV = "cuda"
 B, C, V, CAP = 8, 256, 262144, 30.0
@@ -37,18 +38,6 @@ def _logits(dtype, peaked: bool) -> torch.Tensor:
 def _lanes() -> LaneTemps:
     temps = [temperature_value(random.randint(1, 16), 16, 0.4, 0.8) for _ in range(B)]
     return LaneTemps(temps, [k * C for k in range(B)], [C] * B, B * C, DEV)
-
-
-def timed(fn, n=20) -> float:
-    """ms a call of fn, CUDA events around n back-to-back calls after one warm-up (printed with -s, not asserted)."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 @pytest.mark.parametrize("peaked", [False, True])
