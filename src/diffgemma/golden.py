@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FIXTURE_NAME = "golden.json"
-# How far an unblessed platform's KV statistics may lie from the fixture's: a margin over float reordering. On
-# the demo model (measured on one machine) two threads instead of one move them by up to 1.6e-8 relative; one
-# entry of one o_proj nudged by a bf16 ulp moves them 6e-8 to 1.2e-7, with the same tokens. So changes of that
-# size are caught by the hashes of the platforms blessed, and larger ones (1e-6 up) on any platform.
+# How far an unblessed platform's KV statistics may lie from the fixture's: a margin over float reordering (a
+# thread count's summation order moves them far less). A one-ulp change to a single weight moves them more than
+# reordering and less than this margin, with the same tokens: such changes are caught by the hashes of the
+# platforms blessed, and larger ones on any platform.
 KV_RTOL = 1e-6
 
 

@@ -144,7 +144,7 @@ class GuardedGraph:
         weakref.finalize(self, _destroy, d, outer, self._exec)
         d("cuGraphConditionalHandleCreate", ctypes.byref(handle), outer, ctx, ctypes.c_uint(0),
           ctypes.c_uint(_COND_ASSIGN_DEFAULT))
-        # set_if(handle, flag): one thread (its argument values kept with the graph, as measured on the GPU)
+        # set_if(handle, flag): one thread (its argument values are captured with the graph)
         self._args = (ctypes.c_uint64(handle.value), ctypes.c_void_p(flag.data_ptr()))
         argv = (ctypes.c_void_p * 2)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in self._args])
         kp = _KernelNodeParams(func=d.kernel(ctx), gridDimX=1, gridDimY=1, gridDimZ=1, blockDimX=1, blockDimY=1,

@@ -1,7 +1,7 @@
 """EngineOptions: the fast engine's implementation choices, fixed when it is built.
 
 None of them changes a token: each pair of forms computes the same bits (or, for `attn_impl`, the same math), and
-the tests compare them. The defaults are the measured fastest forms; the others stay because a test uses them as the
+the tests compare them. The defaults are the fast forms; the others stay because a test uses them as the
 twin of a default (docs/ARCHITECTURE.md, 'Verification chain').
 """
 
@@ -57,8 +57,9 @@ class EngineOptions:
     # What a batched denoise chooses its kernel paths by (the expert GEMM path, the router's side stream and the dense
     # MLP's SM carve-out): "lane" = one lane's rows, as that request alone would (batch invariance as far as the paths
     # go); "total" = all rows (the paths tuned for that size: a packed stack then dequantizes, other bits); "wide" =
-    # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows). "wide" is the default: at full
-    # size its lanes were bit-identical to solo and it ran faster than "lane" (bench/bench_batch.py).
+    # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows). "wide" is the default: its
+    # lanes keep their solo bits and its kernels take the batch's rows in fewer passes than "lane"
+    # (bench/bench_batch.py).
     batch_paths: str = "wide"
     # A batched denoise runs each lane's attention (its qkv prep, cache writes and kernels) on a stream of its own,
     # forked from the layer and joined before the o projection, so the lanes' small kernels overlap on the GPU (one

@@ -15,7 +15,7 @@ token r % n). Its design, and why:
   write m = -1e30, l = 0, which the merge weighs as 0), so one capture serves every step.
 * Output head-dim halves (BD < d) are a grid axis: each half recomputes QK^T but keeps its f32
   accumulator at [BM, BD] in registers. hd 512 causal keeps the whole [64, 512] accumulator at 8 warps
-  (128 registers a thread; no recompute), the canvas measured faster with BM 128 and two halves. A short
+  (128 registers a thread; no recompute), the canvas takes BM 128 and two halves (more rows a program). A short
   causal call (a block's commit: 64 programs) takes halves too (causal_columns), and at hd 512 4 warps
   (short_causal), which fills the SMs and keeps the bits. BM does not keep them: it sets the MMA's row tile.
 
@@ -253,7 +253,7 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
           prompt's chunk: LONG_CAUSAL_TILES by its rows and keys (e.g. BM 128, two 256-wide output halves, each
           recomputing QK^T; bench/longctx_check.py's sweep);
       causal hd 256 (window 1024): BM 64, BN 32, 4 warps (Q read once, not per key block).
-    Each was faster than SDPA at its shape.
+    Each is chosen against SDPA at its shape by bench/bench_attention.py.
     """
     if d >= 512:
         if causal:

@@ -19,7 +19,7 @@ P = 0, and their V rows are not read, so even NaN garbage in the padded rows of 
 past `nlive` do no work, so a half-full bucket costs about half.
 Numerics: f16 operands, f32 accumulation, f32 scores and stats; P rounded to f16 after the exponential, the tile
 weight rounded to f16 and the product P·f rounded to f16 again; f32 PV accumulation. The flash kernel rounds P
-to f16 once and rescales its f32 accumulator instead (measured here: 27% slower at 32k keys).
+to f16 once and rescales its f32 accumulator instead (the costlier form at these shapes: bench/bench_attention.py).
 
   attention_tiles       the three kernels (CUDA, or the CPU through TRITON_INTERPRET=1)
   attention_tiles_ref   their torch twin, the same tiles and roundings (kernels=False: any device, graph-safe)

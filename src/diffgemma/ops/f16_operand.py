@@ -3,8 +3,8 @@
 The q4 kernel's MMA takes f16 operands, so it converts each bf16 x tile in its inner loop: exact for values in
 f16's normal range (bf16 keeps 8 mantissa bits, f16 10), clamped to ±65504 outside it. A producer that writes
 the expert input (attn_finish for gate_up, gelu_mul for down) can write that f16 copy instead; it rounds its f32
-value to bf16 first, so the GEMM sees the very bits it would have made itself, and the loop converts nothing:
-the kernel alone runs 5-16 % faster.
+value to bf16 first, so the GEMM sees the very bits it would have made itself, and the kernel's loop converts
+nothing.
 
   f16_operand_ref(t)   torch: t rounded to bf16, clamped to ±65504, as f16
   f16_operand(v)       the same inside a Triton kernel, on an f32 value

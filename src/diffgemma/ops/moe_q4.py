@@ -202,7 +202,7 @@ if HAVE_TRITON:
         pass (balanced routing at denoise: 16); a longer one goes BM at a time, so the weights are not streamed
         twice for 17..BM rows (0 < BM_FEW < BM; BM_FEW = 0: always BM). HAS_ORDER: the experts are taken in
         the order given (the most rows first: the longest programs start first instead of ending the grid).
-        The one-pass case is not written as a loop of one trip (a K loop inside a row loop ran slower, same bits).
+        The one-pass case is not written as a loop of one trip (a K loop inside a row loop: the same bits, more work).
         TMA: codes and sides are tensor descriptors of the two planes (devices with TMA), else plain pointers."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)

@@ -497,8 +497,7 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     gmax = torch.empty(rows, n_seg, block // GROUP, dtype=torch.float32, device=dev) if groups else m
-    # 4 warps, lanes of 8: the fastest at [256, 262144] (8 warps as fast, 2 slower; lanes of 4 or 16 and blocks of
-    # 1024 or 4096 close behind; bench/bench_kernels.py)
+    # 4 warps, lanes of 8: chosen at [256, 262144] by bench/bench_kernels.py's sweep of warps, lanes and blocks
     _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, gmax, n, span, za["temp"], za["table"],
                                              za["lane"], za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr,
                                              TABLE=za["TABLE"], DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"],
