@@ -36,10 +36,9 @@ if HAVE_TRITON:
     import triton.language as tl
     import triton
 
-    from .f16_operand import f16_clamped, f16_operand
-    from .gelu_mul import glu_tile
+    from .f16_operand import f16_clamped
     from .moe_plan import expert_rows
-    from .moe_q4 import k_order, pair_f16, per_group, word_register
+    from .moe_q4 import k_order, pair_f16, pass_rows, per_group, store_pass, word_register
 
 # ----------------------------------------------------------------------------------------- Triton
 
@@ -129,13 +128,7 @@ if HAVE_TRITON:
                    DIVIDES: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows m0 .. min(m0 + BM, end) of one expert times its weight rows `rows`, stored at columns n. GLU: rows
         are BN/2 gate rows then the up rows of the same columns; the pass stores gelu·up (as ops/moe_q4._rows_pass)."""
-        m = m0 + tl.arange(0, BM)
-        m_ok = m < end
-        if HAS_SRC:  # route m reads token row src[m] of x: the gather happens in the loads
-            tok = tl.load(src_ptr + m, mask=m_ok, other=0).to(tl.int64)
-        else:
-            tok = m.to(tl.int64)
-        x_rows = x_ptr + tok[None, :] * stride_x
+        m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         G = K // 32
         sp = _scale_pairs(scales, 0, rows, N, G, GC)
@@ -150,19 +143,7 @@ if HAVE_TRITON:
         acc = acc * mul
         if DIVIDES:
             acc = tl.math.div_rn(acc, tl.zeros((BN, BM), dtype=tl.float32) + div)
-        if GLU:
-            if GU_ROUND == 1:
-                acc = acc.to(tl.bfloat16).to(tl.float32)
-            elif GU_ROUND == 2:
-                acc = acc.to(tl.float16).to(tl.float32)
-            y = glu_tile(acc, BN, BM)
-            if F16_OUT:
-                out = f16_operand(y)
-            else:
-                out = y.to(out_ptr.dtype.element_ty)
-        else:
-            out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=m_ok[None, :])
+        store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN, BM, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, start, end, n, N, K, stride_x, stride_o, mul, div,

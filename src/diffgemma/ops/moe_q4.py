@@ -144,32 +144,23 @@ if HAVE_TRITON:
         return wd, tl.trans(sdesc.load([tile * G + gc, 0]))
 
     @triton.jit
-    def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
-                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   TMA: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
-        """Rows m0 .. min(m0 + BM, end) of one expert times row tile `tile` of the stack. TMA: words and side are
-        the planes' tensor descriptors; else pointers to this tile's words and side words. GLU: the tile is 32 gate
-        rows then the up rows of the same columns (to_tile_layout(glu=True)); the pass stores gelu·up of them at
-        the BN/2 columns n, from the products rounded as the plain GEMM stores them (GU_ROUND: none / bf16 / f16),
-        as the f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes for the down GEMM)."""
-        G = K // 32
+    def pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM: tl.constexpr, HAS_SRC: tl.constexpr):
+        """A row pass's routes m0 .. m0 + BM (m, m_ok: those before `end`) and their rows of x; HAS_SRC: route m reads
+        token row src[m] of x, the gather happening in the loads."""
         m = m0 + tl.arange(0, BM)
         m_ok = m < end
-        if HAS_SRC:  # route m reads token row src[m] of x: the gather happens in the loads
+        if HAS_SRC:
             tok = tl.load(src_ptr + m, mask=m_ok, other=0).to(tl.int64)
         else:
             tok = m.to(tl.int64)
-        x_rows = x_ptr + tok[None, :] * stride_x
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for gc in range(0, G, GC):  # all three loads are pipelined (TMA or cp.async) by Triton
-            if TMA:
-                wd, sm = _chunk_tma(words, side, tile, gc, G, BN, GC)
-            else:
-                wd, sm = _chunk(words, side, gc, nl, BN, GC)
-            xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
-            if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
-                xt = f16_clamped(xt.to(tl.float32))
-            acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
+        return m, m_ok, x_ptr + tok[None, :] * stride_x
+
+    @triton.jit
+    def store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN: tl.constexpr, BM: tl.constexpr, GLU: tl.constexpr,
+                   GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
+        """Store a row pass's f32 [BN, BM] products at columns n of routes m: plain in out's dtype, or with GLU
+        gelu·up of the gate and up halves, from the products rounded as the plain GEMM stores them (GU_ROUND: none /
+        bf16 / f16), as the f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes)."""
         if GLU:
             if GU_ROUND == 1:
                 acc = acc.to(tl.bfloat16).to(tl.float32)
@@ -183,6 +174,29 @@ if HAVE_TRITON:
         else:
             out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + n[:, None], out, mask=m_ok[None, :])
+
+    @triton.jit
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, side, tile, m0, end, n, nl, K, stride_x, stride_o,
+                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
+                   TMA: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
+        """Rows m0 .. min(m0 + BM, end) of one expert times row tile `tile` of the stack. TMA: words and side are
+        the planes' tensor descriptors; else pointers to this tile's words and side words. GLU: the tile is 32 gate
+        rows then the up rows of the same columns (to_tile_layout(glu=True)); the pass stores gelu·up of them at
+        the BN/2 columns n, from the products rounded as the plain GEMM stores them (GU_ROUND: none / bf16 / f16),
+        as the f16 operand of its bf16 value with F16_OUT (what gelu_mul(as_f16=True) writes for the down GEMM)."""
+        G = K // 32
+        m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for gc in range(0, G, GC):  # all three loads are pipelined (TMA or cp.async) by Triton
+            if TMA:
+                wd, sm = _chunk_tma(words, side, tile, gc, G, BN, GC)
+            else:
+                wd, sm = _chunk(words, side, gc, nl, BN, GC)
+            xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
+            if xt.dtype != tl.float16:  # f16 operands; bf16 is exact in f16 inside its range, clamped outside
+                xt = f16_clamped(xt.to(tl.float32))
+            acc = tl.dot(_decode(wd, sm, GC, ASM), xt, acc)
+        store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN, BM, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _rows_loop(x_ptr, src_ptr, out_ptr, words, side, tile, start, end, n, nl, K, stride_x, stride_o,
