@@ -201,13 +201,16 @@ class EngineCore:
             if embeds or commits:
                 if embeds:
                     self._answer(embeds, lambda asks: lane_embeds(self.model, asks))
-                later = [r for r in commits if r.run.ask.last and not may_regenerate(r)]
-                for r in later:  # committed by _commit_last, after the request's end events
-                    self._last.append((r, r.run.ask))
-                    r.run.ask = None
-                    self._advance(r, None)
-                if commits := [r for r in commits if r not in later]:
-                    self._answer(commits, lambda asks: commit_lanes(self.model, asks))
+                now = []
+                for r in commits:
+                    if r.run.ask.last and not may_regenerate(r):  # committed by _commit_last, after its end events
+                        self._last.append((r, r.run.ask))
+                        r.run.ask = None
+                        self._advance(r, None)
+                    else:
+                        now.append(r)
+                if now:
+                    self._answer(now, lambda asks: commit_lanes(self.model, asks))
                 continue
             self._answer(parked, self._read_asks)
 
