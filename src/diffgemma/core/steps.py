@@ -18,9 +18,10 @@ stop token, the token budget, or the block budget ends it:
 
 `generate_steps` yields a `ForwardAsk` where a step needs the model and its sampler's row pass, a `StatusAsk` where it
 reads its step's status, an `EmbedAsk` where it needs its next step's sparse SC embedding, a `BlockRead` where it
-reads its block and a `CommitAsk` where the block's kept ids go into the cache: the engine core (core/engine.py), its only driver, answers them for every running request of a
-round together (one batched forward; the lanes' row stats, accept masks, sparse-SC plans and soft embeddings each
-made once for all lanes, core/lanes.py; one host wait; the commits of a round in one batched prefill), each lane getting the bits it gets alone. Everything else
+reads its block and a `CommitAsk` where the block's kept ids go into the cache: the engine core (core/engine.py),
+its only driver, answers them for every running request of a round together (one batched forward; the lanes' row
+stats, accept masks, sparse-SC plans and soft embeddings each made once for all lanes, core/lanes.py; one host wait;
+the commits of a round in one batched prefill), each lane getting the bits it gets alone. Everything else
 (sampling, renoise, grammar hold, stop rules, re-rolls, commits) is the request's own, so a request gets the same
 tokens alone or batched. The loop reaches the model only through model/protocol.DenoiseModel and its Denoiser
 (model/denoiser.py: how a step meets the device).

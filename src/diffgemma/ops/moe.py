@@ -102,7 +102,8 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
     W a plain [E, N, K] stack or a packed one; offs int32 [E] cumulative ends -> [M, N].
     order: the experts' launch order for the streaming kernels (moe_plan_with_order); results do not depend on it.
     out_dtype: the result's dtype (default x's); an f16 operand x (takes_f16_operand) comes with bfloat16 here,
-    and a path other than the q4-tiles and nvfp4-tiles kernels first turns x back into it (exact: it is a copy of bf16 values).
+    and a path other than the q4-tiles and nvfp4-tiles kernels first turns x back into it (exact: it is a copy of
+    bf16 values).
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
     epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
     count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: q4_row_tile)."""

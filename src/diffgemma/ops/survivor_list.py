@@ -9,10 +9,10 @@ column and writes a mask; a flat row reaches thr in most groups and is read whol
 
   survivor_counts   the survivors of each (row, segment), int32 [R, n_seg]; their sum over a row is
                     rowstats.tempered_survivors' count of that row
-  survivor_list     (rows, cols) int64 [n] and their z: the survivors of the (row, segment)s whose count is not 0, in row-major
-                    order, as nonzero lists the survivor mask with the other (row, segment)s cleared. Each (row,
-                    segment) writes its survivors from its offset (the exclusive sum of the counts before it), block by
-                    block in column order (a prefix sum over each block's keep flags)
+  survivor_list     (rows, cols) int64 [n] and their z: the survivors of the (row, segment)s whose count is not 0,
+                    in row-major order, as nonzero lists the survivor mask with the other (row, segment)s cleared.
+                    Each (row, segment) writes its survivors from its offset (the exclusive sum of the counts before
+                    it), block by block in column order (a prefix sum over each block's keep flags)
 
 Both read the logits as every tempered pass does (rowstats.z_args: f32, or raw 16-bit through a tempered table; one
 temperature or a LaneTemps), cut into the segments and blocks of the row-stats pass that made the maxima. The twins

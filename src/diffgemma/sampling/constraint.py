@@ -168,7 +168,8 @@ class GrammarState:
         self.vocab = vocab
         self.fixes = fixes
         self._skip, self._backoff = 0, 1  # holds left to read no candidates; the next skip's length (_back_off)
-        self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | {"holds": 0, "choices": 0, "device_choices": 0}
+        self.timings = dict.fromkeys(("read_s", "walk_s", "write_s"), 0.0) | dict.fromkeys(
+            ("holds", "choices", "device_choices"), 0)
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, stop_ids), grammar)

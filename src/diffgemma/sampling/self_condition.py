@@ -157,7 +157,8 @@ class SparsePlan:
         counted-probability pass over all the batch's rows; else one survivor count over all rows serves the lanes that
         bet on the gather (ops/survivor_list.py: it reads only the columns of the groups whose maximum, from the row
         pass, reaches the threshold; the others' rows are counted too, unused; a row pass without group maxima,
-        stats.with_groups, sends them lane by lane) and a lane that bets dense makes its own plan. The batch's lanes that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
+        stats.with_groups, sends them lane by lane) and a lane that bets dense makes its own plan. The batch's lanes
+        that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
         plan of the shared count holds no mask: soft_embed_batch lists its survivors, and a plan summing on its own
         makes its mask then (_take_mask).
 
