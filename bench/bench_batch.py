@@ -23,8 +23,8 @@ every lane its own cache holding a 1k prompt:
   round    at the largest B: generate_batch's round p50 against the batched forward alone (bench/sampler_round.py)
   sampler  at the largest B: the sampler batched across lanes against B solo sampler calls (bench/sampler_round.py)
   phases   at the largest B: the batched sampler's phases on one batched forward's logits (stats, accept, plans, the
-           soft embedding after the status read): each one's device ms (CUDA events) and the host's ms from the read
-           to the last soft-embedding launch (in a round the device waits for it)
+           gather queued ahead of the status read, the soft embedding after it): each one's device ms (CUDA events)
+           and the host's ms from the read to the last soft-embedding launch (in a round the device waits for it)
 Each kind runs per fixture (--fixtures; bench/fixtures.py): "q4" is the flat fixture, "q4-peaked" the peaked one.
 The issue-49 check, one run:  --sections profile,round,sampler,phases --batches 8 --json $OUT/round.json
 Medians of --reps after warm-up; CUDA-synchronised wall clock. The JSON is rewritten after each section.
@@ -257,7 +257,7 @@ def section_phases(eng, cfg, B, ctx, reps, ratio=10.0):
     buf = torch.cat([x.clone() for x in eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)])
     logits = list(buf.split(C))
     temps = [temperature_value(STEPS - (i * 5) % STEPS, STEPS, 0.4, 0.8) for i in range(B)]
-    names = ("stats", "accept", "plans", "embed")
+    names = ("stats", "accept", "plans", "ahead", "embed")
     times = {k: [] for k in (*names, "host_after_read", "total")}
     for i in range(reps + 2):
         sync(dev)
@@ -269,7 +269,12 @@ def section_phases(eng, cfg, B, ctx, reps, ratio=10.0):
         plans = SparsePlan.batch(stats, [ratio] * B)
         counts = SparsePlan.counts_batch(plans)
         marks.append(_stamp(dev))
+        for p in plans:  # the gather queued ahead of the read, as read_statuses starts it (SparsePlan.batch_ahead_rows)
+            p.start(eng.embedding, cfg.embed_scale)
+        marks.append(_stamp(dev))
         counts = counts.tolist()  # the round's status read
+        for p, n in zip(plans, counts):
+            p.read = n
         t = time.perf_counter()
         SparsePlan.soft_embed_batch(plans, counts, eng.embedding, cfg.embed_scale)
         host = (time.perf_counter() - t) * 1e3

@@ -4,7 +4,8 @@ batched across lanes against B solo sampler calls, at B lanes of a `ctx`-token p
   round    the batched forward alone (p50 of single calls), and generate_batch's round: the period between consecutive
            batched forwards (p50, stamped on the device's stream as each forward is queued), one block of 16 fixed
            steps, warm caches; round_over_forward_ms = their difference (the sampler, SC, accept / renoise / stop
-           rules and the host's turn-around of a round)
+           rules and the host's turn-around of a round); after_read_round_over_forward_ms the same with the batch's
+           SC gather made after the status read (SparsePlan.batch_ahead_rows = 0), in alternating calls of one run
   sampler  on one batched forward's raw logits, per lane its own temperature: StepStats + accept mask + SparsePlan +
            the status read of the survivor counts + the soft embedding, lane by lane (solo) against StepStats.batch +
            accept_masks + SparsePlan.batch + SparsePlan.soft_embed_batch (batched); p50 ms of each, whether every
@@ -75,17 +76,25 @@ def section_round(eng, cfg, B: int, ctx: int, reps: int, lanes, generate_batch, 
     forward = p50(call_times(dev, lambda: eng.denoise_batch_raw(caches, canvases, sc_embeds=scs), reps))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, V, (ctx,), generator=gen).tolist() for _ in range(B)]
-    periods = []
-    for i in range(max(2, reps // 3) + 1):
-        for c in caches:
-            c.truncate(0)
-        with ForwardStamps(eng) as st:
-            generate_batch(eng, prompts, seeds=list(range(B)), settings=settings, max_batch=B, caches=caches)
-        if i:  # the first call warms the round's graphs
-            periods += st.periods_ms()
-    out = {"B": B, "ctx": ctx, "forward_ms": forward, "round_ms": p50(periods), "rounds": len(periods),
-           "round_p90_ms": round(sorted(periods)[int(0.9 * (len(periods) - 1))], 3)}
+    periods = {"ahead": [], "after_read": []}  # the batch's SC gather queued before the status read, or after it
+    rows = SparsePlan.batch_ahead_rows
+    try:
+        for i in range(max(2, reps // 3) + 1):
+            for form, ahead in (("ahead", rows), ("after_read", 0)):  # alternating: the same GPU state for both
+                SparsePlan.batch_ahead_rows = ahead
+                for c in caches:
+                    c.truncate(0)
+                with ForwardStamps(eng) as st:
+                    generate_batch(eng, prompts, seeds=list(range(B)), settings=settings, max_batch=B, caches=caches)
+                if i:  # the first call warms the round's graphs
+                    periods[form] += st.periods_ms()
+    finally:
+        SparsePlan.batch_ahead_rows = rows
+    ps = periods["ahead"]
+    out = {"B": B, "ctx": ctx, "forward_ms": forward, "round_ms": p50(ps), "rounds": len(ps),
+           "round_p90_ms": round(sorted(ps)[int(0.9 * (len(ps) - 1))], 3)}
     out["round_over_forward_ms"] = round(out["round_ms"] - forward, 3)
+    out["after_read_round_over_forward_ms"] = round(p50(periods["after_read"]) - forward, 3)
     eng.clear_graphs()
     return out
 

@@ -139,3 +139,38 @@ def test_plans_past_the_gather_cap_go_dense_with_their_solo_bits(monkeypatch, ra
     assert sum(p.took_dense for p in plans) == 1
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("case", ["fits", "small", "dense", "unread"])
+def test_batch_gather_ahead_of_the_read_is_the_gather_after_it(monkeypatch, case):
+    """A batch's gather queued before the status read (SparsePlan.batch_ahead_rows slots a row, padded past the count):
+    when every plan's count as read fits the list, soft_embed_batch returns its rows, each lane's solo bits; when the
+    list is too small ("small"), a lane's count sends it to the dense product ("dense") or a plan's count was never
+    read ("unread"), the sums after the read, the same bits."""
+    B, C, vocab, hidden, cap = 3, 4, 700, 8, 30.0
+    x = _peaked(B * C, vocab)
+    if case == "dense":
+        x[C: 2 * C] = torch.randn(C, vocab) * 0.1  # lane 1: flat rows, its count far past the cap
+    lanes = list(_logits(x, True).split(C))
+    temps = [0.4, 0.8, 0.55]
+    emb = torch.randn(vocab, hidden)
+    if case == "small":
+        monkeypatch.setattr(SparsePlan, "batch_ahead_rows", 1)  # 3 survivors a row: more than one slot a row
+    plans = SparsePlan.batch(StepStats.batch(lanes, temps, cap=cap), [6.0] * B)
+    group = plans[0].shared
+    assert all(p.shared is group and p.speculative for p in plans) and group.ahead == B * C * SparsePlan.batch_ahead_rows
+    counts = SparsePlan.counts_batch(plans).tolist()
+    if case == "dense":
+        monkeypatch.setattr(SparsePlan, "gather_bytes_limit", (sorted(counts)[-2] + 1) * hidden * 4)
+    for p in plans:
+        p.start(emb, 2.0)  # the first queues the group's one gather; the others find it queued
+    summed = group.summed
+    assert summed is not None and summed.shape == (B * C, hidden)
+    for p, n in zip(plans, counts):
+        p.read = None if case == "unread" and p is plans[-1] else n
+    got = SparsePlan.soft_embed_batch(plans, counts, emb, 2.0)
+    want = [SparsePlan(StepStats(v, t, cap=cap), 6.0).soft_embed(n, emb, 2.0) for v, t, n in zip(lanes, temps, counts)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    from_ahead = [g.untyped_storage().data_ptr() == summed.untyped_storage().data_ptr() for g in got]
+    assert from_ahead == [case == "fits"] * B if case != "dense" else from_ahead == [False] * B
+    assert group.summed is None  # taken: a second round's plans make their own

@@ -156,6 +156,9 @@ def read_statuses(asks) -> list[StepStatus]:
 
 
 def _step_status(values: list[float], plan) -> StepStatus:
+    """The status' numbers; the plan learns its count as read (a batch's gather ahead checks its size by them)."""
+    if plan is not None:
+        plan.read = int(values[2])
     return StepStatus(int(values[0]), values[1], int(values[2]) if plan is not None else None)
 
 

@@ -138,12 +138,14 @@ def survivor_counts_triton(logits, temp, thr, gmax, block=2048, segment=SEGMENT,
     return counts
 
 
-def survivor_list_triton(logits, temp, thr, gmax, counts, size: int, block=2048, segment=SEGMENT, cap=None):
+def survivor_list_triton(logits, temp, thr, gmax, counts, size: int, block=2048, segment=SEGMENT, cap=None,
+                         padded=False):
     logits, counts = logits.contiguous(), counts.contiguous()
     _check(logits, thr, gmax, counts, block, segment)
     ends = counts.view(-1).cumsum(0, dtype=torch.int64)
-    rows = torch.empty(size, dtype=torch.int64, device=logits.device)
-    cols = torch.empty(size, dtype=torch.int64, device=logits.device)
+    make = torch.zeros if padded else torch.empty
+    rows = make(size, dtype=torch.int64, device=logits.device)
+    cols = make(size, dtype=torch.int64, device=logits.device)
     z = torch.empty(size, dtype=torch.float32, device=logits.device)
     _launch(_survivor_list_kernel, logits, temp, thr, gmax, cap, block, segment, counts, ends, rows, cols, z, size)
     return rows, cols, z
@@ -161,10 +163,11 @@ def survivor_counts_ref(logits, temp, thr, block=2048, segment=SEGMENT, cap=None
     return _segment_mask(logits, temp, thr, cap, block, segment).sum(-1, dtype=torch.int32)
 
 
-def survivor_list_ref(logits, temp, thr, counts, size: int, block=2048, segment=SEGMENT, cap=None):
+def survivor_list_ref(logits, temp, thr, counts, size: int, block=2048, segment=SEGMENT, cap=None, padded=False):
     mask = _segment_mask(logits, temp, thr, cap, block, segment) & (counts > 0)[..., None]
     n_rows, n = logits.shape
-    rows, cols = torch.nonzero_static(mask.view(n_rows, -1)[:, :n], size=size).unbind(1)
+    listed = torch.nonzero_static(mask.view(n_rows, -1)[:, :n], size=size, fill_value=0 if padded else -1)
+    rows, cols = listed.unbind(1)
     return rows, cols, tempered_ref(logits, temp, cap)[rows, cols]
 
 
@@ -178,12 +181,14 @@ def survivor_counts(logits, temp, thr, gmax, cap=None) -> torch.Tensor:
     return survivor_counts_ref(logits, temp, thr, cap=cap)
 
 
-def survivor_list(logits, temp, thr, gmax, counts, size: int, cap=None) -> tuple[torch.Tensor, ...]:
+def survivor_list(logits, temp, thr, gmax, counts, size: int, cap=None, padded=False) -> tuple[torch.Tensor, ...]:
     """(rows, cols) int64 [size] and their z f32 [size]: the survivors of the (row, segment)s whose entry in `counts`
-    (survivor_counts', some set to 0 to leave them out) is not 0, in row-major order; `size` is the sum of `counts`.
+    (survivor_counts', some set to 0 to leave them out) is not 0, in row-major order; `size` is the sum of `counts`,
+    or with `padded` a bound it may miss either way: the list is cut at `size`, and the slots past its end hold row 0
+    and column 0 (valid indices; their z is not defined).
     z is the value the passes compared: on raw logits the tempered table's entry, which has the bits of the softcap
     table's entry divided by the temperature (rowstats.lane_tables)."""
     if use_triton(logits):
-        return survivor_list_triton(logits, temp, thr, gmax, counts, size, cap=cap)
+        return survivor_list_triton(logits, temp, thr, gmax, counts, size, cap=cap, padded=padded)
     _check(logits, thr, gmax, counts, 2048, SEGMENT)
-    return survivor_list_ref(logits, temp, thr, counts, size, cap=cap)
+    return survivor_list_ref(logits, temp, thr, counts, size, cap=cap, padded=padded)

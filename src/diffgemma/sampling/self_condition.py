@@ -60,13 +60,40 @@ def sparse_error_bound(sc_logits: torch.Tensor, embedding: torch.Tensor, scale: 
     return float(tail.max()) * scale * float(embedding.abs().max())
 
 
+def counts_within(row_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The row counts cut to the first `size` survivors in row order (the counts themselves when they sum to at most
+    `size`), so no kernel reads past a list of that size. In the counts' own dtype, as the gather after the read
+    passes them: one compiled variant of the gather kernels for both paths, not two (each first compile would land
+    mid-run)."""
+    counts = row_counts.to(torch.int64)
+    cut = (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
+    return cut.to(row_counts.dtype)
+
+
 class _SharedPasses:
     """A SparsePlan.batch's passes over all lanes' rows: the stats' LaneRows, thresholds, survivor counts per (row,
     segment) (ops/survivor_list.py; None where the pass was the dense bet's), row counts; each plan's are views of
-    them."""
+    them. With `ahead` (a size), the gather of every row's survivors is queued before the status read (`start`),
+    sized for that many survivors; after the read it serves the plans only if the list held every row's (`take`)."""
 
-    def __init__(self, shared, thr, seg_counts, counts):
+    def __init__(self, shared, thr, seg_counts, counts, ahead: int = 0):
         self.shared, self.thr, self.seg_counts, self.counts = shared, thr, seg_counts, counts
+        self.ahead, self.summed, self.plans = ahead, None, []
+
+    def start(self, embedding: torch.Tensor, scale: float) -> None:
+        """Queue the gather ahead (once): every row's survivors listed into `ahead` slots, the kernels summing each
+        row's from its count cut to the list (no read past it; a cut row's sum is wrong and `take` drops it)."""
+        if self.ahead and self.summed is None:
+            cut = counts_within(self.counts, self.ahead)
+            self.summed = _gather_rows(self, self.seg_counts, cut, self.ahead, embedding, scale, padded=True)
+
+    def take(self) -> torch.Tensor | None:
+        """The gather ahead's [R, H] sums, if it ran and every plan's count (as read, SparsePlan.read) fits the list:
+        then each gather lane's rows are the sums soft_embed_batch would make after the read; else None."""
+        summed, self.summed = self.summed, None
+        if summed is None or any(p.read is None for p in self.plans):
+            return None
+        return summed if sum(p.read for p in self.plans) <= self.ahead else None
 
 
 def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Tensor:
@@ -82,17 +109,27 @@ def _thresholds(rowmax: torch.Tensor, spans: list, log_ratios: list) -> torch.Te
 
 
 def _gather_rows(group, seg_counts: torch.Tensor, row_counts: torch.Tensor, n: int, embedding: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, padded: bool = False) -> torch.Tensor:
     """The survivors' soft embedding of every row of a batch's passes, [R, H] (SparsePlan._gather over all lanes'
     rows at once): the `n` survivors of the (row, segment)s whose `seg_counts` are not 0, listed in row-major order
     (ops/survivor_list.py: the mask's nonzero, from the group maxima's columns only), weighted with each row's lane
     temperature."""
     shared = group.shared
     # z as the passes compared it: the bits of softcap(value) / its lane's temperature, as the solo gather makes it
-    rows, cols, z = survivor_list(shared.rows, shared.lanes, group.thr, shared.groups, seg_counts, n, cap=shared.cap)
+    rows, cols, z = survivor_list(shared.rows, shared.lanes, group.thr, shared.groups, seg_counts, n, cap=shared.cap,
+                                  padded=padded)
     weights = torch.exp(z - shared.fields[3][rows])
     step = max(1, SparsePlan.gather_chunk_bytes // (embedding.shape[1] * 4))
     return (segment_embed(rows, row_counts, cols, weights, embedding, cpu_chunk=step) * scale).to(embedding.dtype)
+
+
+def _use_summed(plans: list, gather: list, out: list, summed: torch.Tensor, spans: list) -> list:
+    """Each gather lane's soft embedding: its rows of a batch gather's sums."""
+    for k in gather:
+        p = plans[k]
+        p.took_dense, p.mask, p.probs = False, None, None
+        out[k] = summed[spans[p.lane]]
+    return out
 
 
 class SparsePlan:
@@ -146,7 +183,7 @@ class SparsePlan:
             self.log_z = self._z.logsumexp(dim=-1)
             self.mask = survivors(self._z, log_ratio)
             self.row_counts = self.mask.sum(-1)
-        self._count = None
+        self._count = self.read = None  # read: the count as the status read gave it (model/denoiser.py)
         self.shared = None  # set by `batch`: the plans of one batch share their passes' results
 
     @classmethod
@@ -189,7 +226,10 @@ class SparsePlan:
         else:  # no mask: the gather lists the survivors from the group maxima after the read (soft_embed_batch)
             seg_counts = survivor_counts(shared.rows, shared.lanes, thr, shared.groups, cap=shared.cap)
             counts = seg_counts[:, 0] if seg_counts.shape[1] == 1 else seg_counts.sum(-1, dtype=torch.int32)
-        group = _SharedPasses(shared, thr, seg_counts, counts)
+        # the gather ahead, on the kernels only (the CPU twin would add the padding past the count)
+        ahead = shared.rows.shape[0] * cls.batch_ahead_rows if seg_counts is not None and sc_gather.use_triton(
+            shared.rows) else 0
+        group = _SharedPasses(shared, thr, seg_counts, counts, ahead=ahead)
         plans = []
         for s, r, d in zip(stats, log_ratios, dense_dtypes):
             if d is not None and not all_dense:
@@ -198,12 +238,13 @@ class SparsePlan:
             sl = spans[s.lane]
             p = cls.__new__(cls)
             p.lane = s.lane  # its lane in the stats' LaneTemps
-            p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, False
-            p.product = p.product_is_dense = p.took_dense = p._count = None
+            p.stats, p.log_ratio, p.scratch, p.sparse_ahead = s, r, None, bool(group.ahead) and probs is None
+            p.product = p.product_is_dense = p.took_dense = p._count = p.read = None
             p.thr, p.log_z, p.row_counts = thr[sl], s.lse, counts[sl]
             p.mask = None  # made from the logits if the plan sums on its own (_take_mask)
             p.probs = None if probs is None else probs[sl]
             p.shared = group
+            group.plans.append(p)
             plans.append(p)
         return plans
 
@@ -245,6 +286,9 @@ class SparsePlan:
             return out
         lanes = group.shared.lanes
         spans = lanes.spans()
+        summed = group.take()
+        if summed is not None:  # the gather queued before the read held every row's survivors
+            return _use_summed(plans, gather, out, summed, spans)
         seg_counts, row_counts = group.seg_counts, group.counts
         left_out = set(range(len(lanes))) - {plans[k].lane for k in gather}
         if left_out:  # their rows' survivors stay out of the list and the sums
@@ -253,11 +297,7 @@ class SparsePlan:
                 seg_counts[spans[j]] = 0
                 row_counts[spans[j]] = 0
         summed = _gather_rows(group, seg_counts, row_counts, sum(counts[k] for k in gather), embedding, scale)
-        for k in gather:
-            p = plans[k]
-            p.took_dense, p.mask, p.probs = False, None, None
-            out[k] = summed[spans[p.lane]]
-        return out
+        return _use_summed(plans, gather, out, summed, spans)
 
     @property
     def count(self) -> torch.Tensor:
@@ -304,6 +344,8 @@ class SparsePlan:
             self.product = self._product(self.probs, embedding, scale)
             self.probs = None
             self.product_is_dense = True
+        elif self.sparse_ahead and self.shared is not None:  # a batch's plan: its group's one gather, once
+            self.shared.start(embedding, scale)
         elif self.sparse_ahead and self.product is None:
             self.product = self._gather(min(self.gather_cap(embedding.shape[1]), self.stats.logits.numel()), embedding,
                                         scale, bound=True)
@@ -323,6 +365,9 @@ class SparsePlan:
     # canvas) can keep most of the vocabulary, and the gather would need n x hidden floats (tens of GiB on
     # the full-size random model). Converging canvases keep a few tokens per row and take the gather.
     gather_bytes_limit = 256 * 2**20
+    # A batch's gather ahead of the read (SparsePlan.batch) lists this many survivors a row of the batch: converging
+    # canvases keep a few tokens a row; a round whose rows keep more sums after the read instead. 0: never ahead.
+    batch_ahead_rows = 32
     # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
     # held its rows as bf16, f32 and weighted f32 at once, a large share of a q4 session's peak at 8k context
     # (bench/probes/probe_memory.py). Chunks keep the same adds in the same order. On CUDA the segment kernel
@@ -374,13 +419,7 @@ class SparsePlan:
         return (out * scale).to(embedding.dtype)
 
     def _counts_within(self, size: int) -> torch.Tensor:
-        """The row counts cut to the first `size` survivors in row order (the counts themselves when they sum to at
-        most `size`), so no kernel reads past a list of that size."""
-        counts = self.row_counts.to(torch.int64)
-        cut = (counts - (counts.cumsum(0) - size).clamp(min=0)).clamp(min=0)
-        # in the row counts' own dtype, as the gather after the read passes them: one compiled variant of the gather
-        # kernels for both paths, not two (each first compile would land mid-run)
-        return cut.to(self.row_counts.dtype)
+        return counts_within(self.row_counts, size)
 
     @staticmethod
     def _product(probs: torch.Tensor, embedding: torch.Tensor, scale: float) -> torch.Tensor:
