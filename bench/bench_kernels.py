@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_engine import time_graph
-from diffgemma.ops import qkv, rowstats
+from diffgemma.ops import qkv, rowstats, tempered_tables
 
 
 def timed(fn, reps: int, inner: int = 20) -> float:
@@ -73,7 +73,8 @@ def bench_rowstats(reps: int) -> dict:
         "rowstats_raw": timed(lambda: rowstats.tempered_rowstats_triton(raw, temp, cap=cap), reps),
         "counted_probs_raw": timed(lambda: rowstats.tempered_masked_probs_triton(
             raw, temp, thr, stats[3], torch.bfloat16, count=True, out=probs, cap=cap), reps),
-        "tempered_table": timed(lambda: rowstats.divide_table(rowstats.softcap_table(cap, raw), temp, True), reps),
+        "tempered_table": timed(lambda: tempered_tables.divide_table(tempered_tables.softcap_table(cap, raw), temp, True),
+                                reps),
         "rowstats_f32": timed(lambda: rowstats.tempered_rowstats_triton(logits, temp), reps),
         "rowstats_f32_t1": timed(lambda: rowstats.tempered_rowstats_triton(logits, 1.0), reps),
     }

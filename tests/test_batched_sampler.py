@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import rowstats, survivor_list
+from diffgemma.ops import rowstats, softcap, survivor_list, tempered_tables
 from diffgemma.ops.lane_temps import LaneTemps, shared_rows
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.schedule import temperature_value
@@ -37,7 +37,7 @@ def _rows(rows, vocab, raw):
 def kernels(monkeypatch):
     """The fused path with its kernels, interpreted."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod, survivor_list):
+    for mod in (rowstats, softcap, tempered_tables, stats_mod, survivor_list):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     from diffgemma.ops import sc_gather
     monkeypatch.setattr(sc_gather, "use_triton", lambda t: True)
@@ -80,7 +80,7 @@ def test_row_passes_with_lane_temperatures_are_each_lane_alone(raw):
         assert torch.equal(probs[sl], p)
     # the twins (on raw logits: of the kernel's softcap, the table's): exact values and masks, entropy / lse within
     # float rounding
-    capped = rowstats.softcap_lookup(x, cap) if raw else x
+    capped = tempered_tables.softcap_lookup(x, cap) if raw else x
     ref = rowstats.tempered_rowstats_ref(capped, lanes)
     for sl in lanes.spans():
         assert torch.equal(got[1][sl], ref[1][sl]) and torch.equal(got[2][sl], ref[2][sl])
@@ -94,10 +94,10 @@ def test_lane_tables_are_each_temperatures_tempered_table(kernels):
     lanes = LaneTemps(temps, [2, 0, 1], [1, 1, 1], 3, raw.device)  # the lanes listed out of row order
     assert lanes.row_order_temps == (0.625, 0.75, 0.5) and lanes.row_lane.tolist() == [0, 1, 2]
     assert torch.equal(lanes.row_temps(), torch.tensor([0.625, 0.75, 0.5]))
-    tables = rowstats.lane_tables(30.0, lanes, raw)
+    tables = tempered_tables.lane_tables(30.0, lanes, raw)
     assert tables.shape == (3, 65536)
     for t, row in zip(lanes.row_order_temps, tables):
-        want = rowstats.tempered_table(30.0, t, raw)
+        want = tempered_tables.tempered_table(30.0, t, raw)
         assert torch.equal(row.isnan(), want.isnan()) and torch.equal(row.nan_to_num(), want.nan_to_num())
 
 

@@ -74,13 +74,13 @@ def test_mixed_settings_lanes_get_their_solo_tokens_through_the_batched_sampler(
 @pytest.fixture
 def kernels(monkeypatch):
     """The fused sampler path with its Triton kernels, interpreted; counts the batched kernels' launches."""
-    from diffgemma.ops import rowstats, sc_gather, survivor_list
+    from diffgemma.ops import rowstats, sc_gather, softcap, survivor_list, tempered_tables
     from diffgemma.sampling import accept
     from diffgemma.sampling import self_condition as sc_mod
     from diffgemma.sampling import stats as stats_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod, accept, sc_gather, survivor_list):
+    for mod in (rowstats, softcap, tempered_tables, stats_mod, accept, sc_gather, survivor_list):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     launches = {"accept": [], "survivors": [], "counted": []}
     lanes_kernel, surv, counted = accept.sorted_prefix_lanes_triton, sc_mod.survivor_counts, \

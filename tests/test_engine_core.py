@@ -97,12 +97,12 @@ def test_lane_stats_runs_the_rounds_row_pass_once_with_each_lanes_solo_bits(monk
     import torch
 
     from diffgemma.core import lanes as lanes_mod
-    from diffgemma.ops import rowstats
+    from diffgemma.ops import rowstats, softcap, tempered_tables
     from diffgemma.sampling import stats as stats_mod
     from diffgemma.sampling.stats import StepStats
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod):
+    for mod in (rowstats, softcap, tempered_tables, stats_mod):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     launches, real = [], stats_mod.tempered_rowstats
     monkeypatch.setattr(stats_mod, "tempered_rowstats", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1])

@@ -23,7 +23,7 @@ from diffgemma.core import steps as steps_mod
 from diffgemma.errors import TensorError
 from diffgemma.generation import BlockEvent, DoneEvent, StepEvent, generate_stream
 from diffgemma.model import denoiser as denoiser_mod
-from diffgemma.ops import rowstats
+from diffgemma.ops import rowstats, softcap, tempered_tables
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.accept import accept_mask, accept_mask_frozen_reference
 from diffgemma.sampling.rng import DeviceLcg, Lcg, categorical
@@ -172,8 +172,8 @@ def test_segmented_row_kernels_match_their_twins_across_segment_boundaries():
         assert torch.equal(counted, probs) and torch.equal(n_kept, want_counts)
 
     raw = torch.randn(3, vocab) * 40
-    got = rowstats.softcap_rowstats_triton(raw, 30.0, 1.0, stats=False, block=block, segment=segment)[0]
-    torch.testing.assert_close(got, rowstats.softcap_ref(raw, 30.0), atol=2e-5, rtol=1e-5)
+    got = softcap.softcap_rowstats_triton(raw, 30.0, 1.0, stats=False, block=block, segment=segment)[0]
+    torch.testing.assert_close(got, softcap.softcap_ref(raw, 30.0), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("segment", [512, 1 << 14])
@@ -186,7 +186,7 @@ def test_row_passes_softcap_raw_logits_as_they_read_them(segment):
     raw[1, 7] = raw[1, 2000] = raw[1].float().max() + 1.0  # a tie, across segments when they are short
     raw[2, 11] = 300.0  # exp(2·raw/cap) overflows inside the softcap: 30.0 exactly
     temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
-    capped = rowstats.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
+    capped = softcap.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
     want = rowstats.tempered_rowstats_triton(capped, temp, block=block, segment=segment)
     got = rowstats.tempered_rowstats_triton(raw, temp, block=block, segment=segment, cap=cap)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -204,9 +204,9 @@ def test_row_passes_softcap_raw_logits_as_they_read_them(segment):
     # the twins: cap= is their own softcap first, and the kernels stay within float rounding of them
     pats = torch.randperm(1 << 16)  # the table: every pattern's softcap as the kernel gives it, at any place
     vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16).reshape(1, -1)
-    torch.testing.assert_close(rowstats.softcap_rowstats_triton(vals, cap, 1.0, stats=False, block=block)[0][0],
-                               rowstats.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
-    ref = rowstats.softcap_ref(raw, cap)
+    torch.testing.assert_close(softcap.softcap_rowstats_triton(vals, cap, 1.0, stats=False, block=block)[0][0],
+                               tempered_tables.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
+    ref = softcap.softcap_ref(raw, cap)
     twin = rowstats.tempered_rowstats_ref(raw, temp, cap)
     assert all(torch.equal(x, y) for x, y in zip(twin, rowstats.tempered_rowstats_ref(ref, temp)))
     assert torch.equal(twin[1], got[1]) and (twin[3] - got[3]).abs().max() < 1e-4
@@ -223,11 +223,11 @@ def test_tempered_table_is_the_softcap_table_divided_and_kept_for_one_temperatur
     raw = torch.randn(2, 64).to(torch.bfloat16)
     t1, t2 = (temperature_value(random.randint(1, 48), 48, 0.4, 0.8) for _ in range(2))
     t2 = t2 if t2 != t1 else t1 * 0.5
-    soft = rowstats.softcap_table(cap, raw)
-    a = rowstats.tempered_table(cap, t1, raw)
+    soft = tempered_tables.softcap_table(cap, raw)
+    a = tempered_tables.tempered_table(cap, t1, raw)
     torch.testing.assert_close(a, soft / torch.tensor(t1), rtol=0, atol=0, equal_nan=True)
-    assert rowstats.tempered_table(cap, t1, raw) is a
-    b = rowstats.tempered_table(cap, t2, raw)
+    assert tempered_tables.tempered_table(cap, t1, raw) is a
+    b = tempered_tables.tempered_table(cap, t2, raw)
     assert b is not a
     torch.testing.assert_close(b, soft / torch.tensor(t2), rtol=0, atol=0, equal_nan=True)
 
@@ -255,7 +255,7 @@ def test_row_stats_on_whole_segments_match_the_twin_and_the_masked_form(unit_tem
     assert torch.equal(masked[1], ref_m[1]) and torch.equal(masked[2], ref_m[2])
     assert (masked[0] - ref_m[0]).abs().max() < 5e-5 and (masked[3] - ref_m[3]).abs().max() < 1e-5
     raw = (x * random.uniform(0.3, 1.5)).to(torch.bfloat16)
-    capped = rowstats.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
+    capped = softcap.softcap_rowstats_triton(raw, cap, 1.0, stats=False, block=block, segment=segment)[0]
     got = rowstats.tempered_rowstats_triton(raw, temp, block=block, segment=segment, cap=cap)
     want = rowstats.tempered_rowstats_triton(capped, temp, block=block, segment=segment)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -273,12 +273,13 @@ def test_step_stats_and_sparse_sc_on_raw_logits_are_those_on_softcapped_logits(m
     soft embedding (gather and dense product) are the same bits; on the torch path it softcaps first. A scratch that
     is the raw logits' own storage is never lent to the SC's passes."""
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    for mod in (rowstats, softcap, tempered_tables):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
     vocab, hidden, cap = 700, 16, 30.0
     raw = (torch.randn(4, vocab) * 15).to(torch.bfloat16)
     emb = torch.randn(vocab, hidden)
     temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
-    a, b = StepStats(raw, temp, cap=cap), StepStats(rowstats.softcap(raw, cap), temp)
+    a, b = StepStats(raw, temp, cap=cap), StepStats(softcap.softcap(raw, cap), temp)
     assert a.fused and b.fused and a.cap == cap and b.cap is None
     for f in ("entropy", "argmax", "rowmax", "lse"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -297,9 +298,10 @@ def test_step_stats_and_sparse_sc_on_raw_logits_are_those_on_softcapped_logits(m
     other = torch.empty_like(raw)
     assert SparsePlan(a, ratio, scratch=other)._lent() is other
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: False)
-    monkeypatch.setattr(rowstats, "use_triton", lambda t: False)
+    for mod in (rowstats, softcap, tempered_tables):
+        monkeypatch.setattr(mod, "use_triton", lambda t: False)
     c = StepStats(raw, temp, cap=cap)
-    assert not c.fused and c.cap is None and torch.equal(c.logits, rowstats.softcap_ref(raw, cap))
+    assert not c.fused and c.cap is None and torch.equal(c.logits, softcap.softcap_ref(raw, cap))
 
 
 def test_dense_sc_fallback_is_the_masked_softmax_product():
@@ -556,7 +558,8 @@ def test_fused_triton_step_gives_the_torch_path_tokens(tiny_model, monkeypatch, 
     prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
     torch_path = [e for e in generate_stream(tiny_model, prompt, settings=s)]
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    for mod in (rowstats, softcap, tempered_tables):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
     fused_path = [e for e in generate_stream(tiny_model, prompt, settings=s)]
     steps_a = [e for e in torch_path if isinstance(e, StepEvent)]
     steps_b = [e for e in fused_path if isinstance(e, StepEvent)]
@@ -579,7 +582,8 @@ def test_fused_loop_bets_change_no_event(tiny_model, monkeypatch, limit):
     s = _settings(tiny_model)
     prompt = torch.randint(4, tiny_model.config.vocab_size, (4,))
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    for mod in (rowstats, softcap, tempered_tables):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
     if limit is not None:
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", limit)
     bets = []
@@ -608,7 +612,8 @@ def test_engine_steps_on_raw_logits_give_the_softcapped_steps_events(tiny_model,
     eng = Engine.from_reference(tiny_model, dtype=torch.bfloat16 if fused else torch.float32)
     if fused:
         monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
-        monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+        for mod in (rowstats, softcap, tempered_tables):
+            monkeypatch.setattr(mod, "use_triton", lambda t: True)
     softcapped = []  # the loop's calls of denoise (which itself calls denoise_raw)
     real = eng.denoise
 
@@ -636,7 +641,8 @@ def test_loop_holds_one_steps_logits_at_a_time(tiny_model, monkeypatch):
 
     s = _settings(tiny_model)
     monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)  # the fused path, where the loop bets
-    monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+    for mod in (rowstats, softcap, tempered_tables):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
     monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)  # every bet won: the product is started
     inner = tiny_model.denoise
     alive = []

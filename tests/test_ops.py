@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from attention_cases import assert_close_f32  # noqa: E402
-from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
+from diffgemma.ops import moe, rmsnorm, rope_kv, softcap  # noqa: E402
 from diffgemma.sampling.stats import entropy  # noqa: E402
 
 
@@ -108,8 +108,8 @@ def test_softcap_rowstats(dtype):
     raw = rnd(R, V, dtype=dtype, scale=20)
     raw[1, 77] = raw[1, 4000] = 500.0  # an exact tie: argmax must be the lower index
     inv_t = 1.0 / (0.4 + 0.4 * float(torch.rand(())))
-    got = rowstats.softcap_rowstats_triton(raw, 30.0, inv_t, block=1024)
-    exp = rowstats.softcap_rowstats_ref(raw, 30.0, inv_t)
+    got = softcap.softcap_rowstats_triton(raw, 30.0, inv_t, block=1024)
+    exp = softcap.softcap_rowstats_ref(raw, 30.0, inv_t)
     torch.testing.assert_close(got[0], exp[0], atol=2e-5, rtol=1e-5)
     # entropy against the float64 entropy of the same logits, not the twin's: the twin's f32 formula (torch's) is
     # itself up to 2.9e-4 off over 5000 columns of |z| <= 75, and used up to 94 % of the old 1e-4 + 1e-4·|h| band

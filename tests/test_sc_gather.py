@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from diffgemma.ops import rowstats, sc_gather
+from diffgemma.ops import rowstats, sc_gather, softcap, tempered_tables
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.schedule import temperature_value
 from diffgemma.sampling.self_condition import SparsePlan
@@ -89,7 +89,7 @@ def test_sparse_plan_gather_through_the_kernel_is_the_torch_gather(interpret, mo
     plain = SparsePlan(StepStats(x, temp, fused=True), 4.0)
     n = int(plain.count)
     want = plain.soft_embed(n, emb, 3.0)
-    for mod in (stats_mod, rowstats, sc_gather):
+    for mod in (stats_mod, rowstats, softcap, tempered_tables, sc_gather):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     kernels = SparsePlan(StepStats(x, temp, fused=True), 4.0)
     assert int(kernels.count) == n and 6 <= n < vocab
@@ -109,7 +109,7 @@ def test_sparse_plan_gather_ahead_at_the_cap_is_the_gather_after_the_read(interp
     x[5] = torch.randn(vocab) * 0.3  # one flat row: many survivors
     temp = temperature_value(random.randint(1, 48), 48, 0.4, 0.8)
     emb = torch.randn(vocab, hidden).to(torch.bfloat16)
-    for mod in (stats_mod, rowstats, sc_gather):
+    for mod in (stats_mod, rowstats, softcap, tempered_tables, sc_gather):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     stats = StepStats(x, temp, fused=True)
     n = int(SparsePlan(stats, 4.0).count)

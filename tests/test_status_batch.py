@@ -23,7 +23,7 @@ from diffgemma import generate, generate_batch
 from diffgemma.core.steps import StatusAsk
 from diffgemma.model import denoiser as denoiser_mod
 from diffgemma.model.denoiser import Denoiser, StepStatus, read_statuses
-from diffgemma.ops import rowstats
+from diffgemma.ops import rowstats, softcap, tempered_tables
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.self_condition import SparsePlan
 from diffgemma.sampling.stats import StepStats
@@ -132,7 +132,8 @@ def test_one_status_wait_per_batched_round(tiny, monkeypatch, fused):
     alone. fused: the loop's fused path, where every step bets on the dense SC product and its read starts it."""
     if fused:
         monkeypatch.setattr(stats_mod, "use_triton", lambda t: True)
-        monkeypatch.setattr(rowstats, "use_triton", lambda t: True)
+        for mod in (rowstats, softcap, tempered_tables):
+            monkeypatch.setattr(mod, "use_triton", lambda t: True)
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", 0)  # every count calls for the dense product
     base = GenerationSettings(max_new_tokens=8 if fused else 16, max_denoising_steps=5, confidence_trim=0.0)
     settings = [base, base.replace(sc_mode="exact"), base.replace(commit="sample", entropy_bound=2.0),

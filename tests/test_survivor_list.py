@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import rowstats, sc_gather, survivor_list
+from diffgemma.ops import rowstats, sc_gather, softcap, survivor_list, tempered_tables
 from diffgemma.ops.lane_temps import LaneTemps
 from diffgemma.sampling import stats as stats_mod
 from diffgemma.sampling.self_condition import SparsePlan
@@ -21,7 +21,7 @@ BLOCK, SEGMENT = 64, 256  # 2 groups of 32 columns a block, 4 blocks a segment
 @pytest.fixture(autouse=True)
 def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod in (rowstats, stats_mod, survivor_list, sc_gather):
+    for mod in (rowstats, softcap, tempered_tables, stats_mod, survivor_list, sc_gather):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
 
 
@@ -63,7 +63,7 @@ def test_group_maxima_are_their_twins_and_leave_the_row_stats_alone(raw):
     plain = rowstats.tempered_rowstats_triton(x, lanes, block=BLOCK, segment=SEGMENT, cap=cap)
     for a, b in zip(with_groups[:4], plain):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
-    capped = rowstats.softcap_lookup(x, cap) if raw else x
+    capped = tempered_tables.softcap_lookup(x, cap) if raw else x
     want = rowstats.group_maxima_ref(capped, lanes, block=BLOCK, segment=SEGMENT)
     assert with_groups[4].shape == (rows, 3, BLOCK // rowstats.GROUP) and torch.equal(with_groups[4], want)
     if not raw:  # a row of -inf only (raw ones are softcapped to -cap)
@@ -78,7 +78,7 @@ def test_survivor_counts_and_list_are_the_masks(raw, vocab):
     *stats, gmax = rowstats.tempered_rowstats_triton(x, lanes, block=BLOCK, segment=SEGMENT, cap=cap, groups=True)
     thr = stats[2] - random.uniform(2.0, 8.0)
     thr[6] = float("inf")  # a row that makes no plan
-    capped = rowstats.softcap_lookup(x, cap) if raw else x
+    capped = tempered_tables.softcap_lookup(x, cap) if raw else x
     z = capped / lanes.row_temps()[:, None]
     tie = random.randrange(vocab)  # a value exactly at its row's threshold survives
     thr[0] = z[0, tie]

@@ -15,7 +15,7 @@ from diffgemma.model.engine import build_engine  # noqa: E402
 from diffgemma.model.engine_weights import DictSource  # noqa: E402
 from diffgemma.model.forward import Forward  # noqa: E402
 from diffgemma.model.reference import ReferenceModel  # noqa: E402
-from diffgemma.ops import moe, rmsnorm, rope_kv, rowstats  # noqa: E402
+from diffgemma.ops import moe, rmsnorm, rope_kv, softcap  # noqa: E402
 
 from bench.fixtures import RandomSource  # noqa: E402
 from tiny_checkpoints import CONFIGS, MID  # noqa: E402
@@ -72,8 +72,8 @@ def test_norm_rope_real_shape(hd, heads, rot):
 
 def test_softcap_rowstats_real_shape():
     raw = torch.randn(256, 262144, device=DEV, dtype=torch.bfloat16) * 15
-    got = rowstats.softcap_rowstats_triton(raw, 30.0, 1 / 0.8)
-    exp = rowstats.softcap_rowstats_ref(raw, 30.0, 1 / 0.8)
+    got = softcap.softcap_rowstats_triton(raw, 30.0, 1 / 0.8)
+    exp = softcap.softcap_rowstats_ref(raw, 30.0, 1 / 0.8)
     assert (got[0] - exp[0]).abs().max().item() < 1e-4
     assert torch.equal(got[2], exp[2])
     for g, e in zip(got[1:], exp[1:]):

@@ -25,7 +25,7 @@ from diffgemma.core import engine as engine_mod, lanes as lanes_mod  # noqa: E40
 from diffgemma.generation import StepEvent, generate_stream  # noqa: E402
 from diffgemma.model import denoiser as denoiser_mod  # noqa: E402
 from diffgemma.model.engine import build_engine  # noqa: E402
-from diffgemma.ops import rowstats  # noqa: E402
+from diffgemma.ops import rowstats, softcap, tempered_tables  # noqa: E402
 from diffgemma.sampling.accept import accept_mask  # noqa: E402
 from diffgemma.sampling import stats as stats_mod  # noqa: E402
 from diffgemma.sampling.stats import StepStats  # noqa: E402
@@ -209,9 +209,9 @@ def test_row_passes_on_raw_logits_real_shape():
     # the table: each bf16 pattern's softcap, as the kernel gives it at any place of a row (patterns shuffled)
     pats = torch.randperm(1 << 16, device=DEV)
     vals = torch.where(pats >= 1 << 15, pats - (1 << 16), pats).to(torch.int16).view(torch.bfloat16)
-    torch.testing.assert_close(rowstats.softcap(vals.reshape(1, -1), cap).reshape(-1),
-                               rowstats.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
-    capped = rowstats.softcap(raw, cap)
+    torch.testing.assert_close(softcap.softcap(vals.reshape(1, -1), cap).reshape(-1),
+                               tempered_tables.softcap_table(cap, raw)[pats], rtol=0, atol=0, equal_nan=True)
+    capped = softcap.softcap(raw, cap)
     want = rowstats.tempered_rowstats_triton(capped, temp)
     got = rowstats.tempered_rowstats_triton(raw, temp, cap=cap)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
@@ -229,7 +229,7 @@ def test_row_passes_on_raw_logits_real_shape():
     rows, cols = torch.randint(0, 256, (1000,), device=DEV), torch.randint(0, 262144, (1000,), device=DEV)
     assert torch.equal(stats.softcapped(raw[rows, cols]), capped[rows, cols])
 
-    before = timed(lambda: StepStats(rowstats.softcap(raw, cap), temp))
+    before = timed(lambda: StepStats(softcap.softcap(raw, cap), temp))
     after = timed(lambda: StepStats(raw, temp, cap=cap))
     surv_before = timed(lambda: rowstats.tempered_survivors_triton(capped, temp, thr))
     surv_after = timed(lambda: rowstats.tempered_survivors_triton(raw, temp, thr, cap=cap))

@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from diffgemma.ops import rowstats, survivor_list  # noqa: E402
+from diffgemma.ops import rowstats, survivor_list, tempered_tables  # noqa: E402
 from diffgemma.ops.lane_temps import LaneTemps  # noqa: E402
 from diffgemma.sampling.stats import with_groups  # noqa: E402
 from diffgemma.sampling.schedule import temperature_value  # noqa: E402
@@ -52,7 +52,7 @@ def test_group_maxima_keep_the_row_stats_bits(peaked):
     plain = rowstats.tempered_rowstats_triton(x, lanes, cap=cap)
     for a, b in zip(got[:4], plain):
         assert torch.equal(a, b)
-    capped = rowstats.softcap_lookup(x, cap) if cap is not None else x
+    capped = tempered_tables.softcap_lookup(x, cap) if cap is not None else x
     assert torch.equal(got[4], rowstats.group_maxima_ref(capped, lanes))
 
 
@@ -75,7 +75,7 @@ def test_counts_and_list_are_the_survivor_mask(dtype, peaked):
     rows, cols, z = survivor_list.survivor_list(x, lanes, thr, gmax, left, n, cap=cap)
     mask[3 * C: 4 * C] = False
     assert torch.equal(torch.stack([rows, cols], 1), torch.nonzero_static(mask, size=n))
-    values = x[rows, cols] if cap is None else rowstats.softcap_lookup(x[rows, cols], cap)
+    values = x[rows, cols] if cap is None else tempered_tables.softcap_lookup(x[rows, cols], cap)
     assert torch.equal(z, values / lanes.row_temps()[rows])  # the z the solo gather makes
     if dtype == torch.bfloat16:
         before = timed(lambda: torch.nonzero_static(rowstats.tempered_survivors_triton(x, lanes, thr, cap=cap)[0],

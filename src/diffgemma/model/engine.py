@@ -31,7 +31,7 @@ from ..errors import InputError
 from ..ops._backend import use_triton
 from ..ops.attention_topk import cache_rule
 from ..ops.rows_at import RowsAt, aligned
-from ..ops.rowstats import softcap
+from ..ops.softcap import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache, swap_stores
 from .engine_batch import BatchGraphs, check_batch, commit_batch, in_caller_order, in_lane_order

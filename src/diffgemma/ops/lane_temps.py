@@ -75,7 +75,7 @@ class LaneTemps:
         else:
             self.temps_dev = host_to_device(torch.tensor(self.row_order_temps, dtype=torch.float32), device)
         self.row_lane = _row_lanes(tuple((starts[i], lengths[i]) for i in order), rows, device)
-        self.tables: dict = {}  # ops/rowstats.lane_tables' tempered tables of these lanes, by (cap, dtype, device)
+        self.tables: dict = {}  # ops/tempered_tables.lane_tables' tables of these lanes, by (cap, dtype, device)
 
     @classmethod
     def one(cls, temp: float, rows: int, device) -> "LaneTemps":

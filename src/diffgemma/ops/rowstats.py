@@ -1,12 +1,15 @@
-"""Final-logit softcap plus the sampler's per-row statistics, in one pass over the logits.
+"""The sampler's per-step statistics on its rows of logits, divided by the step temperature: z = logits / T.
 
-softcap: logits = cap · tanh(raw / cap), returned as float32 (the denoise contract).
-row stats of softmax(logits · inv_temp), without materialising the softmax:
-  entropy  H = logsumexp(z) − Σ p·z            (nats)
-  argmax   first index of the row maximum      (ties -> lower index, like torch.argmax)
-  maxprob  p[argmax] = 1 / Σ exp(z − max)
-  lse      logsumexp(z)                        (so a later kernel can form p without a second reduction)
-The kernel keeps a running (max, Σe, Σe·z) per row and rescales when the max moves (online softmax).
+z is formed as every pass forms it (ops/tempered_tables.py: f32 logits divided with correct rounding, or raw 16-bit
+ones read through a tempered softcap table), so z, its max and its argmax are bit-identical to torch's `logits / T`;
+entropy and lse come from an online softmax (float-rounding away from the torch formula in sampling/stats.py, which
+stays the CPU path). One read of the [R, V] logits gives all of entropy, argmax, row max and lse (and, with groups,
+the group maxima from which ops/survivor_list.py counts and lists the survivors reading only the columns that may
+hold one: a batched round's plans); `tempered_survivors` is a second full read: the sparse self-conditioning's
+survivor mask z >= thr[row], with per-row counts so the caller can size a sync-free nonzero (a solo plan). Only when
+the survivors are too many to gather (flat rows) does another read follow: `tempered_masked_probs` writes their
+probabilities for one dense product. All of them cut a row into the segments of ops/softcap.py's row_segments, one
+program each; the row-stats pass writes one partial per segment and a small kernel combines them.
 """
 
 from __future__ import annotations
@@ -14,224 +17,20 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
-from ._backend import HAVE_TRITON, interpreting, use_triton
+from ._backend import HAVE_TRITON, use_triton
 from .lane_temps import LaneTemps
 from .rows_at import kernel_args
+from .softcap import SEGMENT, row_segments
+from .tempered_tables import tempered_ref, z_args
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# The sampler's rows are few and long (256 x 262144 at full size). One program per row leaves most of the
-# GPU's memory parallelism idle, reading at a fraction of its bandwidth. So the
-# column range of a row is cut into segments of SEGMENT columns, one program each; reductions write one
-# partial per segment and a small kernel combines them. A row of at most SEGMENT columns (the demo
-# model's 2048) is one segment, with the same arithmetic as one program per row.
-SEGMENT = 16384
+    from .tempered_tables import lane_of_row, tempered_z
+
 ROW_LANE = 8  # the row-stats pass's lanes: consecutive columns one thread reduces in registers (one 16-byte load)
 GROUP = 32  # columns of a group maximum (ops/survivor_list.py): 4 lanes, 64 bytes of raw logits a block
-
-
-def row_segments(n_cols: int, block: int, segment: int) -> tuple[int, int]:
-    """-> (segments per row, columns per segment: a whole number of blocks)."""
-    span = max(block, segment // block * block)
-    return -(-n_cols // span), span
-
-
-def softcap_ref(raw, cap):
-    return torch.tanh(raw.float() / cap) * cap
-
-
-def rowstats_ref(logits, inv_temp):
-    z = logits.float() * inv_temp
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse[:, None])
-    entropy = lse - (p * z).sum(-1)
-    amax = z.argmax(-1)
-    maxprob = p.gather(1, amax[:, None])[:, 0]
-    return entropy, amax, maxprob, lse
-
-
-def softcap_rowstats_ref(raw, cap, inv_temp):
-    logits = softcap_ref(raw, cap)
-    return (logits, *rowstats_ref(logits, inv_temp))
-
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _softcap_rowstats_kernel(raw_ptr, out_ptr, ent_ptr, amax_ptr, pmax_ptr, lse_ptr, n_cols, span, cap,
-                                 inv_temp, STATS: tl.constexpr, BLOCK: tl.constexpr):
-        # STATS needs the whole row in one program (span >= n_cols); the plain softcap runs per segment
-        row = tl.program_id(0).to(tl.int64)
-        first = tl.program_id(1) * span
-        last = tl.minimum(first + span, n_cols)
-        offs = tl.arange(0, BLOCK)
-        m = -float("inf")
-        s = 0.0
-        t = 0.0
-        best = -float("inf")
-        best_i = 0
-        for start in range(first, last, BLOCK):
-            cols = start + offs
-            mask = cols < last
-            x = tl.load(raw_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            y = x / cap
-            # tanh via exp (portable to the interpreter); saturates cleanly: exp overflow -> 1
-            th = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
-            lg = th * cap
-            tl.store(out_ptr + row * n_cols + cols, lg, mask=mask)
-            if STATS:
-                z = tl.where(mask, lg * inv_temp, -float("inf"))
-                cmax = tl.max(z, axis=0)
-                # lowest column that holds this block's max; strictly-greater keeps the earlier block on ties
-                cidx = tl.min(tl.where(z == cmax, cols, n_cols), axis=0)
-                best_i = tl.where(cmax > best, cidx, best_i)
-                best = tl.maximum(best, cmax)
-                m_new = tl.maximum(m, cmax)
-                alpha = tl.exp(m - m_new)
-                e = tl.where(mask, tl.exp(z - m_new), 0.0)
-                s = s * alpha + tl.sum(e, axis=0)
-                t = t * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=0)
-                m = m_new
-        if STATS:
-            lse = m + tl.log(s)
-            tl.store(ent_ptr + row, lse - t / s)
-            tl.store(amax_ptr + row, best_i.to(tl.int64))
-            tl.store(pmax_ptr + row, 1.0 / s)
-            tl.store(lse_ptr + row, lse)
-
-
-def softcap_rowstats_triton(raw, cap, inv_temp, stats=True, block=2048, segment=SEGMENT):
-    raw = raw.contiguous()
-    rows, n = raw.shape
-    n_seg, span = row_segments(n, block, segment) if not stats else (1, max(n, 1))
-    out = torch.empty((rows, n), dtype=torch.float32, device=raw.device)
-    ent = torch.empty(rows, dtype=torch.float32, device=raw.device)
-    amax = torch.empty(rows, dtype=torch.int64, device=raw.device)
-    pmax = torch.empty(rows, dtype=torch.float32, device=raw.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
-    _softcap_rowstats_kernel[(rows, n_seg)](raw, out, ent, amax, pmax, lse, n, span, float(cap), float(inv_temp),
-                                            STATS=stats, BLOCK=block, num_warps=8)
-    return out, ent, amax, pmax, lse
-
-
-def softcap(raw, cap):
-    if use_triton(raw):
-        return softcap_rowstats_triton(raw, cap, 1.0, stats=False)[0]
-    return softcap_ref(raw, cap)
-
-
-def softcap_rowstats(raw, cap, inv_temp):
-    """-> (logits f32 [R,V], entropy [R], argmax [R] int64, maxprob [R], lse [R])."""
-    if use_triton(raw):
-        return softcap_rowstats_triton(raw, cap, inv_temp)
-    return softcap_rowstats_ref(raw, cap, inv_temp)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The sampler's per-step statistics on already-softcapped f32 logits, divided by the step temperature.
-#
-# z = logits / T is a correctly rounded division (div_rn) so z, its max and its argmax are bit-identical to
-# torch's `logits / T`; entropy and lse come from the online formula above (float-rounding away from the
-# torch formula in sampling/stats.py, which stays the CPU path). One read of the [R, V] logits gives all of
-# entropy, argmax, row max and lse (and, with groups, the group maxima from which ops/survivor_list.py counts and lists
-# the survivors reading only the columns that may hold one: a batched round's plans); `tempered_survivors` is a second
-# full read: the sparse self-conditioning's survivor mask z >= thr[row], with per-row counts so the caller can size a
-# sync-free nonzero (a solo plan). Only when the survivors are too many to gather (flat rows) does another read follow:
-# `tempered_masked_probs` writes their probabilities for one dense product. All of them run over segments.
-#
-# cap: the logits are the raw ones (bf16 or f16, before the final softcap) and each pass reads z from a table of
-# 65536 f32 entries, one per 16-bit pattern: the softcap kernel's result for that pattern (softcap_table), divided by T
-# with the same correctly rounded division (tempered_table, made once per step's temperature). So the values (z, its
-# max, argmax and the survivors) have the bits of the f32 path by construction, a pass does one cached load a value
-# instead of the softcap's two divisions and an exp and z's division, and no f32 [R, V] tensor exists (at full size the
-# softcap pass writes 256 MiB a step; the passes then read half the bytes). On the GPU the row sums
-# (entropy, lse) may round differently from the f32 input's: the compiler lays a 16-bit load out differently, and so
-# orders the sums.
-
-_TABLES: dict = {}
-_TEMPERED: dict = {}
-
-
-def _table_key(cap: float, raw: torch.Tensor) -> tuple:
-    """(cap, dtype, device, whether the passes over `raw` run as kernels): what a table is kept by."""
-    return float(cap), raw.dtype, raw.device, interpreting() or use_triton(raw)
-
-
-def softcap_table(cap: float, raw: torch.Tensor) -> torch.Tensor:
-    """f32 [65536] on raw's device: softcap(v, cap) for the value v of every bit pattern of raw's 16-bit dtype
-    (index = bits as uint16), computed once by the softcap kernel where the passes over `raw` run as kernels (on
-    CUDA, or interpreted), else by its twin: a lookup has the bits the softcap of that value has there."""
-    if raw.dtype not in (torch.bfloat16, torch.float16):
-        raise TensorError(f"softcap table: raw logits must be bfloat16 or float16, got {raw.dtype}")
-    key = _table_key(cap, raw)
-    table = _TABLES.get(key)
-    if table is None:
-        # pattern i at index i: the int16 of i - 65536 for the upper half (a cast of i itself need not wrap: CUDA's
-        # saturates)
-        i = torch.arange(1 << 16, dtype=torch.int32, device=raw.device)
-        bits = torch.where(i >= 1 << 15, i - (1 << 16), i).to(torch.int16).view(raw.dtype).reshape(1, -1)
-        if key[3]:  # the kernel's bits, on the GPU or interpreted (the tests compare the passes with it)
-            table = softcap_rowstats_triton(bits, cap, 1.0, stats=False)[0]
-        else:
-            table = softcap_ref(bits, cap)
-        table = _TABLES[key] = table.reshape(-1)
-    return table
-
-
-def divide_table(table: torch.Tensor, temp: float, kernel: bool) -> torch.Tensor:
-    """table / temp (a 65536-entry table) as a new f32 tensor, each entry correctly rounded: the passes' division as a
-    kernel (kernel), or torch's (the same bits)."""
-    if not kernel:
-        return table / torch.full((), temp, dtype=torch.float32, device=table.device)
-    out = torch.empty_like(table)
-    _tempered_table_kernel[(table.numel() // 1024,)](table, out, float(temp), BLOCK=1024, num_warps=4)
-    return out
-
-
-def tempered_table(cap: float, temp: float, raw: torch.Tensor) -> torch.Tensor:
-    """f32 [65536]: softcap_table(cap, raw) / temp, each entry the correctly rounded quotient the passes would form
-    (a kernel where they run as kernels, torch's division elsewhere: the same bits). The last temperature's table is
-    kept per (cap, dtype, device): a generate step builds it once (a 65536-entry kernel) for all its passes."""
-    key = _table_key(cap, raw)
-    kept = _TEMPERED.get(key)
-    if kept is None or kept[0] != float(temp):
-        kept = _TEMPERED[key] = (float(temp), divide_table(softcap_table(cap, raw), temp, key[3]))
-    return kept[1]
-
-
-def lane_tables(cap: float, lanes: LaneTemps, raw: torch.Tensor) -> torch.Tensor:
-    """f32 [B, 65536]: row b = softcap_table(cap, raw) / lanes.temps_dev[b] (lanes in row order), each entry the bits
-    tempered_table(cap, that temperature, raw) has (the same correctly rounded division), in one launch. Kept on
-    `lanes` per (cap, dtype, device): a step's passes over its lanes build them once."""
-    key = _table_key(cap, raw)
-    out = lanes.tables.get(key)
-    if out is None:
-        table = softcap_table(cap, raw)
-        if key[3]:
-            out = torch.empty(len(lanes), table.numel(), dtype=torch.float32, device=table.device)
-            _lane_tables_kernel[(table.numel() // 1024, len(lanes))](table, out, lanes.temps_dev, BLOCK=1024,
-                                                                      num_warps=4)
-        else:
-            out = table[None, :] / lanes.temps_dev[:, None]
-        lanes.tables[key] = out
-    return out
-
-
-def softcap_lookup(raw: torch.Tensor, cap: float) -> torch.Tensor:
-    """softcap(raw, cap) through the table, for a few values (a gather's): f32, raw's shape."""
-    table = softcap_table(cap, raw)
-    return table[raw.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF]
-
-
-def tempered_ref(logits, temp, cap):
-    """The twins' z = logits / temp in f32 (correctly rounded), the logits softcapped first when cap is given (raw).
-    temp: a number, or a LaneTemps (each row divided by its lane's temperature: the same quotients)."""
-    x = logits if cap is None else softcap_ref(logits, cap)
-    if isinstance(temp, LaneTemps):
-        return x.float() / temp.row_temps()[:, None]
-    return x.float() / torch.full((), temp, dtype=torch.float32, device=logits.device)
 
 
 def _row_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -279,46 +78,6 @@ def tempered_survivors_ref(logits, temp, thr, cap=None):
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _tempered_table_kernel(t_ptr, z_ptr, temp, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(z_ptr + i, tl.math.div_rn(tl.load(t_ptr + i), temp))
-
-    @triton.jit
-    def _lane_tables_kernel(t_ptr, z_ptr, temps_ptr, BLOCK: tl.constexpr):
-        """Table row b = the softcap table divided by lane b's temperature (each entry as _tempered_table_kernel's)."""
-        lane = tl.program_id(1).to(tl.int64)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(z_ptr + lane * 65536 + i, tl.math.div_rn(tl.load(t_ptr + i), tl.load(temps_ptr + lane)))
-
-    @triton.jit
-    def lane_of_row(row, lane_ptr, temps_ptr, table_ptr, temp, LANES: tl.constexpr):
-        """(temp, table) of `row`: the pass's own (LANES off), else its lane's (ops/lane_temps.py) temperature and
-        tempered table (row lane of the [B, 65536] tables)."""
-        if LANES:
-            lane = tl.load(lane_ptr + row).to(tl.int64)
-            return tl.load(temps_ptr + lane), table_ptr + lane * 65536
-        return temp, table_ptr
-
-    @triton.jit
-    def tempered_z(ptrs, mask, table_ptr, temp, TABLE: tl.constexpr, DIV: tl.constexpr, WHOLE: tl.constexpr = False):
-        """z = logits / temp at ptrs (WHOLE: every one inside, mask unused). TABLE: ptrs hold raw logits' 16-bit
-        patterns, and z is their entry in the tempered table; else the f32 logits' correctly rounded quotient (DIV
-        off when temp is 1: x / 1 is x)."""
-        if TABLE:
-            if WHOLE:
-                bits = tl.load(ptrs).to(tl.int32) & 0xFFFF
-            else:
-                bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-            return tl.load(table_ptr + bits)  # a pattern's entry; a row's values share a few cached lines
-        if WHOLE:
-            x = tl.load(ptrs).to(tl.float32)
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if DIV:
-            x = tl.math.div_rn(x, temp)
-        return x
 
     @triton.jit
     def _tempered_rowstats_kernel(x_ptr, xoff_ptr, m_ptr, s_ptr, u_ptr, best_ptr, gmax_ptr, n_cols, span, temp,
@@ -470,25 +229,9 @@ if HAVE_TRITON:
             tl.store(count_ptr + row * tl.num_programs(1) + seg, count)
 
 
-def z_args(logits, cap, temp) -> dict:
-    """What a pass reads and how it forms z (tempered_z): f32 logits (a tensor or a RowsAt) with their own buffer as an
-    unread placeholder table, or raw logits' bits as int16 and their tempered table. temp: a number, or a LaneTemps (a
-    temperature per lane of rows, and one table per lane: row lane of lane_tables)."""
-    lanes = isinstance(temp, LaneTemps)
-    if lanes and temp.rows != logits.shape[0]:
-        raise TensorError(f"tempered rows: LaneTemps covers {temp.rows} rows, the logits have {logits.shape[0]}")
-    placeholder = kernel_args(logits)[0]
-    args = dict(lane=temp.row_lane if lanes else placeholder, temps=temp.temps_dev if lanes else placeholder,
-                LANES=lanes, temp=1.0 if lanes else float(temp))
-    if cap is None:
-        return dict(args, x=logits, table=placeholder, TABLE=False, DIV=lanes or float(temp) != 1.0)
-    table = lane_tables(cap, temp, logits) if lanes else tempered_table(cap, temp, logits)
-    return dict(args, x=logits.view(torch.int16), table=table, TABLE=True, DIV=False)
-
-
 def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warps=4, cap=None, groups=False):
-    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). groups: also return
-    the group maxima f32 [R, n_seg, block // GROUP] (ops/survivor_list.py), from the same pass."""
+    """logits: a tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (ops/tempered_tables.py). groups:
+    also return the group maxima f32 [R, n_seg, block // GROUP] (ops/survivor_list.py), from the same pass."""
     za = z_args(logits, cap, temp)
     x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape
@@ -512,7 +255,8 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
 
 
 def tempered_survivors_triton(logits, temp, thr, block=2048, segment=SEGMENT, out=None, cap=None):
-    """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits (see above)."""
+    """out: an int8 [rows, n] buffer for the mask (see _out_buffer), else a new one. cap: raw logits
+    (ops/tempered_tables.py)."""
     logits = logits.contiguous()
     za = z_args(logits, cap, temp)
     rows, n = logits.shape
@@ -549,8 +293,8 @@ def _into(out, probs: torch.Tensor) -> torch.Tensor:
 def tempered_masked_probs_triton(logits, temp, thr, lse, dtype, block=2048, segment=SEGMENT, count=False, out=None,
                                  cap=None):
     """count=True: -> (probs, int32 survivor counts [R]), the counts as tempered_survivors gives them. logits: a
-    tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (see above). out: write the probabilities
-    there (see _out_buffer)."""
+    tensor, or a RowsAt naming one (ops/rows_at.py); raw ones with cap (ops/tempered_tables.py). out: write the
+    probabilities there (see _out_buffer)."""
     za = z_args(logits, cap, temp)
     x, xoff, addr = kernel_args(za["x"])
     rows, n = logits.shape

@@ -14,9 +14,9 @@ column and writes a mask; a flat row reaches thr in most groups and is read whol
                     Each (row, segment) writes its survivors from its offset (the exclusive sum of the counts before
                     it), block by block in column order (a prefix sum over each block's keep flags)
 
-Both read the logits as every tempered pass does (rowstats.z_args: f32, or raw 16-bit through a tempered table; one
-temperature or a LaneTemps), cut into the segments and blocks of the row-stats pass that made the maxima. The twins
-build the survivor mask in torch: the same comparisons, so the same counts and lists.
+Both read the logits as every tempered pass does (tempered_tables.z_args: f32, or raw 16-bit through a tempered
+table; one temperature or a LaneTemps), cut into the segments and blocks of the row-stats pass that made the maxima.
+The twins build the survivor mask in torch: the same comparisons, so the same counts and lists.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ import torch
 
 from ..errors import TensorError
 from ._backend import HAVE_TRITON, use_triton
-from .rowstats import GROUP, SEGMENT, tempered_ref, row_segments, tempered_survivors_ref, z_args
+from .rowstats import GROUP, tempered_survivors_ref
+from .softcap import SEGMENT, row_segments
+from .tempered_tables import tempered_ref, z_args
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .rowstats import lane_of_row, tempered_z
+    from .tempered_tables import lane_of_row, tempered_z
 
     @triton.jit
     def _kept_groups(thr_ptr, gmax_ptr, count_ptr, n_cols, span, temp, table_ptr, lane_ptr, temps_ptr,
@@ -187,7 +189,7 @@ def survivor_list(logits, temp, thr, gmax, counts, size: int, cap=None, padded=F
     or with `padded` a bound it may miss either way: the list is cut at `size`, and the slots past its end hold row 0
     and column 0 (valid indices; their z is not defined).
     z is the value the passes compared: on raw logits the tempered table's entry, which has the bits of the softcap
-    table's entry divided by the temperature (rowstats.lane_tables)."""
+    table's entry divided by the temperature (tempered_tables.lane_tables)."""
     if use_triton(logits):
         return survivor_list_triton(logits, temp, thr, gmax, counts, size, cap=cap, padded=padded)
     _check(logits, thr, gmax, counts, 2048, SEGMENT)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import TensorError
+from ..ops._backend import use_triton
 from ..ops.lane_temps import LaneTemps, shared_rows
-from ..ops.rowstats import softcap, softcap_lookup, tempered_rowstats, use_triton
+from ..ops.rowstats import tempered_rowstats
+from ..ops.softcap import softcap
+from ..ops.tempered_tables import softcap_lookup
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -64,7 +67,7 @@ class StepStats:
       z, its max and argmax are bit-identical to the torch path; entropy and lse differ by float rounding.
 
     cap: `logits` are the raw ones before the final softcap (the engine's `denoise_raw`). The fused kernels then
-    softcap them as they read (ops/rowstats.py; the bits of softcap(logits, cap)), and the step never holds the
+    softcap them as they read (ops/tempered_tables.py; the bits of softcap(logits, cap)), and the step never holds the
     f32 [C, V] logits; the torch path softcaps them here first. `cap` stays set only while `logits` are raw.
 
     `StepStats.batch` makes every lane's stats of a batched round at once (one launch of the row pass for all lanes);
