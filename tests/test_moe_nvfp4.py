@@ -93,6 +93,12 @@ def test_grouped_kernel_matches_twin(K, divides):
         out = moe_nvfp4.grouped_mm_nvfp4_tiles(xs, tiled, offs, BM=bm, BM_FEW=few)
         assert rel(out, exact) < 1e-6  # f32 accumulation of exact f16 products
         assert rel(out, want) < 2e-3  # the twin's x is not rounded to f16
+    exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True)
+    for w in (exact_pw, exact_tiled):  # tensor scale pairs (1, 1): the result is the accumulator, exact for these
+        w.escale.fill_(1.0)
+    xq = torch.randint(-4, 5, (M, K)).float() / 4
+    want_exact = exact_product(xq, mp.dequantize(exact_pw).double(), offs)
+    assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_tiled, offs), want_exact)  # 2^-14 weights, 2^14 back
     src = torch.randint(0, 19, (M,))
     tokens = torch.randn(19, K)
     gathered = moe_nvfp4.grouped_mm_nvfp4_tiles(tokens, tiled, offs, src=src)

@@ -288,12 +288,13 @@ def row_tile(routes: int, experts: int) -> int:
 
 
 def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
-                           order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
+                           order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, num_warps: int = 4,
+                           num_stages: int = 4):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
     epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
     BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
-    CUDA)."""
+    CUDA); num_warps / num_stages: the launch's (bench/probes/probe_nvfp4_kernel.py times others)."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     M = route_count(x, src)
@@ -313,7 +314,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
         GC=group_chunk(K // CODE_GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, DIVIDES=w.divides, GLU=glu,
         GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0), F16_OUT=glu and glu_f16,
-        num_warps=4, num_stages=4)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
