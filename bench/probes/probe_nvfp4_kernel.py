@@ -39,9 +39,11 @@ from diffgemma.ops.moe_plan import moe_plan_with_order
 
 FULL = dict(E=128, H=2816, F=704, k=8, tokens={1: 256, 8: 2048})
 TINY = dict(E=4, H=128, F=64, k=2, tokens={1: 8, 8: 32})
-# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs (B=8 only: bm64)
-VARIANTS = {"default": {}, "stages3": {"num_stages": 3}, "stages5": {"num_stages": 5}, "warps8": {"num_warps": 8},
-            "bm64": {"BM": 64}}
+# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs. B=1 only: gc8 (8 code groups a K step
+# where K allows: gate_up; twice the registers, so at B=8's 128-row tile it would not fit); B=8 only: bm64
+VARIANTS = {"default": {}, "stages3": {"num_stages": 3}, "stages5": {"num_stages": 5}, "gc8": {"group_step": 8},
+            "warps8": {"num_warps": 8}, "bm64": {"BM": 64}}
+ONLY = {"gc8": 1, "bm64": 8}
 
 
 def nvfp4_stack(shape, dev, gen) -> pwm.PackedWeight:
@@ -126,7 +128,7 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
     want = {"gate_up": gelu_mul_ref(grouped_mm_packed_ref(xs, st["nv_gu_nat"], offs).bfloat16()).float(),
             "down": grouped_mm_packed_ref(h.float(), st["nv_dn_nat"], offs)}
     for name, kw in VARIANTS.items():
-        if name == "bm64" and B == 1:
+        if ONLY.get(name, B) != B:
             continue
         for which in ("gate_up", "down"):
             row = dict(B=B, gemm=which, kernel=f"nvfp4 {name}")
