@@ -2,9 +2,9 @@
 pack's own order, the grouped GEMM (plain, gathered, gelu·up) and the dequantize kernel in the Triton interpreter
 against the torch twin (dequantize, then the f32 GEMM).
 
-Random nibbles, e4m3 block scales and per-expert (multiplier, divisor) pairs, fresh each run; N a multiple of the
-64-row program tile, K with an even and an odd number of 32-code groups; ragged expert groups with empty experts
-and experts longer than a row tile.
+Random nibbles, e4m3 block scales (subnormal ones included) and per-expert (multiplier, divisor) pairs, fresh each
+run; N a multiple of the 64-row program tile, K with K steps of 2 and of 4 code groups; ragged expert groups with
+empty experts and experts longer than a row tile.
 """
 
 import os
@@ -43,7 +43,7 @@ def exact_product(xs, w, offs):
     return torch.cat(out).float()
 
 
-@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 128, 64)])
+@pytest.mark.parametrize("shape", [(3, 64, 192), (2, 128, 64)])
 def test_tiles_round_trip_to_the_pack_order(shape):
     pw, tiled = stack(*shape, divides=True)
     assert tiled.layout == pwm.NVFP4_TILES and pw.layout == "natural" and tiled.divides
@@ -61,6 +61,9 @@ def test_tiles_refusals():
     odd = as_weight("nvfp4e", (2, 40, 64), codecs.assemble("nvfp4e", (2, 40, 64), random_planes(2, 40, 64, False)))
     with pytest.raises(TensorError, match="multiple of 64"):
         pwm.to_nvfp4_tiles(odd)
+    odd_k = as_weight("nvfp4e", (2, 64, 96), codecs.assemble("nvfp4e", (2, 64, 96), random_planes(2, 64, 96, False)))
+    with pytest.raises(TensorError, match="K of 64"):  # three code groups: no whole scale word
+        pwm.to_nvfp4_tiles(odd_k)
     with pytest.raises(TensorError, match="nvfp4-tiles kernels need"):
         moe_nvfp4.grouped_mm_nvfp4_tiles(torch.randn(3, 64), pw, torch.tensor([1, 3], dtype=torch.int32))
     assert not pwm.nvfp4_tiles_wanted("nvfp4e", (2, 64, 64), "cpu")
@@ -69,7 +72,7 @@ def test_tiles_refusals():
 
 @interpreted
 @pytest.mark.parametrize("divides", [False, True])
-@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 128, 128)])
+@pytest.mark.parametrize("shape", [(3, 64, 192), (2, 128, 128)])
 def test_dequant_kernel_equals_twin(shape, divides):
     pw, tiled = stack(*shape, divides)
     assert torch.equal(moe_nvfp4.dequantize_nvfp4_tiles(tiled, torch.float32), mp.dequantize(pw))
@@ -78,7 +81,7 @@ def test_dequant_kernel_equals_twin(shape, divides):
 
 @interpreted
 @pytest.mark.parametrize("divides", [False, True])
-@pytest.mark.parametrize("K", [96, 128])
+@pytest.mark.parametrize("K", [192, 128])
 def test_grouped_kernel_matches_twin(K, divides):
     E, N, M = 5, 128, 61
     pw, tiled = stack(E, N, K, divides)
@@ -90,6 +93,12 @@ def test_grouped_kernel_matches_twin(K, divides):
         out = moe_nvfp4.grouped_mm_nvfp4_tiles(xs, tiled, offs, BM=bm, BM_FEW=few)
         assert rel(out, exact) < 1e-6  # f32 accumulation of exact f16 products
         assert rel(out, want) < 2e-3  # the twin's x is not rounded to f16
+    exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True)
+    for w in (exact_pw, exact_tiled):  # tensor scale pairs (1, 1): the result is the accumulator, exact for these
+        w.escale.fill_(1.0)
+    xq = torch.randint(-4, 5, (M, K)).float() / 4
+    want_exact = exact_product(xq, mp.dequantize(exact_pw).double(), offs)
+    assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_tiled, offs), want_exact)  # 2^-14 weights, 2^14 back
     src = torch.randint(0, 19, (M,))
     tokens = torch.randn(19, K)
     gathered = moe_nvfp4.grouped_mm_nvfp4_tiles(tokens, tiled, offs, src=src)
@@ -109,7 +118,7 @@ def test_glu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16, out_dtype):
     from diffgemma.ops.gelu_mul import gelu_mul_triton
     from test_moe_stream import routes_of
 
-    T, k, E, N, K = 11, 4, 6, 128, 96
+    T, k, E, N, K = 11, 4, 6, 128, 192
     pw, tiled = stack(E, N, K, divides=True, exact=True)
     x = torch.randint(-4, 5, (T, K)).float() / 4
     src, offs = routes_of(T, k, E)
@@ -147,3 +156,92 @@ def test_dispatch_runs_the_tiles_kernel_on_the_f16_operand(monkeypatch):
     assert seen == [torch.float16] and got.dtype == torch.bfloat16
     want = mp.grouped_mm_packed_ref(x.float(), pw, offs).to(torch.bfloat16).float()
     torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-7)  # one bf16 ulp; the scale pair rounds once
+
+
+def run_ptx(text: str, args: dict) -> dict:
+    """A small interpreter of the PTX the decode inlines (mov, shl, shr, and, lop3, prmt, mul.rn.f16x2), elementwise
+    over int64 arrays of 32-bit values; args: "$i" -> values. Returns every register it wrote."""
+    reg = dict(args)
+    u32 = 0xFFFFFFFF
+
+    def val(tok):
+        tok = tok.strip()
+        return reg[tok] if tok in reg else torch.full_like(next(iter(args.values())), int(tok, 0))
+
+    def f16x2_mul(a, b):
+        def half(v, h):
+            return ((v >> (16 * h)) & 0xFFFF).to(torch.int16).view(torch.float16)
+        lo, hi = (half(a, h) * half(b, h) for h in (0, 1))  # one rounding of the exact product, as mul.rn
+        return (lo.view(torch.int16).to(torch.int64) & 0xFFFF) | ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)
+
+    for line in text.strip("{}\n").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if rest.startswith("{"):  # mov.b32 {l, h}, r: unpack
+            names, src = rest[1:].split("}, ")
+            lo, hi = (n.strip() for n in names.split(","))
+            reg[lo], reg[hi] = val(src) & 0xFFFF, (val(src) >> 16) & 0xFFFF
+            continue
+        d, tail = (t.strip() for t in rest.split(",", 1))
+        if tail.startswith("{"):  # mov.b32 r, {l, h}: pack
+            lo, hi = (n.strip() for n in tail.strip("{}").split(","))
+            reg[d] = reg[lo] | (reg[hi] << 16)
+            continue
+        ops = [t.strip() for t in tail.split(",")]
+        if op == "mov.b32":
+            reg[d] = val(ops[0]) & u32
+        elif op == "shl.b32":
+            reg[d] = (val(ops[0]) << int(ops[1], 0)) & u32
+        elif op == "shr.u32":
+            reg[d] = (val(ops[0]) & u32) >> int(ops[1], 0)
+        elif op == "and.b32":
+            reg[d] = val(ops[0]) & val(ops[1]) & u32
+        elif op == "lop3.b32":
+            assert ops[3] == "0xea"  # (a & b) | c
+            reg[d] = ((val(ops[0]) & val(ops[1])) | val(ops[2])) & u32
+        elif op == "prmt.b32":  # default mode: result byte i = byte sel_i of {b, a} (a: bytes 0..3)
+            a, b, sel = val(ops[0]) & u32, val(ops[1]) & u32, int(ops[2], 0)
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+            reg[d] = sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+        elif op == "mul.rn.f16x2":
+            reg[d] = f16x2_mul(val(ops[0]), val(ops[1]))
+        else:
+            raise AssertionError(f"run_ptx: no rule for {op}")
+    return reg
+
+
+def test_decode_ptx_makes_the_plain_ops_weights():
+    """The inline PTX of the CUDA decode (which the interpreter cannot run), interpreted on random words and every
+    scale byte: (s_lo, s_hi) pairs equal to the e4m3 values, and each register's weights e2m1 · s · 2^-14 as f16,
+    bit for bit, in NVFP4_BITS' placement (the torch layout's)."""
+    n = 4096
+    sw = torch.randint(0, 2 ** 32, (n,), dtype=torch.int64)
+    sw[:256] = torch.arange(256) * 0x01010101  # every byte value, sign bit and NaN code too
+    sc = run_ptx(moe_nvfp4.SCALE_PTX, {"$2": sw})
+    e4m3 = lambda b: (b & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()  # noqa: E731 (sign dropped)
+    for out, shift in (("$0", 0), ("$1", 16)):
+        for h in (0, 1):
+            got = ((sc[out] >> (16 * h)) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+            want = e4m3((sw >> (shift + 8 * h)) & 0xFF)
+            nan = torch.isnan(want)  # 0x7F: e4m3_f32 reads 480, as the kernel's plain ops do
+            assert torch.equal(got[~nan], want[~nan]) and bool((got[nan] == 480).all())
+    words = torch.randint(0, 2 ** 32, (n,), dtype=torch.int64)
+    regs = run_ptx(moe_nvfp4.DECODE_PTX, {"$4": words, "$5": sc["$0"]})
+    codes = pwm.unpack_nvfp4_words(torch.stack([words, words, words, words], -1).to(torch.int32)
+                                   .view(n, 4))[:, :8].long()  # word 0's slots
+    e2m1 = torch.tensor(codecs.E2M1_VALUES + tuple(-v for v in codecs.E2M1_VALUES))
+    for r in range(4):
+        s = ((sc["$0"] >> (16 * (r // 2))) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+        for h in (0, 1):
+            want = (e2m1[codes[:, r + 4 * h]] * s * 2.0 ** -14).half()
+            got = ((regs[f"${r}"] >> (16 * h)) & 0xFFFF).to(torch.int16).view(torch.float16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (r, h)
+
+
+def test_nvfp4_words_round_trip_and_fill_the_word():
+    bits = sorted(b for m, s in pwm.NVFP4_BITS for b in (m, m + 1, m + 2, s))
+    assert bits == list(range(16))  # four codes a half, no bit shared
+    q = torch.randint(0, 16, (5, 3, 32), dtype=torch.uint8)
+    assert torch.equal(pwm.unpack_nvfp4_words(pwm.pack_nvfp4_words(q)), q)

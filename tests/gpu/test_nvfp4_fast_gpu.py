@@ -2,10 +2,11 @@
 
 Skips without CUDA. At the model's expert shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8; one canvas
 of 256 rows and eight of 2048): the GEMM against the exact product of its operands (f16 x, exact f16 weights) and
-the twin, the PTX decode against the plain-op one bit for bit, gelu·up in the epilogue against gelu_mul, the
-dequantize kernel against the twin bit for bit, and the expert FFN through the dispatcher against the generic packed
-kernel on the pack's order. Then the engine bench/hub_fixtures.py builds for modelopt-nvfp4 holds its experts in
-this layout and runs this kernel.
+the twin, the PTX decode against the plain-op one bit for bit (plain and as the engine calls gate_up), exact
+operands against their exact sum bit for bit (the 2^-14-scaled f16 weights through the MMA), gelu·up in the epilogue
+against gelu_mul, the dequantize kernel against the twin bit for bit, and the expert FFN through the dispatcher
+against the generic packed kernel on the pack's order. Then the engine bench/hub_fixtures.py builds for
+modelopt-nvfp4 holds its experts in this layout and runs this kernel.
 """
 
 import pytest
@@ -66,8 +67,35 @@ def test_gemm_at_model_shapes_matches_the_twin(which, tokens, divides):
     if which == "gate_up":
         glu = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, glu=True)
         assert torch.equal(glu, gelu_mul(moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src)))
+        f16 = moe_nvfp4.grouped_mm_nvfp4_tiles(x.half(), tiles, offs, src=src, out_dtype=torch.bfloat16, glu=True,
+                                               glu_f16=True)  # as the engine calls it
+        plain = moe_nvfp4.grouped_mm_nvfp4_tiles(x.half(), tiles, offs, src=src, out_dtype=torch.bfloat16, glu=True,
+                                                 glu_f16=True, asm=False)
+        assert torch.equal(f16, plain)
     assert torch.equal(mp.dequantize_triton(tiles, torch.float32), w)
     del w
+
+
+@pytest.mark.parametrize("tokens", [256, 2048], ids=["B1", "B8"])
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_exact_operands_give_the_exact_sum_bit_for_bit(which, tokens):
+    """Block scales 1 .. 1.875, x in quarters, tensor scale pair (1, 1): every product and partial sum is exact in f32
+    in any order, so the kernel (its MMA fed e2m1 · e4m3 · 2^-14, f16 subnormals below 2^-14, the 2^14 put back on the
+    f32 accumulator) must give the exact product bit for bit, with the PTX decode and with the plain-op one."""
+    shape = (E, 2 * F, H) if which == "gate_up" else (E, H, F)
+    nat = natural_stack(shape, False)
+    planes = record_planes("nvfp4e", shape, nat.record)
+    planes["scale"].copy_(torch.randint(0x38, 0x40, planes["scale"].shape, dtype=torch.uint8, device=DEV))
+    planes["escale"].copy_(torch.ones(E, 2, device=DEV).contiguous().view(torch.uint8))
+    nat = pwm.PackedWeight.from_record("nvfp4e", shape, nat.record, layout="natural")
+    tiles = pwm.PackedWeight.from_record("nvfp4e", shape, nat.record)
+    torch.manual_seed(tokens)
+    x = (torch.randint(-4, 5, (tokens, shape[2]), device=DEV).float() / 4).half()
+    src, offs = (t.to(DEV) for t in routes_of(tokens, TOPK, E))
+    want = exact_product(x[src.long()].float(), mp.dequantize(nat), offs)
+    for asm in (True, False):
+        got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, out_dtype=torch.float32, asm=asm)
+        assert torch.equal(got, want), asm
 
 
 @pytest.mark.parametrize("tokens", [256, 2048], ids=["B1", "B8"])

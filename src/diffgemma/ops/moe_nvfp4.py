@@ -1,19 +1,25 @@
 """The grouped GEMM and the dequantize kernel of nvfp4e expert stacks in the nvfp4-tiles layout (ops/packed_weight.py),
 with the structure of ops/moe_q4.py's (its word order, decode renaming, row passes and launch order).
 
-The math. A weight's block part w = e2m1(code) · e4m3(scale) is exact in f16: e2m1 = a/2 and e4m3 = b/512 with a of
-at most 2 and b of at most 4 significant bits, so w is a multiple of 2^-10 of at most 5 significant bits and
-|w| <= 6 · 448. The MMA multiplies these f16 weights with x in f16 (x converted in the kernel, clamped to ±65504
-outside the f16 range, as ops/moe_q4.py does) and accumulates in f32; each expert's tensor scale pair (mul, div) of
-ops/layouts.py's nvfp4e is applied once to the f32 accumulator: out = fl(fl(acc · mul) / div). The twin
-(packed_weight.dequantize, then the GEMM) rounds fl(fl(e4m3 · mul) / div) per block instead: the two agree to f32
-rounding of the scale, inside the f16 operand's tolerance.
+The math. A weight's block part w = e2m1(code) · e4m3(scale): e2m1 = a/2 and e4m3 = b/512 with a of at most 2 and
+b of at most 4 significant bits (a subnormal e4m3 included), so w is a multiple of 2^-10 of at most 6 significant
+bits, |w| <= 6 · 448. The MMA takes v = w · 2^-14 instead, which is exact in f16 too: a multiple of 2^-24 (f16's
+subnormal step) of at most 6 significant bits, |v| <= 6 · 448 · 2^-14 < 0.17; below 2^-14 it is an f16 subnormal,
+which f16 holds exactly (every multiple of 2^-24 there), above it 6 bits fit f16's 11. The MMA multiplies these f16
+weights with x in f16 (x converted in the kernel, clamped to ±65504 outside the f16 range, as ops/moe_q4.py does)
+and accumulates in f32. Every product v·x and partial sum is the one of w·x times 2^-14 (a power of two: f32 keeps
+the same significand; the smallest product, 2^-24 · 2^-24, is far above f32's normal range), so multiplying the
+accumulator by 2^14 gives the accumulator of the w operands bit for bit, and the rest of the epilogue is that of the
+exact-w GEMM. Each expert's tensor scale pair (mul, div) of ops/layouts.py's nvfp4e is applied once to the f32
+accumulator: out = fl(fl(acc · 2^14 · mul) / div) (acc · 2^14 exact). The twin (packed_weight.dequantize, then the
+GEMM) rounds fl(fl(e4m3 · mul) / div) per block instead: the two agree to f32 rounding of the scale, inside the f16
+operand's tolerance.
 
-The decode (ASM, CUDA): per register of two codes (q4-tiles' bit placement: codes at bits 6..9 and 22..25, sign at 9
-and 25) two shifts and masks put the e2m1 magnitude under f16's exponent and mantissa (bits 9..11) and the sign at
-bit 15, which reads e2m1 · 2^-14 (for e = 0 an f16 subnormal); one mul.f16x2 by 2^14 and one by the group's (s, s)
-pair give w, both exact. The e4m3 scale becomes that f16 pair once per group (e4m3_f32, exact in f16). Elsewhere
-(the interpreter) the same bits with plain f32 ops (_pair_e2m1).
+The decode (ASM, CUDA): the scale words (a row's four e4m3 bytes of two groups) become, per group, the f16x2 pair
+(s_lo, s_hi) (_scale_f16x2: PRMT, shift, AND, one mul.f16x2 by 2^8, exact); per register of two codes at most two
+shifts and two LOP3s put the e2m1 magnitudes under f16's exponent and mantissa (bits 9..11) and the signs at bit 15,
+which reads e2m1 · 2^-14 (for e = 0 an f16 subnormal), and one mul.f16x2 by (s, s) gives v. Elsewhere (the
+interpreter) the same values with plain f32 ops (_pair_w, _e4m3_pair).
 
   grouped_mm_nvfp4_tiles    the grouped GEMM (swap-AB, one program per (64-row tile, expert) looping over row tiles;
                             glu: gate and up rows of the same 32 columns, gelu·up in the epilogue)
@@ -32,13 +38,54 @@ from .moe_plan import order_operand
 from .moe_q4 import group_chunk
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
 
+# The decode's PTX (tests/test_moe_nvfp4.py runs it through a small interpreter against the plain ops). A scale word's
+# two groups -> their (s_lo, s_hi) f16x2 pairs:
+SCALE_PTX = """{
+.reg .b32 a, k;
+mov.b32 k, 0x5c005c00;
+prmt.b32 a, $2, 0, 0x4140;
+shl.b32 a, a, 7;
+and.b32 a, a, 0x3f803f80;
+mul.rn.f16x2 $0, a, k;
+prmt.b32 a, $2, 0, 0x4342;
+shl.b32 a, a, 7;
+and.b32 a, a, 0x3f803f80;
+mul.rn.f16x2 $1, a, k;
+}"""
+# A word ($4) and its group's (s_lo, s_hi) pair ($5) -> the four registers' f16x2 weights (NVFP4_BITS' placement):
+DECODE_PTX = """{
+.reg .b32 a, b, l2, h2;
+.reg .b16 l, h;
+mov.b32 {l, h}, $5;
+mov.b32 l2, {l, l};
+mov.b32 h2, {h, h};
+and.b32 a, $4, 0x8e008e00;
+mul.rn.f16x2 $0, a, l2;
+shl.b32 a, $4, 9;
+and.b32 a, a, 0x8e008e00;
+mul.rn.f16x2 $1, a, l2;
+shl.b32 a, $4, 6;
+shl.b32 b, $4, 8;
+and.b32 b, b, 0x80008000;
+lop3.b32 a, a, 0x0e000e00, b, 0xea;
+mul.rn.f16x2 $2, a, h2;
+shr.u32 a, $4, 3;
+shl.b32 b, $4, 7;
+and.b32 b, b, 0x80008000;
+lop3.b32 a, a, 0x0e000e00, b, 0xea;
+mul.rn.f16x2 $3, a, h2;
+}"""
+
 if HAVE_TRITON:
     import triton.language as tl
     import triton
 
     from .f16_operand import f16_clamped
     from .moe_plan import expert_rows
-    from .moe_q4 import k_order, pair_f16, pass_rows, per_group, store_pass, word_register
+    from .moe_q4 import k_order, pass_rows, per_group, store_pass
+
+    _SCALE_ASM = tl.constexpr(SCALE_PTX)
+    _DECODE_ASM = tl.constexpr(DECODE_PTX)
 
 # ----------------------------------------------------------------------------------------- Triton
 
@@ -61,53 +108,74 @@ if HAVE_TRITON:
         return tl.where(be == 0, bm * 0.001953125, (8.0 + bm) * tl.exp2((be - 10).to(tl.float32)))
 
     @triton.jit
-    def _f16_pair(v):
-        """f32 values exact in f16 -> the f16x2 bits (v, v) as int32."""
-        h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return h | (h << 16)
+    def _reg_codes(t, M: tl.constexpr, S: tl.constexpr):
+        """Register codes (NVFP4_BITS: magnitude at M.., sign at S, the high half's 16 above) -> (lo, hi) nibbles."""
+        lo = ((t >> M) & 7) | (((t >> S) & 1) << 3)
+        hi = ((t >> (M + 16)) & 7) | (((t >> (S + 16)) & 1) << 3)
+        return lo, hi
 
     @triton.jit
-    def _pair_e2m1(t, s):
-        """Plain-op twin of the ASM decode of one register: codes at bits 6..9 and 22..25, f32 scale s -> the f16x2
-        bits of (e2m1 · s, e2m1' · s) (exact in f16: one rounding that changes nothing)."""
-        lo = (e2m1_f32((t >> 6) & 0xF) * s).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi = (e2m1_f32((t >> 22) & 0xF) * s).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-        return lo | (hi << 16)
+    def _f16x2_bits(lo, hi):
+        """f32 values exact in f16 -> the f16x2 bits (lo, hi) as int32."""
+        return ((lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
 
     @triton.jit
-    def _register_w(t, s, s2, ASM: tl.constexpr):
-        """One register's two weights as f16x2 bits; s the group's f32 scale [R, 4GC], s2 its (s, s) f16x2 bits."""
+    def _pair_w(t, s, M: tl.constexpr, S: tl.constexpr):
+        """Plain-op twin of one register of _decode's ASM: f16x2 bits of (e2m1 · s · 2^-14, e2m1' · s · 2^-14)."""
+        lo, hi = _reg_codes(t, M, S)
+        return _f16x2_bits(e2m1_f32(lo) * s * 0.00006103515625, e2m1_f32(hi) * s * 0.00006103515625)
+
+    @triton.jit
+    def _code_pair(t, M: tl.constexpr, S: tl.constexpr):
+        """A register's two codes as f16 integers (f16x2 bits), for k_order's renaming."""
+        lo, hi = _reg_codes(t, M, S)
+        return _f16x2_bits(lo.to(tl.float32), hi.to(tl.float32))
+
+    @triton.jit
+    def _e4m3_pair(p):
+        """Bytes 0 and 1 of p, e4m3 (sign dropped) -> f16x2 bits (plain ops)."""
+        return _f16x2_bits(e4m3_f32(p & 0x7F), e4m3_f32((p >> 8) & 0x7F))
+
+    @triton.jit
+    def _scale_f16x2(sv, ASM: tl.constexpr):
+        """Scale words [R, GC/2] -> the f16x2 bits (s_lo, s_hi) of each group's e4m3 pair [R, GC], exact. ASM: PRMT
+        brings a group's two bytes under the halves' bits 0..7, << 7 makes e4m3 · 2^-8 in f16 bits (exponent and
+        mantissa under f16's: a subnormal e4m3 becomes an f16 subnormal), one mul.f16x2 by 2^8; the sign bit is
+        dropped, as e4m3_f32 does. Otherwise e4m3_f32 of the same bytes."""
+        R: tl.constexpr = sv.shape[0]
+        H: tl.constexpr = sv.shape[1]
         if ASM:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 a, b, k;
-                mov.b32 k, 0x74007400;
-                shl.b32 a, $1, 3;
-                and.b32 a, a, 0x0e000e00;
-                shl.b32 b, $1, 6;
-                and.b32 b, b, 0x80008000;
-                or.b32 a, a, b;
-                mul.rn.f16x2 a, a, k;
-                mul.rn.f16x2 $0, a, $2;
-                }""", constraints="=r,r,r", args=[t, s2], dtype=tl.int32, is_pure=True, pack=1)
+            even, odd = tl.inline_asm_elementwise(
+                asm=_SCALE_ASM, constraints="=r,=r,r", args=[sv], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         else:
-            return _pair_e2m1(t, s)
+            even, odd = _e4m3_pair(sv), _e4m3_pair(sv >> 16)
+        return tl.reshape(tl.join(even, odd), (R, 2 * H))
 
     @triton.jit
-    def _decode(wd, sp, GC: tl.constexpr, ASM: tl.constexpr):
-        """GC groups of 32 codes of R rows: words int32 [R, 4GC], scale pairs int32 [R, GC] (byte 0: k 0..15 of the
-        group, byte 1: k 16..31) -> f16 weights e2m1 · e4m3 [R, 32GC] in k order. Registers 0, 1 hold codes of
-        k 0..15 of their group, registers 2, 3 of k 16..31 (ops/q4_tiles.py's slot order)."""
-        lo, hi = e4m3_f32(sp & 0xFF), e4m3_f32((sp >> 8) & 0xFF)
-        s_lo, s_hi = per_group(lo, 4), per_group(hi, 4)
-        if ASM:  # (s, s) f16x2 pairs made once a group, then spread over its registers
-            p_lo, p_hi = per_group(_f16_pair(lo), 4), per_group(_f16_pair(hi), 4)
+    def _decode(wd, sv, GC: tl.constexpr, ASM: tl.constexpr):
+        """GC groups of 32 codes of R rows: words int32 [R, 4GC], scale words int32 [R, GC/2] -> f16 weights
+        e2m1 · e4m3 · 2^-14 [R, 32GC] in k order (the GEMM multiplies its f32 result by 2^14).
+
+        ASM: per register, the magnitudes brought to bits 9..11 and 25..27 and the signs to 15 and 31 (NVFP4_BITS:
+        register 0 by one AND, 1 by a shift and an AND, 2 and 3 by two shifts, an AND and a LOP3), which reads
+        e2m1 · 2^-14 (an f16 subnormal for e = 0), then one mul.f16x2 by the group half's (s, s) pair (a half of
+        the group's (s_lo, s_hi) register, which ptxas takes as an operand swizzle); registers 0, 1 hold k 0..15
+        of their group, 2, 3 k 16..31 (ops/q4_tiles.py's slot order)."""
+        s2 = per_group(_scale_f16x2(sv, ASM), 4)
+        if ASM:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                asm=_DECODE_ASM,
+                constraints="=r,=r,=r,=r,r,r", args=[wd, s2], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True, pack=1)
         else:
-            p_lo, p_hi = wd, wd  # unused
-        return k_order(_register_w(word_register(wd, 0), s_lo, p_lo, ASM),
-                       _register_w(word_register(wd, 1), s_lo, p_lo, ASM),
-                       _register_w(word_register(wd, 2), s_hi, p_hi, ASM),
-                       _register_w(word_register(wd, 3), s_hi, p_hi, ASM), GC)
+            s_lo = (s2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            s_hi = ((s2 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            o0 = _pair_w(wd, s_lo, 9, 15)
+            o1 = _pair_w(wd, s_lo, 0, 6)
+            o2 = _pair_w(wd, s_hi, 3, 7)
+            o3 = _pair_w(wd, s_hi, 12, 8)
+        return k_order(o0, o1, o2, o3, GC)
 
     @triton.jit
     def _words(words, gc, rows, N, GC: tl.constexpr):
@@ -116,11 +184,11 @@ if HAVE_TRITON:
         return tl.load(words + ((gc + c // 4)[None, :] * N + rows[:, None]) * 4 + (c % 4)[None, :])
 
     @triton.jit
-    def _scale_pairs(scales, gc, rows, N, G, GC: tl.constexpr):
-        """Their scale pairs int32 [R, GC] (0 past the last group). Two bytes a row and group: under cp.async's four,
-        so the GEMM loads them one K step ahead by hand (as ops/moe_packed._side_tile's)."""
-        g = gc + tl.arange(0, GC)
-        return tl.load(scales + g[None, :] * N + rows[:, None], mask=(g < G)[None, :], other=0).to(tl.int32)
+    def _scale_words(scales, gc, rows, N, GC: tl.constexpr):
+        """Groups gc .. gc+GC-1 (gc even) of rows `rows`: their scale words int32 [R, GC/2] (word j: the row's
+        e4m3 scales of groups gc + 2j and gc + 2j + 1). Four bytes an element: Triton pipelines them with the codes."""
+        j = gc // 2 + tl.arange(0, GC // 2)
+        return tl.load(scales + j[None, :] * N + rows[:, None])
 
     @triton.jit
     def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, m0, end, n, N, K, stride_x, stride_o, mul, div,
@@ -130,17 +198,14 @@ if HAVE_TRITON:
         are BN/2 gate rows then the up rows of the same columns; the pass stores gelu·up (as ops/moe_q4._rows_pass)."""
         m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        G = K // 32
-        sp = _scale_pairs(scales, 0, rows, N, G, GC)
-        for gc in range(0, G, GC):
-            sp_next = _scale_pairs(scales, gc + GC, rows, N, G, GC)
+        for gc in range(0, K // 32, GC):
             wd = _words(words, gc, rows, N, GC)
+            sv = _scale_words(scales, gc, rows, N, GC)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:
                 xt = f16_clamped(xt.to(tl.float32))
-            acc = tl.dot(_decode(wd, sp, GC, ASM), xt, acc)
-            sp = sp_next
-        acc = acc * mul
+            acc = tl.dot(_decode(wd, sv, GC, ASM), xt, acc)
+        acc = acc * 16384.0 * mul  # 2^14 first: exact (a power of two), so one rounding, as fl(acc · mul)
         if DIVIDES:
             acc = tl.math.div_rn(acc, tl.zeros((BN, BM), dtype=tl.float32) + div)
         store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN, BM, GLU, GU_ROUND, F16_OUT)
@@ -172,7 +237,7 @@ if HAVE_TRITON:
             rows = n
         G = K // 32
         words = codes.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * G * N * 4
-        scales = scale_plane.to(tl.pointer_type(tl.int16)) + e.to(tl.int64) * G * N
+        scales = scale_plane.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (G // 2) * N
         mul = tl.load(es_ptr + 2 * e)
         div = tl.load(es_ptr + 2 * e + 1)
         if BM_FEW > 0:
@@ -196,14 +261,13 @@ if HAVE_TRITON:
         rows = (tl.program_id(0) % T) * BN + tl.arange(0, BN)
         G = K // 32
         words = codes.to(tl.pointer_type(tl.int32)) + e * G * N * 4
-        scales = scale_plane.to(tl.pointer_type(tl.int16)) + e * G * N
+        scales = scale_plane.to(tl.pointer_type(tl.int32)) + e * (G // 2) * N
         wd = _words(words, tl.program_id(1) * GC, rows, N, GC)
-        sp = _scale_pairs(scales, tl.program_id(1) * GC, rows, N, G, GC)
-        one = tl.full(wd.shape, 1.0, tl.float32)
-        less16 = tl.full(wd.shape, -16.0, tl.float32)  # (16 + q)·1 − 16 = q
-        q = k_order(pair_f16(word_register(wd, 0), one, less16), pair_f16(word_register(wd, 1), one, less16),
-                    pair_f16(word_register(wd, 2), one, less16), pair_f16(word_register(wd, 3), one, less16), GC)
-        s = tl.reshape(tl.join(e4m3_f32(sp & 0xFF), e4m3_f32((sp >> 8) & 0xFF)), (BN, 2 * GC))  # [R, k // 16]
+        sv = _scale_words(scales, tl.program_id(1) * GC, rows, N, GC)
+        q = k_order(_code_pair(wd, 9, 15), _code_pair(wd, 0, 6), _code_pair(wd, 3, 7), _code_pair(wd, 12, 8), GC)
+        b0, b1, b2, b3 = sv & 0x7F, (sv >> 8) & 0x7F, (sv >> 16) & 0x7F, (sv >> 24) & 0x7F
+        s = tl.reshape(tl.join(tl.join(e4m3_f32(b0), e4m3_f32(b2)), tl.join(e4m3_f32(b1), e4m3_f32(b3))),
+                       (BN, 2 * GC))  # [R, k // 16]
         s = s * tl.load(es_ptr + 2 * e)
         if DIVIDES:
             s = tl.math.div_rn(s, tl.zeros((BN, 2 * GC), dtype=tl.float32) + tl.load(es_ptr + 2 * e + 1))
@@ -224,12 +288,14 @@ def row_tile(routes: int, experts: int) -> int:
 
 
 def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
-                           order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
+                           order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, group_step: int = 4,
+                           num_warps: int = 4, num_stages: int = 4):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
     epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
     BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
-    CUDA)."""
+    CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken);
+    num_warps / num_stages: the launch's (bench/probes/probe_nvfp4_kernel.py times others)."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     M = route_count(x, src)
@@ -246,10 +312,10 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *_planes(w), N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
-        GC=group_chunk(K // CODE_GROUP), HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        GC=group_chunk(K // CODE_GROUP, group_step), HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, DIVIDES=w.divides, GLU=glu,
         GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0), F16_OUT=glu and glu_f16,
-        num_warps=4, num_stages=4)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -6,11 +6,15 @@ the kernels may use wide typed loads on it. On CUDA a q4 expert stack is re-laid
 "q4-tiles" byte order (ops/q4_tiles.py) and an nvfp4e stack into the "nvfp4-tiles" order (below; its kernels:
 ops/moe_nvfp4.py); PackedWeight.layout says which.
 
-  nvfp4-tiles  for each (expert, group of 32 codes along K) the stack's N rows are contiguous: codes int32 [E, K/32, N, 4]
-               (a row's 32 codes as q4-tiles words: ops/q4_tiles.pack_words' slot order and bit placement), scales
-               uint8 [E, K/32, N, 2] (the row's e4m3 scales of k 0..15 and 16..31 of the group), escale as nvfp4e;
-               made at load on CUDA (from_record), same planes and sizes as nvfp4e. Any set of rows of an expert is
-               addressable, so one order serves the plain and the gelu·up (gate ‖ up rows) GEMM.
+  nvfp4-tiles  codes: for each (expert, group of 32 codes along K) the stack's N rows are contiguous, int32 [E, K/32,
+               N, 4]: a row's 32 codes as 4 words in ops/q4_tiles.py's slot order (slot r + 4h of word t: k = 16·(r//2)
+               + 8·(r%2) + 2t + h), each code's e2m1 magnitude (bits 0..2) and sign (bit 3) placed by NVFP4_BITS
+               (register r: slots r and r + 4, at (m, s) and (m + 16, s + 16)) so that the kernel's decode of
+               register r is at most two shifts and two LOP3s (ops/moe_nvfp4.py). scales: for each (expert, pair of
+               groups) the N rows are contiguous, one int32 word a row [E, K/64, N]: the row's e4m3 scales of k
+               64j .. 64j+63 (4 bytes, in k order: the pack's own scale bytes 4j .. 4j+3). escale as nvfp4e. Made at
+               load on CUDA (from_record), same planes and sizes as nvfp4e; K a multiple of 64. Any set of rows of an
+               expert is addressable, so one order serves the plain and the gelu·up (gate ‖ up rows) GEMM.
 
   dequantize   the whole tensor decoded in f32 by torch ops, device-agnostic: the twin every packed kernel
                (ops/moe_packed.py, ops/moe_q4.py, ops/q8_linear.py) is compared with
@@ -26,11 +30,14 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
 from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
-from .q4_tiles import nibble_source, pack_words, unpack_words, natural_planes
+from .q4_tiles import natural_planes, nibble_source
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 NVFP4_TILES = "nvfp4-tiles"
 NVFP4_TILE_N = 64  # output rows of a program of the nvfp4-tiles GEMM (ops/moe_nvfp4.py): N must be a multiple
+# nvfp4-tiles: for register r of a word (slots r and r + 4), the low half's (magnitude bit 0, sign bit) positions; the
+# high half's are 16 above. Register 0 sits where the decode wants it (9..11 and 15), 1 one shift away, 2 and 3 two.
+NVFP4_BITS = ((9, 15), (0, 6), (3, 7), (12, 8))
 
 
 @dataclass
@@ -125,8 +132,8 @@ def nvfp4e_decode(codes: torch.Tensor, scale: torch.Tensor, row_escale: torch.Te
 
 def nvfp4_tiles_ok(fmt: str, shape) -> bool:
     """Whether a stack can take the nvfp4-tiles layout: nvfp4e [E, N, K], N a multiple of NVFP4_TILE_N (then a
-    gate ‖ up stack's F = N/2 is a multiple of its half), K of CODE_GROUP."""
-    return fmt == "nvfp4e" and len(shape) == 3 and shape[1] % NVFP4_TILE_N == 0 and shape[2] % CODE_GROUP == 0
+    gate ‖ up stack's F = N/2 is a multiple of its half), K of two code groups (the scale words)."""
+    return fmt == "nvfp4e" and len(shape) == 3 and shape[1] % NVFP4_TILE_N == 0 and shape[2] % (2 * CODE_GROUP) == 0
 
 
 def nvfp4_tiles_wanted(fmt: str, shape, device) -> bool:
@@ -134,25 +141,46 @@ def nvfp4_tiles_wanted(fmt: str, shape, device) -> bool:
     return HAVE_TRITON and torch.device(device).type == "cuda" and nvfp4_tiles_ok(fmt, shape)
 
 
+def pack_nvfp4_words(q: torch.Tensor) -> torch.Tensor:
+    """nvfp4 codes [..., 32] in slot order -> int32 words [..., 4] in NVFP4_BITS' placement."""
+    q = q.reshape(*q.shape[:-1], 4, 8).to(torch.int64)
+    w = torch.zeros(q.shape[:-1], dtype=torch.int64, device=q.device)
+    for r, (m, s) in enumerate(NVFP4_BITS):
+        for h in (0, 1):
+            v = q[..., r + 4 * h]
+            w |= ((v & 7) << (m + 16 * h)) | (((v >> 3) & 1) << (s + 16 * h))
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)  # the same bits as int32
+
+
+def unpack_nvfp4_words(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nvfp4_words: int32 words [..., 4] -> uint8 codes [..., 32] in slot order."""
+    w = w.to(torch.int64) & 0xFFFFFFFF
+    q = torch.zeros(*w.shape, 8, dtype=torch.int64, device=w.device)
+    for r, (m, s) in enumerate(NVFP4_BITS):
+        for h in (0, 1):
+            q[..., r + 4 * h] = ((w >> (m + 16 * h)) & 7) | (((w >> (s + 16 * h)) & 1) << 3)
+    return q.reshape(*w.shape[:-1], 32).to(torch.uint8)
+
+
 def to_nvfp4_tiles(pw: PackedWeight, experts_per_chunk: int = 4) -> PackedWeight:
     """The natural nvfp4e stack `pw` re-laid in the nvfp4-tiles order, in a new record on its device (pw is left as
     it is), `experts_per_chunk` experts at a time so the scratch stays small."""
     if not nvfp4_tiles_ok(pw.fmt, pw.shape) or pw.layout != "natural":
         raise TensorError(f"{NVFP4_TILES}: needs a natural-order nvfp4e stack [E, N, K] with N a multiple of "
-                          f"{NVFP4_TILE_N} and K of {CODE_GROUP}, got {pw.fmt} {list(pw.shape)} ({pw.layout})")
+                          f"{NVFP4_TILE_N} and K of {2 * CODE_GROUP}, got {pw.fmt} {list(pw.shape)} ({pw.layout})")
     E, N, K = pw.shape
     G = K // CODE_GROUP
     record = pw.record.clone()  # the escale plane and the padding as they are; codes and scales rewritten below
     out = replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=NVFP4_TILES)
     words = out.planes["codes"].view(torch.int32).view(E, G, N, 4)
-    scales = out.planes["scale"].view(E, G, N, 2)
+    scales = out.planes["scale"].view(E, G // 2, N, 4)
     perm = nibble_source(pw.device)
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
         rows = slice(e0 * N, e1 * N)
         q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, N, G, CODE_GROUP)[..., perm]
-        words[e0:e1].copy_(pack_words(q).permute(0, 2, 1, 3))
-        scales[e0:e1].copy_(pw.planes["scale"][rows].view(e1 - e0, N, G, 2).permute(0, 2, 1, 3))
+        words[e0:e1].copy_(pack_nvfp4_words(q).permute(0, 2, 1, 3))
+        scales[e0:e1].copy_(pw.planes["scale"][rows].view(e1 - e0, N, G // 2, 4).permute(0, 2, 1, 3))
     return out
 
 
@@ -162,9 +190,9 @@ def nvfp4_natural_planes(pw: PackedWeight) -> dict:
     E, N, K = pw.shape
     G = K // CODE_GROUP
     inv = torch.argsort(nibble_source(pw.device))
-    q = unpack_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
+    q = unpack_nvfp4_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
     codes = pack_nibbles(q).permute(0, 2, 1, 3).reshape(E * N, K // 2)
-    scale = pw.planes["scale"].view(E, G, N, 2).permute(0, 2, 1, 3).reshape(E * N, K // 16)
+    scale = pw.planes["scale"].view(E, G // 2, N, 4).permute(0, 2, 1, 3).reshape(E * N, K // 16)
     return {"codes": codes, "scale": scale, "escale": pw.planes["escale"]}
 
 
