@@ -113,6 +113,46 @@ def test_hold_matches_the_reference_walk(tok, candidates, monkeypatch):
         assert fast.timings["holds"] == 6 and fast.timings["read_s"] > 0
 
 
+def reproposed(held, ids, noise, gen, change: bool):
+    """A step's proposal as a model that keeps what it sees gives it: the last held tokens again (one of them changed
+    where `change`), noise elsewhere."""
+    if held is None:
+        return noise
+    proposal = torch.where(held, ids, noise)
+    n = int(held.sum())
+    if change and n:
+        proposal[int(torch.randint(n, (), generator=gen))] = int(torch.randint(VOCAB, (), generator=gen))
+    return proposal
+
+
+@pytest.mark.parametrize("candidates,rows", [(0, 16), (16, 4), (VOCAB, 48)])
+def test_resumed_walks_match_the_reference(tok, candidates, rows):
+    """Proposals that re-propose the last held prefix (now and then with a token changed): the fast walk resumes from
+    its last matcher rolled back to the common prefix, and holds the reference walk's tokens, with commits between and
+    a budget-short step."""
+    gen = torch.Generator().manual_seed(7)
+    resumed = 0
+    for schema in SCHEMAS:
+        g = grammars.json_grammar(schema, tok.token_to_id)
+        fast, ref = GrammarState(g, tok, VOCAB, STOPS, fixes=3), GrammarState(g, tok, VOCAB, STOPS, fixes=3)
+        fast.candidates, fast.candidate_rows, ref.reference = candidates, rows, True
+        held = ids = None
+        for step in range(14):
+            proposal = reproposed(held, ids, torch.randint(VOCAB, (48,), generator=gen), gen, step % 3 == 2)
+            logits = torch.randn(48, VOCAB, generator=gen).to(torch.bfloat16)
+            close_from = 30 if step == 13 else None
+            held, ids = fast.hold(proposal, logits, close_from)
+            held_r, ids_r = ref.hold(proposal, logits, close_from)
+            assert torch.equal(held, held_r) and torch.equal(ids, ids_r), (schema, step)
+            if step % 5 == 4:
+                keep = ids[: max(1, int(held.sum()) // 2)].tolist()
+                fast.commit(keep)
+                ref.commit(keep)
+                held = None
+        resumed += fast.timings["resumed"]
+    assert resumed > 10
+
+
 @pytest.fixture(scope="module")
 def demo():
     return diffgemma.load()
