@@ -12,8 +12,8 @@ import torch
 
 import diffgemma
 from diffgemma import grammars
-from diffgemma.sampling.constraint import (GrammarState, device_masked_argmax, host_masked_argmax, masked_argmax,
-                                           words_mask)
+from diffgemma.sampling.constraint import (GrammarState, device_masked_argmax, host_masked_argmax,
+                                           mask_words, masked_argmax, words_mask)
 from diffgemma.tokenizer import load_tokenizer
 
 pytest.importorskip("llguidance")
@@ -35,9 +35,7 @@ SCHEMAS = [
 def random_words(vocab: int, density: float, gen: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
     """(bitmask words as llguidance writes them, the same mask as bool [vocab])."""
     bits = gen.random(vocab) < density
-    padded = np.zeros(-(-vocab // 32) * 32, dtype=bool)
-    padded[:vocab] = bits
-    return np.packbits(padded, bitorder="little").view("<u4"), torch.from_numpy(bits)
+    return mask_words(bits), torch.from_numpy(bits)
 
 
 def tied_logits(rows: int, vocab: int, gen: torch.Generator, dtype) -> torch.Tensor:

@@ -47,21 +47,33 @@ def test_choices_at_the_real_shape():
     assert decided > 10
 
 
-def test_hold_at_full_vocab_is_the_reference_walk(tmp_path):
+@pytest.mark.parametrize("reproposed", [False, True])
+def test_hold_at_full_vocab_is_the_reference_walk(tmp_path, reproposed):
+    """Random proposals, or (reproposed) the last held tokens again with noise after them and now and then one
+    changed, so walks resume from the last one's matcher; every candidate setting against the reference walk."""
     tok = padded_tokenizer(V, Path(tmp_path))
     g = grammars.json_grammar(SCHEMA, tok.token_to_id)
-    fast, ref = GrammarState(g, tok, V, (1, 106)), GrammarState(g, tok, V, (1, 106))
-    ref.reference = True
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(6):
-        proposal = torch.randint(V, (C,), device="cuda", generator=gen)
-        logits = torch.randn(C, V, device="cuda", generator=gen).to(torch.bfloat16)
-        close_from = 40 if step == 5 else None
-        a, b = fast.hold(proposal, logits, close_from), ref.hold(proposal, logits, close_from)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
-        keep = a[1][: max(1, int(a[0].sum()) // 2)].tolist()
-        fast.commit(keep)
-        ref.commit(keep)
+    for candidates, rows in ((32, 16), (32, C), (0, 16)):
+        fast, ref = GrammarState(g, tok, V, (1, 106)), GrammarState(g, tok, V, (1, 106))
+        fast.candidates, fast.candidate_rows, ref.reference = candidates, rows, True
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        held = ids = None
+        for step in range(10):
+            proposal = torch.randint(V, (C,), device="cuda", generator=gen)
+            if reproposed and held is not None:
+                proposal = torch.where(held, ids, proposal)
+                if step % 3 == 2 and int(held.sum()) > 1:
+                    proposal[int(held.sum()) // 2] = 7
+            logits = torch.randn(C, V, device="cuda", generator=gen).to(torch.bfloat16)
+            close_from = 40 if step == 9 else None
+            (held, ids), b = fast.hold(proposal, logits, close_from), ref.hold(proposal, logits, close_from)
+            assert torch.equal(held, b[0]) and torch.equal(ids, b[1]), (candidates, rows, step)
+            if step % 4 == 3:
+                keep = ids[: max(1, int(held.sum()) // 2)].tolist()
+                fast.commit(keep)
+                ref.commit(keep)
+                held = None
+        assert fast.timings["resumed"] > 0 or not reproposed
 
 
 def test_demo_engine_generation_is_the_reference_walks(monkeypatch):

@@ -74,8 +74,7 @@ def ll_tokenizer(tokenizer, vocab: int, stop_ids):
 
 def allowed_mask(matcher, vocab: int, device) -> torch.Tensor:
     """bool [vocab]: the tokens the matcher allows next (llguidance's bitmask, 32 tokens a little-endian word)."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab]
-    return torch.from_numpy(bits.astype(bool)).to(device)
+    return words_mask(bitmask_words(matcher), vocab, device)
 
 
 def bitmask_words(matcher) -> np.ndarray:
@@ -83,21 +82,16 @@ def bitmask_words(matcher) -> np.ndarray:
     return np.frombuffer(matcher.compute_bitmask(), dtype="<u4")
 
 
-_SHIFTS: dict = {}
-
-
-def _word_bits(words: np.ndarray, vocab: int, device) -> torch.Tensor:
-    """int32 [vocab] of 0/1: the words' bits, expanded on `device` (the packed words are what moves)."""
-    device = torch.device(device)
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    w = torch.from_numpy(words.view(np.int32).copy()).to(device)
-    return ((w.unsqueeze(1) >> _SHIFTS[device]) & 1).flatten()[:vocab]
+def mask_words(mask: np.ndarray) -> np.ndarray:
+    """bool [vocab] -> uint32 words as llguidance's bitmask packs them (bitmask_words' layout, zero padded)."""
+    padded = np.zeros(-(-len(mask) // 32) * 32, dtype=bool)
+    padded[: len(mask)] = mask
+    return np.packbits(padded, bitorder="little").view("<u4")
 
 
 def words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
-    """bool [vocab] of bitmask words, expanded on `device` (allowed_mask's bits)."""
-    return _word_bits(words, vocab, device).bool()
+    """bool [vocab] of bitmask words (allowed_mask's bits), unpacked on the host and written to `device`."""
+    return torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].view(bool)).to(device)
 
 
 def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, vocab: int) -> int | None:
@@ -116,18 +110,18 @@ def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, v
 def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int, sparse_words: int = 256) -> int:
     """masked_argmax of a row against bitmask words: where at most `sparse_words` words allow anything, the allowed
     ids go to the device and the row's values at them come back (exact, as f32), the first best of the ascending ids
-    being the lowest, a NaN the first NaN, as torch.argmax; else the packed words go and are expanded there. A best
-    of -inf takes masked_argmax itself."""
+    being the lowest, a NaN the first NaN, as torch.argmax; else the refused tokens' mask goes (unpacked on the host)
+    and the row's masked argmax is taken there. A best of -inf takes masked_argmax itself."""
     device = logits_row.device
     live = np.flatnonzero(words)
     if len(live) > sparse_words:  # masked_argmax's fill and first max, in the row's own dtype (the same order)
-        return int(logits_row.masked_fill(_word_bits(words, vocab, device) == 0, float("-inf")).argmax())
+        return int(logits_row.masked_fill(words_mask(~words, vocab, device), float("-inf")).argmax())
     rows, bits = np.nonzero(np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32))
     ids = live[rows] * 32 + bits
     ids = ids[ids < vocab]
     if len(ids) == 0:
         return masked_argmax(logits_row, torch.zeros(vocab, dtype=torch.bool, device=device))
-    values = logits_row.index_select(0, torch.from_numpy(ids).to(device)).float().cpu().numpy()
+    values = logits_row.index_select(0, torch.from_numpy(ids).to(device)).cpu().float().numpy()
     at = int(values.argmax())
     if values[at] == -np.inf:
         return masked_argmax(logits_row, words_mask(words, vocab, device))
@@ -187,6 +181,7 @@ class GrammarState:
             ("holds", "choices", "device_choices", "resumed"), 0)
         self.stop_ids = tuple(stop_ids)
         self.closers = closing_classes(tokenizer, vocab, tuple(stop_ids))
+        self._closer_words = tuple(mask_words(c.numpy()) for c in self.closers)
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, stop_ids), grammar)
         if self.matcher.is_error():
             raise InputError(f"grammar: {self.matcher.get_error().strip().splitlines()[0]}")
@@ -244,8 +239,8 @@ class GrammarState:
             m, done = self._last
             self._last = None
             same = min(n, len(done))
-            diff = np.flatnonzero(np.asarray(ids[:same]) != np.asarray(done[:same]))
-            same = int(diff[0]) if len(diff) else same
+            if ids[:same] != done[:same]:
+                same = int(np.flatnonzero(np.asarray(ids[:same]) != np.asarray(done[:same]))[0])
             if same > 0 and m.rollback(len(done) - same) and not m.is_error():
                 self.timings["resumed"] += 1
                 return m, same
@@ -273,8 +268,7 @@ class GrammarState:
                 ids[pos: pos + len(forced)] = forced
                 pos += len(forced)
                 continue
-            t = self._choose(m, pos, logits, cand) if pos < n else \
-                self.closing_token(logits[pos], allowed_mask(m, self.vocab, logits.device))
+            t = self._choose(m, pos, logits, cand, closing=pos >= n)
             if not m.consume_token(t):
                 ok = False
                 break
@@ -284,13 +278,18 @@ class GrammarState:
         self._frontier = pos
         return pos
 
-    def _choose(self, m, pos: int, logits: torch.Tensor, cand) -> int:
-        """The grammar's masked argmax at `pos`: from the read's candidates where they decide it, else on the device
-        (`reference`: masked_argmax over allowed_mask, the twin the fast paths are tested against)."""
+    def _choose(self, m, pos: int, logits: torch.Tensor, cand, closing: bool = False) -> int:
+        """The grammar's masked argmax at `pos` (closing: within the first closing class the grammar allows a token of,
+        `closing_token`'s rule, on the packed words): from the read's candidates where they decide it, else on the
+        device (`reference`: masked_argmax over allowed_mask, the twin the fast paths are tested against)."""
         if self.reference:
-            return masked_argmax(logits[pos], allowed_mask(m, self.vocab, logits.device))
+            allowed = allowed_mask(m, self.vocab, logits.device)
+            return self.closing_token(logits[pos], allowed) if closing else masked_argmax(logits[pos], allowed)
         self.timings["choices"] += 1
         words = bitmask_words(m)
+        if closing:  # the class words cover the model's vocabulary, the bitmask may run past it
+            n = min(len(words), len(self._closer_words[0]))
+            words = next((w for w in (words[:n] & c[:n] for c in self._closer_words) if w.any()), words)
         t = None
         if cand is not None and 0 <= pos - cand[0] < len(cand[1]):
             t = host_masked_argmax(cand[1][pos - cand[0]], cand[2][pos - cand[0]], words, self.vocab)
