@@ -12,8 +12,8 @@ import torch
 
 import diffgemma
 from diffgemma import grammars
-from diffgemma.sampling.constraint import (GrammarState, device_masked_argmax, host_masked_argmax,
-                                           mask_words, masked_argmax, words_mask)
+from diffgemma.sampling.constraint import (GrammarState, best_candidates, device_masked_argmax,
+                                           host_masked_argmax, mask_words, masked_argmax, words_mask)
 from diffgemma.tokenizer import load_tokenizer
 
 pytest.importorskip("llguidance")
@@ -65,6 +65,30 @@ def test_host_masked_argmax_matches_the_device_one_where_it_decides(dtype):
                 elif k == vocab and allowed.any() and not logits[r].isnan().any():
                     pytest.fail("every candidate at hand: the host must decide")
     assert decided > 50
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_stage_candidates_are_a_top_k(dtype):
+    """best_candidates over segments gives a top k: the values, sorted, are torch.topk's; the ids hold them; and the
+    host's masked argmax from them is the reference's wherever it decides."""
+    rng, gen = np.random.default_rng(4), torch.Generator().manual_seed(4)
+    vocab, decided = 4096, 0
+    logits = tied_logits(12, vocab, gen, dtype)
+    logits[1:6] = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[6, ::9] = float("nan")
+    logits[7] = float("-inf")
+    for k, segment in ((8, 256), (32, 512), (1, 64), (32, 4096)):
+        values, ids = best_candidates(logits, k, segment)
+        want = torch.topk(logits, k, dim=-1).values
+        assert torch.equal(values.sort(dim=-1).values.nan_to_num(), want.sort(dim=-1).values.nan_to_num()), (k, segment)
+        assert torch.equal(logits.gather(1, ids).nan_to_num(), values.nan_to_num())
+        assert all(len(set(r)) == k for r in ids.tolist())
+        for r in range(logits.shape[0]):
+            words, allowed = random_words(vocab, 0.3, rng)
+            t = host_masked_argmax(ids[r].numpy(), values[r].double().numpy(), words, vocab)
+            decided += t is not None
+            assert t is None or t == masked_argmax(logits[r], allowed), (k, segment, r)
+    assert decided > 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -123,8 +147,8 @@ def reproposed(held, ids, noise, gen, change: bool):
     return proposal
 
 
-@pytest.mark.parametrize("candidates,rows", [(0, 16), (16, 4), (VOCAB, 48)])
-def test_resumed_walks_match_the_reference(tok, candidates, rows):
+@pytest.mark.parametrize("candidates,rows,segment", [(0, 16, 0), (16, 4, 0), (VOCAB, 48, 0), (32, 48, 256)])
+def test_resumed_walks_match_the_reference(tok, candidates, rows, segment):
     """Proposals that re-propose the last held prefix (now and then with a token changed): the fast walk resumes from
     its last matcher rolled back to the common prefix, and holds the reference walk's tokens, with commits between and
     a budget-short step."""
@@ -133,7 +157,7 @@ def test_resumed_walks_match_the_reference(tok, candidates, rows):
     for schema in SCHEMAS:
         g = grammars.json_grammar(schema, tok.token_to_id)
         fast, ref = GrammarState(g, tok, VOCAB, STOPS, fixes=3), GrammarState(g, tok, VOCAB, STOPS, fixes=3)
-        fast.candidates, fast.candidate_rows, ref.reference = candidates, rows, True
+        fast.candidates, fast.candidate_rows, fast.topk_segment, ref.reference = candidates, rows, segment, True
         held = ids = None
         for step in range(14):
             proposal = reproposed(held, ids, torch.randint(VOCAB, (48,), generator=gen), gen, step % 3 == 2)

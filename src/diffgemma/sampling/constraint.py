@@ -58,6 +58,7 @@ from ..errors import InputError
 _LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 CANDIDATES = 32  # best tokens a position's read carries for the host's masked argmax; 0: every one on the device
 CANDIDATE_ROWS = 16  # positions from the frontier on whose candidates the read carries (the rest choose on the device)
+TOPK_SEGMENT = 0  # > 0: the read's top-k in two stages over segments of this many tokens (best_candidates)
 MAX_SKIP = 16  # the most holds read without candidates after their walks' candidates decided nothing (_back_off)
 
 
@@ -128,6 +129,22 @@ def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int
     return int(ids[at])
 
 
+def best_candidates(x: torch.Tensor, k: int, segment: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [R, k]: the k best tokens of each row of x [R, V], any order among ties. segment > 0 (dividing
+    V, the segments' k best together fewer than V): each segment's k best, then the k best of those. Either way no
+    token outside a row's k scores above their least (host_masked_argmax's premise): a token outside its segment's
+    k best scores at most each of them, so were it above the least, those k would be too and the second stage
+    would have taken k tokens above the least."""
+    R, V = x.shape
+    if segment <= 0 or V % segment or segment <= k or (V // segment) * k >= V:
+        top = torch.topk(x, k, dim=-1, sorted=False)
+        return top.values, top.indices
+    part = x.reshape(R, V // segment, segment).topk(k, dim=-1, sorted=False)
+    ids = (part.indices + torch.arange(0, V, segment, device=x.device).unsqueeze(1)).flatten(1)
+    top = part.values.flatten(1).topk(k, dim=-1, sorted=False)
+    return top.values, ids.gather(1, top.indices)
+
+
 _CLOSING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CLOSERS = ("<channel|>", "<tool_call|>")  # special tokens that close a thought or a call
 _QUOTES = ('"', "<|\"|>")
@@ -163,6 +180,7 @@ class GrammarState:
 
     candidates = CANDIDATES  # the read's best tokens a position (module doc)
     candidate_rows = CANDIDATE_ROWS  # the positions, from the frontier on, whose candidates the read carries
+    topk_segment = TOPK_SEGMENT  # the read's top-k in two stages over segments of this many tokens (0: one)
     reference = False  # every masked argmax by masked_argmax over allowed_mask, every walk from the committed matcher
 
     def __init__(self, grammar: str, tokenizer, vocab: int, stop_ids, fixes: int = 8):
@@ -217,8 +235,8 @@ class GrammarState:
         self._skip = max(self._skip - 1, 0)
         if k == 0 or rows <= 0:
             return proposal.tolist(), None
-        top = torch.topk(logits[first: first + rows], k, dim=-1, sorted=False)
-        flat = torch.cat([proposal.double(), top.indices.double().flatten(), top.values.double().flatten()])
+        values, top = best_candidates(logits[first: first + rows], k, self.topk_segment)
+        flat = torch.cat([proposal.double(), top.double().flatten(), values.double().flatten()])
         host = flat.cpu().numpy()
         n = rows * k
         return host[:C].astype(np.int64).tolist(), (first, host[C: C + n].astype(np.int64).reshape(rows, k),
