@@ -153,8 +153,8 @@ def test_resumed_walks_match_the_reference(tok, candidates, rows, segment):
     its last matcher rolled back to the common prefix, and holds the reference walk's tokens, with commits between and
     a budget-short step."""
     gen = torch.Generator().manual_seed(7)
-    resumed = 0
-    for schema in SCHEMAS:
+    resumed, stopped = 0, 0
+    for schema in SCHEMAS + [{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}]:
         g = grammars.json_grammar(schema, tok.token_to_id)
         fast, ref = GrammarState(g, tok, VOCAB, STOPS, fixes=3), GrammarState(g, tok, VOCAB, STOPS, fixes=3)
         fast.candidates, fast.candidate_rows, fast.topk_segment, ref.reference = candidates, rows, segment, True
@@ -166,13 +166,14 @@ def test_resumed_walks_match_the_reference(tok, candidates, rows, segment):
             held, ids = fast.hold(proposal, logits, close_from)
             held_r, ids_r = ref.hold(proposal, logits, close_from)
             assert torch.equal(held, held_r) and torch.equal(ids, ids_r), (schema, step)
+            stopped += fast._last is not None and fast._last[0].is_stopped()  # the next walk rolls a stop back
             if step % 5 == 4:
                 keep = ids[: max(1, int(held.sum()) // 2)].tolist()
                 fast.commit(keep)
                 ref.commit(keep)
                 held = None
         resumed += fast.timings["resumed"]
-    assert resumed > 10
+    assert resumed > 10 and stopped > 0
 
 
 @pytest.fixture(scope="module")
