@@ -11,11 +11,13 @@ After a prompt prefilled untimed, the same generation with and without a JSON-sc
   batch    generate_batch at --batches lanes, all constrained or none: ms per batched round, the ratio, and
            tokens per forward;
   hold     GrammarState.hold alone on a step's proposal and logits (the host walk, its masks, the device->host read),
-           and the read's top-k alone (f32 and bf16 logits).
+           and the read's top-k alone (f32 and bf16 logits; every row or the frontier's; one or two stages).
 Each constrained run also reports its holds' per-step split (hold_split): read_ms (the host's wait for the step's
 one read: the forward and stats still running, then the copy), walk_ms (the host walk, its device masked argmaxes
 included: the GPU idles through it), write_ms (the held tokens' write), choices_per_step (masked argmaxes) and
-device_choices_per_step (those the read's candidates could not decide). --candidates 32,0 adds a run per count;
+device_choices_per_step (those the read's candidates could not decide), resumed_per_step (walks resumed from the last
+one's matcher). --candidates runs one constrained generation per entry: by default the frontier's rows (32@16, the
+code's default and the bound's figure), every row (32), every row by a two-stage top-k (32/4096) and none (0);
 --reference adds the reference walk (every masked argmax on the device over a bool mask): one run shows each part.
 Random weights make the model's own JSON attempts meaningless (the grammar corrects nearly every position): this
 measures cost, not quality. The tokenizer is the demo's with its vocabulary padded to the model's by synthetic
@@ -43,7 +45,7 @@ from diffgemma import grammars
 from diffgemma.batch import generate_batch
 from diffgemma.generation import generate
 from diffgemma.loader import embedded_model_path
-from diffgemma.sampling.constraint import GrammarState
+from diffgemma.sampling.constraint import GrammarState, best_candidates
 from diffgemma.settings import GenerationSettings
 from diffgemma.tokenizer import load_tokenizer
 
@@ -53,6 +55,7 @@ SCHEMA = {"type": "object", "properties": {
     "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
                                                                                      "pattern": "^[0-9]{5}$"}},
                 "required": ["city", "zip"]}}, "required": ["name", "age", "address"]}
+TWO_STAGE = 4096  # the two-stage top-k's segment the default runs and the hold section time
 _PIECES = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" + "Ġ" * 8 + ".,:;!?-_'\"(){}[]/"
 
 
@@ -99,9 +102,18 @@ def run(eng, cache, prompt_len, s, reps):
     return statistics.median(walls), result
 
 
-def walks(candidates: list[int], reference: bool) -> list[tuple[str, dict]]:
-    """The constrained runs: (name, GrammarState attributes) per --candidates count, and the reference walk."""
-    out = [(("constrained" if i == 0 else f"constrained_k{k}"), {"candidates": k}) for i, k in enumerate(candidates)]
+def walks(candidates: list[str], reference: bool) -> list[tuple[str, dict]]:
+    """The constrained runs: (name, GrammarState attributes) per --candidates entry K[@R][/S] (the K best tokens of
+    every row, or of the R rows from the frontier on; /S: a two-stage top-k over segments of S tokens), and the
+    reference walk."""
+    out = []
+    for i, entry in enumerate(candidates):
+        head, _, segment = entry.partition("/")
+        k, _, rows = head.partition("@")
+        attrs = {"candidates": int(k), "candidate_rows": int(rows) if rows else 1 << 30,
+                 "topk_segment": int(segment or 0)}
+        out.append(("constrained" if i == 0 else f"constrained_k{entry.replace('@', '_rows').replace('/', '_seg')}",
+                    attrs))
     return out + ([("constrained_reference", {"reference": True})] if reference else [])
 
 
@@ -126,7 +138,8 @@ def hold_split(timings: dict) -> dict:
             **{f"{k}_ms": round(timings.get(f"grammar_{k}_s", 0.0) * 1e3 / holds, 4) for k in ("read", "walk",
                                                                                                  "write")},
             "choices_per_step": round(timings.get("grammar_choices", 0) / holds, 3),
-            "device_choices_per_step": round(timings.get("grammar_device_choices", 0) / holds, 3)}
+            "device_choices_per_step": round(timings.get("grammar_device_choices", 0) / holds, 3),
+            "resumed_per_step": round(timings.get("grammar_resumed", 0) / holds, 3)}
 
 
 def section(eng, cfg, grammar, prompt_len, blocks, steps, reps, fixed, variants):
@@ -206,17 +219,17 @@ def hold_section(eng, cfg, grammar, reps):
             times.append((time.perf_counter() - t) * 1e3)
         out[name] = {"ms": round(statistics.median(times[2:]), 3), "held": int(held.sum()),
                      "split": hold_split({f"grammar_{k}": v for k, v in state.timings.items()})}
-    times = []
-    for dtype in (torch.float32, torch.bfloat16):  # the read's top-k alone, on logits as wide as the step's may be
-        x = logits.to(dtype)
-        for _ in range(reps + 2):
-            sync(dev)
-            t = time.perf_counter()
-            torch.topk(x, max(GrammarState.candidates, 1), dim=-1, sorted=False)
-            sync(dev)
-            times.append((time.perf_counter() - t) * 1e3)
-        out[f"topk_ms_{str(dtype)[6:]}"] = round(statistics.median(times[2:]), 3)
-        times = []
+    for dtype in (torch.float32, torch.bfloat16):  # the read's top-k alone: every row or the frontier's, 1 or 2 stages
+        for name, rows in (("", C), ("_frontier", min(GrammarState.candidate_rows, C))):
+            for stages, segment in (("", 0), ("_two_stage", TWO_STAGE)):
+                x, times = logits[:rows].to(dtype), []
+                for _ in range(reps + 2):
+                    sync(dev)
+                    t = time.perf_counter()
+                    best_candidates(x, max(GrammarState.candidates, 1), segment)
+                    sync(dev)
+                    times.append((time.perf_counter() - t) * 1e3)
+                out[f"topk{name}{stages}_ms_{str(dtype)[6:]}"] = round(statistics.median(times[2:]), 3)
     log(f"  hold: {out}")
     return out
 
@@ -231,16 +244,18 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--candidates", default=str(GrammarState.candidates),
-                    help="comma list: the hold read's candidates a position, one constrained run each (the first is "
-                         "'constrained', the bound's figure)")
+    k, rows = GrammarState.candidates, GrammarState.candidate_rows
+    ap.add_argument("--candidates", default=f"{k}@{rows},{k},{k}/{TWO_STAGE},0",
+                    help="comma list, one constrained run each (the first is 'constrained', the bound's figure): "
+                         "K[@R][/S]: the hold read's K best tokens of every row, or @R of the R rows from the frontier "
+                         "on; /S by a two-stage top-k over segments of S tokens")
     ap.add_argument("--reference", action="store_true",
                     help="also a constrained run with the reference walk (every masked argmax on the device)")
     ap.add_argument("--routing", default="balanced", choices=KINDS)
     ap.add_argument("--tiny", action="store_true", help="the demo model's shapes on the CPU (a dry run of the script)")
     a = ap.parse_args()
     kinds = with_fixtures([k for k in a.kinds.split(",") if k], a.fixtures)
-    variants = walks([int(k) for k in a.candidates.split(",") if k], a.reference)
+    variants = walks([k for k in a.candidates.split(",") if k], a.reference)
     cfg, dev = shapes(a.tiny)
     prompt_len = 32 if a.tiny else 1024
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,8 +12,8 @@ import torch
 
 import diffgemma
 from diffgemma import grammars
-from diffgemma.sampling.constraint import (GrammarState, device_masked_argmax, host_masked_argmax, masked_argmax,
-                                           words_mask)
+from diffgemma.sampling.constraint import (GrammarState, best_candidates, device_masked_argmax,
+                                           host_masked_argmax, mask_words, masked_argmax, words_mask)
 from diffgemma.tokenizer import load_tokenizer
 
 pytest.importorskip("llguidance")
@@ -35,9 +35,7 @@ SCHEMAS = [
 def random_words(vocab: int, density: float, gen: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
     """(bitmask words as llguidance writes them, the same mask as bool [vocab])."""
     bits = gen.random(vocab) < density
-    padded = np.zeros(-(-vocab // 32) * 32, dtype=bool)
-    padded[:vocab] = bits
-    return np.packbits(padded, bitorder="little").view("<u4"), torch.from_numpy(bits)
+    return mask_words(bits), torch.from_numpy(bits)
 
 
 def tied_logits(rows: int, vocab: int, gen: torch.Generator, dtype) -> torch.Tensor:
@@ -67,6 +65,30 @@ def test_host_masked_argmax_matches_the_device_one_where_it_decides(dtype):
                 elif k == vocab and allowed.any() and not logits[r].isnan().any():
                     pytest.fail("every candidate at hand: the host must decide")
     assert decided > 50
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_stage_candidates_are_a_top_k(dtype):
+    """best_candidates over segments gives a top k: the values, sorted, are torch.topk's; the ids hold them; and the
+    host's masked argmax from them is the reference's wherever it decides."""
+    rng, gen = np.random.default_rng(4), torch.Generator().manual_seed(4)
+    vocab, decided = 4096, 0
+    logits = tied_logits(12, vocab, gen, dtype)
+    logits[1:6] = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[6, ::9] = float("nan")
+    logits[7] = float("-inf")
+    for k, segment in ((8, 256), (32, 512), (1, 64), (32, 4096)):
+        values, ids = best_candidates(logits, k, segment)
+        want = torch.topk(logits, k, dim=-1).values
+        assert torch.equal(values.sort(dim=-1).values.nan_to_num(), want.sort(dim=-1).values.nan_to_num()), (k, segment)
+        assert torch.equal(logits.gather(1, ids).nan_to_num(), values.nan_to_num())
+        assert all(len(set(r)) == k for r in ids.tolist())
+        for r in range(logits.shape[0]):
+            words, allowed = random_words(vocab, 0.3, rng)
+            t = host_masked_argmax(ids[r].numpy(), values[r].double().numpy(), words, vocab)
+            decided += t is not None
+            assert t is None or t == masked_argmax(logits[r], allowed), (k, segment, r)
+    assert decided > 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,6 +133,47 @@ def test_hold_matches_the_reference_walk(tok, candidates, monkeypatch):
             fast.commit(keep)
             ref.commit(keep)
         assert fast.timings["holds"] == 6 and fast.timings["read_s"] > 0
+
+
+def reproposed(held, ids, noise, gen, change: bool):
+    """A step's proposal as a model that keeps what it sees gives it: the last held tokens again (one of them changed
+    where `change`), noise elsewhere."""
+    if held is None:
+        return noise
+    proposal = torch.where(held, ids, noise)
+    n = int(held.sum())
+    if change and n:
+        proposal[int(torch.randint(n, (), generator=gen))] = int(torch.randint(VOCAB, (), generator=gen))
+    return proposal
+
+
+@pytest.mark.parametrize("candidates,rows,segment", [(0, 16, 0), (16, 4, 0), (VOCAB, 48, 0), (32, 48, 256)])
+def test_resumed_walks_match_the_reference(tok, candidates, rows, segment):
+    """Proposals that re-propose the last held prefix (now and then with a token changed): the fast walk resumes from
+    its last matcher rolled back to the common prefix, and holds the reference walk's tokens, with commits between and
+    a budget-short step."""
+    gen = torch.Generator().manual_seed(7)
+    resumed, stopped = 0, 0
+    for schema in SCHEMAS + [{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}]:
+        g = grammars.json_grammar(schema, tok.token_to_id)
+        fast, ref = GrammarState(g, tok, VOCAB, STOPS, fixes=3), GrammarState(g, tok, VOCAB, STOPS, fixes=3)
+        fast.candidates, fast.candidate_rows, fast.topk_segment, ref.reference = candidates, rows, segment, True
+        held = ids = None
+        for step in range(14):
+            proposal = reproposed(held, ids, torch.randint(VOCAB, (48,), generator=gen), gen, step % 3 == 2)
+            logits = torch.randn(48, VOCAB, generator=gen).to(torch.bfloat16)
+            close_from = 30 if step == 13 else None
+            held, ids = fast.hold(proposal, logits, close_from)
+            held_r, ids_r = ref.hold(proposal, logits, close_from)
+            assert torch.equal(held, held_r) and torch.equal(ids, ids_r), (schema, step)
+            stopped += fast._last is not None and fast._last[0].is_stopped()  # the next walk rolls a stop back
+            if step % 5 == 4:
+                keep = ids[: max(1, int(held.sum()) // 2)].tolist()
+                fast.commit(keep)
+                ref.commit(keep)
+                held = None
+        resumed += fast.timings["resumed"]
+    assert resumed > 10 and stopped > 0
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ pytest.importorskip("llguidance")
 import diffgemma  # noqa: E402
 from diffgemma import grammars  # noqa: E402
 from diffgemma.loader import embedded_model_path  # noqa: E402
-from diffgemma.sampling.constraint import (GrammarState, device_masked_argmax, host_masked_argmax,  # noqa: E402
-                                           masked_argmax)
+from diffgemma.sampling.constraint import (GrammarState, best_candidates, device_masked_argmax,  # noqa: E402
+                                           host_masked_argmax, masked_argmax)
 
 from bench.bench_constrained import SCHEMA, padded_tokenizer  # noqa: E402
 
@@ -47,21 +47,44 @@ def test_choices_at_the_real_shape():
     assert decided > 10
 
 
-def test_hold_at_full_vocab_is_the_reference_walk(tmp_path):
+@pytest.mark.parametrize("segment", [4096, 16384])
+def test_two_stage_candidates_at_the_real_shape(segment):
+    """best_candidates in two stages on CUDA, [256, 262144] bf16 with ties: torch.topk's values, ids that hold them."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = torch.randn(C, V, device="cuda", generator=gen).to(torch.bfloat16)
+    logits[: C // 2] = logits[: C // 2].mul(2).round()
+    values, ids = best_candidates(logits, 32, segment)
+    assert torch.equal(values.sort(dim=-1).values, torch.topk(logits, 32, dim=-1).values.sort(dim=-1).values)
+    assert torch.equal(logits.gather(1, ids), values)
+
+
+@pytest.mark.parametrize("reproposed", [False, True])
+def test_hold_at_full_vocab_is_the_reference_walk(tmp_path, reproposed):
+    """Random proposals, or (reproposed) the last held tokens again with noise after them and now and then one
+    changed, so walks resume from the last one's matcher; every candidate setting against the reference walk."""
     tok = padded_tokenizer(V, Path(tmp_path))
     g = grammars.json_grammar(SCHEMA, tok.token_to_id)
-    fast, ref = GrammarState(g, tok, V, (1, 106)), GrammarState(g, tok, V, (1, 106))
-    ref.reference = True
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(6):
-        proposal = torch.randint(V, (C,), device="cuda", generator=gen)
-        logits = torch.randn(C, V, device="cuda", generator=gen).to(torch.bfloat16)
-        close_from = 40 if step == 5 else None
-        a, b = fast.hold(proposal, logits, close_from), ref.hold(proposal, logits, close_from)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
-        keep = a[1][: max(1, int(a[0].sum()) // 2)].tolist()
-        fast.commit(keep)
-        ref.commit(keep)
+    for candidates, rows, segment in ((32, 16, 0), (32, C, 0), (32, C, 4096), (0, 16, 0)):
+        fast, ref = GrammarState(g, tok, V, (1, 106)), GrammarState(g, tok, V, (1, 106))
+        fast.candidates, fast.candidate_rows, fast.topk_segment, ref.reference = candidates, rows, segment, True
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        held = ids = None
+        for step in range(10):
+            proposal = torch.randint(V, (C,), device="cuda", generator=gen)
+            if reproposed and held is not None:
+                proposal = torch.where(held, ids, proposal)
+                if step % 3 == 2 and int(held.sum()) > 1:
+                    proposal[int(held.sum()) // 2] = 7
+            logits = torch.randn(C, V, device="cuda", generator=gen).to(torch.bfloat16)
+            close_from = 40 if step == 9 else None
+            (held, ids), b = fast.hold(proposal, logits, close_from), ref.hold(proposal, logits, close_from)
+            assert torch.equal(held, b[0]) and torch.equal(ids, b[1]), (candidates, rows, segment, step)
+            if step % 4 == 3:
+                keep = ids[: max(1, int(held.sum()) // 2)].tolist()
+                fast.commit(keep)
+                ref.commit(keep)
+                held = None
+        assert fast.timings["resumed"] > 0 or not reproposed
 
 
 def test_demo_engine_generation_is_the_reference_walks(monkeypatch):
