@@ -114,6 +114,7 @@ def walks(candidates: list[str], reference: bool) -> list[tuple[str, dict]]:
                  "topk_segment": int(segment or 0)}
         out.append(("constrained" if i == 0 else f"constrained_k{entry.replace('@', '_rows').replace('/', '_seg')}",
                     attrs))
+    out.append(("constrained_plan_after", {**out[0][1], "plan_first": False}))  # the SC plan made after the hold
     return out + ([("constrained_reference", {"reference": True})] if reference else [])
 
 

@@ -140,3 +140,16 @@ def test_unconstrained_generation_is_untouched(demo):
     a = diffgemma.generate(demo, ids, seed=3, max_new_tokens=32, max_denoising_steps=8)
     b = diffgemma.generate(demo, ids, seed=3, max_new_tokens=32, max_denoising_steps=8, grammar="none")
     assert a.tokens == b.tokens
+
+
+def test_sc_plan_before_the_hold_gives_the_same_tokens(demo, monkeypatch):
+    """GrammarState.plan_first (the step's SC plan made before the hold, for the GPU to run during the walk) moves
+    work in time only: the same constrained reply, token for token, as the plan made after the hold."""
+    tok = demo.tokenizer
+    g = grammars.json_grammar(PERSON, tok.token_to_id)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Describe a person in JSON."}])
+    out = {}
+    for first in (True, False):
+        monkeypatch.setattr(GrammarState, "plan_first", first)
+        out[first] = diffgemma.generate(demo, ids, seed=5, max_new_tokens=64, grammar=g, max_denoising_steps=12)
+    assert out[True].tokens == out[False].tokens and out[True].forwards == out[False].forwards

@@ -21,7 +21,7 @@ from ..model.denoiser import queue_copy, read_statuses, wait_statuses
 from ..sampling.accept import accept_mask, accept_masks
 from ..sampling.self_condition import SparsePlan
 from ..sampling.stats import StepStats
-from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, Sampled, StatusAsk
+from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, Sampled, StatusAsk, own_plan
 
 
 def forward_lanes(model, asks: list[ForwardAsk]) -> list:
@@ -98,15 +98,14 @@ def lane_masks(asks: list[ForwardAsk], stats: list[StepStats]) -> list[Sampled]:
 
 
 def lane_plans(asks: list, lend: bool) -> None:
-    """Make the sparse-SC plan of every StatusAsk that asks for one (ask.plan). Several: SparsePlan.batch (one pass
+    """Make the sparse-SC plan of every StatusAsk that asks for one and has none yet (ask.plan). Several: SparsePlan.batch (one pass
     over the lanes' rows of one StepStats.batch) and their survivor counts by SparsePlan.counts_batch. One: its solo
     plan, which with `lend` (a core stepping one request) writes into its denoiser's dead logits buffer and may queue
     its gather ahead of the read (den.run_ahead)."""
-    want = [a for a in asks if isinstance(a, StatusAsk) and a.sc_ratio is not None]
+    want = [a for a in asks if isinstance(a, StatusAsk) and a.sc_ratio is not None and a.plan is None]
     if len(want) == 1:
         a = want[0]
-        a.plan = SparsePlan(a.stats, a.sc_ratio, dense_dtype=a.dense_dtype, scratch=a.den.scratch() if lend else None,
-                            sparse_ahead=a.den.run_ahead)
+        a.plan = own_plan(a.stats, a.sc_ratio, a.dense_dtype, a.den, lend)
     elif want:
         plans = SparsePlan.batch([a.stats for a in want], [a.sc_ratio for a in want], [a.dense_dtype for a in want])
         for a, plan in zip(want, plans):

@@ -50,6 +50,7 @@ from ..model.protocol import DenoiseModel
 from ..sampling.constraint import GrammarState
 from ..sampling.rng import DeviceLcg, block_seed, categorical
 from ..sampling.schedule import remaining, temperature_value
+from ..sampling.self_condition import SparsePlan
 from ..sampling.stats import StepStats
 from ..sampling.stops import REASONS, DeviceStopRules, filler_id
 from ..sampling.trim import trim_cut
@@ -98,7 +99,7 @@ class StatusAsk:
     """A request's ask for its step's one host read, answered with a StepStatus (model/denoiser.read_statuses reads
     a round's lanes with one host wait). Where `sc_ratio` is set the engine core first makes the step's sparse-SC plan
     of `stats` into `plan` (core/lanes.lane_plans: SparsePlan(stats, sc_ratio, dense_dtype) for every lane at once);
-    its survivor count rides in the status."""
+    its survivor count rides in the status. A plan made before the ask (`own_plan`, under a grammar) is kept."""
 
     den: Any
     code: torch.Tensor  # the stop rules' device code
@@ -111,6 +112,24 @@ class StatusAsk:
 
     def run(self):
         return self.den.read_status(self.code, self.mean_h, self.plan, self.canvas)
+
+
+def own_plan(stats, sc_ratio: float, dense_dtype, den, lend: bool) -> SparsePlan:
+    """A request's sparse-SC plan made on its own: the one it gets stepping alone (`lend`: in its denoiser's dead
+    logits buffer, and betting ahead where its denoiser runs ahead), or one lane's outside a batch's shared pass."""
+    return SparsePlan(stats, sc_ratio, dense_dtype=dense_dtype, scratch=den.scratch() if lend else None,
+                      sparse_ahead=den.run_ahead)
+
+
+def _plan_before_hold(model, den, stats, sc_ratio, dense_dtype, batched: bool):
+    """Under a grammar: the step's SC plan (own_plan), made and started on the main stream before the hold, which runs
+    on the bookkeeping stream, so the GPU runs the SC's passes while the host walks the grammar; None without SC."""
+    if sc_ratio is None:
+        return None
+    plan = own_plan(stats, sc_ratio, dense_dtype, den, lend=not batched)
+    if plan.speculative:
+        plan.start(model.embedding, model.config.embed_scale)
+    return plan
 
 
 @dataclass
@@ -340,6 +359,12 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":  # T's device scalar made here: an SC sum made ahead reads it
             stats.temp_tensor()
+        # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
+        # the last one for sure
+        sc_ratio = s.sc_sparse_log_ratio if sparse_sc and step < steps_total else None
+        dense_dtype = model.embedding.dtype if bet_dense and stats.fused else None
+        plan = _plan_before_hold(model, den, stats, sc_ratio, dense_dtype, batched) if grammar is not None and \
+            grammar.plan_first else None
         with den.bookkeeping():  # sample, renoise, stop rules: beside the SC pass the status read follows
             proposal = argmax
             if s.commit == "sample":
@@ -356,11 +381,7 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
                 proposal, mask = torch.where(held, held_ids, proposal), mask | held
             canvas = torch.where(mask, proposal, noise)
             code = stops.update(step, argmax, mean_h, mask)
-        # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
-        # the last one for sure
-        sc_ratio = s.sc_sparse_log_ratio if sparse_sc and step < steps_total else None
-        ask = StatusAsk(den, code, mean_h, None, canvas, stats, sc_ratio,
-                        dense_dtype=model.embedding.dtype if bet_dense and stats.fused else None)
+        ask = StatusAsk(den, code, mean_h, plan, canvas, stats, sc_ratio, dense_dtype=dense_dtype)
         status = yield ask
         plan, ask = ask.plan, None
         reason = REASONS[status.code]

@@ -182,6 +182,7 @@ class GrammarState:
     candidate_rows = CANDIDATE_ROWS  # the positions, from the frontier on, whose candidates the read carries
     topk_segment = TOPK_SEGMENT  # the read's top-k in two stages over segments of this many tokens (0: one)
     reference = False  # every masked argmax by masked_argmax over allowed_mask, every walk from the committed matcher
+    plan_first = True  # the step makes its SC plan before the hold, for the GPU to run while the host walks (core)
 
     def __init__(self, grammar: str, tokenizer, vocab: int, stop_ids, fixes: int = 8):
         import llguidance
