@@ -41,7 +41,8 @@ FULL = dict(E=128, H=2816, F=704, k=8, tokens={1: 256, 8: 2048})
 TINY = dict(E=4, H=128, F=64, k=2, tokens={1: 8, 8: 32})
 # name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs. B=1 only: gc8 (8 code groups a K step
 # where K allows: gate_up; twice the registers, so at B=8's 128-row tile it would not fit); B=8 only: bm64
-VARIANTS = {"default": {}, "stages3": {"num_stages": 3}, "stages5": {"num_stages": 5}, "gc8": {"group_step": 8},
+VARIANTS = {"default": {}, "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4}, "stages5": {"num_stages": 5},
+            "gc8": {"group_step": 8},
             "warps8": {"num_warps": 8}, "bm64": {"BM": 64}}
 ONLY = {"gc8": 1, "bm64": 8}
 

@@ -289,13 +289,14 @@ def row_tile(routes: int, experts: int) -> int:
 
 def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
                            order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, group_step: int = 4,
-                           num_warps: int = 4, num_stages: int = 4):
+                           num_warps: int = 4, num_stages: int | None = None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
     epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
     BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
     CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken);
-    num_warps / num_stages: the launch's (bench/probes/probe_nvfp4_kernel.py times others)."""
+    num_warps / num_stages: the launch's (default: 4 stages, 3 at 128-row tiles, where the deeper pipeline's shared
+    memory costs more than it hides; bench/probes/probe_nvfp4_kernel.py times the others)."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     M = route_count(x, src)
@@ -309,6 +310,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
         return out
     offs = offs.to(torch.int32).contiguous()
     BM = BM or row_tile(M, E)
+    num_stages = num_stages or (3 if BM >= 128 else 4)
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *_planes(w), N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
