@@ -64,7 +64,7 @@ def _compile(template: str):
     """Compile a chat template in the environment transformers' apply_chat_template uses: a sandbox with
     trim_blocks and lstrip_blocks, loop controls, the {% generation %} block (rendered as its body), lenient
     undefined variables, and the globals raise_exception, strftime_now, dict and namespace."""
-    # Compiling costs ~100x a render, so compiled templates are cached by their source text.
+    # Compiling parses and generates code where a render only runs it: compiled templates are cached by source.
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment

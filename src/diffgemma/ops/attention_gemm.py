@@ -3,8 +3,8 @@
 The engine ran the full layers' denoise canvas this way (head dim 512, every cache row below `nlive` a key)
 until ops/attention_tiles.py, which keeps the scores out of memory, replaced it; it stays as the engine's A/B
 alternative (`canvas_impls = {"full": "gemm"}`). The flash kernel
-(ops/attention_flash.py) runs those at ~25% of the tensor cores' rate: a 512-wide head leaves it 32-key blocks,
-and it recomputes QK^T for each output half. Here the products are plain GEMMs, which cuBLAS runs near the
+(ops/attention_flash.py) runs those well below the tensor cores' rate: a 512-wide head leaves it 32-key
+blocks, and it recomputes QK^T for each output half. Here the products are plain GEMMs, which cuBLAS runs near the
 compute roofline, and the scores make one round trip through memory:
 
   1. S = Q·K^T per KV head ([G·n, keys], f32; GQA folded into the rows as in the flash kernel);
@@ -15,8 +15,8 @@ compute roofline, and the scores make one round trip through memory:
   3. per chunk: acc = P·V (f32), one GEMM batched over the KV heads;
   4. the flash kernel's merge of (acc, m, l) over the chunks (its partials' layout).
 
-Keys masked by `kpos` (the sliding layers' ring) work too, but there the flash kernel is faster
-(bench/bench_attention.py), so the engine keeps it.
+Keys masked by `kpos` (the sliding layers' ring) work too, but there the engine keeps the flash kernel, whose
+256-wide heads fit its tiles whole (bench/bench_attention.py compares the two).
 
 The price is that the GEMMs always run over all `n_keys` rows (a graph's padded bucket), where the flash
 kernel stops at `nlive`; masked rows hold zeros or earlier finite K/V (normed, so never inf), and
@@ -91,8 +91,8 @@ def visible_keys(n_keys: int, nlive, kpos, device) -> torch.Tensor:
 
 def chunk_size(n_keys: int) -> int:
     """Keys a chunk: n_keys / 8 rounded to a power of two, within [2048, 8192] (8192 keys: a row of the softmax
-    in one program's registers). A function of the static key count only. Against
-    chunks of 512-4096 the fewer partials were the faster (bench/bench_attention.py)."""
+    in one program's registers). A function of the static key count only: larger chunks mean fewer partials to
+    merge (bench/bench_attention.py times other sizes)."""
     return max(2048, min(8192, next_pow2(n_keys // 8)))
 
 
@@ -137,7 +137,7 @@ def attention_gemm(q, k, v, n_keys: int, kpos=None, nlive=None, out_dtype=None, 
     K, V = k[:, :n_keys], v[:, :n_keys]
     s = torch.empty(KV, GR, n_keys, dtype=torch.float32, device=q.device)
     _matmul_f32(qg, K.transpose(1, 2), s)
-    if kernels:  # P in place of the scores: at 8k context the q4 model's 20 GiB bar has no room for both
+    if kernels:  # P in place of the scores: one [keys] buffer a row instead of two, at long contexts
         p = s.view(v.dtype)  # [KV, GR, 2·n_keys]; P is its first n_keys columns
         pml = torch.empty(n_chunks, 2, KV * GR, dtype=torch.float32, device=q.device)
         _chunk_softmax_kernel[(KV * GR,)](s, p, pml, nlive if nlive is not None else s, kpos if kpos is not None else s,

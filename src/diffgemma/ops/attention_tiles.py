@@ -19,7 +19,7 @@ P = 0, and their V rows are not read, so even NaN garbage in the padded rows of 
 past `nlive` do no work, so a half-full bucket costs about half.
 Numerics: f16 operands, f32 accumulation, f32 scores and stats; P rounded to f16 after the exponential, the tile
 weight rounded to f16 and the product P·f rounded to f16 again; f32 PV accumulation. The flash kernel rounds P
-to f16 once and rescales its f32 accumulator instead (the costlier form at these shapes: bench/bench_attention.py).
+to f16 once and rescales its f32 accumulator instead (bench/bench_attention.py compares the two forms).
 
   attention_tiles       the three kernels (CUDA, or the CPU through TRITON_INTERPRET=1)
   attention_tiles_ref   their torch twin, the same tiles and roundings (kernels=False: any device, graph-safe)
@@ -163,7 +163,7 @@ if HAVE_TRITON:
                 v_ok = v_ok & (tl.load(kpos_ptr + keys, mask=v_ok, other=-1) >= 0)
             p = tl.load(p_rows + keys[None, :], mask=row_ok[:, None], other=0.0)
             v = tl.load(v_base + keys.to(tl.int64)[:, None] * D + cols[None, :], mask=v_ok[:, None], other=0.0)
-            # the tile weight on P in f16 (f32 products cost 7% more at 32k keys; on the accumulator, 27%)
+            # the tile weight on P in f16: f16 MMA operands, no rescale of the f32 accumulator per tile
             acc = tl.dot(p * f.to(p.dtype)[:, None], v, acc)
         acc = acc * tl.load(invl_ptr + g * GR + rows, mask=row_ok, other=0.0)[:, None]
         head = g * G + rows // n_q

@@ -8,7 +8,7 @@ A layer runs seven of them; four fused ops cover the chain with one read of each
   ffn_inputs(x, w_ff, w_ff2, w_r) norm(x)·w_ff, norm(x)·w_ff2 (bf16) and norm(x)·w_r (f32 router input)
   layer_finish(res, m, e, ...)   (res + norm(norm(m)·w1 + norm(e)·w2)·w3) · layer_scalar
 
-Round 2 fuses across op boundaries (one launch instead of two, same roundings):
+Three more fuse across op boundaries (one launch instead of two, same roundings):
   attn_finish(res, a, w, ...)    norm_add, then ffn_inputs of its (rounded) output: x, dense_in, moe_in, router_in
   layer_finish_moe(res, m, y, inv, wts, ..., w_next)
                                  e = Σ_j wts[t,j]·y[inv[t·k+j]] (the MoE un-permute, f32), then layer_finish,

@@ -1,6 +1,6 @@
 """The early-stop rules' per-step update (sampling/stops.py, DeviceStopRules) in one kernel.
 
-The torch twin spends ~30 small kernels a step on it (argmax against each remembered canvas, the accept-mask
+The torch twin spends dozens of small kernels a step on it (argmax against each remembered canvas, the accept-mask
 run counter, the pad gate, a where per rule), whose launch latency sits on the critical path of every
 step. One program here reads the step's argmax and accept mask once, updates the state in
 place (the ring of the last N argmax canvases, the last mask, the run counter) and writes the stop code.
