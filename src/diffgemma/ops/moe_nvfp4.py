@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TensorError
 from ._backend import HAVE_TRITON
-from .grouped import route_count
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .moe_q4 import group_chunk
+from .moe_q4 import group_chunk, tile_gemm_operands
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
 
 # The decode's PTX (tests/test_moe_nvfp4.py runs it through a small interpreter against the plain ops). A scale word's
@@ -299,13 +297,8 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     memory costs more than it hides; bench/probes/probe_nvfp4_kernel.py times the others)."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
-    M = route_count(x, src)
-    x = x.contiguous()
-    if x.dim() != 2 or x.shape[1] != K:
-        raise TensorError(f"grouped_mm_nvfp4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, "
-                          f"got {list(x.shape)}")
-    gu_dtype = out_dtype or x.dtype
-    out = torch.empty(M, N // 2 if glu else N, dtype=torch.float16 if glu and glu_f16 else gu_dtype, device=x.device)
+    x, out, gu_round = tile_gemm_operands("grouped_mm_nvfp4_tiles", x, w.shape, src, out_dtype, glu, glu_f16)
+    M = out.shape[0]
     if M == 0:
         return out
     offs = offs.to(torch.int32).contiguous()
@@ -316,7 +309,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
         GC=group_chunk(K // CODE_GROUP, group_step), HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, DIVIDES=w.divides, GLU=glu,
-        GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0), F16_OUT=glu and glu_f16,
+        GU_ROUND=gu_round, F16_OUT=glu and glu_f16,
         num_warps=num_warps, num_stages=num_stages)
     return out
 

@@ -286,6 +286,20 @@ def _descriptors(w, GC: int):
             TensorDescriptor.from_tensor(sides.view(-1, 64), [GC, 64]))
 
 
+def tile_gemm_operands(name: str, x, w_shape, src, out_dtype, glu: bool, glu_f16: bool):
+    """The tile GEMMs' shared checks and output (this kernel's and ops/moe_nvfp4.py's): x contiguous and [rows, K]
+    for a [E, N, K] weight, the output [M, N] (glu: [M, N/2], f16 with glu_f16) in out_dtype (default x's), and the
+    epilogue's rounding code for the gate and up products (GU_ROUND: 1 bf16, 2 f16, 0 none) -> (x, out, GU_ROUND)."""
+    K, N = w_shape[2], w_shape[1]
+    M = route_count(x, src)
+    x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != K:
+        raise TensorError(f"{name}: x must be [rows, {K}] for the weight {list(w_shape)}, got {list(x.shape)}")
+    gu_dtype = out_dtype or x.dtype
+    out = torch.empty(M, N // 2 if glu else N, dtype=torch.float16 if glu and glu_f16 else gu_dtype, device=x.device)
+    return x, out, {torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0)
+
+
 def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, asm: bool | None = None,
                         order=None, tma: bool | None = None, out_dtype=None, glu: bool = False, glu_f16: bool = False):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w a q4-tiles
@@ -301,16 +315,10 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     glu-laid weight's product comes out in the glu tile order and is put back in column order (a copy)."""
     check_tiles(w)
     E, N, K = w.shape
-    M = route_count(x, src)
-    x = x.contiguous()
-    if x.dim() != 2 or x.shape[1] != K:
-        raise TensorError(f"grouped_mm_q4_tiles: x must be [rows, {K}] for the weight {list(w.shape)}, "
-                          f"got {list(x.shape)}")
+    x, out, gu_round = tile_gemm_operands("grouped_mm_q4_tiles", x, w.shape, src, out_dtype, glu, glu_f16)
     if glu and not w.glu:
         raise TensorError("grouped_mm_q4_tiles: glu needs a weight laid with to_tile_layout(glu=True)")
-    gu_dtype = out_dtype or x.dtype
-    out = torch.empty(M, N // 2 if glu else N, dtype=torch.float16 if glu and glu_f16 else gu_dtype, device=x.device)
-    if M == 0:
+    if out.shape[0] == 0:
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
     # TMA, 4 through cp.async (chosen by bench/bench_pack.py).
@@ -323,8 +331,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         *planes, N, K, x.stride(0), out.stride(0), BN=TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
         GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
         ASM=x.is_cuda if asm is None else asm, TMA=tma, GLU=glu,
-        GU_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(gu_dtype, 0),
-        F16_OUT=glu and glu_f16, num_warps=4, num_stages=3 if tma else 4)
+        GU_ROUND=gu_round, F16_OUT=glu and glu_f16, num_warps=4, num_stages=3 if tma else 4)
     if w.glu and not glu:  # column j holds logical column glu_row_order[j]
         out = out.index_select(1, torch.argsort(glu_row_order(N, out.device)))
     return out
