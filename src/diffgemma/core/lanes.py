@@ -98,10 +98,10 @@ def lane_masks(asks: list[ForwardAsk], stats: list[StepStats]) -> list[Sampled]:
 
 
 def lane_plans(asks: list, lend: bool) -> None:
-    """Make the sparse-SC plan of every StatusAsk that asks for one and has none yet (ask.plan). Several: SparsePlan.batch (one pass
-    over the lanes' rows of one StepStats.batch) and their survivor counts by SparsePlan.counts_batch. One: its solo
-    plan, which with `lend` (a core stepping one request) writes into its denoiser's dead logits buffer and may queue
-    its gather ahead of the read (den.run_ahead)."""
+    """Make the sparse-SC plan of every StatusAsk that asks for one and has none yet (ask.plan). Several:
+    SparsePlan.batch (one pass over the lanes' rows of one StepStats.batch) and their survivor counts by
+    SparsePlan.counts_batch. One: its own plan (steps.own_plan), which with `lend` (a core stepping one request)
+    writes into its denoiser's dead logits buffer and may queue its gather ahead of the read (den.run_ahead)."""
     want = [a for a in asks if isinstance(a, StatusAsk) and a.sc_ratio is not None and a.plan is None]
     if len(want) == 1:
         a = want[0]

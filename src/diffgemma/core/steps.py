@@ -121,10 +121,11 @@ def own_plan(stats, sc_ratio: float, dense_dtype, den, lend: bool) -> SparsePlan
                       sparse_ahead=den.run_ahead)
 
 
-def _plan_before_hold(model, den, stats, sc_ratio, dense_dtype, batched: bool):
-    """Under a grammar: the step's SC plan (own_plan), made and started on the main stream before the hold, which runs
-    on the bookkeeping stream, so the GPU runs the SC's passes while the host walks the grammar; None without SC."""
-    if sc_ratio is None:
+def _plan_before_hold(model, den, grammar, stats, sc_ratio, dense_dtype, batched: bool):
+    """Under a grammar (with GrammarState.plan_first): the step's SC plan (own_plan), made and started on the main
+    stream before the hold, which runs on the bookkeeping stream, so the GPU runs the SC's passes while the host walks
+    the grammar. None otherwise: the core makes the plan at the StatusAsk."""
+    if grammar is None or not grammar.plan_first or sc_ratio is None:
         return None
     plan = own_plan(stats, sc_ratio, dense_dtype, den, lend=not batched)
     if plan.speculative:
@@ -359,12 +360,11 @@ def _denoise_block(model: DenoiseModel, cache, s: GenerationSettings, rng: Devic
         h, argmax = stats.entropy, stats.argmax
         if s.commit == "sample":  # T's device scalar made here: an SC sum made ahead reads it
             stats.temp_tensor()
-        # the sparse SC's plan (made by the core) and its survivor count in the status; not needed when this step is
-        # the last one for sure
+        # the sparse SC's plan (the core's, or made before a grammar's hold) and its survivor count in the status; not
+        # needed when this step is the last one for sure
         sc_ratio = s.sc_sparse_log_ratio if sparse_sc and step < steps_total else None
         dense_dtype = model.embedding.dtype if bet_dense and stats.fused else None
-        plan = _plan_before_hold(model, den, stats, sc_ratio, dense_dtype, batched) if grammar is not None and \
-            grammar.plan_first else None
+        plan = _plan_before_hold(model, den, grammar, stats, sc_ratio, dense_dtype, batched)
         with den.bookkeeping():  # sample, renoise, stop rules: beside the SC pass the status read follows
             proposal = argmax
             if s.commit == "sample":

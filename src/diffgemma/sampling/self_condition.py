@@ -189,15 +189,15 @@ class SparsePlan:
     @classmethod
     def batch(cls, stats: list, log_ratios, dense_dtypes=None) -> list["SparsePlan"]:
         """Every lane's plan of a batched round: lane i's is SparsePlan(stats[i], log_ratios[i],
-        dense_dtype=dense_dtypes[i]) (no scratch, no gather ahead). Where the stats are lanes of one StepStats.batch
+        dense_dtype=dense_dtypes[i]) (no scratch). Where the stats are lanes of one StepStats.batch
         (fused; any of its lanes, in any order): when every lane bets on the dense product in one dtype, one
         counted-probability pass over all the batch's rows; else one survivor count over all rows serves the lanes that
         bet on the gather (ops/survivor_list.py: it reads only the columns of the groups whose maximum, from the row
         pass, reaches the threshold; the others' rows are counted too, unused; a row pass without group maxima,
         stats.with_groups, sends them lane by lane) and a lane that bets dense makes its own plan. The batch's lanes
-        that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A
-        plan of the shared count holds no mask: soft_embed_batch lists its survivors, and a plan summing on its own
-        makes its mask then (_take_mask).
+        that ask no plan get none (their rows' threshold is +inf). Otherwise lane by lane. A plan of the shared count
+        holds no mask: soft_embed_batch lists its survivors (or takes the group's gather ahead of the read, on the
+        kernels: _SharedPasses.start), and a plan summing on its own makes its mask then (_take_mask).
 
         Exactness: each plan's survivors, row counts, count, bet probabilities and soft embedding have the bits of the
         solo plan's: the passes compare and exponentiate each value on its own (their only sums are integer counts),
