@@ -158,7 +158,8 @@ def test_batch_gather_ahead_of_the_read_is_the_gather_after_it(monkeypatch, case
         monkeypatch.setattr(SparsePlan, "batch_ahead_rows", 1)  # 3 survivors a row: more than one slot a row
     plans = SparsePlan.batch(StepStats.batch(lanes, temps, cap=cap), [6.0] * B)
     group = plans[0].shared
-    assert all(p.shared is group and p.speculative for p in plans) and group.ahead == B * C * SparsePlan.batch_ahead_rows
+    assert all(p.shared is group and p.speculative for p in plans)
+    assert group.ahead == B * C * SparsePlan.batch_ahead_rows
     counts = SparsePlan.counts_batch(plans).tolist()
     if case == "dense":
         monkeypatch.setattr(SparsePlan, "gather_bytes_limit", (sorted(counts)[-2] + 1) * hidden * 4)

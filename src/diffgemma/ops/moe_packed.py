@@ -31,7 +31,8 @@ from .layouts import GROUP, rows_k
 from .moe_paths import STREAM_MAX_ROWS
 from .moe_plan import order_operand
 from . import moe_nvfp4
-from .packed_weight import NVFP4_TILES, EXPERT_FORMATS, PackedWeight, dequantize  # noqa: F401  (also model/'s names for them)
+from .packed_weight import (  # noqa: F401  (also model/'s names for them)
+    NVFP4_TILES, EXPERT_FORMATS, PackedWeight, dequantize)
 
 # model/ imports these from here; their homes are ops/moe_paths.py and ops/q8_linear.py
 from .moe_paths import PREFILL_ROWS, dequantizes_for, takes_f16_operand  # noqa: F401

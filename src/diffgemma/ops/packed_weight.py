@@ -49,7 +49,7 @@ class PackedWeight:
     record: torch.Tensor  # uint8 [record_nbytes]
     planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
     tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
-    layout: str = "natural"  # the pack's byte order, q4_tiles.py's "q4-tiles" or "nvfp4-tiles" (made on the device at load)
+    layout: str = "natural"  # the pack's byte order, "q4-tiles" or "nvfp4-tiles" (made on the device at load)
     # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
     # the GEMM can make gelu·up in its epilogue (ops/q4_tiles.to_tile_layout(glu=True)); the logical shape is unchanged
     glu: bool = False
