@@ -12,7 +12,7 @@ import torch
 
 import diffgemma
 from diffgemma import grammars
-from diffgemma.sampling.constraint import (GrammarState, best_candidates, device_masked_argmax,
+from diffgemma.sampling.constraint import (GrammarState, best_candidates, device_masked_argmax, device_words_mask,
                                            host_masked_argmax, mask_words, masked_argmax, words_mask)
 from diffgemma.tokenizer import load_tokenizer
 
@@ -102,6 +102,7 @@ def test_device_masked_argmax_and_words_mask_match_the_reference(dtype):
         for r in range(logits.shape[0]):
             words, allowed = random_words(vocab, density, rng)
             assert torch.equal(words_mask(words, vocab, "cpu"), allowed)
+            assert torch.equal(device_words_mask(words, vocab, "cpu"), allowed)
             want = masked_argmax(logits[r], allowed)
             for sparse_words in (0, 4, 256):
                 assert device_masked_argmax(logits[r], words, vocab, sparse_words) == want, (density, r)

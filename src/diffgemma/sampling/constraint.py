@@ -95,6 +95,14 @@ def words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].view(bool)).to(device)
 
 
+def device_words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """words_mask with the words (a bit a token) sent to `device` and unpacked there: bit b of word j is token
+    32j + b, read as (word >> b) & 1 of the word as int32 (the arithmetic shift keeps bit b where it is)."""
+    w = torch.from_numpy(np.ascontiguousarray(words, dtype=np.uint32).view(np.int32)).to(device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((w[:, None] >> bits) & 1).view(-1)[:vocab].bool()
+
+
 def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, vocab: int) -> int | None:
     """masked_argmax from a row's best candidates (`ids`, `values`: the top k by value, any order among ties) and the
     bitmask words, or None where the candidates cannot decide it: the best allowed candidate is the row's masked
@@ -111,12 +119,12 @@ def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, v
 def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int, sparse_words: int = 256) -> int:
     """masked_argmax of a row against bitmask words: where at most `sparse_words` words allow anything, the allowed
     ids go to the device and the row's values at them come back (exact, as f32), the first best of the ascending ids
-    being the lowest, a NaN the first NaN, as torch.argmax; else the refused tokens' mask goes (unpacked on the host)
-    and the row's masked argmax is taken there. A best of -inf takes masked_argmax itself."""
+    being the lowest, a NaN the first NaN, as torch.argmax; else the refused tokens' words go, are unpacked there
+    (device_words_mask) and the row's masked argmax is taken there. A best of -inf takes masked_argmax itself."""
     device = logits_row.device
     live = np.flatnonzero(words)
     if len(live) > sparse_words:  # masked_argmax's fill and first max, in the row's own dtype (the same order)
-        return int(logits_row.masked_fill(words_mask(~words, vocab, device), float("-inf")).argmax())
+        return int(logits_row.masked_fill(device_words_mask(~words, vocab, device), float("-inf")).argmax())
     rows, bits = np.nonzero(np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32))
     ids = live[rows] * 32 + bits
     ids = ids[ids < vocab]
@@ -125,7 +133,7 @@ def device_masked_argmax(logits_row: torch.Tensor, words: np.ndarray, vocab: int
     values = logits_row.index_select(0, torch.from_numpy(ids).to(device)).cpu().float().numpy()
     at = int(values.argmax())
     if values[at] == -np.inf:
-        return masked_argmax(logits_row, words_mask(words, vocab, device))
+        return masked_argmax(logits_row, device_words_mask(words, vocab, device))
     return int(ids[at])
 
 
