@@ -350,6 +350,13 @@ def row_tile(routes: int, experts: int) -> int:
     return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 
 
+def default_stages(tma: bool, BM: int) -> int:
+    """The GEMM's pipeline stages unless given: through TMA 3, the depth ops/moe_q4.py's kernel of the same structure
+    and about the same bytes a K step takes; through cp.async 4, and 3 at 128-row tiles, where the deeper pipeline's
+    shared memory costs more than it hides (bench/probes/probe_nvfp4_kernel.py times the others)."""
+    return 3 if tma or BM >= 128 else 4
+
+
 def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
                            order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, group_step: int = 4,
                            tma: bool | None = None, num_warps: int = 4, num_stages: int | None = None):
@@ -359,9 +366,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
     CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken); tma: the
     planes read through tensor descriptors (default: where available), else by cp.async, the same bits;
-    num_warps / num_stages: the launch's (default stages: 3 through TMA, as ops/moe_q4.py's kernel of the same
-    structure and K-step bytes takes; through cp.async 4, 3 at 128-row tiles, where the deeper pipeline's shared
-    memory costs more than it hides; bench/probes/probe_nvfp4_kernel.py times the others)."""
+    num_warps / num_stages: the launch's (default stages: default_stages')."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     x, out, gu_round = tile_gemm_operands("grouped_mm_nvfp4_tiles", x, w.shape, src, out_dtype, glu, glu_f16)
@@ -373,7 +378,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     GC = group_chunk(K // CODE_GROUP, group_step)
     tma = tma_available(x) if tma is None else tma
     planes = _descriptors(w, GC, glu) if tma else _planes(w)[:2]
-    num_stages = num_stages or (3 if tma or BM >= 128 else 4)
+    num_stages = num_stages or default_stages(tma, BM)
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
         x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *planes, w.escale, N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
