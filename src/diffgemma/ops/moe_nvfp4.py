@@ -24,8 +24,9 @@ interpreter) the same values with plain f32 ops (_pair_w, _e4m3_pair).
 The loads. Where the device has a tensor-memory accelerator (TMA) the two planes come through tensor descriptors
 (_descriptors), elsewhere through cp.async pointer loads: the same words, the same bits. The codes are seen as
 [E·G, N/8, 32] int32 (a group's rows in runs of 8 rows × 4 words, one 128-byte line each) and a K step of a run of R
-rows is one [GC, R/8, 32] box; the scales as [E·G/2, N] int32, a [GC/2, R] box. A program's rows are one run of BN
-(glu: two of BN/2, the gate rows and the up rows of the same columns, joined in registers).
+rows is one [GC, R/8, 32] box (an inner dimension of one swizzle line: one copy, where a [GC, 4R] box of the 2-D view
+would be split into 4R/32 copies of a line's width); the scales as [E·G/2, N] int32, a [GC/2, R] box. A program's
+rows are one run of BN (glu: two of BN/2, the gate rows and the up rows of the same columns, joined in registers).
 
   grouped_mm_nvfp4_tiles    the grouped GEMM (swap-AB, one program per (64-row tile, expert) looping over row tiles;
                             glu: gate and up rows of the same 32 columns, gelu·up in the epilogue)
