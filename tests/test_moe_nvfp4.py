@@ -245,3 +245,37 @@ def test_nvfp4_words_round_trip_and_fill_the_word():
     assert bits == list(range(16))  # four codes a half, no bit shared
     q = torch.randint(0, 16, (5, 3, 32), dtype=torch.uint8)
     assert torch.equal(pwm.unpack_nvfp4_words(pwm.pack_nvfp4_words(q)), q)
+
+
+@interpreted
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("K", [128, 192])  # K steps of 4 code groups (two scale-word rows a box) and of 2 (one)
+def test_tma_path_reads_the_pointer_paths_bits(K, glu):
+    """The planes through tensor descriptors (ops/moe_nvfp4._descriptors: code boxes of 8-row lines, scale boxes;
+    glu: the gate run and the up run joined) give the pointer path's bits: few routes an expert (one BM_FEW pass, as
+    at denoise) gathered through src, and the BM loop over long experts beside short ones in a given launch order;
+    on exact operands, the twin's product (glu: gelu_mul of the plain one) bit for bit."""
+    from diffgemma.ops.gelu_mul import gelu_mul_triton
+    from test_moe_stream import routes_of
+
+    E, N = 6, 128
+    _, tiled = stack(E, N, K, divides=True)
+    glu_kw = dict(glu=True, glu_f16=True, out_dtype=torch.bfloat16) if glu else {}
+    T, k = 11, 4
+    x = torch.randn(T, K)
+    src, offs = routes_of(T, k, E)
+    xs = torch.randn(61, K)
+    long_offs = torch.tensor([0, 5, 32, 32, 40, 61], dtype=torch.int32)  # 0, 5, 27, 0, 8, 21 rows
+    order = torch.randperm(E).to(torch.int32)
+    for xx, oo, kw in ((x, offs, dict(src=src)), (xs, long_offs, dict(BM=16, BM_FEW=8, order=order))):
+        got = moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=True, **kw, **glu_kw)
+        assert torch.equal(got, moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=False, **kw, **glu_kw)), kw
+    exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True)
+    for w in (exact_pw, exact_tiled):
+        w.escale.fill_(1.0)
+    xq = torch.randint(-4, 5, (61, K)).float() / 4
+    plain = moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_tiled, long_offs, BM=16, BM_FEW=8, tma=True)
+    assert torch.equal(plain, exact_product(xq, mp.dequantize(exact_pw).double(), long_offs))
+    if glu:
+        got = moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_tiled, long_offs, BM=16, BM_FEW=8, tma=True, glu=True)
+        assert torch.equal(got, gelu_mul_triton(plain))

@@ -1,4 +1,4 @@
-"""Probe: the nvfp4-tiles expert GEMM beside q4's at the model's shapes (one GPU, under 90 s).
+"""Probe: the nvfp4-tiles expert GEMM beside q4's at the model's shapes (one GPU, about a minute).
 
     PYTHONPATH=src:. python -m bench.probes.probe_nvfp4_kernel --json $OUT/nvfp4k.json
     PYTHONPATH=src:. TRITON_INTERPRET=1 python -m bench.probes.probe_nvfp4_kernel --tiny     # CPU dry run
@@ -9,11 +9,13 @@ loader does), balanced top-8 routing (bench/balanced_routing.py) of 256 tokens (
 2048 tokens (B=8: 16384 routes), each GEMM called as the engine's expert FFN calls it (the f16 operand in, gate_up with
 gelu·up as f16 operands out, down to bf16, the launch order of moe_plan_with_order). Times: GPU µs a call, 10 calls
 captured in one CUDA graph, the median of 20 replays (bench/bench_engine.time_graph). Each nvfp4 variant (launch
-configs of ops/moe_nvfp4.grouped_mm_nvfp4_tiles) is checked bit for bit against the twin, the same kernel with its
-plain-op decode (asm=False: the interpreter's, which the CPU tests hold to the exact product), and the default
+configs of ops/moe_nvfp4.grouped_mm_nvfp4_tiles: the planes through TMA or cp.async, pipeline stages; each row says
+which it ran) is checked bit for bit against the twin, the same kernel with its plain-op decode and pointer loads
+(asm=False, tma=False: the interpreter's decode, which the CPU tests hold to the exact product), and the default
 against the dequantize-then-GEMM reference (packed_weight.dequantize, ops/moe_packed.grouped_mm_packed_ref; relative
 error). The JSON is rewritten after every measurement; variants past --budget seconds are skipped (marked so).
---tiny: small shapes in the Triton interpreter, wall-clock ms of one call (a dry run of the code paths, not timings).
+--tiny: small shapes in the Triton interpreter (which runs the descriptor loads too), wall-clock µs of one call (a
+dry run of the code paths, not timings).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from bench.balanced_routing import balanced_ids
 from bench.fixtures import random_record
 from diffgemma.ops import moe_nvfp4, moe_q4, q4_tiles
+from diffgemma.ops._backend import tma_available
 from diffgemma.ops import packed_weight as pwm
 from diffgemma.ops.gelu_mul import gelu_mul_ref
 from diffgemma.ops.layouts import record_nbytes, record_planes
@@ -39,12 +42,13 @@ from diffgemma.ops.moe_plan import moe_plan_with_order
 
 FULL = dict(E=128, H=2816, F=704, k=8, tokens={1: 256, 8: 2048})
 TINY = dict(E=4, H=128, F=64, k=2, tokens={1: 8, 8: 32})
-# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs. B=1 only: gc8 (8 code groups a K step
-# where K allows: gate_up; twice the registers, so at B=8's 128-row tile it would not fit); B=8 only: bm64
-VARIANTS = {"default": {}, "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4}, "stages5": {"num_stages": 5},
-            "gc8": {"group_step": 8},
-            "warps8": {"num_warps": 8}, "bm64": {"BM": 64}}
-ONLY = {"gc8": 1, "bm64": 8}
+# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs (TMA where the device has it). "tma" /
+# "no_tma": the planes through tensor descriptors / cp.async at the default stages; B=1 only: TMA at 3, 4, 2 stages.
+# (5 stages, 8 groups a step, 8 warps and BM 64 lost to the cp.async default: bench/RESULTS.md, bench_hub.)
+VARIANTS = {"default": {}, "no_tma": {"tma": False}, "tma": {"tma": True},
+            "tma_stages3": {"tma": True, "num_stages": 3}, "tma_stages4": {"tma": True, "num_stages": 4},
+            "tma_stages2": {"tma": True, "num_stages": 2}}
+ONLY = {"tma_stages3": 1, "tma_stages4": 1, "tma_stages2": 1}
 
 
 def nvfp4_stack(shape, dev, gen) -> pwm.PackedWeight:
@@ -124,7 +128,7 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
     for which in ("gate_up", "down"):
         q4_us[which] = timed_us(q4[which], cuda, reps)
         res.add(B=B, gemm=which, kernel="q4", us=round(q4_us[which], 2))
-    twins = {w: nv(w, asm=False) for w in ("gate_up", "down")}
+    twins = {w: nv(w, asm=False, tma=False) for w in ("gate_up", "down")}
     xs = x[src.long()].float()
     want = {"gate_up": gelu_mul_ref(grouped_mm_packed_ref(xs, st["nv_gu_nat"], offs).bfloat16()).float(),
             "down": grouped_mm_packed_ref(h.float(), st["nv_dn_nat"], offs)}
@@ -132,7 +136,9 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
         if ONLY.get(name, B) != B:
             continue
         for which in ("gate_up", "down"):
-            row = dict(B=B, gemm=which, kernel=f"nvfp4 {name}")
+            tma = kw.get("tma", tma_available(x))
+            row = dict(B=B, gemm=which, kernel=f"nvfp4 {name}", tma=tma,
+                       stages=kw.get("num_stages") or moe_nvfp4.default_stages(tma, moe_nvfp4.row_tile(M, E)))
             if name != "default" and time.perf_counter() - start > budget:
                 res.add(**row, skipped="past --budget")
                 continue
@@ -149,9 +155,10 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
 
 
 def table(rows) -> str:
-    lines = [f"{'B':>2} {'gemm':8} {'kernel':18} {'us':>9} {'vs q4':>7}  bits=twin"]
+    lines = [f"{'B':>2} {'gemm':8} {'kernel':18} {'tma':>5} {'stages':>6} {'us':>9} {'vs q4':>7}  bits=twin"]
     for r in rows:
-        lines.append(f"{r['B']:>2} {r['gemm']:8} {r['kernel']:18} {r.get('us', '-'):>9} {r.get('vs_q4', ''):>7}  "
+        lines.append(f"{r['B']:>2} {r['gemm']:8} {r['kernel']:18} {str(r.get('tma', '')):>5} {r.get('stages', ''):>6} "
+                     f"{r.get('us', '-'):>9} {r.get('vs_q4', ''):>7}  "
                      f"{r.get('bits_equal_twin', '')} {r.get('skipped', r.get('error', ''))}")
     steps = {}
     for r in rows:
@@ -168,7 +175,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the results here (rewritten as they come)")
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (TRITON_INTERPRET=1): a dry run")
     ap.add_argument("--reps", type=int, default=20, help="graph replays a timing (median)")
-    ap.add_argument("--budget", type=float, default=70.0, help="seconds after which further variants are skipped")
+    ap.add_argument("--budget", type=float, default=50.0, help="seconds after which further variants are skipped")
     a = ap.parse_args(argv)
     cuda = not a.tiny
     if cuda and not torch.cuda.is_available():

@@ -2,11 +2,11 @@
 
 Skips without CUDA. At the model's expert shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8; one canvas
 of 256 rows and eight of 2048): the GEMM against the exact product of its operands (f16 x, exact f16 weights) and
-the twin, the PTX decode against the plain-op one bit for bit (plain and as the engine calls gate_up), exact
-operands against their exact sum bit for bit (the 2^-14-scaled f16 weights through the MMA), gelu·up in the epilogue
-against gelu_mul, the dequantize kernel against the twin bit for bit, and the expert FFN through the dispatcher
-against the generic packed kernel on the pack's order. Then the engine bench/hub_fixtures.py builds for
-modelopt-nvfp4 holds its experts in this layout and runs this kernel.
+the twin, the PTX decode against the plain-op one bit for bit (plain and as the engine calls gate_up), the planes
+through TMA against cp.async bit for bit, exact operands against their exact sum bit for bit (the 2^-14-scaled f16
+weights through the MMA), gelu·up in the epilogue against gelu_mul, the dequantize kernel against the twin bit for
+bit, and the expert FFN through the dispatcher against the generic packed kernel on the pack's order. Then the engine
+bench/hub_fixtures.py builds for modelopt-nvfp4 holds its experts in this layout and runs this kernel.
 """
 
 import pytest
@@ -15,6 +15,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from diffgemma.ops import moe, moe_nvfp4  # noqa: E402
+from diffgemma.ops._backend import tma_available  # noqa: E402
 from diffgemma.ops import moe_packed as mp  # noqa: E402
 from diffgemma.ops import packed_weight as pwm  # noqa: E402
 from diffgemma.ops.gelu_mul import gelu_mul  # noqa: E402
@@ -24,6 +25,7 @@ from test_moe_stream import routes_of  # noqa: E402
 
 DEV = "cuda"
 E, H, F, TOPK = 128, 2816, 704, 8
+HAS_TMA = torch.cuda.is_available() and tma_available(torch.empty(1, device=DEV))
 
 
 def rel(a, b):
@@ -76,6 +78,32 @@ def test_gemm_at_model_shapes_matches_the_twin(which, tokens, divides):
     del w
 
 
+@pytest.mark.skipif(not HAS_TMA, reason="needs a device with TMA (compute capability 9.0+)")
+@pytest.mark.parametrize("tokens", [256, 2048], ids=["B1", "B8"])
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_tma_path_equals_the_pointer_path(which, tokens, monkeypatch):
+    """The planes through tensor descriptors (the default here) give the cp.async path's bits at the model's shapes,
+    called as the engine calls the two GEMMs (the f16 operand in, the launch order given; gate_up with gelu·up as f16
+    operands out, down to bf16) and plain to f32, at the default stages and at 3 and 4; the default takes TMA."""
+    shape = (E, 2 * F, H) if which == "gate_up" else (E, H, F)
+    tiles = pwm.PackedWeight.from_record("nvfp4e", shape, natural_stack(shape, which == "down").record)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, shape[2], device=DEV).bfloat16().half()
+    src, offs = (t.to(DEV) for t in routes_of(tokens, TOPK, E))
+    order = torch.randperm(E, device=DEV).to(torch.int32)
+    engine = dict(glu=True, glu_f16=True) if which == "gate_up" else {}
+    for kw in (dict(out_dtype=torch.bfloat16, order=order, **engine), dict(out_dtype=torch.float32)):
+        want = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, tma=False, **kw)
+        assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, **kw), want), kw
+        for stages in (3, 4):
+            got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, tma=True, num_stages=stages, **kw)
+            assert torch.equal(got, want), (kw, stages)
+    seen, real = [], moe_nvfp4._descriptors
+    monkeypatch.setattr(moe_nvfp4, "_descriptors", lambda *a: seen.append(1) or real(*a))
+    moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src)
+    assert seen == [1]  # the default read the planes through descriptors
+
+
 @pytest.mark.parametrize("tokens", [256, 2048], ids=["B1", "B8"])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_exact_operands_give_the_exact_sum_bit_for_bit(which, tokens):
@@ -93,9 +121,9 @@ def test_exact_operands_give_the_exact_sum_bit_for_bit(which, tokens):
     x = (torch.randint(-4, 5, (tokens, shape[2]), device=DEV).float() / 4).half()
     src, offs = (t.to(DEV) for t in routes_of(tokens, TOPK, E))
     want = exact_product(x[src.long()].float(), mp.dequantize(nat), offs)
-    for asm in (True, False):
-        got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, out_dtype=torch.float32, asm=asm)
-        assert torch.equal(got, want), asm
+    for asm, tma in ((True, None), (False, None), (True, False)):
+        got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiles, offs, src=src, out_dtype=torch.float32, asm=asm, tma=tma)
+        assert torch.equal(got, want), (asm, tma)
 
 
 @pytest.mark.parametrize("tokens", [256, 2048], ids=["B1", "B8"])

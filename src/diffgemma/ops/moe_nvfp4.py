@@ -21,6 +21,13 @@ shifts and two LOP3s put the e2m1 magnitudes under f16's exponent and mantissa (
 which reads e2m1 · 2^-14 (for e = 0 an f16 subnormal), and one mul.f16x2 by (s, s) gives v. Elsewhere (the
 interpreter) the same values with plain f32 ops (_pair_w, _e4m3_pair).
 
+The loads. Where the device has a tensor-memory accelerator (TMA) the two planes come through tensor descriptors
+(_descriptors), elsewhere through cp.async pointer loads: the same words, the same bits. The codes are seen as
+[E·G, N/8, 32] int32 (a group's rows in runs of 8 rows × 4 words, one 128-byte line each) and a K step of a run of R
+rows is one [GC, R/8, 32] box (an inner dimension of one swizzle line: one copy, where a [GC, 4R] box of the 2-D view
+would be split into 4R/32 copies of a line's width); the scales as [E·G/2, N] int32, a [GC/2, R] box. A program's
+rows are one run of BN (glu: two of BN/2, the gate rows and the up rows of the same columns, joined in registers).
+
   grouped_mm_nvfp4_tiles    the grouped GEMM (swap-AB, one program per (64-row tile, expert) looping over row tiles;
                             glu: gate and up rows of the same 32 columns, gelu·up in the epilogue)
   dequantize_nvfp4_tiles    the decode as a kernel, bit-identical to ops/packed_weight.dequantize (prefill path)
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAVE_TRITON
+from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
 from .moe_q4 import group_chunk, tile_gemm_operands
@@ -189,16 +196,56 @@ if HAVE_TRITON:
         return tl.load(scales + j[None, :] * N + rows[:, None])
 
     @triton.jit
-    def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, m0, end, n, N, K, stride_x, stride_o, mul, div,
-                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   DIVIDES: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
-        """Rows m0 .. min(m0 + BM, end) of one expert times its weight rows `rows`, stored at columns n. GLU: rows
+    def _words_tma(wdesc, eg, r0, R: tl.constexpr, GC: tl.constexpr):
+        """_words through a descriptor of the codes seen as [E·G, N/8, 32]: rows r0 .. r0+R (r0 a multiple of 8) of
+        code groups eg .. eg+GC-1 (eg = e·G + gc) in one [GC, R/8, 32] box, then [R, 4GC] (the permute renames)."""
+        raw = wdesc.load([eg, r0 // 8, 0])
+        return tl.reshape(tl.permute(tl.reshape(raw, (GC, R, 4)), (1, 0, 2)), (R, 4 * GC))
+
+    @triton.jit
+    def _scale_words_tma(sdesc, eg2, r0, R: tl.constexpr):
+        """_scale_words through a descriptor of the scales seen as [E·G/2, N]: rows r0 .. r0+R of scale-word rows
+        eg2 .. eg2+GC/2-1 (eg2 = (e·G + gc)/2) in one [GC/2, R] box, then [R, GC/2]."""
+        return tl.trans(sdesc.load([eg2, r0]))
+
+    @triton.jit
+    def _join_rows(a, b):
+        """[R, C] and [R, C] -> [2R, C]: a's rows, then b's."""
+        R: tl.constexpr = a.shape[0]
+        C: tl.constexpr = a.shape[1]
+        return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * R, C))
+
+    @triton.jit
+    def _chunk(words, scales, rows, e, r0, gc, N, K, BN: tl.constexpr, GC: tl.constexpr, TMA: tl.constexpr,
+               GLU: tl.constexpr):
+        """Groups gc .. gc+GC-1 of the program's BN weight rows -> (words [BN, 4GC], scale words [BN, GC/2]). TMA:
+        words and scales are the planes' descriptors (_descriptors) and the rows r0 .. r0+BN of expert e (GLU: BN/2
+        from r0, then BN/2 from N/2 + r0); else pointers to expert e's planes and its rows `rows`."""
+        if TMA:
+            eg = e * (K // 32) + gc
+            if GLU:
+                wd = _join_rows(_words_tma(words, eg, r0, BN // 2, GC), _words_tma(words, eg, N // 2 + r0, BN // 2, GC))
+                sv = _join_rows(_scale_words_tma(scales, eg // 2, r0, BN // 2),
+                                _scale_words_tma(scales, eg // 2, N // 2 + r0, BN // 2))
+            else:
+                wd = _words_tma(words, eg, r0, BN, GC)
+                sv = _scale_words_tma(scales, eg // 2, r0, BN)
+        else:
+            wd = _words(words, gc, rows, N, GC)
+            sv = _scale_words(scales, gc, rows, N, GC)
+        return wd, sv
+
+    @triton.jit
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, m0, end, n, N, K, stride_x, stride_o, mul,
+                   div, BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
+                   ASM: tl.constexpr, TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr,
+                   GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
+        """Rows m0 .. min(m0 + BM, end) of expert e times its weight rows (_chunk's), stored at columns n. GLU: rows
         are BN/2 gate rows then the up rows of the same columns; the pass stores gelu·up (as ops/moe_q4._rows_pass)."""
         m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for gc in range(0, K // 32, GC):
-            wd = _words(words, gc, rows, N, GC)
-            sv = _scale_words(scales, gc, rows, N, GC)
+        for gc in range(0, K // 32, GC):  # the three loads pipelined by Triton (TMA or cp.async)
+            wd, sv = _chunk(words, scales, rows, e, r0, gc, N, K, BN, GC, TMA, GLU)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:
                 xt = f16_clamped(xt.to(tl.float32))
@@ -209,45 +256,52 @@ if HAVE_TRITON:
         store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN, BM, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
-    def _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, start, end, n, N, K, stride_x, stride_o, mul, div,
-                   BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr, ASM: tl.constexpr,
-                   DIVIDES: tl.constexpr, GLU: tl.constexpr, GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
+    def _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x, stride_o, mul,
+                   div, BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
+                   ASM: tl.constexpr, TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr,
+                   GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows start:end, BM at a time."""
         for m0 in range(start, end, BM):
-            _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, m0, end, n, N, K, stride_x, stride_o, mul, div,
-                       BN, BM, GC, HAS_SRC, ASM, DIVIDES, GLU, GU_ROUND, F16_OUT)
+            _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, m0, end, n, N, K, stride_x, stride_o,
+                       mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _nvfp4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, scale_plane, es_ptr, N, K,
                                 stride_x, stride_o, BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr,
                                 GC: tl.constexpr, HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr,
-                                DIVIDES: tl.constexpr, GLU: tl.constexpr = False, GU_ROUND: tl.constexpr = 0,
-                                F16_OUT: tl.constexpr = False):
+                                TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr = False,
+                                GU_ROUND: tl.constexpr = 0, F16_OUT: tl.constexpr = False):
         """One program per (row tile, expert), rows taken as ops/moe_q4._q4_tiles_gmm_kernel takes them (one BM_FEW
-        pass for an expert with at most BM_FEW rows, else BM at a time; HAS_ORDER: the experts in the order given)."""
+        pass for an expert with at most BM_FEW rows, else BM at a time; HAS_ORDER: the experts in the order given).
+        TMA: codes and scale_plane are the planes' tensor descriptors (_descriptors), else the planes themselves."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         nl = tl.arange(0, BN)
         if GLU:  # the result's BN/2 columns of F = N/2: their gate rows, then their up rows
-            n = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-            rows = tl.program_id(0) * (BN // 2) + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
+            r0 = tl.program_id(0) * (BN // 2)
+            n = r0 + tl.arange(0, BN // 2)
+            rows = r0 + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
         else:
-            n = tl.program_id(0) * BN + nl
+            r0 = tl.program_id(0) * BN
+            n = r0 + nl
             rows = n
-        G = K // 32
-        words = codes.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * G * N * 4
-        scales = scale_plane.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (G // 2) * N
+        if TMA:
+            words, scales = codes, scale_plane
+        else:
+            G = K // 32
+            words = codes.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * G * N * 4
+            scales = scale_plane.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (G // 2) * N
         mul = tl.load(es_ptr + 2 * e)
         div = tl.load(es_ptr + 2 * e + 1)
         if BM_FEW > 0:
             if end - start > BM_FEW:
-                _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, start, end, n, N, K, stride_x, stride_o,
-                           mul, div, BN, BM, GC, HAS_SRC, ASM, DIVIDES, GLU, GU_ROUND, F16_OUT)
+                _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x,
+                           stride_o, mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
             elif end > start:  # an expert no route chose streams nothing
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, start, end, n, N, K, stride_x, stride_o,
-                           mul, div, BN, BM_FEW, GC, HAS_SRC, ASM, DIVIDES, GLU, GU_ROUND, F16_OUT)
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x,
+                           stride_o, mul, div, BN, BM_FEW, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
         else:
-            _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, start, end, n, N, K, stride_x, stride_o,
-                       mul, div, BN, BM, GC, HAS_SRC, ASM, DIVIDES, GLU, GU_ROUND, F16_OUT)
+            _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x, stride_o,
+                       mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
     def _nvfp4_tiles_dequant_kernel(out_ptr, codes, scale_plane, es_ptr, N, K, GC: tl.constexpr, BN: tl.constexpr,
@@ -278,6 +332,18 @@ def _planes(w):
     return w.planes["codes"], w.planes["scale"], w.escale
 
 
+def _descriptors(w, GC: int, glu: bool):
+    """Tensor descriptors of an nvfp4-tiles stack's two planes, for a K step of GC code groups of a run of rows
+    (NVFP4_TILE_N rows; glu: half of them): the codes as [E·G, N/8, 32] int32 (8 rows' words a line), boxes
+    [GC, rows/8, 32]; the scales as [E·G/2, N] int32, boxes [GC/2, rows]."""
+    codes, scales, _ = _planes(w)
+    E, N, K = w.shape
+    G = K // CODE_GROUP
+    R = NVFP4_TILE_N // 2 if glu else NVFP4_TILE_N
+    return (TensorDescriptor.from_tensor(codes.view(torch.int32).view(E * G, N // 8, 32), [GC, R // 8, 32]),
+            TensorDescriptor.from_tensor(scales.view(torch.int32).view(E * G // 2, N), [GC // 2, R]))
+
+
 def row_tile(routes: int, experts: int) -> int:
     """Rows a pass (BM) for `routes` rows over `experts`, by ops/moe.q4_row_tile's rule (the same kernel structure):
     32 at denoise (~16 an expert), 64 below PREFILL_ROWS an expert, 128 above."""
@@ -285,16 +351,23 @@ def row_tile(routes: int, experts: int) -> int:
     return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 
 
+def default_stages(tma: bool, BM: int) -> int:
+    """The GEMM's pipeline stages unless given: through TMA 3, the depth ops/moe_q4.py's kernel of the same structure
+    and about the same bytes a K step takes; through cp.async 4, and 3 at 128-row tiles, where the deeper pipeline's
+    shared memory costs more than it hides (bench/probes/probe_nvfp4_kernel.py times the others)."""
+    return 3 if tma or BM >= 128 else 4
+
+
 def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: int = 16, asm: bool | None = None,
                            order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, group_step: int = 4,
-                           num_warps: int = 4, num_stages: int | None = None):
+                           tma: bool | None = None, num_warps: int = 4, num_stages: int | None = None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
     epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
     BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
-    CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken);
-    num_warps / num_stages: the launch's (default: 4 stages, 3 at 128-row tiles, where the deeper pipeline's shared
-    memory costs more than it hides; bench/probes/probe_nvfp4_kernel.py times the others)."""
+    CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken); tma: the
+    planes read through tensor descriptors (default: where available), else by cp.async, the same bits;
+    num_warps / num_stages: the launch's (default stages: default_stages')."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
     x, out, gu_round = tile_gemm_operands("grouped_mm_nvfp4_tiles", x, w.shape, src, out_dtype, glu, glu_f16)
@@ -303,12 +376,15 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
         return out
     offs = offs.to(torch.int32).contiguous()
     BM = BM or row_tile(M, E)
-    num_stages = num_stages or (3 if BM >= 128 else 4)
+    GC = group_chunk(K // CODE_GROUP, group_step)
+    tma = tma_available(x) if tma is None else tma
+    planes = _descriptors(w, GC, glu) if tma else _planes(w)[:2]
+    num_stages = num_stages or default_stages(tma, BM)
     _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
-        x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *_planes(w), N, K,
+        x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *planes, w.escale, N, K,
         x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
-        GC=group_chunk(K // CODE_GROUP, group_step), HAS_SRC=src is not None, HAS_ORDER=order is not None,
-        ASM=x.is_cuda if asm is None else asm, DIVIDES=w.divides, GLU=glu,
+        GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
+        ASM=x.is_cuda if asm is None else asm, TMA=tma, DIVIDES=w.divides, GLU=glu,
         GU_ROUND=gu_round, F16_OUT=glu and glu_f16,
         num_warps=num_warps, num_stages=num_stages)
     return out
