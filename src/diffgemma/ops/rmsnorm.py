@@ -251,6 +251,16 @@ if HAVE_TRITON:
         tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
 
+# The warps of a row program over a row of `width` values: a wide row keeps many values of several row vectors live
+# in each thread, and more warps spread them (fewer registers a thread, none spilled, more programs resident).
+# bench/probes/probe_row_kernels.py times the alternatives; the choice moves a norm's f32 summation order only.
+WIDE_ROW_WARPS = 16
+
+
+def row_warps(width: int) -> int:
+    return WIDE_ROW_WARPS if width > 2048 else 4
+
+
 def _rows(x):
     x = x.contiguous()
     return x, x.numel() // x.shape[-1], x.shape[-1]
@@ -259,7 +269,7 @@ def _rows(x):
 def rms_norm_triton(x, w, eps, out_dtype=None):
     x, rows, n = _rows(x)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    _rms_norm_kernel[(rows,)](x, w if w is not None else x, out, n, eps, HAS_W=w is not None, BLOCK=next_pow2(n))
+    _rms_norm_kernel[(rows,)](x, w if w is not None else x, out, n, eps, HAS_W=w is not None, BLOCK=next_pow2(n), num_warps=row_warps(n))
     return out
 
 
@@ -267,7 +277,7 @@ def norm_add_triton(res, a, w, eps):
     res, rows, n = _rows(res)
     a = a.contiguous()
     out = torch.empty_like(res)
-    _norm_add_kernel[(rows,)](res, a, w, out, n, eps, BLOCK=next_pow2(n))
+    _norm_add_kernel[(rows,)](res, a, w, out, n, eps, BLOCK=next_pow2(n), num_warps=row_warps(n))
     return out
 
 
@@ -275,7 +285,7 @@ def ffn_inputs_triton(x, w_ff, w_ff2, w_r, eps):
     x, rows, n = _rows(x)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     orr = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    _ffn_inputs_kernel[(rows,)](x, w_ff, w_ff2, w_r, o1, o2, orr, n, eps, BLOCK=next_pow2(n))
+    _ffn_inputs_kernel[(rows,)](x, w_ff, w_ff2, w_r, o1, o2, orr, n, eps, BLOCK=next_pow2(n), num_warps=row_warps(n))
     return o1, o2, orr
 
 
@@ -283,7 +293,7 @@ def layer_finish_triton(res, m, e, w1, w2, w3, scalar, eps):
     res, rows, n = _rows(res)
     out = torch.empty_like(res)
     _layer_finish_kernel[(rows,)](res, m.contiguous(), e.contiguous(), w1, w2, w3, out, n, eps, float(scalar),
-                                  BLOCK=next_pow2(n))
+                                  BLOCK=next_pow2(n), num_warps=row_warps(n))
     return out
 
 
@@ -301,7 +311,7 @@ def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False, dense_fp
     orr = torch.empty(res.shape, dtype=torch.float32, device=res.device)
     (q1, s1), (q2, s2) = _fp8_or(dense_fp8, orr, rows, n), _fp8_or(moe_fp8, orr, rows, n)
     _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, q1, s1, q2, s2, n, eps,
-                                 BLOCK=next_pow2(n), MOE_F16=moe_f16, DENSE_FP8=dense_fp8, MOE_FP8=moe_fp8)
+                                 BLOCK=next_pow2(n), num_warps=row_warps(n), MOE_F16=moe_f16, DENSE_FP8=dense_fp8, MOE_FP8=moe_fp8)
     return x, fp8_rows_done(q1, s1) if dense_fp8 else o1, fp8_rows_done(q2, s2) if moe_fp8 else o2, orr
 
 
@@ -313,7 +323,7 @@ def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next
     q, s = _fp8_or(next_fp8, out, rows, n)
     _layer_finish_moe_kernel[(rows,)](res, m.contiguous(), y.contiguous(), inv.contiguous(), wts.float().contiguous(),
                                       w1, w2, w3, w_next if w_next is not None else w1, out, hn, q, s, n, eps,
-                                      float(scalar), K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n),
+                                      float(scalar), K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n), num_warps=row_warps(n),
                                       NEXT_FP8=next_fp8)
     return out, (fp8_rows_done(q, s) if next_fp8 else hn if w_next is not None else None)
 
@@ -324,7 +334,7 @@ def embed_sc_norms_triton(ids, table, scale, s, w_next, eps, out_dtype):
     x = torch.empty(len(ids), n, dtype=out_dtype, device=s.device)
     hn = torch.empty_like(x)
     _embed_sc_norms_kernel[(len(ids),)](ids.contiguous(), table, s, w_next, x, hn, table.shape[0], n, float(scale),
-                                        eps, BLOCK=next_pow2(n))
+                                        eps, BLOCK=next_pow2(n), num_warps=row_warps(n))
     return x, hn
 
 
