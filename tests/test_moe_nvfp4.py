@@ -199,10 +199,12 @@ def test_loader_lays_gate_up_stacks_in_the_glu_order_where_the_kernels_run(on_cu
     source = _RecordSource({"l.experts.gate_up_proj": gu, "l.experts.down_proj": dn})
     if on_cuda:
         monkeypatch.setattr(pwm, "nvfp4_tiles_wanted", lambda fmt, shape, device: pwm.nvfp4_tiles_ok(fmt, shape))
-    got_gu, got_dn = (engine_weights._packed(source, n, "cpu") for n in ("l.experts.gate_up_proj", "l.experts.down_proj"))
-    want_layout = pwm.NVFP4_TILES if on_cuda else "natural"
-    assert (got_gu.layout, got_gu.glu) == (want_layout, on_cuda) and (got_dn.layout, got_dn.glu) == (want_layout, False)
-    assert torch.equal(mp.dequantize(got_gu), mp.dequantize(gu)) and torch.equal(mp.dequantize(got_dn), mp.dequantize(dn))
+    got_gu = engine_weights._packed(source, "l.experts.gate_up_proj", "cpu")
+    got_dn = engine_weights._packed(source, "l.experts.down_proj", "cpu")
+    layout = pwm.NVFP4_TILES if on_cuda else "natural"
+    assert (got_gu.layout, got_gu.glu) == (layout, on_cuda) and (got_dn.layout, got_dn.glu) == (layout, False)
+    assert torch.equal(mp.dequantize(got_gu), mp.dequantize(gu))
+    assert torch.equal(mp.dequantize(got_dn), mp.dequantize(dn))
 
 
 @interpreted
