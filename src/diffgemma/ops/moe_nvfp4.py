@@ -41,9 +41,9 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
+from .gelu_mul import gelu_mul_triton
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
-from .gelu_mul import gelu_mul_triton
 from .moe_q4 import group_chunk, tile_gemm_operands
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
 
