@@ -1,6 +1,7 @@
 """The nvfp4-tiles layout (ops/packed_weight.py) and its kernels (ops/moe_nvfp4.py): the re-layout against the
-pack's own order, the grouped GEMM (plain, gathered, gelu·up) and the dequantize kernel in the Triton interpreter
-against the torch twin (dequantize, then the f32 GEMM).
+pack's own order (plain and in the glu row order of a gate ‖ up stack), the grouped GEMM (plain, gathered, gelu·up)
+and the dequantize kernel in the Triton interpreter against the torch twin (dequantize, then the f32 GEMM), and the
+loader laying gate_up stacks in the glu order where the kernels run.
 
 Random nibbles, e4m3 block scales (subnormal ones included) and per-expert (multiplier, divisor) pairs, fresh each
 run; N a multiple of the 64-row program tile, K with K steps of 2 and of 4 code groups; ragged expert groups with
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from diffgemma.errors import TensorError
-from diffgemma.ops import moe, moe_nvfp4, moe_paths
+from diffgemma.ops import moe, moe_nvfp4, moe_paths, q4_tiles
 from diffgemma.ops import moe_packed as mp
 from diffgemma.ops import packed_weight as pwm
 from diffgemma.quant import codecs
@@ -24,14 +25,23 @@ interpreted = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.ge
                                  reason="needs CUDA or the Triton interpreter")
 
 
-def stack(E, N, K, divides: bool, exact: bool = False):
-    """(natural nvfp4e weight, the same stack in the nvfp4-tiles order), on the host. exact: block scales 1 .. 1.875
-    only, so with x in quarters every product and partial sum is exact in f32 (any summation order, same bits)."""
+def stack(E, N, K, divides: bool, exact: bool = False, glu: bool = False):
+    """(natural nvfp4e weight, the same stack in the nvfp4-tiles order; glu: in the glu row order), on the host.
+    exact: block scales 1 .. 1.875 only, so with x in quarters every product and partial sum is exact in f32 (any
+    summation order, same bits)."""
     planes = random_planes(E, N, K, divides)
     if exact:
         planes["scale"] = torch.randint(0x38, 0x40, planes["scale"].shape, dtype=torch.uint8).numpy()
     pw = as_weight("nvfp4e", (E, N, K), codecs.assemble("nvfp4e", (E, N, K), planes))
-    return pw, pwm.to_nvfp4_tiles(pw, experts_per_chunk=2)
+    return pw, pwm.to_nvfp4_tiles(pw, experts_per_chunk=2, glu=glu)
+
+
+def rows_permuted(pw, order):
+    """The natural nvfp4e stack `pw` with each expert's rows taken in `order` (position -> row)."""
+    E, N, K = pw.shape
+    planes = {n: pw.planes[n].view(E, N, -1)[:, order].reshape(E * N, -1).numpy() for n in ("codes", "scale")}
+    planes["escale"] = pw.planes["escale"].numpy()
+    return as_weight("nvfp4e", pw.shape, codecs.assemble("nvfp4e", pw.shape, planes))
 
 
 def exact_product(xs, w, offs):
@@ -43,15 +53,23 @@ def exact_product(xs, w, offs):
     return torch.cat(out).float()
 
 
-@pytest.mark.parametrize("shape", [(3, 64, 192), (2, 128, 64)])
-def test_tiles_round_trip_to_the_pack_order(shape):
-    pw, tiled = stack(*shape, divides=True)
-    assert tiled.layout == pwm.NVFP4_TILES and pw.layout == "natural" and tiled.divides
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("shape", [(3, 64, 192), (2, 128, 64), (2, 192, 128)])
+def test_tiles_round_trip_to_the_pack_order(shape, glu):
+    """natural -> tiles (glu: in the glu row order) -> natural is the identity, and the twin's decode of the tiles
+    is the natural stack's; a glu-laid stack holds the plain layout of its rows taken in glu_row_order's order."""
+    pw, tiled = stack(*shape, divides=True, glu=glu)
+    assert tiled.layout == pwm.NVFP4_TILES and pw.layout == "natural" and tiled.divides and tiled.glu == glu
     assert tiled.nbytes == pw.nbytes and not torch.equal(tiled.record, pw.record)  # the bytes did move
     back = pwm.nvfp4_natural_planes(tiled)
     for name in ("codes", "scale", "escale"):
         assert torch.equal(back[name], pw.planes[name]), name
     assert torch.equal(mp.dequantize(tiled), mp.dequantize(pw))
+    if glu:
+        order = q4_tiles.glu_row_order(shape[1])
+        assert torch.equal(tiled.record, pwm.to_nvfp4_tiles(rows_permuted(pw, order)).record)
+        if shape[1] > pwm.NVFP4_TILE_N:  # one tile: the glu order is the plain one
+            assert not torch.equal(tiled.record, pwm.to_nvfp4_tiles(pw).record)
 
 
 def test_tiles_refusals():
@@ -71,10 +89,11 @@ def test_tiles_refusals():
 
 
 @interpreted
+@pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("divides", [False, True])
 @pytest.mark.parametrize("shape", [(3, 64, 192), (2, 128, 128)])
-def test_dequant_kernel_equals_twin(shape, divides):
-    pw, tiled = stack(*shape, divides)
+def test_dequant_kernel_equals_twin(shape, divides, glu):
+    pw, tiled = stack(*shape, divides, glu=glu)
     assert torch.equal(moe_nvfp4.dequantize_nvfp4_tiles(tiled, torch.float32), mp.dequantize(pw))
     assert torch.equal(mp.dequantize_triton(tiled, torch.float32), mp.dequantize(pw))  # the prefill entry point
 
@@ -83,22 +102,28 @@ def test_dequant_kernel_equals_twin(shape, divides):
 @pytest.mark.parametrize("divides", [False, True])
 @pytest.mark.parametrize("K", [192, 128])
 def test_grouped_kernel_matches_twin(K, divides):
+    """Plain and glu-laid stacks (the plain product of a glu-laid one in logical column order) against the exact
+    product and the twin, through the BM_FEW pass and the BM loop; gathered through src; in a given launch order."""
     E, N, M = 5, 128, 61
     pw, tiled = stack(E, N, K, divides)
+    glu_tiled = pwm.to_nvfp4_tiles(pw, glu=True)
     xs = torch.randn(M, K)
     offs = ragged_offs(E, M)
     want = mp.grouped_mm_packed_ref(xs, pw, offs)
     exact = exact_product(xs, mp.dequantize(pw).double(), offs)
     for bm, few in ((32, 16), (16, 0)):
-        out = moe_nvfp4.grouped_mm_nvfp4_tiles(xs, tiled, offs, BM=bm, BM_FEW=few)
-        assert rel(out, exact) < 1e-6  # f32 accumulation of exact f16 products
-        assert rel(out, want) < 2e-3  # the twin's x is not rounded to f16
+        for w in (tiled, glu_tiled):
+            out = moe_nvfp4.grouped_mm_nvfp4_tiles(xs, w, offs, BM=bm, BM_FEW=few)
+            assert rel(out, exact) < 1e-6, w.glu  # f32 accumulation of exact f16 products
+            assert rel(out, want) < 2e-3, w.glu  # the twin's x is not rounded to f16
     exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True)
-    for w in (exact_pw, exact_tiled):  # tensor scale pairs (1, 1): the result is the accumulator, exact for these
+    exact_glu = pwm.to_nvfp4_tiles(exact_pw, glu=True)
+    for w in (exact_pw, exact_tiled, exact_glu):  # tensor scale pairs (1, 1): the result is the accumulator, exact
         w.escale.fill_(1.0)
     xq = torch.randint(-4, 5, (M, K)).float() / 4
     want_exact = exact_product(xq, mp.dequantize(exact_pw).double(), offs)
     assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_tiled, offs), want_exact)  # 2^-14 weights, 2^14 back
+    assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(xq, exact_glu, offs), want_exact)  # logical column order
     src = torch.randint(0, 19, (M,))
     tokens = torch.randn(19, K)
     gathered = moe_nvfp4.grouped_mm_nvfp4_tiles(tokens, tiled, offs, src=src)
@@ -112,31 +137,74 @@ def test_grouped_kernel_matches_twin(K, divides):
 @pytest.mark.parametrize("glu_f16", [False, True])
 @pytest.mark.parametrize("out_dtype", [None, torch.float16])
 def test_glu_epilogue_is_gelu_mul_after_the_plain_gemm(glu_f16, out_dtype):
-    """gelu·up in the epilogue (gate and up rows of the same columns read from one order) is the gelu·up kernel
-    after the plain GEMM, from the products rounded as the plain result holds them; the packed entry point
-    (ops/moe.py's "packed" path) hands an nvfp4-tiles stack to this kernel."""
+    """gelu·up in the epilogue of a glu-laid stack (a program's gate and up rows of the same columns, one run) is the
+    gelu·up kernel after the plain GEMM, from the products rounded as the plain result holds them; glu asked of a
+    stack not laid for it gives the same (the plain GEMM, then that kernel); the packed entry point (ops/moe.py's
+    "packed" path) hands an nvfp4-tiles stack to this kernel."""
     from diffgemma.ops.gelu_mul import gelu_mul_triton
     from test_moe_stream import routes_of
 
     T, k, E, N, K = 11, 4, 6, 128, 192
     pw, tiled = stack(E, N, K, divides=True, exact=True)
+    glu_tiled = pwm.to_nvfp4_tiles(pw, glu=True)
     x = torch.randint(-4, 5, (T, K)).float() / 4
     src, offs = routes_of(T, k, E)
     ref = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiled, offs, src=src, out_dtype=out_dtype)
-    got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiled, offs, src=src, out_dtype=out_dtype, glu=True, glu_f16=glu_f16)
+    got = moe_nvfp4.grouped_mm_nvfp4_tiles(x, glu_tiled, offs, src=src, out_dtype=out_dtype, glu=True,
+                                           glu_f16=glu_f16)
     assert got.shape == (T * k, N // 2) and got.dtype == (torch.float16 if glu_f16 else ref.dtype)
     assert torch.equal(got, gelu_mul_triton(ref, as_f16=glu_f16))
-    assert torch.equal(mp.grouped_mm_packed_triton(x, tiled, offs, src=src, out_dtype=out_dtype, glu=True,
+    assert torch.equal(moe_nvfp4.grouped_mm_nvfp4_tiles(x, tiled, offs, src=src, out_dtype=out_dtype, glu=True,
+                                                        glu_f16=glu_f16), got)  # not glu-laid: gelu·up after
+    assert torch.equal(mp.grouped_mm_packed_triton(x, glu_tiled, offs, src=src, out_dtype=out_dtype, glu=True,
                                                    glu_f16=glu_f16), got)
 
 
 def test_host_dispatch_runs_the_twin_on_the_tiles():
-    E, N, K, M = 5, 64, 64, 37
+    E, N, K, M = 5, 128, 64, 37
     pw, tiled = stack(E, N, K, divides=False)
     xs = torch.randn(M, K)
     offs = ragged_offs(E, M)
     assert moe_paths.expert_gemm_path(tiled, M, xs) == "twin"  # without CUDA
-    assert torch.equal(moe.grouped_mm(xs, tiled, offs), moe.grouped_mm(xs, pw, offs))
+    want = moe.grouped_mm(xs, pw, offs)
+    assert torch.equal(moe.grouped_mm(xs, tiled, offs), want)
+    assert torch.equal(moe.grouped_mm(xs, pwm.to_nvfp4_tiles(pw, glu=True), offs), want)
+
+
+class _RecordSource:
+    """A tensor source of nvfp4e expert stacks (kind, shape, record_tensor), as model/engine_weights.py reads them."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def kind(self, name):
+        return self.weights[name].fmt
+
+    def shape(self, name):
+        return self.weights[name].shape
+
+    def record_tensor(self, name, device):
+        return self.weights[name].record.clone().to(device)
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_loader_lays_gate_up_stacks_in_the_glu_order_where_the_kernels_run(on_cuda, monkeypatch):
+    """model/engine_weights.py's packed-stack loader: where the nvfp4-tiles kernels run (CUDA; here made to say so
+    on the host) a gate_up stack is re-laid in the glu row order and a down stack in the plain one; elsewhere both
+    keep the pack's order. The logical weights do not change."""
+    from diffgemma.model import engine_weights
+
+    gu, _ = stack(2, 128, 64, divides=False)
+    dn, _ = stack(2, 64, 128, divides=True)
+    source = _RecordSource({"l.experts.gate_up_proj": gu, "l.experts.down_proj": dn})
+    if on_cuda:
+        monkeypatch.setattr(pwm, "nvfp4_tiles_wanted", lambda fmt, shape, device: pwm.nvfp4_tiles_ok(fmt, shape))
+    got_gu = engine_weights._packed(source, "l.experts.gate_up_proj", "cpu")
+    got_dn = engine_weights._packed(source, "l.experts.down_proj", "cpu")
+    layout = pwm.NVFP4_TILES if on_cuda else "natural"
+    assert (got_gu.layout, got_gu.glu) == (layout, on_cuda) and (got_dn.layout, got_dn.glu) == (layout, False)
+    assert torch.equal(mp.dequantize(got_gu), mp.dequantize(gu))
+    assert torch.equal(mp.dequantize(got_dn), mp.dequantize(dn))
 
 
 @interpreted
@@ -251,26 +319,28 @@ def test_nvfp4_words_round_trip_and_fill_the_word():
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("K", [128, 192])  # K steps of 4 code groups (two scale-word rows a box) and of 2 (one)
 def test_tma_path_reads_the_pointer_paths_bits(K, glu):
-    """The planes through tensor descriptors (ops/moe_nvfp4._descriptors: code boxes of 8-row lines, scale boxes;
-    glu: the gate run and the up run joined) give the pointer path's bits: few routes an expert (one BM_FEW pass, as
-    at denoise) gathered through src, and the BM loop over long experts beside short ones in a given launch order;
-    on exact operands, the twin's product (glu: gelu_mul of the plain one) bit for bit."""
+    """The planes through tensor descriptors (ops/moe_nvfp4._descriptors: one code box of 8-row lines and one scale
+    box a K step; glu: of a glu-laid stack, its gate and up rows one run) give the pointer path's bits: few routes an
+    expert (one BM_FEW pass, as at denoise) gathered through src, and the BM loop over long experts beside short ones
+    in a given launch order, gelu·up and (glu-laid) the plain product in logical column order; on exact operands,
+    the twin's product (glu: gelu_mul of the plain one) bit for bit."""
     from diffgemma.ops.gelu_mul import gelu_mul_triton
     from test_moe_stream import routes_of
 
     E, N = 6, 128
-    _, tiled = stack(E, N, K, divides=True)
-    glu_kw = dict(glu=True, glu_f16=True, out_dtype=torch.bfloat16) if glu else {}
+    _, tiled = stack(E, N, K, divides=True, glu=glu)
     T, k = 11, 4
     x = torch.randn(T, K)
     src, offs = routes_of(T, k, E)
     xs = torch.randn(61, K)
     long_offs = torch.tensor([0, 5, 32, 32, 40, 61], dtype=torch.int32)  # 0, 5, 27, 0, 8, 21 rows
     order = torch.randperm(E).to(torch.int32)
+    outs = [dict(glu=True, glu_f16=True, out_dtype=torch.bfloat16), {}] if glu else [{}]
     for xx, oo, kw in ((x, offs, dict(src=src)), (xs, long_offs, dict(BM=16, BM_FEW=8, order=order))):
-        got = moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=True, **kw, **glu_kw)
-        assert torch.equal(got, moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=False, **kw, **glu_kw)), kw
-    exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True)
+        for out_kw in outs:
+            got = moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=True, **kw, **out_kw)
+            assert torch.equal(got, moe_nvfp4.grouped_mm_nvfp4_tiles(xx, tiled, oo, tma=False, **kw, **out_kw)), kw
+    exact_pw, exact_tiled = stack(E, N, K, divides=False, exact=True, glu=glu)
     for w in (exact_pw, exact_tiled):
         w.escale.fill_(1.0)
     xq = torch.randint(-4, 5, (61, K)).float() / 4

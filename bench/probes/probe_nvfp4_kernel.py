@@ -5,7 +5,7 @@
 
 Random full-size stacks (128 experts, hidden 2816, expert intermediate 704) in the q4-tiles layout (gate_up laid for
 the gelu·up epilogue) and in the nvfp4-tiles layout (a random nvfp4e record, ModelOpt-style multiplier, re-laid as the
-loader does), balanced top-8 routing (bench/balanced_routing.py) of 256 tokens (B=1: 2048 routes, 16 an expert) and
+loader does: gate_up in the glu row order, so the GLU GEMM reads one box a plane and K step), balanced top-8 routing (bench/balanced_routing.py) of 256 tokens (B=1: 2048 routes, 16 an expert) and
 2048 tokens (B=8: 16384 routes), each GEMM called as the engine's expert FFN calls it (the f16 operand in, gate_up with
 gelu·up as f16 operands out, down to bf16, the launch order of moe_plan_with_order). Times: GPU µs a call, 10 calls
 captured in one CUDA graph, the median of 20 replays (bench/bench_engine.time_graph). Each nvfp4 variant (launch
@@ -32,7 +32,6 @@ import torch
 from bench.balanced_routing import balanced_ids
 from bench.fixtures import random_record
 from diffgemma.ops import moe_nvfp4, moe_q4, q4_tiles
-from diffgemma.ops._backend import tma_available
 from diffgemma.ops import packed_weight as pwm
 from diffgemma.ops.gelu_mul import gelu_mul_ref
 from diffgemma.ops.layouts import record_nbytes, record_planes
@@ -42,8 +41,9 @@ from diffgemma.ops.moe_plan import moe_plan_with_order
 
 FULL = dict(E=128, H=2816, F=704, k=8, tokens={1: 256, 8: 2048})
 TINY = dict(E=4, H=128, F=64, k=2, tokens={1: 8, 8: 32})
-# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs (TMA where the device has it). "tma" /
-# "no_tma": the planes through tensor descriptors / cp.async at the default stages; B=1 only: TMA at 3, 4, 2 stages.
+# name -> grouped_mm_nvfp4_tiles keywords; "default" is what the engine runs (moe_nvfp4.default_tma: TMA below 128-row
+# tiles). "tma" / "no_tma": the planes through tensor descriptors / cp.async at the default stages; B=1 only: TMA at
+# 3, 4, 2 stages.
 # (5 stages, 8 groups a step, 8 warps and BM 64 lost to the cp.async default: bench/RESULTS.md, bench_hub.)
 VARIANTS = {"default": {}, "no_tma": {"tma": False}, "tma": {"tma": True},
             "tma_stages3": {"tma": True, "num_stages": 3}, "tma_stages4": {"tma": True, "num_stages": 4},
@@ -51,9 +51,10 @@ VARIANTS = {"default": {}, "no_tma": {"tma": False}, "tma": {"tma": True},
 ONLY = {"tma_stages3": 1, "tma_stages4": 1, "tma_stages2": 1}
 
 
-def nvfp4_stack(shape, dev, gen) -> pwm.PackedWeight:
-    """A random nvfp4e stack in the nvfp4-tiles layout: random nibbles, e4m3 block scales 2^-3 .. 2^3 with some
-    subnormal ones, per-expert multipliers ~1e-3 (ModelOpt's weight_scale_2)."""
+def nvfp4_stack(shape, dev, gen, glu: bool) -> tuple:
+    """(natural, nvfp4-tiles) of a random nvfp4e stack: random nibbles, e4m3 block scales 2^-3 .. 2^3 with some
+    subnormal ones, per-expert multipliers ~1e-3 (ModelOpt's weight_scale_2); glu: re-laid in the glu row order, as
+    the loader lays a gate_up stack."""
     rec = torch.zeros(record_nbytes("nvfp4e", shape), dtype=torch.uint8, device=dev)
     p = record_planes("nvfp4e", shape, rec)
     p["codes"].copy_(torch.randint(0, 256, p["codes"].shape, generator=gen, device=dev, dtype=torch.int32))
@@ -63,7 +64,7 @@ def nvfp4_stack(shape, dev, gen) -> pwm.PackedWeight:
     pairs = torch.stack([mul, torch.ones_like(mul)], 1)
     p["escale"].copy_(pairs.float().contiguous().view(torch.uint8))
     nat = pwm.PackedWeight.from_record("nvfp4e", shape, rec, layout="natural")
-    return nat, pwm.to_nvfp4_tiles(nat)
+    return nat, pwm.to_nvfp4_tiles(nat, glu=glu)
 
 
 def q4_stack(shape, dev, gen, glu: bool):
@@ -136,9 +137,10 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
         if ONLY.get(name, B) != B:
             continue
         for which in ("gate_up", "down"):
-            tma = kw.get("tma", tma_available(x))
+            bm_nv = moe_nvfp4.row_tile(M, E)
+            tma = kw.get("tma", moe_nvfp4.default_tma(x, bm_nv))
             row = dict(B=B, gemm=which, kernel=f"nvfp4 {name}", tma=tma,
-                       stages=kw.get("num_stages") or moe_nvfp4.default_stages(tma, moe_nvfp4.row_tile(M, E)))
+                       stages=kw.get("num_stages") or moe_nvfp4.default_stages(tma, bm_nv))
             if name != "default" and time.perf_counter() - start > budget:
                 res.add(**row, skipped="past --budget")
                 continue
@@ -189,8 +191,8 @@ def main(argv=None):
     gen = torch.Generator(device=dev).manual_seed(0)
     st = {"dev": dev, "q4_gu": q4_stack((E, 2 * F, H), dev, gen, glu=True),
           "q4_dn": q4_stack((E, H, F), dev, gen, glu=False)}
-    st["nv_gu_nat"], st["nv_gu"] = nvfp4_stack((E, 2 * F, H), dev, gen)
-    st["nv_dn_nat"], st["nv_dn"] = nvfp4_stack((E, H, F), dev, gen)
+    st["nv_gu_nat"], st["nv_gu"] = nvfp4_stack((E, 2 * F, H), dev, gen, glu=True)
+    st["nv_dn_nat"], st["nv_dn"] = nvfp4_stack((E, H, F), dev, gen, glu=False)
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "shapes": s,
             "variants": VARIANTS, "reps": a.reps}
     res = Results(a.json, meta)

@@ -122,10 +122,12 @@ def upload_record(source, name, device) -> torch.Tensor:
 
 def _packed(source, name, device) -> PackedWeight:
     fmt, shape = tensor_kind(source, name), source.shape(name)
-    pw = PackedWeight.from_record(fmt, shape, upload_record(source, name, device))
-    if q4_tiles.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/q4_tiles.py);
-        # gate ‖ up in the glu tile order, so the GEMM makes gelu·up in its epilogue
-        pw = q4_tiles.to_tile_layout(pw, glu=name.endswith("gate_up_proj"))
+    # gate ‖ up: a tile layout takes the glu row order, so the GEMM makes gelu·up in its epilogue; nvfp4e stacks are
+    # re-laid by from_record (ops/packed_weight.py's nvfp4-tiles)
+    glu = name.endswith("gate_up_proj")
+    pw = PackedWeight.from_record(fmt, shape, upload_record(source, name, device), glu=glu)
+    if q4_tiles.wanted(fmt, shape, device):  # q4 expert stacks in the streaming kernel's byte order (ops/q4_tiles.py)
+        pw = q4_tiles.to_tile_layout(pw, glu=glu)
     return pw
 
 

@@ -21,15 +21,18 @@ shifts and two LOP3s put the e2m1 magnitudes under f16's exponent and mantissa (
 which reads e2m1 · 2^-14 (for e = 0 an f16 subnormal), and one mul.f16x2 by (s, s) gives v. Elsewhere (the
 interpreter) the same values with plain f32 ops (_pair_w, _e4m3_pair).
 
-The loads. Where the device has a tensor-memory accelerator (TMA) the two planes come through tensor descriptors
-(_descriptors), elsewhere through cp.async pointer loads: the same words, the same bits. The codes are seen as
+The loads. Through a tensor-memory accelerator (TMA), where the device has one, the two planes come through tensor
+descriptors (_descriptors), else through cp.async pointer loads: the same words, the same bits (which one runs by
+default: default_tma; the pipeline depth: default_stages). The codes are seen as
 [E·G, N/8, 32] int32 (a group's rows in runs of 8 rows × 4 words, one 128-byte line each) and a K step of a run of R
 rows is one [GC, R/8, 32] box (an inner dimension of one swizzle line: one copy, where a [GC, 4R] box of the 2-D view
 would be split into 4R/32 copies of a line's width); the scales as [E·G/2, N] int32, a [GC/2, R] box. A program's
-rows are one run of BN (glu: two of BN/2, the gate rows and the up rows of the same columns, joined in registers).
+rows are one run of R = BN: a gate ‖ up stack is laid in ops/q4_tiles.glu_row_order's order (packed_weight.py's
+to_nvfp4_tiles(glu=True)), so its run is BN/2 gate rows then the up rows of the same columns, and the GEMM reads it
+as it reads any other stack; the plain product of such a stack stores each row at its logical column (_glu_rows).
 
   grouped_mm_nvfp4_tiles    the grouped GEMM (swap-AB, one program per (64-row tile, expert) looping over row tiles;
-                            glu: gate and up rows of the same 32 columns, gelu·up in the epilogue)
+                            glu: a glu-laid stack's gate and up rows of the same 32 columns, gelu·up in the epilogue)
   dequantize_nvfp4_tiles    the decode as a kernel, bit-identical to ops/packed_weight.dequantize (prefill path)
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
+from .gelu_mul import gelu_mul_triton
 from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
 from .moe_plan import order_operand
 from .moe_q4 import group_chunk, tile_gemm_operands
@@ -209,27 +213,21 @@ if HAVE_TRITON:
         return tl.trans(sdesc.load([eg2, r0]))
 
     @triton.jit
-    def _join_rows(a, b):
-        """[R, C] and [R, C] -> [2R, C]: a's rows, then b's."""
-        R: tl.constexpr = a.shape[0]
-        C: tl.constexpr = a.shape[1]
-        return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * R, C))
+    def _glu_rows(t, N, BN: tl.constexpr):
+        """The logical rows of positions t·BN .. t·BN+BN-1 of a glu-laid stack of N rows (ops/q4_tiles.glu_row_order):
+        BN/2 gate rows from t·BN/2, then the up rows N/2 above them."""
+        nl = tl.arange(0, BN)
+        return t * (BN // 2) + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
 
     @triton.jit
-    def _chunk(words, scales, rows, e, r0, gc, N, K, BN: tl.constexpr, GC: tl.constexpr, TMA: tl.constexpr,
-               GLU: tl.constexpr):
-        """Groups gc .. gc+GC-1 of the program's BN weight rows -> (words [BN, 4GC], scale words [BN, GC/2]). TMA:
-        words and scales are the planes' descriptors (_descriptors) and the rows r0 .. r0+BN of expert e (GLU: BN/2
-        from r0, then BN/2 from N/2 + r0); else pointers to expert e's planes and its rows `rows`."""
+    def _chunk(words, scales, rows, e, r0, gc, N, K, BN: tl.constexpr, GC: tl.constexpr, TMA: tl.constexpr):
+        """Groups gc .. gc+GC-1 of the program's BN weight rows r0 .. r0+BN of expert e -> (words [BN, 4GC], scale
+        words [BN, GC/2]). TMA: words and scales are the planes' descriptors (_descriptors), one box each; else
+        pointers to expert e's planes, and `rows` the same rows."""
         if TMA:
             eg = e * (K // 32) + gc
-            if GLU:
-                wd = _join_rows(_words_tma(words, eg, r0, BN // 2, GC), _words_tma(words, eg, N // 2 + r0, BN // 2, GC))
-                sv = _join_rows(_scale_words_tma(scales, eg // 2, r0, BN // 2),
-                                _scale_words_tma(scales, eg // 2, N // 2 + r0, BN // 2))
-            else:
-                wd = _words_tma(words, eg, r0, BN, GC)
-                sv = _scale_words_tma(scales, eg // 2, r0, BN)
+            wd = _words_tma(words, eg, r0, BN, GC)
+            sv = _scale_words_tma(scales, eg // 2, r0, BN)
         else:
             wd = _words(words, gc, rows, N, GC)
             sv = _scale_words(scales, gc, rows, N, GC)
@@ -240,12 +238,13 @@ if HAVE_TRITON:
                    div, BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
                    ASM: tl.constexpr, TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr,
                    GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
-        """Rows m0 .. min(m0 + BM, end) of expert e times its weight rows (_chunk's), stored at columns n. GLU: rows
-        are BN/2 gate rows then the up rows of the same columns; the pass stores gelu·up (as ops/moe_q4._rows_pass)."""
+        """Rows m0 .. min(m0 + BM, end) of expert e times its weight rows (_chunk's), stored at columns n. GLU: the
+        rows are BN/2 gate rows then the up rows of the same columns; the pass stores gelu·up (as
+        ops/moe_q4._rows_pass)."""
         m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for gc in range(0, K // 32, GC):  # the three loads pipelined by Triton (TMA or cp.async)
-            wd, sv = _chunk(words, scales, rows, e, r0, gc, N, K, BN, GC, TMA, GLU)
+            wd, sv = _chunk(words, scales, rows, e, r0, gc, N, K, BN, GC, TMA)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:
                 xt = f16_clamped(xt.to(tl.float32))
@@ -269,21 +268,22 @@ if HAVE_TRITON:
     def _nvfp4_tiles_gmm_kernel(x_ptr, src_ptr, out_ptr, offs_ptr, order_ptr, codes, scale_plane, es_ptr, N, K,
                                 stride_x, stride_o, BN: tl.constexpr, BM: tl.constexpr, BM_FEW: tl.constexpr,
                                 GC: tl.constexpr, HAS_SRC: tl.constexpr, HAS_ORDER: tl.constexpr, ASM: tl.constexpr,
-                                TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr = False,
-                                GU_ROUND: tl.constexpr = 0, F16_OUT: tl.constexpr = False):
+                                TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU_ORDER: tl.constexpr = False,
+                                GLU: tl.constexpr = False, GU_ROUND: tl.constexpr = 0, F16_OUT: tl.constexpr = False):
         """One program per (row tile, expert), rows taken as ops/moe_q4._q4_tiles_gmm_kernel takes them (one BM_FEW
         pass for an expert with at most BM_FEW rows, else BM at a time; HAS_ORDER: the experts in the order given).
-        TMA: codes and scale_plane are the planes' tensor descriptors (_descriptors), else the planes themselves."""
+        TMA: codes and scale_plane are the planes' tensor descriptors (_descriptors), else the planes themselves.
+        GLU_ORDER: the stack is glu-laid; GLU (on such a stack): gelu·up of the BN/2 columns of F = N/2 the tile's
+        gate and up rows make, else each row's product at its logical column."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
-        nl = tl.arange(0, BN)
-        if GLU:  # the result's BN/2 columns of F = N/2: their gate rows, then their up rows
-            r0 = tl.program_id(0) * (BN // 2)
-            n = r0 + tl.arange(0, BN // 2)
-            rows = r0 + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
+        r0 = tl.program_id(0) * BN
+        rows = r0 + tl.arange(0, BN)
+        if GLU:
+            n = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+        elif GLU_ORDER:
+            n = _glu_rows(tl.program_id(0), N, BN)
         else:
-            r0 = tl.program_id(0) * BN
-            n = r0 + nl
-            rows = n
+            n = rows
         if TMA:
             words, scales = codes, scale_plane
         else:
@@ -305,12 +305,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _nvfp4_tiles_dequant_kernel(out_ptr, codes, scale_plane, es_ptr, N, K, GC: tl.constexpr, BN: tl.constexpr,
-                                    DIVIDES: tl.constexpr):
+                                    DIVIDES: tl.constexpr, GLU_ORDER: tl.constexpr):
         """Program (expert · N/BN + row tile, K chunk of GC groups): the twin's f32 values e2m1 · fl(fl(e4m3 · mul)
-        / div), the codes brought to k order by the GEMM's own renaming (as f16 integers, exact)."""
+        / div), the codes brought to k order by the GEMM's own renaming (as f16 integers, exact), stored at their
+        logical rows (GLU_ORDER: a glu-laid stack's, _glu_rows)."""
         T = N // BN
         e = (tl.program_id(0) // T).to(tl.int64)
-        rows = (tl.program_id(0) % T) * BN + tl.arange(0, BN)
+        t = tl.program_id(0) % T
+        rows = t * BN + tl.arange(0, BN)
         G = K // 32
         words = codes.to(tl.pointer_type(tl.int32)) + e * G * N * 4
         scales = scale_plane.to(tl.pointer_type(tl.int32)) + e * (G // 2) * N
@@ -325,6 +327,8 @@ if HAVE_TRITON:
             s = tl.math.div_rn(s, tl.zeros((BN, 2 * GC), dtype=tl.float32) + tl.load(es_ptr + 2 * e + 1))
         w = e2m1_f32(q.to(tl.int32)) * per_group(s, 16)
         k = tl.program_id(1) * GC * 32 + tl.arange(0, 32 * GC)
+        if GLU_ORDER:
+            rows = _glu_rows(t, N, BN)
         tl.store(out_ptr + (e * N + rows)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty))
 
 
@@ -332,14 +336,14 @@ def _planes(w):
     return w.planes["codes"], w.planes["scale"], w.escale
 
 
-def _descriptors(w, GC: int, glu: bool):
-    """Tensor descriptors of an nvfp4-tiles stack's two planes, for a K step of GC code groups of a run of rows
-    (NVFP4_TILE_N rows; glu: half of them): the codes as [E·G, N/8, 32] int32 (8 rows' words a line), boxes
-    [GC, rows/8, 32]; the scales as [E·G/2, N] int32, boxes [GC/2, rows]."""
+def _descriptors(w, GC: int):
+    """Tensor descriptors of an nvfp4-tiles stack's two planes, for a K step of GC code groups of a program's R =
+    NVFP4_TILE_N rows: the codes as [E·G, N/8, 32] int32 (8 rows' words a line), boxes [GC, R/8, 32]; the scales as
+    [E·G/2, N] int32, boxes [GC/2, R]."""
     codes, scales, _ = _planes(w)
     E, N, K = w.shape
     G = K // CODE_GROUP
-    R = NVFP4_TILE_N // 2 if glu else NVFP4_TILE_N
+    R = NVFP4_TILE_N
     return (TensorDescriptor.from_tensor(codes.view(torch.int32).view(E * G, N // 8, 32), [GC, R // 8, 32]),
             TensorDescriptor.from_tensor(scales.view(torch.int32).view(E * G // 2, N), [GC // 2, R]))
 
@@ -349,6 +353,14 @@ def row_tile(routes: int, experts: int) -> int:
     32 at denoise (~16 an expert), 64 below PREFILL_ROWS an expert, 128 above."""
     per_expert = routes / experts
     return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
+
+
+def default_tma(x, BM: int) -> bool:
+    """Whether the GEMM reads the planes through TMA unless told: where the device has it (tma_available) and the row
+    tile is below 128 rows (the denoise shapes, where the weights' bytes dominate and one bulk copy a plane and K step
+    cuts the load instructions); at 128-row tiles (a batched denoise, a prefill) through cp.async, which times at
+    least as fast there (bench/probes/probe_nvfp4_kernel.py measures both)."""
+    return tma_available(x) and BM < 128
 
 
 def default_stages(tma: bool, BM: int) -> int:
@@ -362,32 +374,33 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
                            order=None, out_dtype=None, glu: bool = False, glu_f16: bool = False, group_step: int = 4,
                            tma: bool | None = None, num_warps: int = 4, num_stages: int | None = None):
     """x [M, K] (rows grouped by expert), or x [T, K] with src int [M] naming each route's row; w an nvfp4-tiles
-    [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] made in the
-    epilogue from the products rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's).
-    BM (default row_tile's) / BM_FEW / order as ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on
-    CUDA); group_step: the most code groups a K step (a power of 2; the most that divides K/32 is taken); tma: the
-    planes read through tensor descriptors (default: where available), else by cp.async, the same bits;
-    num_warps / num_stages: the launch's (default stages: default_stages')."""
+    [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] from the products
+    rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's), columns in logical order.
+    glu on a stack laid with to_nvfp4_tiles(glu=True) is made in the epilogue; on another, by the gelu·up kernel after
+    the plain GEMM (the same bits, one more pass). BM (default row_tile's) / BM_FEW / order as
+    ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on CUDA); group_step: the most code groups a K
+    step (a power of 2; the most that divides K/32 is taken); tma: the planes read through tensor descriptors, else
+    by cp.async, the same bits (default: default_tma's rule); num_warps / num_stages: the launch's (default stages:
+    default_stages')."""
     check_nvfp4_tiles(w)
     E, N, K = w.shape
-    x, out, gu_round = tile_gemm_operands("grouped_mm_nvfp4_tiles", x, w.shape, src, out_dtype, glu, glu_f16)
+    fused = glu and w.glu
+    x, out, gu_round = tile_gemm_operands("grouped_mm_nvfp4_tiles", x, w.shape, src, out_dtype, fused, glu_f16)
     M = out.shape[0]
-    if M == 0:
-        return out
-    offs = offs.to(torch.int32).contiguous()
-    BM = BM or row_tile(M, E)
-    GC = group_chunk(K // CODE_GROUP, group_step)
-    tma = tma_available(x) if tma is None else tma
-    planes = _descriptors(w, GC, glu) if tma else _planes(w)[:2]
-    num_stages = num_stages or default_stages(tma, BM)
-    _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
-        x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *planes, w.escale, N, K,
-        x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
-        GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
-        ASM=x.is_cuda if asm is None else asm, TMA=tma, DIVIDES=w.divides, GLU=glu,
-        GU_ROUND=gu_round, F16_OUT=glu and glu_f16,
-        num_warps=num_warps, num_stages=num_stages)
-    return out
+    if M:
+        offs = offs.to(torch.int32).contiguous()
+        BM = BM or row_tile(M, E)
+        GC = group_chunk(K // CODE_GROUP, group_step)
+        tma = default_tma(x, BM) if tma is None else tma
+        planes = _descriptors(w, GC) if tma else _planes(w)[:2]
+        _nvfp4_tiles_gmm_kernel[(N // NVFP4_TILE_N, E)](
+            x, x if src is None else src.contiguous(), out, offs, order_operand(order, offs, E), *planes, w.escale, N,
+            K, x.stride(0), out.stride(0), BN=NVFP4_TILE_N, BM=BM, BM_FEW=BM_FEW if BM_FEW < BM else 0,
+            GC=GC, HAS_SRC=src is not None, HAS_ORDER=order is not None,
+            ASM=x.is_cuda if asm is None else asm, TMA=tma, DIVIDES=w.divides, GLU_ORDER=w.glu, GLU=fused,
+            GU_ROUND=gu_round, F16_OUT=fused and glu_f16,
+            num_warps=num_warps, num_stages=num_stages or default_stages(tma, BM))
+    return gelu_mul_triton(out, as_f16=glu_f16) if glu and not fused else out
 
 
 def dequantize_nvfp4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = None):
@@ -397,5 +410,5 @@ def dequantize_nvfp4_tiles(w, dtype=torch.bfloat16, out: torch.Tensor | None = N
     out = torch.empty(w.shape, dtype=dtype, device=w.device) if out is None else out
     GC = group_chunk(K // CODE_GROUP)
     _nvfp4_tiles_dequant_kernel[(E * N // NVFP4_TILE_N, K // CODE_GROUP // GC)](
-        out, *_planes(w), N, K, GC=GC, BN=NVFP4_TILE_N, DIVIDES=w.divides, num_warps=4)
+        out, *_planes(w), N, K, GC=GC, BN=NVFP4_TILE_N, DIVIDES=w.divides, GLU_ORDER=w.glu, num_warps=4)
     return out

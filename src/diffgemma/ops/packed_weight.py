@@ -13,8 +13,10 @@ ops/moe_nvfp4.py); PackedWeight.layout says which.
                register r is at most two shifts and two LOP3s (ops/moe_nvfp4.py). scales: for each (expert, pair of
                groups) the N rows are contiguous, one int32 word a row [E, K/64, N]: the row's e4m3 scales of k
                64j .. 64j+63 (4 bytes, in k order: the pack's own scale bytes 4j .. 4j+3). escale as nvfp4e. Made at
-               load on CUDA (from_record), same planes and sizes as nvfp4e; K a multiple of 64. Any set of rows of an
-               expert is addressable, so one order serves the plain and the gelu·up (gate ‖ up rows) GEMM.
+               load on CUDA (from_record), same planes and sizes as nvfp4e; K a multiple of 64. A gate ‖ up stack
+               (glu) has its rows in ops/q4_tiles.glu_row_order's order (PackedWeight.glu): the 64 rows of a GEMM
+               program, 32 gate rows then the up rows of the same columns, are contiguous, so a K step of them is
+               one box a plane, for the plain GEMM (which stores each row at its logical column) and for gelu·up.
 
   dequantize   the whole tensor decoded in f32 by torch ops, device-agnostic: the twin every packed kernel
                (ops/moe_packed.py, ops/moe_q4.py, ops/q8_linear.py) is compared with
@@ -30,11 +32,13 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
 from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
-from .q4_tiles import natural_planes, nibble_source
+from .q4_tiles import TILE_N, glu_row_order, natural_planes, nibble_source
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 NVFP4_TILES = "nvfp4-tiles"
-NVFP4_TILE_N = 64  # output rows of a program of the nvfp4-tiles GEMM (ops/moe_nvfp4.py): N must be a multiple
+# output rows of a program of the nvfp4-tiles GEMM (ops/moe_nvfp4.py): N must be a multiple. q4's tile, so that one
+# glu row order (ops/q4_tiles.glu_row_order) serves both layouts
+NVFP4_TILE_N = TILE_N
 # nvfp4-tiles: for register r of a word (slots r and r + 4), the low half's (magnitude bit 0, sign bit) positions; the
 # high half's are 16 above. Register 0 sits where the decode wants it (9..11 and 15), 1 one shift away, 2 and 3 two.
 NVFP4_BITS = ((9, 15), (0, 6), (3, 7), (12, 8))
@@ -50,16 +54,19 @@ class PackedWeight:
     planes: dict  # plane name -> uint8 [R, row_bytes] view into `record`
     tscale: float = 1.0  # nvfp4's per-tensor scale (read once at load: it is a kernel argument)
     layout: str = "natural"  # the pack's byte order, "q4-tiles" or "nvfp4-tiles" (made on the device at load)
-    # q4-tiles only: a gate ‖ up stack whose layout tiles hold 32 gate rows then the up rows of the same columns, so
-    # the GEMM can make gelu·up in its epilogue (ops/q4_tiles.to_tile_layout(glu=True)); the logical shape is unchanged
+    # q4-tiles and nvfp4-tiles: a gate ‖ up stack whose 64-row tiles hold 32 gate rows then the up rows of the same
+    # columns (ops/q4_tiles.glu_row_order), so the GEMM can make gelu·up in its epilogue
+    # (ops/q4_tiles.to_tile_layout(glu=True), to_nvfp4_tiles(glu=True)); the logical shape is unchanged
     glu: bool = False
     # nvfp4e only: whether any expert's divisor is not 1 (read once at load: the kernels divide only then)
     divides: bool = False
 
     @classmethod
-    def from_record(cls, fmt: str, shape, record: torch.Tensor, layout: str | None = None) -> "PackedWeight":
+    def from_record(cls, fmt: str, shape, record: torch.Tensor, layout: str | None = None,
+                    glu: bool = False) -> "PackedWeight":
         """The record (in its pack order) as a weight; layout None: an nvfp4e stack is re-laid in the nvfp4-tiles
-        order where its kernels run (nvfp4_tiles_wanted), "natural": never."""
+        order where its kernels run (nvfp4_tiles_wanted), "natural": never. glu: the stack is gate ‖ up; re-laid,
+        it takes the glu row order (to_nvfp4_tiles(glu=True))."""
         shape = tuple(int(s) for s in shape)
         planes = record_planes(fmt, shape, record)
         tscale, divides = 1.0, False
@@ -69,7 +76,7 @@ class PackedWeight:
             divides = bool((planes["escale"].cpu().view(torch.float32)[:, 1] != 1.0).any())
         pw = cls(fmt, shape, record, planes, tscale, divides=divides)
         if layout is None and nvfp4_tiles_wanted(fmt, shape, record.device):
-            pw = to_nvfp4_tiles(pw)
+            pw = to_nvfp4_tiles(pw, glu=glu)
         return pw
 
     @property
@@ -162,38 +169,45 @@ def unpack_nvfp4_words(w: torch.Tensor) -> torch.Tensor:
     return q.reshape(*w.shape[:-1], 32).to(torch.uint8)
 
 
-def to_nvfp4_tiles(pw: PackedWeight, experts_per_chunk: int = 4) -> PackedWeight:
+def to_nvfp4_tiles(pw: PackedWeight, experts_per_chunk: int = 4, glu: bool = False) -> PackedWeight:
     """The natural nvfp4e stack `pw` re-laid in the nvfp4-tiles order, in a new record on its device (pw is left as
-    it is), `experts_per_chunk` experts at a time so the scratch stays small."""
+    it is), `experts_per_chunk` experts at a time so the scratch stays small. glu: pw is a gate ‖ up stack, its rows
+    put in glu_row_order's order first (for the GEMM's gelu·up epilogue)."""
     if not nvfp4_tiles_ok(pw.fmt, pw.shape) or pw.layout != "natural":
         raise TensorError(f"{NVFP4_TILES}: needs a natural-order nvfp4e stack [E, N, K] with N a multiple of "
                           f"{NVFP4_TILE_N} and K of {2 * CODE_GROUP}, got {pw.fmt} {list(pw.shape)} ({pw.layout})")
     E, N, K = pw.shape
     G = K // CODE_GROUP
     record = pw.record.clone()  # the escale plane and the padding as they are; codes and scales rewritten below
-    out = replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=NVFP4_TILES)
+    out = replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=NVFP4_TILES, glu=glu)
     words = out.planes["codes"].view(torch.int32).view(E, G, N, 4)
     scales = out.planes["scale"].view(E, G // 2, N, 4)
     perm = nibble_source(pw.device)
+    order = glu_row_order(N, pw.device) if glu else slice(None)  # position -> logical row
     for e0 in range(0, E, experts_per_chunk):
         e1 = min(E, e0 + experts_per_chunk)
-        rows = slice(e0 * N, e1 * N)
-        q = unpack_nibbles(pw.planes["codes"][rows]).view(e1 - e0, N, G, CODE_GROUP)[..., perm]
+        codes, scale = (pw.planes[n][e0 * N:e1 * N].view(e1 - e0, N, -1)[:, order] for n in ("codes", "scale"))
+        q = unpack_nibbles(codes).view(e1 - e0, N, G, CODE_GROUP)[..., perm]
         words[e0:e1].copy_(pack_nvfp4_words(q).permute(0, 2, 1, 3))
-        scales[e0:e1].copy_(pw.planes["scale"][rows].view(e1 - e0, N, G // 2, 4).permute(0, 2, 1, 3))
+        scales[e0:e1].copy_(scale.reshape(e1 - e0, N, G // 2, 4).permute(0, 2, 1, 3))
     return out
 
 
 def nvfp4_natural_planes(pw: PackedWeight) -> dict:
-    """codes uint8 [E·N, K/2], scale uint8 [E·N, K/16] in the pack's own order, from an nvfp4-tiles weight."""
+    """codes uint8 [E·N, K/2], scale uint8 [E·N, K/16] in the pack's own order (a glu weight's rows back in logical
+    order), from an nvfp4-tiles weight."""
     check_nvfp4_tiles(pw)
     E, N, K = pw.shape
     G = K // CODE_GROUP
     inv = torch.argsort(nibble_source(pw.device))
     q = unpack_nvfp4_words(pw.planes["codes"].view(torch.int32).view(E, G, N, 4))[..., inv]
-    codes = pack_nibbles(q).permute(0, 2, 1, 3).reshape(E * N, K // 2)
-    scale = pw.planes["scale"].view(E, G // 2, N, 4).permute(0, 2, 1, 3).reshape(E * N, K // 16)
-    return {"codes": codes, "scale": scale, "escale": pw.planes["escale"]}
+    codes = pack_nibbles(q).permute(0, 2, 1, 3)
+    scale = pw.planes["scale"].view(E, G // 2, N, 4).permute(0, 2, 1, 3)
+    if pw.glu:  # logical row glu_row_order[j] sits at position j
+        back = torch.argsort(glu_row_order(N, pw.device))
+        codes, scale = codes[:, back], scale[:, back]
+    return {"codes": codes.reshape(E * N, K // 2), "scale": scale.reshape(E * N, K // 16),
+            "escale": pw.planes["escale"]}
 
 
 def check_nvfp4_tiles(w):
