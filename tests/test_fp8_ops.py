@@ -50,21 +50,14 @@ def test_quantize_rows_ref_matches_weight_rule():
 
 @needs_triton
 @pytest.mark.parametrize("K", [48, 100])
-@pytest.mark.parametrize("rows", [None, 1, 4])  # 9 rows: the last block of 4 has three past the tensor
-def test_quantize_rows_kernel_equals_twin(K, rows):
+def test_quantize_rows_kernel_equals_twin(K):
     g = torch.Generator().manual_seed(K)
     x = (torch.randn(9, K, generator=g) * torch.logspace(-3, 3, 9)[:, None]).to(torch.bfloat16)
     x[4] = 0.0
-    q, s = fp8_quant.quantize_rows_triton(x, rows=rows)
+    q, s = fp8_quant.quantize_rows_triton(x)
     qr, sr = fp8_quant.quantize_rows_ref(x)
     assert torch.equal(s, sr)
     assert torch.equal(_bits(q), _bits(qr))
-
-
-def test_row_launch_takes_whole_rows_up_to_the_block():
-    assert fp8_quant.row_launch(704) == (1024, fp8_quant.ROW_BLOCK // 1024, 8 if fp8_quant.ROW_BLOCK >= 4096 else 4)
-    assert fp8_quant.row_launch(2816)[:2] == (4096, 1)  # a row wider than the block is still one program's
-    assert fp8_quant.row_launch(40, rows=2, num_warps=1) == (64, 2, 1)
 
 
 def test_fp8_linear_ref_is_the_fake_quant_product():
@@ -168,11 +161,10 @@ def test_expert_ffn_dispatches_fp8():
 
 
 @needs_triton
-@pytest.mark.parametrize("rows", [None, 1, 4])  # 6 rows: a block of 4 runs past the tensor
-def test_gelu_mul_quant_kernel_equals_the_two_steps(rows):
+def test_gelu_mul_quant_kernel_equals_the_two_steps():
     g = torch.Generator().manual_seed(7)
     gu = (torch.randn(6, 2 * 40, generator=g) * 3).to(torch.bfloat16)
-    q, s = fp8_quant.gelu_mul_quant_triton(gu, rows=rows)
+    q, s = fp8_quant.gelu_mul_quant_triton(gu)
     _, s2 = fp8_quant.gelu_mul_quant_ref(gu)  # the twin: torch's gelu, within its rounding
     torch.testing.assert_close(s, s2, rtol=2 ** -7, atol=0)
     q3, s3 = fp8_quant.quantize_rows_triton(gelu_mul_triton(gu))

@@ -1,18 +1,16 @@
-"""Probe: the row kernels of a batched forward (the fused norms and the per-token FP8 quantization) by launch shape.
+"""Probe: the fused norm kernels of a forward (ops/rmsnorm.py) by their warps.
 
     PYTHONPATH=src:. python -m bench.probes.probe_row_kernels --json $OUT/rowk.json
     PYTHONPATH=src:. TRITON_INTERPRET=1 python -m bench.probes.probe_row_kernels --tiny     # CPU dry run
 
-At the model's widths (hidden 2816, expert intermediate 704, dense intermediate 2112, top-8) for the rows of one
-canvas (256 tokens, 2048 routes) and of eight (2048 tokens, 16384 routes):
+At the model's widths (hidden 2816, top-8) for the rows of one canvas (256 tokens, 2048 routes) and of eight (2048
+tokens, 16384 routes):
   attn_finish        bf16 (moe_in as the f16 operand, the q4 engine's) and FP8 (dense_in and moe_in quantized)
   layer_finish_moe   the MoE un-permute + finish + the next input norm, bf16 and FP8 (next_fp8)
-                     both at ops/rmsnorm.WIDE_ROW_WARPS of 4, 8 and 16 (the default marked), each against its torch
-                     twin (relative error) and against the 4-warp kernel (bits equal or not: the warps move a norm's
-                     f32 summation order)
-  gelu_mul_quant     expert rows [routes, 2·704] and dense rows [tokens, 2·2112], rows a program x warps
-  quantize_rows      hidden rows [tokens, 2816], warps
-                     every variant's bits against the one-row, 4-warp kernel (they must be equal)
+                     both at 4, 8 and 16 warps (ops/rmsnorm.WIDE_ROW_WARPS set so; the FP8 variants take twice
+                     it, so their rows are labelled by the warps they ran at; the default marked), each against its
+                     torch twin (relative error) and against the 4-warp kernel (bits equal or not: the warps move a
+                     norm's f32 summation order)
 Times: GPU µs a call, 10 calls captured in one CUDA graph, the median of --reps replays (bench/bench_engine.time_graph).
 The JSON is rewritten after every row. --tiny: small shapes in the Triton interpreter (a dry run of the code paths).
 """
@@ -27,10 +25,9 @@ import torch
 from bench.probes.probe_nvfp4_kernel import Results, rel, timed_us
 from diffgemma.ops import fp8_quant, rmsnorm
 
-FULL = dict(H=2816, F=704, D=2112, k=8, tokens={1: 256, 8: 2048})
-TINY = dict(H=96, F=40, D=72, k=2, tokens={1: 4, 8: 9})
+FULL = dict(H=2816, k=8, tokens={1: 256, 8: 2048})
+TINY = dict(H=96, k=2, tokens={1: 4, 8: 9})
 NORM_WARPS = (4, 8, 16)
-QUANT_LAUNCH = ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8))  # (rows a program, warps)
 
 
 def bits_equal(a, b) -> bool:
@@ -48,31 +45,22 @@ def flat(out) -> list[torch.Tensor]:
     return res
 
 
-def norm_rows(res: Results, name, fn, ref, cuda, reps):
-    """Time fn() at each WIDE_ROW_WARPS, its outputs against the twin's and the 4-warp kernel's."""
+def norm_rows(res: Results, name, fn, ref, fp8, cuda, reps):
+    """Time fn() at each of NORM_WARPS, its outputs against the twin's and the 4-warp kernel's."""
     default, base = rmsnorm.WIDE_ROW_WARPS, None
+    engine_warps = rmsnorm.row_warps(4096, fp8)  # what the engine runs at the hidden width
     want = flat(ref())
     try:
         for w in NORM_WARPS:
-            rmsnorm.WIDE_ROW_WARPS = w
+            rmsnorm.WIDE_ROW_WARPS = w // 2 if fp8 else w
             got = flat(fn())
             base = got if base is None else base
             err = max(rel(g.float(), e.float()) for g, e in zip(got, want) if g.dtype != fp8_quant.FP8_DTYPE)
-            res.add(kernel=name, warps=w, default=w == default, us=round(timed_us(fn, cuda, reps), 2),
-                    rel_vs_twin=f"{err:.1e}", bits_equal_4warps=all(bits_equal(a, b) for a, b in zip(got, base)))
+            res.add(kernel=name, warps=w, default=w == engine_warps,
+                    us=round(timed_us(fn, cuda, reps), 2), rel_vs_twin=f"{err:.1e}",
+                    bits_equal_4warps=all(bits_equal(a, b) for a, b in zip(got, base)))
     finally:
         rmsnorm.WIDE_ROW_WARPS = default
-
-
-def quant_rows(res: Results, name, fn, cuda, reps):
-    """Time fn(rows=, num_warps=) at each QUANT_LAUNCH, its bits against the one-row, 4-warp kernel's."""
-    base = flat(fn(rows=1, num_warps=4))
-    default = fp8_quant.row_launch(base[0].shape[1])[1:]
-    for r, w in QUANT_LAUNCH:
-        got = flat(fn(rows=r, num_warps=w))
-        res.add(kernel=name, rows=r, warps=w, default=(r, w) == default,
-                us=round(timed_us(lambda: fn(rows=r, num_warps=w), cuda, reps), 2),
-                bits_equal_one_row=all(bits_equal(a, b) for a, b in zip(got, base)))
 
 
 def main():
@@ -84,7 +72,7 @@ def main():
     cuda = torch.cuda.is_available() and not a.tiny
     dev = torch.device("cuda" if cuda else "cpu")
     S = TINY if a.tiny else FULL
-    H, F, D, k = S["H"], S["F"], S["D"], S["k"]
+    H, k = S["H"], S["k"]
     res = Results(a.json, {"device": torch.cuda.get_device_name() if cuda else "cpu", "shapes": S})
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = time.time()
@@ -104,19 +92,12 @@ def main():
             kw = dict(dense_fp8=True, moe_fp8=True) if fp8 else dict(moe_f16=True)
             norm_rows(res, f"B{B} attn_finish {'fp8' if fp8 else 'bf16'}",
                       lambda: rmsnorm.attn_finish_triton(r, at, *ws[:3], wr, 1e-6, **kw),
-                      lambda: rmsnorm.attn_finish_ref(r, at, *ws[:3], wr, 1e-6, **kw), cuda, a.reps)
+                      lambda: rmsnorm.attn_finish_ref(r, at, *ws[:3], wr, 1e-6, **kw), fp8, cuda, a.reps)
             norm_rows(res, f"B{B} layer_finish_moe {'fp8' if fp8 else 'bf16'}",
                       lambda: rmsnorm.layer_finish_moe_triton(r, m, y, inv, wts, *ws[1:4], 0.8, 1e-6, ws[4],
                                                               next_fp8=fp8),
                       lambda: rmsnorm.layer_finish_moe_ref(r, m, y, inv, wts, *ws[1:4], 0.8, 1e-6, ws[4],
-                                                           next_fp8=fp8), cuda, a.reps)
-        gu_e, gu_d, x = rnd(T * k, 2 * F, scale=3.0), rnd(T, 2 * D, scale=3.0), rnd(T, H)
-        quant_rows(res, f"B{B} gelu_mul_quant experts", lambda **kw: fp8_quant.gelu_mul_quant_triton(gu_e, **kw),
-                   cuda, a.reps)
-        quant_rows(res, f"B{B} gelu_mul_quant dense", lambda **kw: fp8_quant.gelu_mul_quant_triton(gu_d, **kw),
-                   cuda, a.reps)
-        quant_rows(res, f"B{B} quantize_rows hidden", lambda **kw: fp8_quant.quantize_rows_triton(x, **kw),
-                   cuda, a.reps)
+                                                           next_fp8=fp8), fp8, cuda, a.reps)
     print(f"{time.time() - t0:.1f} s", flush=True)
 
 

@@ -6,7 +6,7 @@ x[r] ≈ q[r] · s[r]. Everything is per row (the max, the division), so a row's
 of x: a batched lane quantizes as it would alone.
 
   quantize_rows_ref     the twin: torch ops in float32
-  quantize_rows_triton  one program per block of whole rows (row_launch; each row in registers); the division rounds correctly
+  quantize_rows_triton  one program per row (the whole row in registers); the division rounds correctly
                         (div_rn) and the cast to e4m3 rounds to nearest even, so the kernel's bits equal the
                         twin's. In the Triton interpreter, whose float -> e4m3 cast does not round to nearest, the
                         kernel writes its float32 quotients and torch casts them
@@ -30,8 +30,6 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON, interpreting, next_pow2, use_triton
 from .fp8_weight import FP8_DTYPE, FP8_MAX, SCALE_MIN, row_scale
 from .gelu_mul import gelu_mul_ref
-
-ROW_BLOCK = 4096  # values a program of the quantizing kernels takes (whole rows): row_launch
 
 if HAVE_TRITON:
     import triton
@@ -80,77 +78,53 @@ def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
-    def fp8_scale(amax, FMAX: tl.constexpr, SMIN: tl.constexpr):
-        """A row's scale from its max |x|: max(amax / 448, SMIN), the division IEEE (div_rn)."""
-        return tl.maximum(tl.math.div_rn(amax, FMAX), SMIN)
-
-    @triton.jit
     def store_fp8_row(x, ok, q_ptr, s_ptr, r, stride_q, k, FMAX: tl.constexpr, SMIN: tl.constexpr):
         """Row r's per-token FP8 form from its f32 values x (masked lanes 0): s = max(amax / 448, SMIN) and
         q = saturate(x / s), both divisions IEEE (div_rn), q cast to q_ptr's type (e4m3, round to nearest even;
         float32 quotients in the interpreter, see fp8_row_buffers)."""
-        s = fp8_scale(tl.max(tl.abs(x), axis=0), FMAX, SMIN)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FMAX), SMIN)
         q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
         tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + r, s)
 
     @triton.jit
-    def store_fp8_rows(x, ok, r_ok, q_ptr, s_ptr, r, stride_q, k, FMAX: tl.constexpr, SMIN: tl.constexpr):
-        """store_fp8_row for a block of rows: x f32 [R, K], ok [R, K], r and r_ok (the rows that exist) [R, 1],
-        k [1, K]. The same operations per row (a maximum is exact in any order), so the same bits."""
-        s = fp8_scale(tl.max(tl.abs(x), axis=1), FMAX, SMIN)[:, None]
-        q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
-        tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + r, s, mask=r_ok)
-
-    @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BK: tl.constexpr, ROWS: tl.constexpr,
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BK: tl.constexpr,
                               FMAX: tl.constexpr, SMIN: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-        k = tl.arange(0, BK)[None, :]
-        ok = (k < K) & (r < M)
+        r = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BK)
+        ok = k < K
         x = tl.load(x_ptr + r * stride_x + k, mask=ok, other=0.0).to(tl.float32)
-        store_fp8_rows(x, ok, r < M, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
+        store_fp8_row(x, ok, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, M, F, stride_gu, stride_q, BF: tl.constexpr, ROWS: tl.constexpr,
-                               FMAX: tl.constexpr, SMIN: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-        k = tl.arange(0, BF)[None, :]
-        ok = (k < F) & (r < M)
+    def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, F, stride_gu, stride_q, BF: tl.constexpr, FMAX: tl.constexpr,
+                               SMIN: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BF)
+        ok = k < F
         g = tl.load(gu_ptr + r * stride_gu + k, mask=ok, other=0.0)
         u = tl.load(gu_ptr + r * stride_gu + F + k, mask=ok, other=0.0)
         y = gelu_tanh_mul(g.to(tl.float32), u.to(tl.float32)).to(g.dtype).to(tl.float32)  # as gelu_mul stores it
-        store_fp8_rows(y, ok, r < M, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
+        store_fp8_row(y, ok, q_ptr, s_ptr, r, stride_q, k, FMAX, SMIN)
 
 
 def gelu_mul_quant_ref(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_ref(gelu_mul_ref(gu))
 
 
-def row_launch(width: int, rows: int | None = None, num_warps: int | None = None) -> tuple[int, int, int]:
-    """(block width, rows a program, warps) of the quantizing kernels for rows of `width` values: a program takes
-    ROW_BLOCK values (whole rows, at least one), at 8 warps from 4096 values, else 4; `rows` / `num_warps` override
-    (bench/probes/probe_row_kernels.py times the others). Every choice gives the same bits."""
-    B = next_pow2(width)
-    rows = rows or max(1, ROW_BLOCK // B)
-    return B, rows, num_warps or (8 if rows * B >= 4096 else 4)
-
-
-def gelu_mul_quant_triton(gu: torch.Tensor, rows: int | None = None, num_warps: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(gu)
     if gu.stride(-1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
     q, s = fp8_row_buffers(M, F, gu.device)
     if M:
-        BF, R, nw = row_launch(F, rows, num_warps)
-        _gelu_mul_quant_kernel[(triton.cdiv(M, R),)](gu, q, s, M, F, gu.stride(0), q.stride(0), BF=BF, ROWS=R,
-                                                     FMAX=FP8_MAX, SMIN=SCALE_MIN, num_warps=nw)
+        BF = next_pow2(F)
+        _gelu_mul_quant_kernel[(M,)](gu, q, s, F, gu.stride(0), q.stride(0), BF=BF, FMAX=FP8_MAX, SMIN=SCALE_MIN,
+                                     num_warps=4 if BF <= 1024 else 8)
     return tuple(fp8_rows_done(q, s))
 
 
@@ -161,17 +135,16 @@ def gelu_mul_quant(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gelu_mul_quant_ref(gu)
 
 
-def quantize_rows_triton(x: torch.Tensor, rows: int | None = None, num_warps: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
     q, s = fp8_row_buffers(M, K, x.device)
     if M:
-        BK, R, nw = row_launch(K, rows, num_warps)
-        _quantize_rows_kernel[(triton.cdiv(M, R),)](x, q, s, M, K, x.stride(0), q.stride(0), BK=BK, ROWS=R,
-                                                    FMAX=FP8_MAX, SMIN=SCALE_MIN, num_warps=nw)
+        BK = next_pow2(K)
+        _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BK=BK, FMAX=FP8_MAX, SMIN=SCALE_MIN,
+                                    num_warps=4 if BK <= 2048 else 8)
     return tuple(fp8_rows_done(q, s))
 
 

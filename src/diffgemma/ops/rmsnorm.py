@@ -251,14 +251,15 @@ if HAVE_TRITON:
         tl.store(hn_ptr + row * n_cols + cols, hn.to(hn_ptr.dtype.element_ty), mask=mask)
 
 
-# The warps of a row program over a row of `width` values: a wide row keeps many values of several row vectors live
-# in each thread, and more warps spread them (fewer registers a thread, none spilled, more programs resident).
-# bench/probes/probe_row_kernels.py times the alternatives; the choice moves a norm's f32 summation order only.
-WIDE_ROW_WARPS = 16
+# The warps of a row program over a row of `width` values: a wide row keeps several row vectors live in each thread,
+# and more warps spread them (fewer registers a thread, none spilled); the variants that also write FP8 operands keep
+# more live (the quantized rows and their maxima) and take twice the warps. bench/probes/probe_row_kernels.py times
+# the alternatives; the choice moves a norm's f32 summation order only.
+WIDE_ROW_WARPS = 8
 
 
-def row_warps(width: int) -> int:
-    return WIDE_ROW_WARPS if width > 2048 else 4
+def row_warps(width: int, fp8: bool = False) -> int:
+    return (2 * WIDE_ROW_WARPS if fp8 else WIDE_ROW_WARPS) if width > 2048 else 4
 
 
 def _rows(x):
@@ -269,7 +270,8 @@ def _rows(x):
 def rms_norm_triton(x, w, eps, out_dtype=None):
     x, rows, n = _rows(x)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    _rms_norm_kernel[(rows,)](x, w if w is not None else x, out, n, eps, HAS_W=w is not None, BLOCK=next_pow2(n), num_warps=row_warps(n))
+    _rms_norm_kernel[(rows,)](x, w if w is not None else x, out, n, eps, HAS_W=w is not None, BLOCK=next_pow2(n),
+                              num_warps=row_warps(n))
     return out
 
 
@@ -285,7 +287,8 @@ def ffn_inputs_triton(x, w_ff, w_ff2, w_r, eps):
     x, rows, n = _rows(x)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     orr = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    _ffn_inputs_kernel[(rows,)](x, w_ff, w_ff2, w_r, o1, o2, orr, n, eps, BLOCK=next_pow2(n), num_warps=row_warps(n))
+    _ffn_inputs_kernel[(rows,)](x, w_ff, w_ff2, w_r, o1, o2, orr, n, eps, BLOCK=next_pow2(n),
+                                num_warps=row_warps(n))
     return o1, o2, orr
 
 
@@ -311,7 +314,8 @@ def attn_finish_triton(res, a, w, w_ff, w_ff2, w_r, eps, moe_f16=False, dense_fp
     orr = torch.empty(res.shape, dtype=torch.float32, device=res.device)
     (q1, s1), (q2, s2) = _fp8_or(dense_fp8, orr, rows, n), _fp8_or(moe_fp8, orr, rows, n)
     _attn_finish_kernel[(rows,)](res, a.contiguous(), w, w_ff, w_ff2, w_r, x, o1, o2, orr, q1, s1, q2, s2, n, eps,
-                                 BLOCK=next_pow2(n), num_warps=row_warps(n), MOE_F16=moe_f16, DENSE_FP8=dense_fp8, MOE_FP8=moe_fp8)
+                                 BLOCK=next_pow2(n), MOE_F16=moe_f16, DENSE_FP8=dense_fp8, MOE_FP8=moe_fp8,
+                                 num_warps=row_warps(n, dense_fp8 or moe_fp8))
     return x, fp8_rows_done(q1, s1) if dense_fp8 else o1, fp8_rows_done(q2, s2) if moe_fp8 else o2, orr
 
 
@@ -323,8 +327,8 @@ def layer_finish_moe_triton(res, m, y, inv, wts, w1, w2, w3, scalar, eps, w_next
     q, s = _fp8_or(next_fp8, out, rows, n)
     _layer_finish_moe_kernel[(rows,)](res, m.contiguous(), y.contiguous(), inv.contiguous(), wts.float().contiguous(),
                                       w1, w2, w3, w_next if w_next is not None else w1, out, hn, q, s, n, eps,
-                                      float(scalar), K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n), num_warps=row_warps(n),
-                                      NEXT_FP8=next_fp8)
+                                      float(scalar), K=wts.shape[1], HAS_NEXT=w_next is not None, BLOCK=next_pow2(n),
+                                      NEXT_FP8=next_fp8, num_warps=row_warps(n, next_fp8))
     return out, (fp8_rows_done(q, s) if next_fp8 else hn if w_next is not None else None)
 
 
