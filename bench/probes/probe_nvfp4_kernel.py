@@ -31,11 +31,10 @@ import torch
 
 from bench.balanced_routing import balanced_ids
 from bench.fixtures import random_record
-from diffgemma.ops import moe_nvfp4, moe_q4, q4_tiles
+from diffgemma.ops import moe_nvfp4, moe_paths, moe_q4, q4_tiles
 from diffgemma.ops import packed_weight as pwm
 from diffgemma.ops.gelu_mul import gelu_mul_ref
 from diffgemma.ops.layouts import record_nbytes, record_planes
-from diffgemma.ops.moe import q4_row_tile
 from diffgemma.ops.moe_packed import grouped_mm_packed_ref
 from diffgemma.ops.moe_plan import moe_plan_with_order
 
@@ -113,7 +112,7 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
     h = (torch.randn(M, F, generator=gen, device=dev) * 0.1).bfloat16().half()
     asm = None if cuda else False
     tma = None if cuda else False
-    bm = q4_row_tile(M, E)
+    bm = moe_paths.tile_rows(M, E)
     q4 = {"gate_up": lambda: moe_q4.grouped_mm_q4_tiles(x, st["q4_gu"], offs, src=src, BM=bm, order=order, asm=asm,
                                                         tma=tma, out_dtype=torch.bfloat16, glu=True, glu_f16=True),
           "down": lambda: moe_q4.grouped_mm_q4_tiles(h, st["q4_dn"], offs, BM=bm, order=order, asm=asm, tma=tma,
@@ -137,7 +136,7 @@ def probe_batch(B, T, s, st, cuda, reps, res, start, budget):
         if ONLY.get(name, B) != B:
             continue
         for which in ("gate_up", "down"):
-            bm_nv = moe_nvfp4.row_tile(M, E)
+            bm_nv = moe_paths.tile_rows(M, E)
             tma = kw.get("tma", moe_nvfp4.default_tma(x, bm_nv))
             row = dict(B=B, gemm=which, kernel=f"nvfp4 {name}", tma=tma,
                        stages=kw.get("num_stages") or moe_nvfp4.default_stages(tma, bm_nv))

@@ -28,7 +28,7 @@ from .grouped import gelu_after, grouped_mm_torch, route_count, routed
 from . import fp8_moe, moe_nvfp4, moe_packed, moe_q4, moe_stream
 from .fp8_quant import quantize_rows
 from .fp8_weight import Fp8Weight
-from .moe_paths import F16_PATHS, PREFILL_ROWS, STREAM_MAX_ROWS, expert_gemm_path, takes_f16_operand
+from .moe_paths import F16_PATHS, expert_gemm_path, takes_f16_operand, tile_rows
 from .q4_tiles import LAYOUT
 from .route import route  # noqa: F401  (routing's torch twin, long imported from here)
 
@@ -106,7 +106,7 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
     bf16 values).
     glu: W is a gate ‖ up stack; the result is gelu_tanh(gate)·up [M, N/2] (fused into the streaming kernels'
     epilogue where they can), as f16 operands with glu_f16 (for a down GEMM that takes them). path_routes: the route
-    count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: q4_row_tile)."""
+    count the path is chosen by; default x's own (the q4 kernel's row tile always follows x's: moe_paths.tile_rows)."""
     if isinstance(w, Fp8Weight):
         q, s = quantize_rows(x if out_dtype is None else x.to(out_dtype))
         return gelu_after(fp8_moe.grouped_mm_fp8(q, s, w, offs, src=src, order=order, out_dtype=out_dtype or x.dtype,
@@ -127,7 +127,7 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
         return gelu_after(grouped_mm_torch(routed(x, src), dequantize_stack(w, x.dtype), offs), glu, glu_f16)
     if path == "q4-tiles":  # the epilogue makes gelu·up where the stack was laid for it
         fused = glu and w.glu
-        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=q4_row_tile(route_count(x, src), w.shape[0]),
+        out = moe_q4.grouped_mm_q4_tiles(x, w, offs, src=src, BM=tile_rows(route_count(x, src), w.shape[0]),
                                          order=order, out_dtype=out_dtype, glu=fused, glu_f16=fused and glu_f16)
         return out if fused else gelu_after(out, glu, glu_f16)
     if path == "nvfp4-tiles":  # one layout serves the plain GEMM and the gelu·up epilogue
@@ -135,15 +135,6 @@ def grouped_mm(x, w, offs, src=None, order=None, out_dtype=None, glu: bool = Fal
                                                 glu_f16=glu_f16)
     return moe_packed.grouped_mm_packed_triton(x, w, offs, src=src, order=order, out_dtype=out_dtype, glu=glu,
                                                glu_f16=glu_f16)
-
-
-def q4_row_tile(routes: int, experts: int) -> int:
-    """The q4 kernel's rows a pass (BM) for `routes` rows over `experts`: 32 at denoise (~16 an expert), 64 up to
-    PREFILL_ROWS an expert, 128 above (a batched denoise over several canvases: fewer passes over the decoded
-    weights). By the actual rows, not the path's: the tile changes no bit of a row (checked at full size by
-    bench/probes/probe_batch_paths.py), only the passes."""
-    per_expert = routes / experts
-    return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 
 
 def dequantize_stack(w, dtype=torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch
 
 from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
 from .gelu_mul import gelu_mul_triton
-from .moe_paths import PREFILL_ROWS, STREAM_MAX_ROWS
+from .moe_paths import tile_rows
 from .moe_plan import order_operand
 from .moe_q4 import group_chunk, tile_gemm_operands
 from .packed_weight import CODE_GROUP, NVFP4_TILE_N, check_nvfp4_tiles
@@ -348,13 +348,6 @@ def _descriptors(w, GC: int):
             TensorDescriptor.from_tensor(scales.view(torch.int32).view(E * G // 2, N), [GC // 2, R]))
 
 
-def row_tile(routes: int, experts: int) -> int:
-    """Rows a pass (BM) for `routes` rows over `experts`, by ops/moe.q4_row_tile's rule (the same kernel structure):
-    32 at denoise (~16 an expert), 64 below PREFILL_ROWS an expert, 128 above."""
-    per_expert = routes / experts
-    return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
-
-
 def default_tma(x, BM: int) -> bool:
     """Whether the GEMM reads the planes through TMA unless told: where the device has it (tma_available) and the row
     tile is below 128 rows (the denoise shapes, where the weights' bytes dominate and one bulk copy a plane and K step
@@ -377,7 +370,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     [E, N, K] stack; offs int32 [E] cumulative ends -> [M, N] (glu: gelu_tanh(gate)·up [M, N/2] from the products
     rounded to out_dtype, as f16 operands with glu_f16) in out_dtype (default x's), columns in logical order.
     glu on a stack laid with to_nvfp4_tiles(glu=True) is made in the epilogue; on another, by the gelu·up kernel after
-    the plain GEMM (the same bits, one more pass). BM (default row_tile's) / BM_FEW / order as
+    the plain GEMM (the same bits, one more pass). BM (default moe_paths.tile_rows') / BM_FEW / order as
     ops/moe_q4.grouped_mm_q4_tiles'; asm: the PTX decode (default: on CUDA); group_step: the most code groups a K
     step (a power of 2; the most that divides K/32 is taken); tma: the planes read through tensor descriptors, else
     by cp.async, the same bits (default: default_tma's rule); num_warps / num_stages: the launch's (default stages:
@@ -389,7 +382,7 @@ def grouped_mm_nvfp4_tiles(x, w, offs, src=None, BM: int | None = None, BM_FEW: 
     M = out.shape[0]
     if M:
         offs = offs.to(torch.int32).contiguous()
-        BM = BM or row_tile(M, E)
+        BM = BM or tile_rows(M, E)
         GC = group_chunk(K // CODE_GROUP, group_step)
         tma = default_tma(x, BM) if tma is None else tma
         planes = _descriptors(w, GC) if tma else _planes(w)[:2]

@@ -58,6 +58,15 @@ EXPERT_GEMM_ENV = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; se
 PACKED_PREFILL_ENV = "DIFFGEMMA_PACKED_PREFILL"  # "dequant" (default) or "kernel"; settings.py knows it by name
 
 
+def tile_rows(routes: int, experts: int) -> int:
+    """The tile GEMMs' rows a pass (BM; ops/moe_q4.py and ops/moe_nvfp4.py, one kernel structure) for `routes` rows
+    over `experts`: 32 at denoise (~16 an expert), 64 up to PREFILL_ROWS an expert, 128 above (a batched denoise over
+    several canvases: fewer passes over the decoded weights). By the actual rows, not the path's: the tile changes no
+    bit of a row (checked at full size by bench/probes/probe_batch_paths.py), only the passes."""
+    per_expert = routes / experts
+    return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
+
+
 def expert_gemm_choice() -> str:
     """The bf16 expert GEMM at denoise: "triton" (the streaming kernel) or "cutlass" (torch._grouped_mm)."""
     return env_choice(EXPERT_GEMM_ENV, ("triton", "cutlass"))
