@@ -23,6 +23,8 @@ skipped and says so:
             attention, ring glue, GEMMs, MoE kernels, norms, other) from torch.profiler, the full / sliding split from
             CUDA events around each attention call, and the top kernels
   q4        the q4 engine's prefill at 64k / 128k against bf16's (built after bf16 is freed)
+  sparse    (only when --sections names it) the bf16 engine's sparse prefill alone at --sparse-at lengths (default
+            256k), after an 8k sparse warm-up: the 256k one without the ladder that precedes it in `prefill`
 
 Output: $OUT/longctx.json and $OUT/longctx.txt (the printed summary).
 """
@@ -366,12 +368,34 @@ def profile_chunk(eng, a) -> dict:
     return r
 
 
+def section_sparse(eng, a) -> dict:
+    """Only the sparse prefill (fused form) at --sparse-at lengths, without the dense ladder before it: the 256k
+    sparse prefill in a call of its own. An 8k sparse prefill first compiles and warms its kernels."""
+    V, out = eng.config.vocab_size, {}
+    warm = eng.new_cache(ENDS[0])
+    prefill_once(eng, warm, torch.randint(0, V, (ENDS[0],), device=DEV), RULE)
+    del warm
+    for T in (int(x) for x in a.sparse_at.split(",")):
+        try:
+            cache = eng.new_cache(T)
+            out[T] = prefill_once(eng, cache, torch.randint(0, V, (T,), device=DEV), RULE)
+            out[T]["kv_cache_gib"] = kv_gib(cache)
+            del cache
+        except Exception as e:
+            traceback.print_exc()
+            out[T] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"[bf16] sparse prefill {T}: {out[T]}")
+        free()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; a section starting later is skipped")
     ap.add_argument("--sections", default="topk,tiles,kernels,prefill,profile,q4")
     ap.add_argument("--max-context", type=int, default=262144)
     ap.add_argument("--sparse-256k", action="store_true", help="also the sparse prefill at 256k (slow)")
+    ap.add_argument("--sparse-at", default="262144", help="the `sparse` section's prompt lengths (comma list)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
@@ -405,12 +429,13 @@ def main():
     free()
     run("tiles", lambda: section_tiles(lambda: left(a.budget), log))
     free()
-    if sections & {"prefill", "profile"}:
+    if sections & {"prefill", "profile", "sparse"}:
         t = time.time()
         eng = build("bf16", cfg, dev, False)
         log(f"[bf16] built in {time.time() - t:.1f}s")
         run("prefill", lambda: section_engine(eng, a, "bf16"))
         run("profile", lambda: profile_chunk(eng, a))
+        run("sparse", lambda: section_sparse(eng, a))
         del eng
         free()
     run("kernels", lambda: section_kernels(a))
