@@ -1,5 +1,7 @@
 """The package's shape, read from the source: no import cycles, lower layers never import higher ones, kernels
-below file formats, nothing in src/ importing bench or test code, no file far over 500 lines without a reason.
+below file formats, nothing in src/ importing bench or test code, no file far over 500 lines without a reason, and
+no src/ text that cites a measurement (a GPU model, bench/ or its RESULTS): figures live in bench/RESULTS.md, the
+reasons in docs/.
 
 The import graph is built statically (ast) from every `import` and `from ... import` in src/diffgemma, function-
 local ones included, each resolved to the package's modules: `from pkg import name` depends on pkg.name when that
@@ -10,6 +12,7 @@ outside a package depends on that package's __init__ too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -253,6 +256,20 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     return tmp_path
+
+
+MEASUREMENT_CITES = re.compile(r"bench/|RESULTS\.md|\b[AH]100\b|\bH200\b")
+
+
+def measurement_cites(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if MEASUREMENT_CITES.search(line)]
+
+
+def test_src_cites_docs_not_measurements():
+    found = {str(f.relative_to(SRC)): hits for f in sorted((SRC / PKG).rglob("*.py"))
+             if (hits := measurement_cites(f.read_text()))}
+    assert not found, f"src/ cites measurements (move the figures to bench/RESULTS.md, the reason to docs/): {found}"
+    assert measurement_cites("x = 1  # 9.1 ms on one H200 (bench/RESULTS.md)")  # the pattern finds what it should
 
 
 def test_the_checker_finds_a_planted_cycle_through_a_function_local_import(tmp_path):

@@ -459,7 +459,7 @@ class Forward:
         if mode == "lane":
             return lane, lane * k
         dequant = isinstance(lw.experts_gu, PackedWeight) and moe_paths.dequantizes_for(n * k / self.config.num_experts)
-        return n, lane * k if dequant else n * k  # an FP8 stack's two paths give the same bits (bench/fp8_check.py)
+        return n, lane * k if dequant else n * k  # an FP8 stack's two paths give the same bits
 
     def _dense_mlp(self, lw, dense_in, rows: int | None = None):
         rows = len(dense_in) if rows is None else rows  # dense_in may be an Fp8Rows (q, s): rows given

@@ -58,8 +58,7 @@ class EngineOptions:
     # MLP's SM carve-out): "lane" = one lane's rows, as that request alone would (batch invariance as far as the paths
     # go); "total" = all rows (the paths tuned for that size: a packed stack then dequantizes, other bits); "wide" =
     # all rows, except that a packed expert stack keeps its kernel (Forward._path_rows). "wide" is the default: its
-    # lanes keep their solo bits and its kernels take the batch's rows in fewer passes than "lane"
-    # (bench/bench_batch.py).
+    # lanes keep their solo bits and its kernels take the batch's rows in fewer passes than "lane".
     batch_paths: str = "wide"
     # A batched denoise runs each lane's attention (its qkv prep, cache writes and kernels) on a stream of its own,
     # forked from the layer and joined before the o projection, so the lanes' small kernels overlap on the GPU (one

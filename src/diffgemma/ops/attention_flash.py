@@ -231,8 +231,8 @@ def _sm_count(index) -> int:
 
 
 # A head-dim-512 causal call of at least `rows` queries over at least `keys` keys (a long prompt's later chunks) takes
-# the tiles of the last row here it reaches (long_causal_tiles), rows in ascending keys. bench/longctx_check.py's
-# `tiles` section sweeps candidates at 8192 queries over 32k / 64k / 128k keys and prints the rows to write here.
+# the tiles of the last row here it reaches (long_causal_tiles), rows in ascending keys
+# (docs/ARCHITECTURE.md, 'Kernel configurations').
 LONG_CAUSAL_TILES = (
     # (rows, keys, tiles)
     (2048, 32768, dict(BM=128, BN=32, BD=256, num_warps=8, num_stages=2)),
@@ -243,17 +243,17 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
     columns per program; waves = programs per SM the canvas split aims at (0 = never split).
 
-    Chosen by a sweep (bench/bench_attention.py), each also compiled offline for the target and read back with no
-    spills, within the SM's shared memory:
+    Chosen by a sweep (docs/ARCHITECTURE.md, 'Kernel configurations'), each also compiled offline for the target
+    and read back with no spills, within the SM's shared memory:
       canvas hd 256 over the ring's live window: BM 64, BN 64, 4 warps, 3 stages, 2 splits;
       canvas hd 256 with the per-key mask (ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits;
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps; one wave of splits up to 4k keys, two
           above;
       causal hd 512: BM 64, BN 32, the whole [64, 512] accumulator at 8 warps (no QK^T recompute); a long
           prompt's chunk: LONG_CAUSAL_TILES by its rows and keys (e.g. BM 128, two 256-wide output halves, each
-          recomputing QK^T; bench/longctx_check.py's sweep);
+          recomputing QK^T);
       causal hd 256 (window 1024): BM 64, BN 32, 4 warps (Q read once, not per key block).
-    Each is chosen against SDPA at its shape by bench/bench_attention.py.
+    Each is chosen against SDPA at its shape.
     """
     if d >= 512:
         if causal:
@@ -279,8 +279,7 @@ def long_causal_tiles(d: int, rows: int, n_keys: int) -> dict | None:
 
 def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> dict:
     """A causal call's output columns per program (causal_columns) and, for head dim 512 split so, 4 warps: at a
-    commit's shape the same bits in less time (bench/probes/probe_commit_attention.py; the warps change no row's
-    MMA shape, unlike BM)."""
+    commit's shape the same bits in less time (the warps change no row's MMA shape, unlike BM)."""
     bd = causal_columns(c, rows, kv_heads, d, sm_count)
     return dict(BD=bd, num_warps=4) if d >= 512 and bd < d else dict(BD=bd)
 
@@ -289,7 +288,7 @@ def causal_columns(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> 
     """A causal call's output columns per program: all of them, or half where that still leaves the programs within
     one wave (a short chunk, e.g. a block's commit: 64 programs on 132 SMs). Each half recomputes QK^T, so a row's
     keys are visited in the same blocks and order: the same bits, faster at the commit's shape on sliding and full
-    layers (bench/probes/probe_commit_attention.py)."""
+    layers."""
     programs = -(-rows // c["BM"]) * kv_heads * (d // c["BD"])
     return c["BD"] // 2 if 2 * programs <= sm_count and c["BD"] >= 128 else c["BD"]
 

@@ -16,7 +16,7 @@ compute roofline, and the scores make one round trip through memory:
   4. the flash kernel's merge of (acc, m, l) over the chunks (its partials' layout).
 
 Keys masked by `kpos` (the sliding layers' ring) work too, but there the engine keeps the flash kernel, whose
-256-wide heads fit its tiles whole (bench/bench_attention.py compares the two).
+256-wide heads fit its tiles whole.
 
 The price is that the GEMMs always run over all `n_keys` rows (a graph's padded bucket), where the flash
 kernel stops at `nlive`; masked rows hold zeros or earlier finite K/V (normed, so never inf), and
@@ -92,7 +92,7 @@ def visible_keys(n_keys: int, nlive, kpos, device) -> torch.Tensor:
 def chunk_size(n_keys: int) -> int:
     """Keys a chunk: n_keys / 8 rounded to a power of two, within [2048, 8192] (8192 keys: a row of the softmax
     in one program's registers). A function of the static key count only: larger chunks mean fewer partials to
-    merge (bench/bench_attention.py times other sizes)."""
+    merge."""
     return max(2048, min(8192, next_pow2(n_keys // 8)))
 
 

@@ -19,7 +19,7 @@ P = 0, and their V rows are not read, so even NaN garbage in the padded rows of 
 past `nlive` do no work, so a half-full bucket costs about half.
 Numerics: f16 operands, f32 accumulation, f32 scores and stats; P rounded to f16 after the exponential, the tile
 weight rounded to f16 and the product P·f rounded to f16 again; f32 PV accumulation. The flash kernel rounds P
-to f16 once and rescales its f32 accumulator instead (bench/bench_attention.py compares the two forms).
+to f16 once and rescales its f32 accumulator instead.
 
   attention_tiles       the three kernels (CUDA, or the CPU through TRITON_INTERPRET=1)
   attention_tiles_ref   their torch twin, the same tiles and roundings (kernels=False: any device, graph-safe)
@@ -46,11 +46,11 @@ if HAVE_TRITON:
 
 LOG2E = 1.4426950408889634
 
-# Tile configs chosen by measurement (bench/bench_engine.py); the CPU tests pass their own small ones.
+# Tile configs (docs/ARCHITECTURE.md, 'Kernel configurations'); the CPU tests pass their own small ones.
 QK_CONFIG = dict(BM=128, BK=64, num_warps=8, num_stages=3)
 PV_CONFIG = dict(BM=64, BN=256, num_warps=4, num_stages=3)
 # A causal call (a commit: 256 queries) has a quarter of the canvas' rows per KV head on the sliding layers: narrower
-# column blocks give the PV kernel enough programs (bench/probes/probe_commit_attention.py).
+# column blocks give the PV kernel enough programs.
 CAUSAL_PV_CONFIG = dict(PV_CONFIG, BN=128)
 WEIGHTS_CONFIG = dict(BR=16, BT=128, num_warps=4)
 TILE = 128  # keys a stats tile: the first kernel's N block and the PV kernel's K step

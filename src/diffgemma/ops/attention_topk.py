@@ -154,10 +154,10 @@ def _block_rows(n_keys: int, kmax: int, d: int, budget: int = 1 << 28) -> int:
 
 
 # The gather form's candidate chunk on CUDA (_top_candidates; 0: one torch.topk over every key). The same selection
-# either way; bench/longctx_check.py times both.
+# either way.
 CANDIDATE_CHUNK = 0
 FORMS = ("fused", "gather")
-FORM = "gather"  # the CUDA form (FORMS); "fused" is opt-in. bench/longctx_check.py times each
+FORM = "gather"  # the CUDA form (FORMS); "fused" is opt-in (docs/ARCHITECTURE.md, 'Kernel configurations')
 _fused_failed: dict = {}  # head dim -> why the fused kernels could not compile or launch here
 
 

@@ -48,7 +48,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# Tile configs (bench/longctx_sections.py times variants); the CPU tests pass small ones.
+# Tile configs (docs/ARCHITECTURE.md, 'Kernel configurations'); the CPU tests pass small ones.
 SCORES_CONFIG = dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=3)
 SELECT_CONFIG = dict(BLOCK=2048, BITS=11, CAP=4096, num_warps=8)
 PV_CONFIG = dict(BK=32, BD=256, num_warps=4)

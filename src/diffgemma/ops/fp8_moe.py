@@ -38,7 +38,8 @@ if HAVE_TRITON:
     from .moe_plan import expert_rows
 
 # (BN, BM, BK, num_warps, num_stages). The K tile is chosen by K alone (a row's bits depend on the K tiling);
-# BM by the rows an expert gets (more rows: fewer passes over the weights). bench/fp8_check.py times alternatives.
+# BM by the rows an expert gets (more rows: fewer passes over the weights); docs/ARCHITECTURE.md, 'Kernel
+# configurations'.
 # IMPRECISE: the K-elements the tensor cores may sum in their own reduced-precision accumulator before the sum joins
 # the f32 accumulator (tl.dot's max_num_imprecise_acc, at most the K tile): one K tile's, 128 (as FP8 GEMMs without
 # fast accumulation promote). None: Triton's default for the device (with wgmma: never, the whole K in the tensor

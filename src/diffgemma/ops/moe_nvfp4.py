@@ -351,15 +351,15 @@ def _descriptors(w, GC: int):
 def default_tma(x, BM: int) -> bool:
     """Whether the GEMM reads the planes through TMA unless told: where the device has it (tma_available) and the row
     tile is below 128 rows (the denoise shapes, where the weights' bytes dominate and one bulk copy a plane and K step
-    cuts the load instructions); at 128-row tiles (a batched denoise, a prefill) through cp.async, which times at
-    least as fast there (bench/probes/probe_nvfp4_kernel.py measures both)."""
+    cuts the load instructions); at 128-row tiles (a batched denoise, a prefill) through cp.async, where the
+    weights' bytes weigh less against the MMAs (docs/ARCHITECTURE.md, 'Kernel configurations')."""
     return tma_available(x) and BM < 128
 
 
 def default_stages(tma: bool, BM: int) -> int:
     """The GEMM's pipeline stages unless given: through TMA 3, the depth ops/moe_q4.py's kernel of the same structure
     and about the same bytes a K step takes; through cp.async 4, and 3 at 128-row tiles, where the deeper pipeline's
-    shared memory costs more than it hides (bench/probes/probe_nvfp4_kernel.py times the others)."""
+    shared memory costs more than it hides."""
     return 3 if tma or BM >= 128 else 4
 
 

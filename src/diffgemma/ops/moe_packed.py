@@ -243,8 +243,8 @@ def _check_natural(w: PackedWeight, name: str, q4_name: str):
 
 
 # (BN, BM, BK, num_warps, num_stages). "stream": few rows per expert, weight-byte bound; "compute": many rows.
-# stream: with the side planes prefetched, BN 128 / BK 64 / 4 warps, chosen by bench/bench_pack.py for both q4
-# projections.
+# stream: with the side planes prefetched, BN 128 / BK 64 / 4 warps for both q4 projections
+# (docs/ARCHITECTURE.md, 'Kernel configurations').
 CONFIGS = {"stream": (128, 32, 64, 4, 4), "compute": (128, 64, 64, 8, 3)}
 
 

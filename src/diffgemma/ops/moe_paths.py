@@ -41,7 +41,7 @@ STREAM_MAX_ROWS = 48
 
 # A down projection (K <= STREAM_SHORT_K: the experts' 704) streams up to this many rows per expert: a 1k prompt's
 # prefill chunk (1024 x 8 / 128 = 64), a batched denoise of 4 canvases. There the kernel, with a 64-row tile, beats
-# torch._grouped_mm with balanced and with random routes (bench/bench_pack.py), and gives its bits; gate_up (K 2816) does not
+# torch._grouped_mm with balanced and with random routes, and gives its bits; gate_up (K 2816) does not
 # with random routes, so it keeps the lower bound.
 STREAM_SHORT_K = 1024
 STREAM_SHORT_K_MAX_ROWS = 64
@@ -62,7 +62,7 @@ def tile_rows(routes: int, experts: int) -> int:
     """The tile GEMMs' rows a pass (BM; ops/moe_q4.py and ops/moe_nvfp4.py, one kernel structure) for `routes` rows
     over `experts`: 32 at denoise (~16 an expert), 64 up to PREFILL_ROWS an expert, 128 above (a batched denoise over
     several canvases: fewer passes over the decoded weights). By the actual rows, not the path's: the tile changes no
-    bit of a row (checked at full size by bench/probes/probe_batch_paths.py), only the passes."""
+    bit of a row, only the passes."""
     per_expert = routes / experts
     return 32 if per_expert <= STREAM_MAX_ROWS else 64 if per_expert < PREFILL_ROWS else 128
 

@@ -321,7 +321,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
     if out.shape[0] == 0:
         return out
     # 4 groups a step where K allows (gate_up, K = 2816); K = 704 (down) has 22 groups: 2 a step. Stages: 3 through
-    # TMA, 4 through cp.async (chosen by bench/bench_pack.py).
+    # TMA, 4 through cp.async (docs/ARCHITECTURE.md, 'Kernel configurations').
     GC = group_chunk(K // GROUP)
     tma = tma_available(x) if tma is None else tma
     planes = _descriptors(w, GC) if tma else _planes(w)

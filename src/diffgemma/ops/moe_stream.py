@@ -4,7 +4,7 @@
 
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
 45.7 GB of expert weights with little arithmetic per byte, which this kernel reads closer to the memory's
-bandwidth than torch._grouped_mm (CUTLASS) does (bench/bench_pack.py). It is the packed grouped GEMM of
+bandwidth than torch._grouped_mm (CUTLASS) does. It is the packed grouped GEMM of
 ops/moe_packed.py
 run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its
@@ -29,7 +29,7 @@ from .grouped import grouped_mm_torch, route_count
 from .moe_packed import RAW, launch_grouped
 from .moe_paths import STREAM_MAX_ROWS, STREAM_SHORT_K
 
-# (BN, BM, BK, num_warps, num_stages); bench/bench_pack.py times alternatives at the real shapes. The down
+# (BN, BM, BK, num_warps, num_stages) at the real shapes (docs/ARCHITECTURE.md, 'Kernel configurations'). The down
 # projection (K = 704) streams faster with shorter K tiles.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)

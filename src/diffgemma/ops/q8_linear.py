@@ -25,8 +25,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes (256 x 2816 -> 4224, 256 x 2112 -> 2816), chosen by
-# bench/bench_kernels.py's sweep against the torch form (dequantize, then matmul). A bf16 copy of the weights for
+# (BM, BN, BK, warps, stages) at the SC MLP's denoise shapes (256 x 2816 -> 4224, 256 x 2112 -> 2816), against the
+# torch form (dequantize, then matmul) (docs/ARCHITECTURE.md, 'Kernel configurations'). A bf16 copy of the weights for
 # cuBLAS would hold twice the weight bytes.
 CONFIG = (128, 64, 128, 8, 3)
 

@@ -88,7 +88,7 @@ if HAVE_TRITON:
 
 # A program takes several heads of one token (2048 values: 8 heads of 256, 4 of 512) and computes the token's
 # cos / sin once for all of them. One program per (token, head) took two to three times the bytes' time at the
-# denoise shape; this layout is close to it (bench/bench_kernels.py, qkv_prep).
+# denoise shape; this layout is close to it.
 VALUES_PER_PROGRAM = 2048
 
 

@@ -253,8 +253,8 @@ if HAVE_TRITON:
 
 # The warps of a row program over a row of `width` values: a wide row keeps several row vectors live in each thread,
 # and more warps spread them (fewer registers a thread, none spilled); the variants that also write FP8 operands keep
-# more live (the quantized rows and their maxima) and take twice the warps. bench/probes/probe_row_kernels.py times
-# the alternatives; the choice moves a norm's f32 summation order only.
+# more live (the quantized rows and their maxima) and take twice the warps. The choice moves a norm's f32 summation
+# order only (docs/ARCHITECTURE.md, 'Kernel configurations').
 WIDE_ROW_WARPS = 8
 
 

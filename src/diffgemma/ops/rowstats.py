@@ -95,7 +95,7 @@ if HAVE_TRITON:
         The columns of a block are BLOCK / LANE lanes of LANE consecutive columns (one thread's vector load). Each
         lane keeps its own running (max, s, u, first column of its max), reducing its LANE values in the thread; the
         lanes are combined once, at the segment's end: four cross-thread reductions per block would cost more than the
-        pass's reads (bench/bench_kernels.py times the passes)."""
+        pass's reads."""
         if ADDR:  # a multiple of 16 bytes (RowsAt.point_at checks): the loads stay as wide as the tensor's
             xb = x_ptr + tl.multiple_of(tl.load(xoff_ptr), 4)
         else:
@@ -240,7 +240,7 @@ def tempered_rowstats_triton(logits, temp, block=2048, segment=SEGMENT, num_warp
     m, s, u = (torch.empty(rows, n_seg, dtype=torch.float32, device=dev) for _ in range(3))
     best = torch.empty(rows, n_seg, dtype=torch.int64, device=dev)
     gmax = torch.empty(rows, n_seg, block // GROUP, dtype=torch.float32, device=dev) if groups else m
-    # 4 warps, lanes of 8: chosen at [256, 262144] by bench/bench_kernels.py's sweep of warps, lanes and blocks
+    # 4 warps, lanes of 8, chosen at [256, 262144] (docs/ARCHITECTURE.md, 'Kernel configurations')
     _tempered_rowstats_kernel[(rows, n_seg)](x, xoff, m, s, u, best, gmax, n, span, za["temp"], za["table"],
                                              za["lane"], za["temps"], BLOCK=block, LANE=ROW_LANE, ADDR=addr,
                                              TABLE=za["TABLE"], DIV=za["DIV"], EVEN=n % span == 0, LANES=za["LANES"],

@@ -13,7 +13,7 @@ and libdevice's versions flush denormals), so the result is the same on every ru
 to `segment_embed_chunked_ref`, the same chunked sum written in torch (the tests' twin). Both kernels derive
 each row's survivor and chunk offsets from the row counts themselves, so a gather is two launches and no small
 torch ops; at a trained model's few survivors a row it is faster than index_add_, and than computing the
-offsets on the host (bench/probes/probe_generate.py, 'gather').
+offsets on the host.
 """
 
 from __future__ import annotations

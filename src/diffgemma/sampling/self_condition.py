@@ -11,7 +11,7 @@ logits already divided by that step's temperature.
   RMSNorm is scale-invariant, so the missing tail mass itself (a uniform shrink) does not matter.
 
 Which is faster: at the real vocabulary (262144 x 2816) the gather of a trained model's few survivors a row is
-much cheaper than the dense product, on the CPU and on the GPU (bench/bench_engine.py times the step both ways);
+much cheaper than the dense product, on the CPU and on the GPU;
 at tiny vocabularies, or with many survivors a row, the dense product wins.
 So GenerationSettings.sc_mode defaults to "sparse", and rows with too many survivors fall back to the dense
 product (docs/ARCHITECTURE.md, 'Self-conditioning').
@@ -369,8 +369,8 @@ class SparsePlan:
     # canvases keep a few tokens a row; a round whose rows keep more sums after the read instead. 0: never ahead.
     batch_ahead_rows = 32
     # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
-    # held its rows as bf16, f32 and weighted f32 at once, a large share of a q4 session's peak at 8k context
-    # (bench/probes/probe_memory.py). Chunks keep the same adds in the same order. On CUDA the segment kernel
+    # held its rows as bf16, f32 and weighted f32 at once, a large share of a q4 session's peak at 8k context.
+    # Chunks keep the same adds in the same order. On CUDA the segment kernel
     # (ops/sc_gather.py) reads the embedding rows in place: no gathered copy, and the same sum on every run.
     gather_chunk_bytes = 32 * 2**20
 
