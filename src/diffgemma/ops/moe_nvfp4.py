@@ -220,21 +220,22 @@ if HAVE_TRITON:
         return t * (BN // 2) + nl % (BN // 2) + tl.where(nl >= BN // 2, N // 2, 0)
 
     @triton.jit
-    def _chunk(words, scales, rows, e, r0, gc, N, K, BN: tl.constexpr, GC: tl.constexpr, TMA: tl.constexpr):
+    def _chunk(words, scales, e, r0, gc, N, K, BN: tl.constexpr, GC: tl.constexpr, TMA: tl.constexpr):
         """Groups gc .. gc+GC-1 of the program's BN weight rows r0 .. r0+BN of expert e -> (words [BN, 4GC], scale
         words [BN, GC/2]). TMA: words and scales are the planes' descriptors (_descriptors), one box each; else
-        pointers to expert e's planes, and `rows` the same rows."""
+        pointers to expert e's planes."""
         if TMA:
             eg = e * (K // 32) + gc
             wd = _words_tma(words, eg, r0, BN, GC)
             sv = _scale_words_tma(scales, eg // 2, r0, BN)
         else:
+            rows = r0 + tl.arange(0, BN)
             wd = _words(words, gc, rows, N, GC)
             sv = _scale_words(scales, gc, rows, N, GC)
         return wd, sv
 
     @triton.jit
-    def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, m0, end, n, N, K, stride_x, stride_o, mul,
+    def _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, e, r0, m0, end, n, N, K, stride_x, stride_o, mul,
                    div, BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
                    ASM: tl.constexpr, TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr,
                    GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
@@ -244,7 +245,7 @@ if HAVE_TRITON:
         m, m_ok, x_rows = pass_rows(x_ptr, src_ptr, m0, end, stride_x, BM, HAS_SRC)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for gc in range(0, K // 32, GC):  # the three loads pipelined by Triton (TMA or cp.async)
-            wd, sv = _chunk(words, scales, rows, e, r0, gc, N, K, BN, GC, TMA)
+            wd, sv = _chunk(words, scales, e, r0, gc, N, K, BN, GC, TMA)
             xt = tl.load(x_rows + (gc * 32 + tl.arange(0, 32 * GC))[:, None], mask=m_ok[None, :], other=0.0)
             if xt.dtype != tl.float16:
                 xt = f16_clamped(xt.to(tl.float32))
@@ -255,13 +256,13 @@ if HAVE_TRITON:
         store_pass(acc, out_ptr, m, m_ok, n, stride_o, BN, BM, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
-    def _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x, stride_o, mul,
+    def _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, e, r0, start, end, n, N, K, stride_x, stride_o, mul,
                    div, BN: tl.constexpr, BM: tl.constexpr, GC: tl.constexpr, HAS_SRC: tl.constexpr,
                    ASM: tl.constexpr, TMA: tl.constexpr, DIVIDES: tl.constexpr, GLU: tl.constexpr,
                    GU_ROUND: tl.constexpr, F16_OUT: tl.constexpr):
         """Rows start:end, BM at a time."""
         for m0 in range(start, end, BM):
-            _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, m0, end, n, N, K, stride_x, stride_o,
+            _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, e, r0, m0, end, n, N, K, stride_x, stride_o,
                        mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
@@ -277,13 +278,12 @@ if HAVE_TRITON:
         gate and up rows make, else each row's product at its logical column."""
         e, start, end = expert_rows(offs_ptr, order_ptr, HAS_ORDER)
         r0 = tl.program_id(0) * BN
-        rows = r0 + tl.arange(0, BN)
         if GLU:
             n = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
         elif GLU_ORDER:
             n = _glu_rows(tl.program_id(0), N, BN)
         else:
-            n = rows
+            n = r0 + tl.arange(0, BN)
         if TMA:
             words, scales = codes, scale_plane
         else:
@@ -294,13 +294,13 @@ if HAVE_TRITON:
         div = tl.load(es_ptr + 2 * e + 1)
         if BM_FEW > 0:
             if end - start > BM_FEW:
-                _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x,
+                _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, e, r0, start, end, n, N, K, stride_x,
                            stride_o, mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
             elif end > start:  # an expert no route chose streams nothing
-                _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x,
+                _rows_pass(x_ptr, src_ptr, out_ptr, words, scales, e, r0, start, end, n, N, K, stride_x,
                            stride_o, mul, div, BN, BM_FEW, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
         else:
-            _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, rows, e, r0, start, end, n, N, K, stride_x, stride_o,
+            _rows_loop(x_ptr, src_ptr, out_ptr, words, scales, e, r0, start, end, n, N, K, stride_x, stride_o,
                        mul, div, BN, BM, GC, HAS_SRC, ASM, TMA, DIVIDES, GLU, GU_ROUND, F16_OUT)
 
     @triton.jit
