@@ -47,6 +47,7 @@ counts holds and choices.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 
@@ -99,8 +100,13 @@ def device_words_mask(words: np.ndarray, vocab: int, device) -> torch.Tensor:
     """words_mask with the words (a bit a token) sent to `device` and unpacked there: bit b of word j is token
     32j + b, read as (word >> b) & 1 of the word as int32 (the arithmetic shift keeps bit b where it is)."""
     w = torch.from_numpy(np.ascontiguousarray(words, dtype=np.uint32).view(np.int32)).to(device)
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    return ((w[:, None] >> bits) & 1).view(-1)[:vocab].bool()
+    return ((w[:, None] >> _bit_shifts(torch.device(device))) & 1).view(-1)[:vocab].bool()
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    """0 .. 31 as int32 on `device`, made once per device (device_words_mask runs inside the constrained step)."""
+    return torch.arange(32, dtype=torch.int32, device=device)
 
 
 def host_masked_argmax(ids: np.ndarray, values: np.ndarray, words: np.ndarray, vocab: int) -> int | None:
