@@ -27,7 +27,9 @@ vocab 262144, canvas 256).
            expert GEMMs forced to torch._scaled_grouped_mm (DIFFGEMMA_EXPERT_GEMM=cutlass) as an A/B, and with the
            linears on the Triton FP8 GEMM (ops/fp8_linear.KERNEL = "triton", its lanes' bits too); with the
            model's own routing: FP8 vs bf16 logits (softcapped) cosine and argmax agreement, and the FP8 lanes of a
-           batched denoise vs their solo denoise (bit-identical count)
+           batched denoise vs their solo denoise (bit-identical count); B prompts of 1k tokens into empty caches,
+           one after another (each its own graphed prefill) against one prefill_batch forward (ms, and how many
+           caches the batch writes with their solo bits), every kind
   demo     the embedded demo model (real weights): bf16 vs its FP8 form (Fp8QuantizedSource), 8 chat prompts' tokens
   memory   fp8, 8 lanes of 8k context, one batched step: peak allocated GiB (skipped when the time budget is spent)
   profile  (only when --sections names it) per --profile-kinds engine: the graphed B=8 forward's median ms and the
@@ -331,6 +333,46 @@ def engine_logits(eng, cfg, ctx, B):
     return [softcapped(eng, x) for x in solo[:2]], f"{same}/{B}"
 
 
+def engine_prefills(eng, cfg, ctx, B, reps):
+    """B prompts of ctx tokens into B empty caches: one after another (each its own graphed prefill) against one
+    prefill_batch forward, ms (median of reps, host clock around a synchronized call); and how many caches the batch writes with the bits of
+    their solo prefill."""
+    from diffgemma.slots import rewind
+    dev = eng.device
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=gen).to(dev) for _ in range(B)]
+    caches = [eng.new_cache(ctx + 2 * cfg.canvas_length) for _ in range(B)]
+
+    def solo():
+        for c, p in zip(caches, prompts):
+            eng.prefill(c, p)
+
+    def batch():
+        eng.prefill_batch(caches, prompts)
+
+    times: dict = {"solo": [], "batch": []}
+    for rep in range(reps + 1):  # the first round warms up (the solo graphs' capture)
+        for name, fn in (("solo", solo), ("batch", batch)):
+            for c in caches:
+                rewind(c, 0)
+            sync(dev)
+            t = time.perf_counter()
+            fn()
+            sync(dev)
+            if rep:
+                times[name].append((time.perf_counter() - t) * 1e3)
+    kv = {}
+    for name, fn in (("solo", solo), ("batch", batch)):
+        for c in caches:
+            rewind(c, 0)
+        fn()
+        kv[name] = [[t.clone() for t in c.live_kv()] for c in caches]
+    same = sum(all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(kv["solo"], kv["batch"]))
+    eng.clear_graphs()
+    return {f"prefill_{B}x{ctx}_solo_ms": med(times["solo"]), f"prefill_{B}x{ctx}_batch_ms": med(times["batch"]),
+            "prefill_lanes_bit_identical": f"{same}/{B}"}
+
+
 def fidelity(logits, base) -> dict:
     a, b = torch.cat(logits), torch.cat(base)
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
@@ -353,6 +395,7 @@ def section_engine(cfg, dev, tiny, reps, res, dump):
             sync(dev)
             r["build_s"] = round(time.time() - t, 1)
             r.update(engine_timings(eng, cfg, dev, reps, ctx, B))
+            r.update(engine_prefills(eng, cfg, ctx, B, max(3, reps // 4)))
             r["graph_error"] = eng.graph_error
             log(f"  [{kind}] {r}")
             if kind == "fp8" and dev.type == "cuda":

@@ -60,6 +60,46 @@ def test_quantize_rows_kernel_equals_twin(K):
     assert torch.equal(_bits(q), _bits(qr))
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_triton)])
+def test_quantize_rows_into_row_slices_is_the_whole_quantization(kernel):
+    """Lanes quantizing their rows into slices of one buffer pair give the bits of quantizing all rows at once."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(11, 40, generator=g) * torch.logspace(-2, 2, 11)[:, None]).to(torch.bfloat16)
+    q, s = fp8_quant.fp8_row_buffers(11, 40, "cpu")
+    fn = fp8_quant.quantize_rows_triton if kernel else fp8_quant.quantize_rows
+    for a, b in ((0, 4), (4, 5), (5, 11)):
+        got = fn(x[a:b], out=(q[a:b], s[a:b]))
+        assert got[0].data_ptr() == q[a:b].data_ptr()
+    whole = fp8_quant.quantize_rows_ref(x)
+    rows = fp8_quant.fp8_rows_done(q, s)
+    assert torch.equal(_bits(rows.q), _bits(whole[0])) and torch.equal(rows.s, whole[1])
+    with pytest.raises(TensorError, match=r"quantize_rows: out expects q \[4, 40\]"):
+        fn(x[:4], out=(q[:3], s[:3]))
+
+
+def test_lanes_attend_hands_an_fp8_o_projection_the_whole_outputs_rows():
+    """model/lane_attention: with an FP8 o projection each lane writes its own quantized rows; the result is the
+    concatenated outputs' quantization, bit for bit; with a bf16 one, the concatenation."""
+    from types import SimpleNamespace
+
+    from diffgemma.model.lane_attention import lanes_attend
+
+    g = torch.Generator().manual_seed(4)
+    outs = [torch.randn(n, 32, generator=g).to(torch.bfloat16) for n in (5, 3, 8)]
+    lanes, lo = [], 0
+    for o in outs:
+        lanes.append((lo, lo + len(o), lambda li, qkv, need, o=o: o + 0 * qkv[:, :1]))
+        lo += len(o)
+    qkv = torch.zeros(lo, 8, dtype=torch.bfloat16)
+    fp8_layer = SimpleNamespace(o=quantize_fp8(torch.randn(16, 32, generator=g)))
+    got = lanes_attend([fp8_layer], lanes, None, torch.device("cpu"))(0, qkv, True)
+    want = fp8_quant.quantize_rows_ref(torch.cat(outs))
+    assert isinstance(got, fp8_quant.Fp8Rows)
+    assert torch.equal(_bits(got.q), _bits(want[0])) and torch.equal(got.s, want[1])
+    plain = lanes_attend([SimpleNamespace(o=torch.randn(16, 32))], lanes, None, torch.device("cpu"))(0, qkv, True)
+    assert torch.equal(plain, torch.cat(outs))
+
+
 def test_fp8_linear_ref_is_the_fake_quant_product():
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(6, 64, generator=g), torch.randn(24, 64, generator=g) * 0.1

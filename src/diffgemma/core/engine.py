@@ -6,8 +6,9 @@ with `add_request` and call `step()` until they are done; `abort` (or Request.ca
     plan      the scheduler's plan (core/scheduler.py): who is dropped, who joins, which prompt chunks are
               prefilled, who steps
     start     a joining request's generation opens: its op-log record, its images' prefill, a turn's StartEvent
-    prefill   the planned prompt chunks; a request whose prompt is in starts its generation (core/steps.py) and
-              runs to its first ForwardAsk
+    prefill   the planned prompt chunks, in waves of one chunk a request: a wave's chunks in one forward where the
+              model has prefill_batch (turn.prefill_chunks); a request whose prompt is in starts its generation
+              (core/steps.py) and runs to its first ForwardAsk
     forward   one forward over every stepping request's canvas (core/lanes.forward_lanes), every lane's StepStats
               and accept mask made in one place (lanes.lane_stats, lanes.lane_masks), each request running on with
               them to its StatusAsk
@@ -36,7 +37,7 @@ from .lanes import commit_lanes, forward_lanes, lane_embeds, lane_masks, lane_pl
 from .request import DENOISE, DONE, PREFILL, Request, canvas_length
 from .scheduler import Plan, Scheduler
 from .steps import BlockRead, CommitAsk, EmbedAsk, ForwardAsk, StatusAsk
-from .turn import Live, finish_generation, may_regenerate, open_generation, prefill_chunk, start_steps
+from .turn import Live, finish_generation, may_regenerate, open_generation, prefill_chunks, start_steps
 
 READS = (StatusAsk, BlockRead, EmbedAsk, CommitAsk)  # the asks a round answers after its forward
 COUNTED = ("started", "left", "failed", "forwards", "canvas_steps", "prefill_tokens")  # EngineCore.counts
@@ -110,8 +111,7 @@ class EngineCore:
                 self._end(r, CancelledEvent())
             for r in plan.admitted:
                 self._start(r)
-            for r, n in plan.prefill:
-                self._prefill(r, n)
+            self._prefill(plan.prefill)
             for r in plan.withdrawn:
                 self._cancel(r)
             lanes = [r for r in plan.denoise if r.phase == DENOISE and isinstance(r.run.ask, ForwardAsk)]
@@ -151,19 +151,45 @@ class EngineCore:
         if self._guard(r, open_generation, self.model, r, self._emit) and r.phase == DENOISE:
             self._begin(r)  # nothing to prefill: it steps in this round
 
-    def _prefill(self, r: Request, n: int) -> None:
-        for _ in range(n):
-            if r.phase != PREFILL:
+    def _prefill(self, planned: list[tuple[Request, int]]) -> None:
+        """The planned prompt chunks (request, how many), in waves: each takes the next chunk of every request with
+        one left, and runs them together (_prefill_wave). Then each request whose prompt is in begins."""
+        left = {id(r): n for r, n in planned}
+        while True:
+            wave = []
+            for r, _ in planned:
+                if not left[id(r)] or r.phase != PREFILL or not r.chunks:
+                    continue
+                self.counts["prefill_tokens"] += r.chunks[0]
+                if self.trace is not None:
+                    self.trace.append((time.perf_counter(), "prefill", r.id, r.chunks[0]))
+                if r.run.chunks_done and r.cancelled:  # the client left while its prompt was prefilling
+                    self._cancel(r)
+                    continue
+                left[id(r)] -= 1
+                wave.append(r)
+            if not wave:
+                break
+            self._prefill_wave(wave)
+        for r, _ in planned:
+            if r.phase == PREFILL and not r.chunks:
+                self._begin(r)
+
+    def _prefill_wave(self, wave: list[Request]) -> None:
+        """One chunk of each request in `wave`: several in one call where the model has prefill_batch. That call
+        checks every chunk before it writes anything, so an InputError there runs each chunk alone and fails only
+        the request it names; any other failure is every one of theirs."""
+        if len(wave) > 1 and hasattr(self.model, "prefill_batch"):
+            try:
+                return prefill_chunks(self.model, wave)
+            except InputError:
+                pass
+            except Exception as e:
+                for r in wave:
+                    self._fail(r, e)
                 return
-            tokens = r.chunks[0]
-            self.counts["prefill_tokens"] += tokens
-            if self.trace is not None:
-                self.trace.append((time.perf_counter(), "prefill", r.id, tokens))
-            if r.run.chunks_done and r.cancelled:  # the client left while its prompt was prefilling
-                return self._cancel(r)
-            self._guard(r, prefill_chunk, self.model, r)
-        if r.phase == PREFILL and not r.chunks:
-            self._begin(r)
+        for r in wave:
+            self._guard(r, prefill_chunks, self.model, [r])
 
     def _begin(self, r: Request) -> None:
         """The prompt is in: the generation's steps start and run to their first ask."""

@@ -8,7 +8,7 @@ run alone (docs/ARCHITECTURE.md, 'Batching'):
     lane_plans      every lane's sparse-SC plan, before the status read (SparsePlan.batch, counts_batch)
     read_asks       every lane's host read (step statuses, block reads) with one host wait
     lane_embeds     every lane's next SC embedding, after the read (SparsePlan.soft_embed_batch)
-    commit_lanes    the commits of the lanes that ended a block, as one batched prefill (the model's commit_batch)
+    commit_lanes    the commits of the lanes that ended a block, as one batched prefill (the model's prefill_batch)
 
 Each makes one launch of each kernel for all lanes where the lanes' numbers allow it, and each lane gets the bits it
 gets alone: a solo request is a batch of one. Lanes the batched kernels cannot serve together (other canvas lengths,
@@ -123,10 +123,10 @@ def lane_embeds(model, asks: list[EmbedAsk]) -> list:
 
 
 def commit_lanes(model, asks: list[CommitAsk]) -> list:
-    """Append each lane's block to its cache: several through the model's `commit_batch` (one forward over their
+    """Append each lane's block to its cache: several through the model's `prefill_batch` (one forward over their
     caches, each cache written with the bits of its own commit) where the model has one, else each lane's own
     commit (CommitAsk.run) -> one None per ask."""
-    batch = getattr(model, "commit_batch", None) if len(asks) > 1 else None
+    batch = getattr(model, "prefill_batch", None) if len(asks) > 1 else None
     if batch is None:
         for a in asks:
             a.run()

@@ -115,15 +115,22 @@ def open_generation(model, r: Request, emit) -> None:
         r.phase = DENOISE
 
 
-def prefill_chunk(model, r: Request) -> None:
-    """Prefill r's next prompt chunk."""
-    live, n = r.run, r.chunks[0]
+def prefill_chunks(model, rs: list[Request]) -> None:
+    """Prefill each request's next prompt chunk: several in one call of the model's prefill_batch (one forward over
+    their caches, each written with the bits its own prefill writes), one alone through its prefill. Each request's
+    prefill time is the call's."""
+    chunks = [r.run.tail[r.run.offset: r.run.offset + r.chunks[0]] for r in rs]
     t = time.perf_counter()
-    model.prefill(r.slot.cache, live.tail[live.offset: live.offset + n])
-    live.prefill_s += time.perf_counter() - t
-    live.offset += n
-    live.chunks_done += 1
-    r.chunks.pop(0)
+    if len(rs) > 1:
+        model.prefill_batch([r.slot.cache for r in rs], chunks)
+    else:
+        model.prefill(rs[0].slot.cache, chunks[0])
+    took = time.perf_counter() - t
+    for r in rs:
+        live = r.run
+        live.prefill_s += took
+        live.offset += r.chunks.pop(0)
+        live.chunks_done += 1
 
 
 def start_steps(model, r: Request, batched: bool) -> None:

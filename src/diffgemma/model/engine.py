@@ -3,7 +3,7 @@
 `Engine` is the model object `diffgemma.load` returns on CUDA (model/protocol.DenoiseModel): the same public methods
 as the reference model (new_cache / prefill / denoise / embed / soft_embed / embedding / config /
 generation_config / tokenizer), plus what the fast step uses (`denoiser`, `denoise_raw`, `stage_denoise`,
-`logits_scratch`, `drop_staged`, `commit`, `commit_batch`) and what warm-up visits (`context_buckets`).
+`logits_scratch`, `drop_staged`, `commit`, `prefill_batch`) and what warm-up visits (`context_buckets`).
 
 CUDA graphs. On CUDA, a denoise replays a graph per (cache, canvas length, context bucket, SC mode, attention impl):
 every quantity that changes between steps (cache length, ring positions) is read from device tensors, so one capture
@@ -15,8 +15,8 @@ tensor. Each graph also gets a guarded twin (model/graph_guard.py: the same grap
 A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`prefill_pad`: the canvas, or the
 smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
 number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
-such prefill; the commits of several caches padded to one length run as one forward (`commit_batch`). A longer one
-runs eagerly in `prefill_chunk` chunks."""
+such prefill; the chunks of several caches padded to one length (a round's commits, its joining prompts) run as one
+forward (`prefill_batch`). A longer one runs eagerly in `prefill_chunk` chunks."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ..ops.rows_at import RowsAt, aligned
 from ..ops.softcap import softcap
 from .denoiser import BatchDenoiser, StagedDenoiser
 from .engine_cache import EngineKVCache, swap_stores
-from .engine_batch import BatchGraphs, check_batch, commit_batch, in_caller_order, in_lane_order
+from .engine_batch import BatchGraphs, check_batch, in_caller_order, in_lane_order, prefill_batch
 from .engine_graph import DenoiseGraph, capture, capture_prefill, padded_ids
 from .engine_inputs import check_denoise, check_ids, check_image_inputs
 from .engine_weights import DictSource, EngineWeights, load_weights
@@ -186,7 +186,7 @@ class Engine:
         on_device = isinstance(ids, torch.Tensor) and ids.is_cuda
         self._append(cache, check_ids(self, ids, "commit ids", check_range=not on_device))
 
-    commit_batch = commit_batch  # commit of several caches' blocks, in one forward (engine_batch.commit_batch)
+    prefill_batch = prefill_batch  # several caches' chunks in one forward (engine_batch.prefill_batch)
 
     def _append(self, cache: EngineKVCache, ids: torch.Tensor) -> None:
         cache.check_room(len(ids))

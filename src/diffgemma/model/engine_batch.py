@@ -1,5 +1,5 @@
 """The engine's batched denoise, runner side: checking a batch's inputs, and the graphs of batched forwards; and
-the batched commit of several caches' blocks (commit_batch).
+the batched prefill of several caches' chunks (prefill_batch: a round's commits, or its joining prompts).
 
 A batched denoise (Forward.denoise_batch) reads B caches' buffers, so its CUDA graph is captured over those caches'
 stores (engine_cache.KVStore). It is kept by the batch's shape alone (the lanes' canvas lengths and context buckets,
@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..ops.attention_topk import cache_rule
 from .engine_graph import BatchGraph, capture, padded_ids
 from .engine_inputs import check_ids
+from .lane_attention import lanes_attend
 
 
 def check_batch(engine, caches, canvases, sc_logits, sc_embeds):
@@ -214,17 +215,18 @@ class BatchGraphs:
         return BatchGraph(graph, [c.store for c in caches], ids_buf, sc_buf, has_buf, out)
 
 
-def commit_batch(engine, caches, ids) -> None:
-    """Engine.commit of each cache's block: the lanes whose commits run padded to one length (Engine.prefill_pad) in
-    one forward (prefill_padded_batch), each cache written with the bits its own commit writes; a lane alone at its
-    padded length, or unpadded, through Engine.commit."""
+def prefill_batch(engine, caches, ids) -> None:
+    """Engine.prefill of a text chunk into each cache (a block's commit, or a prompt's chunk): the lanes whose chunks
+    run padded to one length (Engine.prefill_pad) in one forward (prefill_padded_batch), each cache written with the
+    bits its own prefill writes; a lane alone at its padded length, or unpadded, through Engine.commit. Every lane's
+    ids and room are checked before anything is written."""
     caches = list(caches)
     if len(ids) != len(caches) or len({id(c) for c in caches}) != len(caches):
-        raise InputError(f"commit_batch: expected one block of ids for each of {len(caches)} different caches, got "
-                         f"{len(ids)} blocks")
+        raise InputError(f"prefill_batch: expected one chunk of ids for each of {len(caches)} different caches, got "
+                         f"{len(ids)} chunks")
     groups: dict = {}
     for cache, x in zip(caches, ids):
-        x = check_ids(engine, x, "commit ids", check_range=not (isinstance(x, torch.Tensor) and x.is_cuda))
+        x = check_ids(engine, x, "prefill ids", check_range=not (isinstance(x, torch.Tensor) and x.is_cuda))
         cache.check_room(len(x))
         groups.setdefault(engine.prefill_pad(cache, len(x)), []).append((cache, x))
     for pad, lanes in groups.items():
@@ -248,11 +250,8 @@ def prefill_padded_batch(fwd, caches, ids: torch.Tensor, N: int, n_reals, key_ro
     paths of one lane's N rows (options.batch_paths, as in a batched denoise); each lane attends to and writes its own
     cache as prefill_padded does alone (Forward.padded_lane; docs/ARCHITECTURE.md, 'Batching')."""
     lanes = [fwd.padded_lane(c, N, n, k) for c, n, k in zip(caches, n_reals, key_rows)]
-
-    def attend(li, qkv, need_out):
-        outs = [lane(li, qkv[b * N: (b + 1) * N], need_out) for b, (lane, _) in enumerate(lanes)]
-        return torch.cat(outs) if need_out else None
-
+    attend = lanes_attend(fwd.w.layers, [(b * N, (b + 1) * N, lane) for b, (lane, _) in enumerate(lanes)], None,
+                          fwd.device)
     fwd._lane_rows = N
     try:
         fwd._run_layers(fwd.embed(ids), [lw.prefill_scalar for lw in fwd.w.layers], attend, False, None)

@@ -50,6 +50,7 @@ from ..ops.sm_carveout import cublas_sm_carveout
 from .engine_cache import EngineKVCache
 from .engine_inputs import prefill_chunks
 from .engine_weights import EngineWeights
+from .lane_attention import lanes_attend
 from .options import EngineOptions
 
 # Up to this many rows (the denoise canvas, a committed block's prefill) the router chain runs on a side stream
@@ -275,21 +276,7 @@ class Forward:
             lanes.append((lo, lo + C, self._canvas_attention(cache, C, rows)))
             lo += C
 
-        streams = self._lane_streams(len(lanes))
-
-        def attend(li, qkv, need_out):
-            if streams is None:
-                return torch.cat([lane(li, qkv[a:b], need_out) for a, b, lane in lanes])
-            main = torch.cuda.current_stream(self.device)
-            outs = []
-            for (a, b, lane), s in zip(lanes, streams):  # fork: each lane on its own stream
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    outs.append(lane(li, qkv[a:b], need_out))
-            for s in streams:  # join before anything reads the lanes' outputs
-                main.wait_stream(s)
-            return torch.cat(outs)
-
+        attend = lanes_attend(self.w.layers, lanes, self._lane_streams(len(lanes)), self.device)
         self._lane_rows = max(lens)  # lanes of one length (batch.py groups them): each lane's own
         try:
             h = self._run_layers(x, [lw.denoise_scalar for lw in self.w.layers], attend, True, self.w.final_norm, h=h)
@@ -416,7 +403,7 @@ class Forward:
         o = attend(li, linear(h, lw.qkv, self.dtype), with_ffn)  # h: an Fp8Rows where qkv is FP8 (_moe)
         if not with_ffn:  # prefill's last layer: only its K/V are ever read
             return None, None
-        a = linear(o, lw.o)
+        a = linear(o, lw.o, self.dtype)  # o may be an Fp8Rows (model/lane_attention.py)
         rows, path_routes = self._path_rows(lw, len(x))
         # a q4 expert GEMM multiplies f16: attn_finish then writes its input as such (same bits, ops/f16_operand.py);
         # FP8 dense / expert GEMMs take their inputs quantized per token by attn_finish (ops/rmsnorm.py)

@@ -135,21 +135,37 @@ def gelu_mul_quant(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gelu_mul_quant_ref(gu)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
-    q, s = fp8_row_buffers(M, K, x.device)
+    q, s = fp8_row_buffers(M, K, x.device) if out is None else _check_out(out, M, K)
     if M:
         BK = next_pow2(K)
         _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BK=BK, FMAX=FP8_MAX, SMIN=SCALE_MIN,
                                     num_warps=4 if BK <= 2048 else 8)
-    return tuple(fp8_rows_done(q, s))
+    return tuple(fp8_rows_done(q, s)) if out is None else (q, s)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): the kernel on CUDA, the twin elsewhere."""
+def _check_out(out, M: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = out
+    if tuple(q.shape) != (M, K) or tuple(s.shape) != (M,) or q.stride(-1) != 1 or s.dtype != torch.float32:
+        raise TensorError(f"quantize_rows: out expects q [{M}, {K}] (rows contiguous) and float32 s [{M}], got "
+                          f"{q.dtype} {list(q.shape)} and {s.dtype} {list(s.shape)}")
+    return q, s
+
+
+def quantize_rows(x: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): the kernel on CUDA, the twin elsewhere. out: a (q, s) pair of
+    fp8_row_buffers' kind (row slices of a larger pair, too) written instead and returned as written: fp8_rows_done
+    of the whole pair makes its Fp8Rows once every slice is in."""
     if use_triton(x):
-        return quantize_rows_triton(x)
-    return quantize_rows_ref(x)
+        return quantize_rows_triton(x, out)
+    if out is None:
+        return quantize_rows_ref(x)
+    q, s = _check_out(out, *x.shape)
+    ref_q, ref_s = quantize_rows_ref(x)
+    q.copy_(ref_q)
+    s.copy_(ref_s)
+    return q, s

@@ -174,12 +174,12 @@ class LeadEngine(ExpertParallelEngine):
             return self.prefill(cache, ids)
         return super().commit(cache, ids)
 
-    def commit_batch(self, caches, ids) -> None:
-        if self.group.size > 1:  # each block handed over as its own commit
+    def prefill_batch(self, caches, ids) -> None:
+        if self.group.size > 1:  # each chunk handed over as its own commit (a prefill for the followers)
             for cache, x in zip(caches, ids):
                 self.commit(cache, x)
             return
-        super().commit_batch(caches, ids)
+        super().prefill_batch(caches, ids)
 
     def denoise_raw(self, cache: EngineKVCache, canvas_ids: torch.Tensor, sc_logits: torch.Tensor | None = None,
                     sc_embeds: torch.Tensor | None = None) -> torch.Tensor:

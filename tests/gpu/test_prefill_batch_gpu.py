@@ -1,4 +1,4 @@
-"""GPU checks for the batched commit (Engine.commit_batch: the commits of lanes that end a block in one round as one
+"""GPU checks for the batched commit (Engine.prefill_batch: the commits of lanes that end a block in one round as one
 padded prefill forward; skips without CUDA).
 
 - On a random mid engine, under each batch_paths rule: every cache's length and ring positions are its solo
@@ -72,7 +72,7 @@ def solo_and_batched(engine, lens, contexts, seed=1):
     for cache, ids in zip(solo, blocks):
         engine.commit(cache, ids)
     with Runs() as runs:
-        engine.commit_batch(batched, blocks)
+        engine.prefill_batch(batched, blocks)
     torch.cuda.synchronize()
     assert runs == [len(lens)]  # one forward for all lanes (one padded length: the canvas)
     return solo, batched
