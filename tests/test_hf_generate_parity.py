@@ -217,6 +217,21 @@ class _TransformersBehindOurApi:
         return self.hf.model.decoder.embed_tokens(ids)
 
 
+class _CachePair:
+    """(transformers' cache, ours) as the one cache the loop holds: what it sets on a cache (its top-k rule) goes to
+    both, what it reads (its length) comes from ours."""
+
+    def __init__(self, follow, ours):
+        object.__setattr__(self, "pair", (follow, ours))
+
+    def __setattr__(self, name, value):
+        for cache in self.pair:
+            setattr(cache, name, value)
+
+    def __getattr__(self, name):
+        return getattr(self.pair[1], name)
+
+
 class _BothForwards:
     """transformers' forward (what the loop gets) with our reference forward run beside it on the same inputs;
     `deviation` holds the largest |Δ| of the two sides' float32 logits per denoise."""
@@ -224,16 +239,19 @@ class _BothForwards:
     def __init__(self, follow: _TransformersBehindOurApi, ours):
         self.follow, self.ours, self.deviation = follow, ours, []
 
+    def denoiser(self, caches):
+        return Denoiser(self, caches[0])
+
     def new_cache(self, max_tokens):
-        return self.follow.new_cache(max_tokens), self.ours.new_cache(max_tokens)
+        return _CachePair(self.follow.new_cache(max_tokens), self.ours.new_cache(max_tokens))
 
     def prefill(self, cache, ids):
-        self.follow.prefill(cache[0], ids)
-        self.ours.prefill(cache[1], ids)
+        self.follow.prefill(cache.pair[0], ids)
+        self.ours.prefill(cache.pair[1], ids)
 
     def denoise(self, cache, canvas, sc_logits=None, sc_embeds=None):
-        want = self.follow.denoise(cache[0], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
-        got = self.ours.denoise(cache[1], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        want = self.follow.denoise(cache.pair[0], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
+        got = self.ours.denoise(cache.pair[1], canvas, sc_logits=sc_logits, sc_embeds=sc_embeds)
         self.deviation.append((got.float() - want.float()).abs().max().item())
         return want
 
