@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 HUB = Path(__file__).parent / "data" / "hub"
 NAMES = sorted(p.name for p in HUB.iterdir() if (p / "config.json").is_file()) if HUB.is_dir() else []
 TOL_F32 = 1e-3  # tests/test_reference_parity.py's bound for the same math re-associated
+FP8_FLIP_TOL = 2e-2  # a logit's move when one per-token FP8 activation rounds to its neighbour (seen: 1.5e-3, 3e-3)
 
 
 def _load_quiet(path, **kw):
@@ -182,7 +183,12 @@ def test_fast_engine_on_converted_records_matches_reference(hub):
         ref = diffgemma.model.reference.ReferenceModel(cfg, held, device="cpu", dtype=torch.float32)
     case = _case(cfg)
     for e, g in zip(_two_blocks_ours(ref, *case), _two_blocks_ours(eng, *case)):
-        assert (g - e).abs().max().item() <= TOL_F32
+        d = (g - e).abs()
+        if "fp8" in name:  # an activation on an e4m3 rounding boundary may round the other way (its f32 sum in
+            # another order): that canvas row moves by about one e4m3 step's worth, the other rows stay within f32
+            assert (d > TOL_F32).any(-1).sum().item() <= 1 and d.max().item() <= FP8_FLIP_TOL
+        else:
+            assert d.max().item() <= TOL_F32
     exact = _state_dict(path)
     for n, w in held.items():  # what the conversion changed: docs/FORMATS.md's bounds
         d = (w - exact[n]).abs().max().item()
