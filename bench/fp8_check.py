@@ -335,38 +335,31 @@ def engine_logits(eng, cfg, ctx, B):
 
 def engine_prefills(eng, cfg, ctx, B, reps):
     """B prompts of ctx tokens into B empty caches: one after another (each its own graphed prefill) against one
-    prefill_batch forward, ms (median of reps, host clock around a synchronized call); and how many caches the batch writes with the bits of
-    their solo prefill."""
+    prefill_batch forward, ms (median of reps, host clock around a synchronized call), under balanced routing as the
+    step timings (the random routers would send most rows to a few experts); and how many caches the batch writes
+    with the bits of their solo prefill."""
+    from bench.balanced_routing import routing
     from diffgemma.slots import rewind
     dev = eng.device
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=gen).to(dev) for _ in range(B)]
     caches = [eng.new_cache(ctx + 2 * cfg.canvas_length) for _ in range(B)]
-
-    def solo():
-        for c, p in zip(caches, prompts):
-            eng.prefill(c, p)
-
-    def batch():
-        eng.prefill_batch(caches, prompts)
-
-    times: dict = {"solo": [], "batch": []}
-    for rep in range(reps + 1):  # the first round warms up (the solo graphs' capture)
-        for name, fn in (("solo", solo), ("batch", batch)):
-            for c in caches:
-                rewind(c, 0)
-            sync(dev)
-            t = time.perf_counter()
-            fn()
-            sync(dev)
-            if rep:
-                times[name].append((time.perf_counter() - t) * 1e3)
+    runs = {"solo": lambda: [eng.prefill(c, p) for c, p in zip(caches, prompts)],
+            "batch": lambda: eng.prefill_batch(caches, prompts)}
+    times: dict = {name: [] for name in runs}
     kv = {}
-    for name, fn in (("solo", solo), ("batch", batch)):
-        for c in caches:
-            rewind(c, 0)
-        fn()
-        kv[name] = [[t.clone() for t in c.live_kv()] for c in caches]
+    with routing("balanced"):
+        for rep in range(reps + 2):  # the first round warms up (the solo graphs' capture), the last keeps the K/V
+            for name, fn in runs.items():
+                for c in caches:
+                    rewind(c, 0)
+                sync(dev)
+                t = time.perf_counter()
+                fn()
+                sync(dev)
+                if 0 < rep <= reps:
+                    times[name].append((time.perf_counter() - t) * 1e3)
+                kv[name] = [[t.clone() for t in c.live_kv()] for c in caches] if rep > reps else None
     same = sum(all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(kv["solo"], kv["batch"]))
     eng.clear_graphs()
     return {f"prefill_{B}x{ctx}_solo_ms": med(times["solo"]), f"prefill_{B}x{ctx}_batch_ms": med(times["batch"]),
