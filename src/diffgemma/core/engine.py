@@ -181,7 +181,8 @@ class EngineCore:
         the request it names; any other failure is every one of theirs."""
         if len(wave) > 1 and hasattr(self.model, "prefill_batch"):
             try:
-                return prefill_chunks(self.model, wave)
+                prefill_chunks(self.model, wave)
+                return
             except InputError:
                 pass
             except Exception as e:
