@@ -62,7 +62,7 @@ class GenerationSettings:
     commit: str = "argmax"  # token at accepted positions: "argmax" or "sample" (tempered categorical)
     sc_seed: bool = True  # first denoise step self-conditions on the canvas's own embedding
     # "sparse" (survivor gather) or "exact" (dense probs @ embedding). Sparse is the default: at the real
-    # vocabulary the gather of a few survivors a row is faster than the exact product on CPU and GPU
+    # vocabulary the gather reads a few embedding rows a canvas row, the exact product the whole table
     # (sampling/self_condition.py; docs/ARCHITECTURE.md, 'Self-conditioning'); flat rows (random weights)
     # fall back to the dense product.
     sc_mode: str = "sparse"

@@ -62,7 +62,7 @@ class EngineOptions:
     batch_paths: str = "wide"
     # A batched denoise runs each lane's attention (its qkv prep, cache writes and kernels) on a stream of its own,
     # forked from the layer and joined before the o projection, so the lanes' small kernels overlap on the GPU (one
-    # lane's attention fills about one wave of SMs). The same kernels on the same inputs: the same bits. False: the
+    # lane's attention alone leaves most SMs idle). The same kernels on the same inputs: the same bits. False: the
     # lanes one after another on the layer's stream (the twin the GPU tests compare). CUDA only.
     lane_streams: bool = True
 

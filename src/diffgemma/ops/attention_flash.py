@@ -243,8 +243,8 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
     """Tile shapes per (head dim, mode, static key count): BM query rows × BN keys per step; BD output
     columns per program; waves = programs per SM the canvas split aims at (0 = never split).
 
-    Chosen by a sweep (docs/ARCHITECTURE.md, 'Kernel configurations'), each also compiled offline for the target
-    and read back with no spills, within the SM's shared memory:
+    Per shape (docs/ARCHITECTURE.md, 'Kernel configurations'), each within the SM's shared memory and its registers
+    without spilling:
       canvas hd 256 over the ring's live window: BM 64, BN 64, 4 warps, 3 stages, 2 splits;
       canvas hd 256 with the per-key mask (ring + canvas rows): BM 128, BN 64, 8 warps, 4 splits;
       canvas hd 512: BM 128, BN 32, two 256-wide output halves, 8 warps; one wave of splits up to 4k keys, two
@@ -253,7 +253,6 @@ def flash_config(d: int, causal: bool, n_keys: int = 0, live: bool = False) -> d
           prompt's chunk: LONG_CAUSAL_TILES by its rows and keys (e.g. BM 128, two 256-wide output halves, each
           recomputing QK^T);
       causal hd 256 (window 1024): BM 64, BN 32, 4 warps (Q read once, not per key block).
-    Each is chosen against SDPA at its shape.
     """
     if d >= 512:
         if causal:

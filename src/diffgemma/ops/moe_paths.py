@@ -7,8 +7,8 @@
               ops/moe_stream.py's weight-streaming kernel
   "twin"      a packed stack without Triton (CPU, DIFFGEMMA_NO_TRITON): dequantize in torch, then torch._grouped_mm
   "dequant"   a packed stack with many rows per expert (prefill): the layer's stack dequantized by a kernel into a
-              bf16 scratch, then torch._grouped_mm, which is compute bound there and faster than dequantizing in
-              the GEMM's loop
+              bf16 scratch, then torch._grouped_mm: compute bound there, so each weight is decoded once a
+              layer rather than once a row tile in the GEMM's loop
   "q4-tiles"  a q4 stack in the q4-tiles layout (ops/q4_tiles.py): ops/moe_q4.py's kernel
   "nvfp4-tiles" an nvfp4e stack in the nvfp4-tiles layout (ops/packed_weight.py): ops/moe_nvfp4.py's kernel
   "packed"    any other packed stack (q4 / q5 / q6 / nvfp4 in the pack's order): ops/moe_packed.py's kernel

@@ -30,7 +30,7 @@ from .moe_packed import RAW, launch_grouped
 from .moe_paths import STREAM_MAX_ROWS, STREAM_SHORT_K
 
 # (BN, BM, BK, num_warps, num_stages) at the real shapes (docs/ARCHITECTURE.md, 'Kernel configurations'). The down
-# projection (K = 704) streams faster with shorter K tiles.
+# projection's short K (704) leaves few K steps a program, so it takes shorter K tiles over wider N tiles.
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 64, 8, 5)
 # a down projection with more rows an expert than denoise's (moe_paths.STREAM_SHORT_K_MAX_ROWS): 64-row tiles

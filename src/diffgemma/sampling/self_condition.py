@@ -10,9 +10,9 @@ logits already divided by that step's temperature.
   tail_mass = the probability of the dropped tokens; `sparse_error_bound` computes it. The SC MLP's
   RMSNorm is scale-invariant, so the missing tail mass itself (a uniform shrink) does not matter.
 
-Which is faster: at the real vocabulary (262144 x 2816) the gather of a trained model's few survivors a row is
-much cheaper than the dense product, on the CPU and on the GPU;
-at tiny vocabularies, or with many survivors a row, the dense product wins.
+Which to use: at the real vocabulary (262144 x 2816) the gather of a trained model's few survivors a row reads
+a few embedding rows where the dense product reads the whole table; at tiny vocabularies, or with many survivors
+a row, the dense product does less work.
 So GenerationSettings.sc_mode defaults to "sparse", and rows with too many survivors fall back to the dense
 product (docs/ARCHITECTURE.md, 'Self-conditioning').
 """
