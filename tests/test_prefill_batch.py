@@ -16,6 +16,8 @@ from diffgemma.model.engine import Engine
 from diffgemma.settings import GenerationSettings
 from diffgemma.slots import Slot
 
+from tiny_checkpoints import cache_state as state
+
 
 @pytest.fixture(scope="module")
 def demo():
@@ -29,8 +31,6 @@ def engine(demo):
     return eng
 
 
-def state(cache):
-    return cache.length, int(cache.length_t), cache.slot_pos.clone(), [t.clone() for t in cache.live_kv()]
 
 
 def caches_with_context(engine, lengths, seed=0):

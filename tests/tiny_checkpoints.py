@@ -69,3 +69,21 @@ def build_model(text_config: dict, canvas_length: int = 8, seed: int | None = No
 def save(model, directory, **kwargs) -> str:
     model.save_pretrained(str(directory), **kwargs)
     return str(directory)
+
+
+def mid_engine(device, seed: int, canvas: int = 64, **options):
+    """The GPU tests' mid-size model: MID's shapes with random weights (bench.fixtures.RandomSource, std 0.05), as
+    a bf16 engine on `device` with a prefill chunk of 256 (options override the engine's)."""
+    from bench.fixtures import RandomSource
+    from diffgemma.config import ModelConfig
+    from diffgemma.model.engine import build_engine
+
+    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": canvas,
+                                 "text_config": dict(MID, model_type="diffusion_gemma_text")})
+    return build_engine(cfg, RandomSource(cfg, device, torch.bfloat16, seed=seed, std=0.05), device, torch.bfloat16,
+                        **{"prefill_chunk": 256, **options})
+
+
+def cache_state(cache):
+    """What a prefill leaves in an engine cache, copied: (length, the device length, slot positions, live K/V)."""
+    return cache.length, int(cache.length_t), cache.slot_pos.clone(), [t.clone() for t in cache.live_kv()]

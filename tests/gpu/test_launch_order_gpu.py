@@ -8,21 +8,16 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from diffgemma.config import ModelConfig  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
-from bench.fixtures import RandomSource  # noqa: E402
 
-from tiny_checkpoints import MID  # noqa: E402
+from tiny_checkpoints import mid_engine  # noqa: E402
 
 DEV = "cuda"
 
 
 @pytest.mark.parametrize("use_graphs", [False, True])
 def test_launch_order_leaves_the_cache_and_logits_unchanged(use_graphs):
-    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": 64,
-                                 "text_config": dict(MID, model_type="diffusion_gemma_text")})
-    src = RandomSource(cfg, DEV, torch.bfloat16, seed=int(torch.randint(0, 2**31, (1,))), std=0.05)
-    eng = build_engine(cfg, src, DEV, torch.bfloat16, prefill_chunk=256)
+    eng = mid_engine(DEV, int(torch.randint(0, 2**31, (1,))))
+    cfg = eng.config
     assert eng.launch_order  # the default
     V = cfg.vocab_size
     prompt, ids = torch.randint(0, V, (700,), device=DEV), torch.randint(0, V, (64,), device=DEV)

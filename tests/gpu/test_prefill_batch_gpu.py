@@ -19,12 +19,9 @@ from dataclasses import replace  # noqa: E402
 
 import diffgemma  # noqa: E402
 from diffgemma import generate, generate_batch  # noqa: E402
-from diffgemma.config import ModelConfig  # noqa: E402
 from diffgemma.model import engine_batch  # noqa: E402
-from diffgemma.model.engine import build_engine  # noqa: E402
 
-from bench.fixtures import RandomSource  # noqa: E402
-from tiny_checkpoints import MID  # noqa: E402
+from tiny_checkpoints import cache_state as state, mid_engine  # noqa: E402
 
 DEV = "cuda"
 CANVAS = 64
@@ -32,14 +29,7 @@ CANVAS = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "canvas_length": CANVAS,
-                                 "text_config": dict(MID, model_type="diffusion_gemma_text")})
-    return build_engine(cfg, RandomSource(cfg, DEV, torch.bfloat16, seed=random.getrandbits(31), std=0.05), DEV,
-                        torch.bfloat16, prefill_chunk=256)
-
-
-def state(cache):
-    return cache.length, int(cache.length_t), cache.slot_pos.clone(), [t.clone() for t in cache.live_kv()]
+    return mid_engine(DEV, random.getrandbits(31), CANVAS)
 
 
 def caches(engine, contexts, seed):

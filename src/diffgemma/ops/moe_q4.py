@@ -24,7 +24,7 @@ from ._backend import HAVE_TRITON, TensorDescriptor, tma_available
 from .grouped import route_count
 from .moe_plan import order_operand
 from .q4_tiles import (  # noqa: F401  (to_tile_layout, wanted: model/engine_weights.py's names, kept here)
-    GROUP, LAYOUT, TILE_N, check_tiles, glu_row_order, side_words, to_natural_layout, to_tile_layout, wanted)
+    GROUP, LAYOUT, TILE_N, check_tiles, glu_row_positions, side_words, to_natural_layout, to_tile_layout, wanted)
 
 if HAVE_TRITON:
     import triton
@@ -333,7 +333,7 @@ def grouped_mm_q4_tiles(x, w, offs, src=None, BM: int = 32, BM_FEW: int = 16, as
         ASM=x.is_cuda if asm is None else asm, TMA=tma, GLU=glu,
         GU_ROUND=gu_round, F16_OUT=glu and glu_f16, num_warps=4, num_stages=3 if tma else 4)
     if w.glu and not glu:  # column j holds logical column glu_row_order[j]
-        out = out.index_select(1, torch.argsort(glu_row_order(N, out.device)))
+        out = out.index_select(1, glu_row_positions(N, out.device))
     return out
 
 

@@ -32,7 +32,7 @@ from ..errors import TensorError
 from ._backend import HAVE_TRITON
 from .layouts import E2M1_VALUES, pack_nibbles, record_planes, rows_k, unpack_bits, unpack_nibbles
 from .q4_tiles import GROUP as CODE_GROUP  # noqa: F401  (the codes of a q4-tiles word group: 4 int32 words)
-from .q4_tiles import TILE_N, glu_row_order, natural_planes, nibble_source
+from .q4_tiles import TILE_N, glu_row_order, glu_row_positions, natural_planes, nibble_source
 
 EXPERT_FORMATS = ("q4", "q5", "q6", "nvfp4", "nvfp4e")
 NVFP4_TILES = "nvfp4-tiles"
@@ -204,7 +204,7 @@ def nvfp4_natural_planes(pw: PackedWeight) -> dict:
     codes = pack_nibbles(q).permute(0, 2, 1, 3)
     scale = pw.planes["scale"].view(E, G // 2, N, 4).permute(0, 2, 1, 3)
     if pw.glu:  # logical row glu_row_order[j] sits at position j
-        back = torch.argsort(glu_row_order(N, pw.device))
+        back = glu_row_positions(N, pw.device)
         codes, scale = codes[:, back], scale[:, back]
     return {"codes": codes.reshape(E * N, K // 2), "scale": scale.reshape(E * N, K // 16),
             "escale": pw.planes["escale"]}

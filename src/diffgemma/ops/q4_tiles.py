@@ -114,6 +114,12 @@ def glu_row_order(N: int, device=None) -> torch.Tensor:
     return t * half + i % half + torch.where(i >= half, F, 0)
 
 
+def glu_row_positions(N: int, device=None) -> torch.Tensor:
+    """glu_row_order's inverse (logical row -> position): what puts a glu-laid stack's rows, or its plain product's
+    columns, back in logical order."""
+    return torch.argsort(glu_row_order(N, device))
+
+
 def _with_record(pw, record: torch.Tensor, layout: str, glu: bool):
     """pw's weight (same format and shape) over another record, in `layout`."""
     return replace(pw, record=record, planes=record_planes(pw.fmt, pw.shape, record), layout=layout, glu=glu)
@@ -166,7 +172,7 @@ def natural_planes(pw) -> dict:
     sm = side_words(pw).view(E, T, G, TILE_N).permute(0, 1, 3, 2).reshape(E * N, G)
     out = {"codes": codes, "scale": _f16_bits(sm & 0xFFFF), "min": _f16_bits((sm >> 16) & 0xFFFF)}
     if pw.glu:  # back from the glu tile order: logical row glu_row_order[j] sits at position j
-        back = torch.argsort(glu_row_order(N, pw.device))
+        back = glu_row_positions(N, pw.device)
         out = {n: v.view(E, N, -1)[:, back].reshape(v.shape) for n, v in out.items()}
     return out
 
