@@ -1,15 +1,17 @@
 """Per-token (per-row) FP8 quantization of activations, made on the fly before each FP8 GEMM.
 
-Row r of x [M, K] becomes e4m3 values q[r] = saturate(x[r] / s[r]) (round to nearest even) and one float32 scale
-s[r] = ops/fp8_weight.row_scale(max |x[r]|) = max(amax / 448, eps): the rule weights are quantized by, so
-x[r] ≈ q[r] · s[r]. Everything is per row (the max, the division), so a row's bits never depend on the other rows
+Row r of x [M, K] becomes e4m3 values q[r] = saturate(x[r] · (1 / s[r])) (round to nearest even) and one float32
+scale s[r] = ops/fp8_weight.row_scale(max |x[r]|) = max(amax / 448, eps), so x[r] ≈ q[r] · s[r]. The scale is the
+weights' rule; the values are multiplied by the scale's reciprocal (one IEEE division a row, not one a value, as
+vLLM's FP8 quantization kernels do), where a weight is divided by its scale. Everything is per row (the max, the division), so a row's bits never depend on the other rows
 of x: a batched lane quantizes as it would alone.
 
   quantize_rows_ref     the twin: torch ops in float32
-  quantize_rows_triton  one program per row (the whole row in registers); the division rounds correctly
-                        (div_rn) and the cast to e4m3 rounds to nearest even, so the kernel's bits equal the
-                        twin's. In the Triton interpreter, whose float -> e4m3 cast does not round to nearest, the
-                        kernel writes its float32 quotients and torch casts them
+  quantize_rows_triton  one program per row (the whole row in registers); the two divisions (amax / 448, 1 / s)
+                        round correctly (div_rn), the product is one f32 rounding and the cast to e4m3 rounds to
+                        nearest even, so the kernel's bits equal the twin's. In the Triton interpreter, whose float
+                        -> e4m3 cast does not round to nearest, the kernel writes its float32 products and torch
+                        casts them
   quantize_rows         the dispatcher: the kernel on CUDA, the twin elsewhere
   fake_quant_rows       q · s in float32: what a reference forward multiplies instead of x
   Fp8Rows               (q, s): rows in that form, as a producer hands them to the next FP8 GEMM
@@ -47,7 +49,9 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M])."""
     _check(x)
     s = row_scale(x.float().abs().amax(dim=-1))
-    q = (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # a tensor numerator: CUDA would take a Python 1.0 over s as a product, not the IEEE quotient the kernels compute
+    inv = torch.ones((), dtype=torch.float32, device=s.device) / s
+    q = (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, s
 
 
@@ -59,7 +63,7 @@ class Fp8Rows(NamedTuple):
 
 
 def fp8_row_buffers(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, s) for a kernel that quantizes M rows of K with store_fp8_row: q in e4m3, or float32 quotients in the
+    """(q, s) for a kernel that quantizes M rows of K with store_fp8_row: q in e4m3, or float32 products in the
     Triton interpreter (its float -> e4m3 cast does not round to nearest even); fp8_rows_done casts those."""
     q = torch.empty(M, K, dtype=torch.float32 if interpreting() else FP8_DTYPE, device=device)
     return q, torch.empty(M, dtype=torch.float32, device=device)
@@ -80,10 +84,10 @@ if HAVE_TRITON:
     @triton.jit
     def store_fp8_row(x, ok, q_ptr, s_ptr, r, stride_q, k, FMAX: tl.constexpr, SMIN: tl.constexpr):
         """Row r's per-token FP8 form from its f32 values x (masked lanes 0): s = max(amax / 448, SMIN) and
-        q = saturate(x / s), both divisions IEEE (div_rn), q cast to q_ptr's type (e4m3, round to nearest even;
-        float32 quotients in the interpreter, see fp8_row_buffers)."""
+        q = saturate(x · (1 / s)), both divisions IEEE (div_rn, once a row), q cast to q_ptr's type (e4m3, round to
+        nearest even; float32 products in the interpreter, see fp8_row_buffers)."""
         s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FMAX), SMIN)
-        q = tl.clamp(tl.math.div_rn(x, s), -FMAX, FMAX)
+        q = tl.clamp(x * tl.math.div_rn(1.0, s), -FMAX, FMAX)
         tl.store(q_ptr + r * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + r, s)
 
