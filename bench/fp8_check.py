@@ -34,7 +34,8 @@ vocab 262144, canvas 256).
   memory   fp8, 8 lanes of 8k context, one batched step: peak allocated GiB (skipped when the time budget is spent)
   profile  (only when --sections names it) per --profile-kinds engine: the graphed B=8 forward's median ms and the
            eager one's GPU kernel time by op class (expert GEMMs, linears, attention, quant / norm epilogues,
-           routing, glue) from torch.profiler, and its top kernels (bench/fp8_profile.py)
+           routing, glue) from torch.profiler, and its top kernels; the same for a batched prefill of 8 1k
+           prompts (bench/fp8_profile.py)
 """
 
 from __future__ import annotations
@@ -490,9 +491,11 @@ def summary(res) -> str:
         lines.append(f"engine {kind}: {json.dumps(r)}")
     lines.append(f"demo: {json.dumps(res.get('demo'))}")
     lines.append(f"memory: {json.dumps(res.get('memory'))}")
+    def no_tops(r):
+        return {k: no_tops(v) if isinstance(v, dict) else v for k, v in r.items() if k != "top_kernels"}
+
     for kind, r in (res.get("profile") or {}).items():
-        lines.append(f"profile {kind}: " + (json.dumps({k: v for k, v in r.items() if k != "top_kernels"})
-                                            if isinstance(r, dict) else str(r)))
+        lines.append(f"profile {kind}: " + (json.dumps(no_tops(r)) if isinstance(r, dict) else str(r)))
     lines += [f"{k}: {v}" for k, v in res.items() if k.endswith("_error")]
     lines.append(f"total {time.time() - T0:.0f} s")
     return "\n".join(lines)

@@ -1,7 +1,9 @@
-"""fp8_check's profile section: where a batched denoise forward's GPU time goes, by op class.
+"""fp8_check's profile section: where a batched denoise forward's GPU time goes, by op class, and a batched prompt
+prefill's.
 
 The eager forward (B lanes of 1k context, balanced routing; the same kernels its CUDA graph replays) runs once to
-warm up and once under torch.profiler (CPU and CUDA activities). Each GPU kernel is put in one class:
+warm up and once under torch.profiler (CPU and CUDA activities); so does the batched prefill of B 1k prompts into
+empty caches (Engine.prefill_batch, eager as the core runs a wave). Each GPU kernel is put in one class:
 
   expert_gemm   the expert GEMMs: torch._scaled_grouped_mm / torch._grouped_mm kernels, the FP8 / bf16 / packed
                 streaming kernels
@@ -60,23 +62,40 @@ def classify(name: str, owners: dict) -> str:
 
 def profiled_forward(eng, cfg, B: int, ctx: int, top: int = 25) -> dict:
     """The eager B-lane forward under torch.profiler -> {"gpu_ms", "classes_ms", "top_kernels"}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dev = eng.device
     caches, canvases, scs = lanes(eng, cfg, B, ctx, seed=6)
     graphs = eng.use_graphs
     eng.use_graphs = False
     try:
-        def fwd():
-            eng.denoise_batch_raw(caches, canvases, sc_embeds=scs)
-
-        fwd()
-        torch.cuda.synchronize(dev)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            fwd()
-            torch.cuda.synchronize(dev)
+        return profiled(eng.device, lambda: eng.denoise_batch_raw(caches, canvases, sc_embeds=scs), top)
     finally:
         eng.use_graphs = graphs
+
+
+def profiled_prefill(eng, cfg, B: int, ctx: int, top: int = 25) -> dict:
+    """B prompts of ctx tokens prefilled in one batched forward into empty caches, under torch.profiler."""
+    from diffgemma.slots import rewind
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=gen).to(eng.device) for _ in range(B)]
+    caches = [eng.new_cache(ctx + 2 * cfg.canvas_length) for _ in range(B)]
+
+    def fill():
+        for c in caches:
+            rewind(c, 0)
+        eng.prefill_batch(caches, prompts)
+
+    return profiled(eng.device, fill, top)
+
+
+def profiled(dev, fn, top: int) -> dict:
+    """fn() once to warm up, once under torch.profiler -> {"gpu_ms", "classes_ms", "top_kernels"}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize(dev)
     events = p.events()
     owners = kernel_owners(events)
     per_kernel: dict = {}
@@ -100,7 +119,8 @@ def graphed_ms(eng, cfg, B: int, ctx: int, reps: int) -> float:
 
 
 def section_profile(cfg, dev, kinds, build, B: int = 8, ctx: int = 1024, reps: int = 10) -> dict:
-    """For each engine kind: the graphed B-lane forward's median ms and the eager forward's GPU time by class."""
+    """For each engine kind: the graphed B-lane forward's median ms and the eager forward's GPU time by class; the
+    batched prefill of B prompts' GPU time by class (under "prefill")."""
     if dev.type != "cuda":
         return {"skipped": "no CUDA"}
     out = {}
@@ -111,10 +131,15 @@ def section_profile(cfg, dev, kinds, build, B: int = 8, ctx: int = 1024, reps: i
                 r = {f"B{B}_graphed_ms": graphed_ms(eng, cfg, B, ctx, reps)}
                 eng.clear_graphs()
                 r.update(profiled_forward(eng, cfg, B, ctx))
+                r["prefill"] = profiled_prefill(eng, cfg, B, ctx)
             out[kind] = r
             log(f"  [profile {kind}] B={B}: graphed {r[f'B{B}_graphed_ms']} ms; eager kernels {r['gpu_ms']} ms: "
                 f"{r['classes_ms']}")
             for ms, cls, name in r["top_kernels"]:
+                log(f"     {ms:8.3f} ms  {cls:12} {name}")
+            pre = r["prefill"]
+            log(f"  [profile {kind}] prefill of {B} x {ctx}: eager kernels {pre['gpu_ms']} ms: {pre['classes_ms']}")
+            for ms, cls, name in pre["top_kernels"]:
                 log(f"     {ms:8.3f} ms  {cls:12} {name}")
         finally:
             eng = None

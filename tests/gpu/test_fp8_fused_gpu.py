@@ -1,7 +1,8 @@
 """GPU checks of the rms norms' FP8 epilogues (ops/rmsnorm.py dense_fp8 / moe_fp8 / next_fp8; model/forward.py).
 
 Skips without CUDA (the engine part without FP8 tensor cores). At the real hidden size (2816) in bf16: each fused
-kernel's (q, s) are quantize_rows' bits on the unfused kernel's output. The FP8 engine on a random mid-size model
+kernel's (q, s) are quantize_rows' bits on the unfused kernel's output at the same warps (a wide norm with FP8
+operands runs at twice the plain one's warps, ops/rmsnorm.row_warps, and the warps set a norm's summation order). The FP8 engine on a random mid-size model
 (bf16, f16 KV, CUDA graphs): its logits with the fused operands equal, bit for bit, those with every FP8 GEMM
 quantizing its own input (the epilogues switched off and the graphs recaptured), in prefill, denoise with and
 without SC, and a batched denoise.
@@ -29,21 +30,23 @@ def same_rows(got, want):
 
 
 @pytest.mark.parametrize("T", [64, 2048])
-def test_fused_kernels_bits_at_real_shape(T):
+def test_fused_kernels_bits_at_real_shape(T, monkeypatch):
     g = torch.Generator(device=DEV).manual_seed(random.getrandbits(31))
     rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).bfloat16()  # noqa: E731
     res, a, m = rnd(T, H, scale=4), rnd(T, H), rnd(T, H)
     ws = [(torch.rand(H, generator=g, device=DEV) + 0.5).bfloat16() for _ in range(5)]
     wr = torch.rand(H, generator=g, device=DEV) * 0.3
-    plain = rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6)
     got = rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6, dense_fp8=True, moe_fp8=True)
+    k, N = 8, T * 8
+    y, inv, wts = rnd(N, H), torch.randperm(N, device=DEV), torch.rand(T, k, device=DEV)
+    fused = rmsnorm.layer_finish_moe_triton(res, m, y, inv, wts, ws[1], ws[2], ws[3], 0.7, 1e-6, ws[4], next_fp8=True)
+    assert rmsnorm.row_warps(H, True) == 2 * rmsnorm.row_warps(H)
+    monkeypatch.setattr(rmsnorm, "WIDE_ROW_WARPS", 2 * rmsnorm.WIDE_ROW_WARPS)  # the plain kernels at the FP8 warps
+    plain = rmsnorm.attn_finish_triton(res, a, ws[0], ws[1], ws[2], wr, 1e-6)
     same_rows(got[1], fp8_quant.quantize_rows_triton(plain[1]))
     same_rows(got[2], fp8_quant.quantize_rows_triton(plain[2]))
     assert torch.equal(got[0], plain[0]) and torch.equal(got[3], plain[3])
-    k, N = 8, T * 8
-    y, inv, wts = rnd(N, H), torch.randperm(N, device=DEV), torch.rand(T, k, device=DEV)
     base = rmsnorm.layer_finish_moe_triton(res, m, y, inv, wts, ws[1], ws[2], ws[3], 0.7, 1e-6, ws[4])
-    fused = rmsnorm.layer_finish_moe_triton(res, m, y, inv, wts, ws[1], ws[2], ws[3], 0.7, 1e-6, ws[4], next_fp8=True)
     assert torch.equal(fused[0], base[0])
     same_rows(fused[1], fp8_quant.quantize_rows_triton(base[1]))
 
