@@ -10,6 +10,8 @@ prefill). Variants:
                 ops/fp8_moe.grouped_mm_fp8_torch calls it
   fp8_chunks4   the same FP8 GEMM as four calls of 32 experts each (whether the kernel's choice depends on the
                 call's total rows)
+  triton_BN_BM_warps_stages   ops/fp8_moe.grouped_mm_fp8_triton at those tiles (K tile 128, as the engine's), and
+                whether its output has torch's FP8 bits (bits_*)
 Times: GPU µs a call, captured in a CUDA graph, the median of --reps replays (bench/bench_engine.time_graph), and
 the TFLOP/s they make.
 """
@@ -22,10 +24,12 @@ import statistics
 
 import torch
 
+from diffgemma.ops import fp8_moe
 from diffgemma.ops.fp8_quant import quantize_rows
 from diffgemma.ops.fp8_weight import quantize_fp8
 
 E, SHAPES, PER_EXPERT = 128, {"gate_up": (1408, 2816), "down": (2816, 704)}, (16, 128, 512)
+TRITON = [(128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 128, 4, 3), (256, 128, 8, 3)]
 
 
 def main(argv=None):
@@ -62,6 +66,9 @@ def main(argv=None):
                     "fp8": lambda: torch._scaled_grouped_mm(q, w8t, scale_a=s, scale_b=w8.scale, offs=offs,
                                                             out_dtype=torch.bfloat16),
                     "fp8_chunks4": chunks}
+            for bn, bm, warps, stages in TRITON:
+                runs[f"triton_{bn}_{bm}_{warps}_{stages}"] = (
+                    lambda c=(bn, bm, 128, warps, stages): fp8_moe.grouped_mm_fp8_triton(q, s, w8, offs, config=c))
             r = {}
             for v, fn in runs.items():
                 try:
@@ -70,6 +77,10 @@ def main(argv=None):
                     r[f"{v}_tflops"] = round(2 * M * N * K / us / 1e6, 1)
                 except Exception as e:  # a variant this torch cannot run, for the record
                     r[f"{v}_us"] = f"{type(e).__name__}: {str(e)[:200]}"
+            want = runs["fp8"]()
+            for v in runs:
+                if v.startswith("triton") and isinstance(r.get(f"{v}_us"), float):
+                    r[f"bits_{v}"] = bool(torch.equal(runs[v](), want))
             res[f"{name}_{per}"] = r
             print(name, per, json.dumps(r), flush=True)
     if a.json:
