@@ -130,6 +130,30 @@ def test_fused_linear_stacks_fp8_parts_and_falls_back_when_mixed():
     assert moe_paths.fp8_expert_path(quantize_fp8(torch.randn(2, 16, 16)), 4, torch.zeros(1), torch.float32) == "fp8-twin"
 
 
+def test_fp8_expert_gemms_keep_one_kernel_and_widen_its_row_tiles(monkeypatch):
+    """On a CUDA device with FP8 tensor cores the expert GEMMs take the Triton kernel at every size (torch's grouped
+    kernel only when asked: DIFFGEMMA_EXPERT_GEMM=cutlass); its row tiles widen past STREAM_MAX_ROWS an expert."""
+    from diffgemma.ops import fp8_moe
+
+    class CudaRows:  # what fp8_expert_path reads of x, as a CUDA tensor has it
+        is_cuda, device, dtype = True, torch.device("cuda"), torch.bfloat16
+
+    monkeypatch.setattr(moe_paths, "has_fp8_mma", lambda dev: True)
+    monkeypatch.setattr(moe_paths, "has_scaled_grouped_mm", lambda dev: True)
+    monkeypatch.setattr(moe_paths, "use_triton", lambda x: True)
+    w = quantize_fp8(torch.randn(128, 16, 32))
+    monkeypatch.delenv(moe_paths.EXPERT_GEMM_ENV, raising=False)
+    for routes in (128 * 16, 128 * 128, 128 * 512):
+        assert moe_paths.fp8_expert_path(w, routes, CudaRows(), torch.bfloat16) == "fp8-triton"
+    monkeypatch.setenv(moe_paths.EXPERT_GEMM_ENV, "cutlass")
+    assert moe_paths.fp8_expert_path(w, 128 * 512, CudaRows(), torch.bfloat16) == "fp8-torch"
+    wide = moe_paths.STREAM_MAX_ROWS * 128 + 1
+    assert fp8_moe.pick_config(wide, 128, 2816) == fp8_moe.pick_config(wide, 128, 704) == fp8_moe.WIDE_CONFIG
+    assert fp8_moe.pick_config(wide - 1, 128, 2816) == fp8_moe.CONFIG
+    assert fp8_moe.pick_config(wide - 1, 128, 704) == fp8_moe.CONFIG_SHORT_K
+    assert {c[2] for c in (fp8_moe.CONFIG, fp8_moe.CONFIG_SHORT_K, fp8_moe.WIDE_CONFIG)} == {128}  # one K tile
+
+
 def test_fp8_demo_engine_generate_batch_equals_generate():
     """The whole loop (prefill, steps, commits, batched rounds) on the demo model with FP8 weights: each request's
     tokens through generate_batch are generate's alone."""

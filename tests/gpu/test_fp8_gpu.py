@@ -150,6 +150,20 @@ def test_grouped_kernel_lane_bits_do_not_depend_on_the_batch(N, K):
 
 
 @needs_fp8
+@pytest.mark.skipif(not torch.cuda.is_available() or not has_scaled_grouped_mm(DEV), reason="needs torch's FP8 grouped")
+@pytest.mark.parametrize("tokens", [256, 2048, 8192])
+@pytest.mark.parametrize("N,K", [(2 * Fe, H), (H, Fe)])
+def test_grouped_kernel_has_torch_bits_at_every_size(tokens, N, K):
+    """The engine's FP8 expert GEMM (the Triton kernel at every size, its tiles by rows) against
+    torch._scaled_grouped_mm, at one canvas's, eight canvases' and eight 1k prompts' rows: the same bits."""
+    w = quantize_fp8(torch.randn(E, N, K, device=DEV) * 0.02)
+    src, offs, _ = plan(routes("balanced", tokens))
+    q, s = fp8_quant.quantize_rows(torch.randn(tokens, K, device=DEV).to(torch.bfloat16))
+    got = fp8_moe.grouped_mm_fp8(q, s, w, offs, src=src)
+    assert torch.equal(got, fp8_moe.grouped_mm_fp8_torch(q, s, w, offs, src=src))
+
+
+@needs_fp8
 def test_expert_ffn_fp8_vs_twin_real_shape():
     gu = quantize_fp8(torch.randn(E, 2 * Fe, H, device=DEV) * 0.02)
     dn = quantize_fp8(torch.randn(E, H, Fe, device=DEV) * 0.02)

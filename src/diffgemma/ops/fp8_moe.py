@@ -5,11 +5,13 @@ activations quantized per token (ops/fp8_quant.py) before each grouped GEMM.
 
   grouped_mm_fp8_ref     the twin: per expert, the same e4m3 values multiplied in float32 by torch
   grouped_mm_fp8_torch   torch._scaled_grouped_mm (row-wise scales; W passed as its column-major transpose)
-  grouped_mm_fp8_triton  a weight-streaming kernel for few rows per expert: the product is computed transposed
-                         (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB", as ops/moe_packed.py) with both operands e4m3 and
-                         f32 accumulation; one program per (N tile, expert) loops over that expert's row tiles, so the
-                         grid is fixed by shapes (graph-safe, no host sync). The K tile depends on K alone, so a row's
-                         bits do not depend on how many rows share its expert.
+  grouped_mm_fp8_triton  the Triton kernel: the product is computed transposed (acc[BN, BM] = W_tile · x_tileᵀ,
+                         "swap AB", as ops/moe_packed.py) with both operands e4m3 and f32 accumulation; one program
+                         per (N tile, expert) loops over that expert's row tiles, so the grid is fixed by shapes
+                         (graph-safe, no host sync). Few rows per expert take narrow row tiles and stream the weights;
+                         many (a batch of canvases, a prefill) take 128-row tiles. The K tile depends on K alone and
+                         every K tile's products join the f32 sum as torch's kernel joins them, so a row's bits do not
+                         depend on the tiles or on how many rows share its expert, and equal torch's.
   grouped_mm_fp8         the dispatcher: the path ops/moe_paths.fp8_expert_path names
   expert_ffn_fp8         quantize per token -> gate ‖ up GEMM -> gelu·up quantized per route (one kernel) -> down GEMM
 
@@ -37,16 +39,17 @@ if HAVE_TRITON:
 
     from .moe_plan import expert_rows
 
-# (BN, BM, BK, num_warps, num_stages). The K tile is chosen by K alone (a row's bits depend on the K tiling);
-# BM by the rows an expert gets (more rows: fewer passes over the weights); docs/ARCHITECTURE.md, 'Kernel
-# configurations'.
+# (BN, BM, BK, num_warps, num_stages). The K tile is chosen by K alone (a row's bits depend on the K tiling); the
+# other tiles by the rows an expert gets: up to STREAM_MAX_ROWS, narrow row tiles (CONFIG, CONFIG_SHORT_K); above,
+# WIDE_CONFIG's 128-row tiles, for gate_up and down alike (more rows a pass: fewer passes over the weights);
+# docs/ARCHITECTURE.md, 'Kernel configurations'.
 # IMPRECISE: the K-elements the tensor cores may sum in their own reduced-precision accumulator before the sum joins
 # the f32 accumulator (tl.dot's max_num_imprecise_acc, at most the K tile): one K tile's, 128 (as FP8 GEMMs without
 # fast accumulation promote). None: Triton's default for the device (with wgmma: never, the whole K in the tensor
 # cores' accumulator).
 CONFIG = (64, 32, 128, 4, 4)
 CONFIG_SHORT_K = (128, 32, 128, 8, 4)
-WIDE_BM = 64  # rows a pass above STREAM_MAX_ROWS rows an expert
+WIDE_CONFIG = (64, 128, 128, 4, 3)
 IMPRECISE = 128
 
 
@@ -115,8 +118,9 @@ if HAVE_TRITON:
 
 
 def pick_config(routes: int, experts: int, K: int) -> tuple:
-    BN, BM, BK, warps, stages = CONFIG_SHORT_K if K <= STREAM_SHORT_K else CONFIG
-    return BN, (WIDE_BM if routes > STREAM_MAX_ROWS * experts else BM), BK, warps, stages
+    if routes > STREAM_MAX_ROWS * experts:
+        return WIDE_CONFIG
+    return CONFIG_SHORT_K if K <= STREAM_SHORT_K else CONFIG
 
 
 def grouped_mm_fp8_triton(q, s, w: Fp8Weight, offs, src=None, order=None, config: tuple | None = None,
@@ -145,7 +149,7 @@ def grouped_mm_fp8(q, s, w: Fp8Weight, offs, src=None, order=None, out_dtype=tor
     """The grouped FP8 GEMM by the path ops/moe_paths.fp8_expert_path names for `path_routes` (default: q's routes)."""
     routes = route_count(q, src) if path_routes is None else path_routes
     path = fp8_expert_path(w, routes, q, out_dtype)
-    if path == "fp8-stream":
+    if path == "fp8-triton":
         return grouped_mm_fp8_triton(q, s, w, offs, src=src, order=order, out_dtype=out_dtype)
     if path == "fp8-torch":
         return grouped_mm_fp8_torch(q, s, w, offs, src=src)

@@ -14,9 +14,9 @@
   "packed"    any other packed stack (q4 / q5 / q6 / nvfp4 in the pack's order): ops/moe_packed.py's kernel
 
 An FP8 stack (ops/fp8_weight.Fp8Weight) takes one of fp8_expert_path's (ops/fp8_moe.py runs them):
-  "fp8-stream" up to FP8_STREAM_MAX_ROWS rows per expert on a device with FP8 tensor cores (or wherever
-               torch._scaled_grouped_mm does not run): ops/fp8_moe.py's weight-streaming kernel
-  "fp8-torch"  more rows: torch._scaled_grouped_mm
+  "fp8-triton" on a device with FP8 tensor cores, at every size: ops/fp8_moe.py's Triton kernel (its tiles by the
+               rows per expert; at many rows it beats torch._scaled_grouped_mm and gives its bits)
+  "fp8-torch"  torch._scaled_grouped_mm: with DIFFGEMMA_EXPERT_GEMM=cutlass, or where Triton does not run
   "fp8-twin"   off CUDA, without Triton, or for an output dtype other than bf16: the torch twin
 
 Two environment variables move the thresholds' choices for A/B: DIFFGEMMA_EXPERT_GEMM=cutlass sends plain stacks
@@ -50,9 +50,6 @@ STREAM_SHORT_K_MAX_ROWS = 64
 # uses torch._grouped_mm (prefill: 8192 tokens x top-8 / 128 experts = 512). Below it (denoise: ~16) the
 # in-kernel dequant streams the packed bytes once.
 PREFILL_ROWS = 128
-
-# Up to this many rows per expert an FP8 expert GEMM streams its weights through ops/fp8_moe.py's kernel.
-FP8_STREAM_MAX_ROWS = STREAM_MAX_ROWS
 
 EXPERT_GEMM_ENV = "DIFFGEMMA_EXPERT_GEMM"  # "triton" (default) or "cutlass"; settings.py knows it by name
 PACKED_PREFILL_ENV = "DIFFGEMMA_PACKED_PREFILL"  # "dequant" (default) or "kernel"; settings.py knows it by name
@@ -108,7 +105,6 @@ def fp8_expert_path(w: Fp8Weight, routes: int, x, out_dtype) -> str:
     if not x.is_cuda or out_dtype != torch.bfloat16 or not has_fp8_mma(x.device):
         return "fp8-twin"
     grouped = has_scaled_grouped_mm(x.device)
-    few = routes <= FP8_STREAM_MAX_ROWS * w.shape[0] and expert_gemm_choice() == "triton"
-    if use_triton(x) and (few or not grouped):
-        return "fp8-stream"
+    if use_triton(x) and (expert_gemm_choice() == "triton" or not grouped):
+        return "fp8-triton"
     return "fp8-torch" if grouped else "fp8-twin"
