@@ -33,7 +33,7 @@ ENV_PREFIX = "DIFFGEMMA_"
 _FOREIGN_ENV_VARS: set[str] = {
     "DIFFGEMMA_NO_TRITON",  # ops/_backend.py: force the torch path on CUDA
     "DIFFGEMMA_HF_HOME",  # quant/externals.py: Hugging Face cache root for overlay packs
-    "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_paths.py: bf16 expert GEMM at denoise, "triton" or "cutlass"
+    "DIFFGEMMA_EXPERT_GEMM",  # ops/moe_paths.py: the bf16 denoise and FP8 expert GEMMs, "triton" or "cutlass"
     "DIFFGEMMA_PACKED_PREFILL",  # ops/moe_paths.py: packed experts at prefill, "dequant" or "kernel"
     "DIFFGEMMA_Q4_LAYOUT",  # ops/q4_tiles.py: q4 expert stacks on CUDA, "q4-tiles" or "natural"
     "DIFFGEMMA_API_KEY",  # server/commands.py: the key `serve` asks clients for (--api-key)

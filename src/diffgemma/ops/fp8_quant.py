@@ -3,8 +3,8 @@
 Row r of x [M, K] becomes e4m3 values q[r] = saturate(x[r] · (1 / s[r])) (round to nearest even) and one float32
 scale s[r] = ops/fp8_weight.row_scale(max |x[r]|) = max(amax / 448, eps), so x[r] ≈ q[r] · s[r]. The scale is the
 weights' rule; the values are multiplied by the scale's reciprocal (one IEEE division a row, not one a value, as
-vLLM's FP8 quantization kernels do), where a weight is divided by its scale. Everything is per row (the max, the division), so a row's bits never depend on the other rows
-of x: a batched lane quantizes as it would alone.
+vLLM's FP8 quantization kernels do), where a weight is divided by its scale. Everything is per row (the max, the
+reciprocal), so a row's bits never depend on the other rows of x: a batched lane quantizes as it would alone.
 
   quantize_rows_ref     the twin: torch ops in float32
   quantize_rows_triton  one program per row (the whole row in registers); the two divisions (amax / 448, 1 / s)

@@ -20,7 +20,8 @@ An FP8 stack (ops/fp8_weight.Fp8Weight) takes one of fp8_expert_path's (ops/fp8_
   "fp8-twin"   off CUDA, without Triton, or for an output dtype other than bf16: the torch twin
 
 Two environment variables move the thresholds' choices for A/B: DIFFGEMMA_EXPERT_GEMM=cutlass sends plain stacks
-to "torch" at every size, DIFFGEMMA_PACKED_PREFILL=kernel keeps packed stacks in their kernel at prefill.
+to "torch" and FP8 stacks to "fp8-torch" at every size, DIFFGEMMA_PACKED_PREFILL=kernel keeps packed stacks in their
+kernel at prefill.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def tile_rows(routes: int, experts: int) -> int:
 
 
 def expert_gemm_choice() -> str:
-    """The bf16 expert GEMM at denoise: "triton" (the streaming kernel) or "cutlass" (torch._grouped_mm)."""
+    """The bf16 expert GEMM at denoise and the FP8 expert GEMMs: "triton" (the repo's kernels) or "cutlass" (torch's
+    grouped kernels)."""
     return env_choice(EXPERT_GEMM_ENV, ("triton", "cutlass"))
 
 
