@@ -259,7 +259,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 # a bench script or its results, a GPU's name, a timing or a throughput
-MEASUREMENT_CITES = re.compile(r"bench/|\bbench_\w+|RESULTS\.md|\b[AH]100\b|\bH200\b|\d ?(ms|us|µs)\b|TFLOP")
+MEASUREMENT_CITES = re.compile(r"bench/|\bbench_\w+|RESULTS\.md|\b[AH]100\b|\bH200\b|\d ?(ms|us|µs)\b|TFLOP|\d SMs\b")
 
 
 def measurement_cites(text: str) -> list[str]:
@@ -272,6 +272,7 @@ def test_src_cites_docs_not_measurements():
     assert not found, f"src/ cites measurements (move the figures to bench/RESULTS.md, the reason to docs/): {found}"
     assert measurement_cites("x = 1  # 9.1 ms on one H200 (bench/RESULTS.md)")  # the pattern finds what it should
     assert measurement_cites("# as bench_pack measured") and measurement_cites("# 485 TFLOP/s")
+    assert measurement_cites("# 64 programs on 132 SMs")  # one GPU's SM count
 
 
 def test_the_checker_finds_a_planted_cycle_through_a_function_local_import(tmp_path):

@@ -3,8 +3,7 @@
 import os
 
 # Expandable segments let torch's allocator grow one mapping instead of caching fixed blocks, so a session reserves
-# less slack beside what it holds, which can decide whether a q4 session fits a small card (docs/ARCHITECTURE.md,
-# 'Memory').
+# less slack beside what it holds (docs/ARCHITECTURE.md, 'Memory').
 # Only a default: a value the user set wins, and it does nothing if CUDA was initialised before diffgemma was imported.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 

@@ -7,8 +7,8 @@ is over leaves and the next queued one joins. A request whose block converges do
 block's canvas is in the next round. The forward is batch invariant (docs/ARCHITECTURE.md, 'Batching'), so every
 request gets exactly the tokens, steps and stop reasons `generate` gives it alone. A model that denoises one canvas
 per forward (max_batch 1) runs the requests one after another through the same core. On the CUDA engine invariance
-is measured, not guaranteed (its kernels' reductions may follow the batch's row count: docs/ARCHITECTURE.md,
-'Batching').
+is checked by the GPU tests, not guaranteed (its kernels' reductions may follow the batch's row count:
+docs/ARCHITECTURE.md, 'Batching').
 """
 
 from __future__ import annotations

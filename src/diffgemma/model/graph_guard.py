@@ -7,7 +7,7 @@ already captured torch graph, a second graph
     set_condition(handle, flag)  ->  IF handle != 0: [the captured graph, as a child graph node]
 
 and launches it on a stream. The flag is read when the GPU reaches the launch, so it may be written by work queued
-just before. torch 2.11 (the version this engine is deployed with) has no Python API for conditional nodes, hence
+just before. torch has no Python API for conditional nodes, hence
 ctypes on libcuda: the driver's C API, the same calls CUDA C++ makes. The device half, `cudaGraphSetConditional`, is
 a device-runtime builtin; `_SET_PTX` below is what nvcc 13.0 emits for that one-line kernel, kept as text and
 JIT-compiled by the driver (`nvcc -ptx` of

@@ -8,8 +8,8 @@ token r % n). Its design, and why:
   chunk: re-reading the whole Q tile from L2 for every key block costs as many bytes as K.
 * One QK^T dot over the whole head dim per key block (hd 512: a [BN, 512] K tile).
 * Split-KV for the bidirectional canvas (flash-decoding). At batch 1 a canvas call is 16 heads ×
-  256 queries: 8–32 programs of 64 rows, on 132 SMs. Here each program also takes one of S slices of
-  the key range and writes an unnormalised partial (acc, m, l); `_combine_kernel` merges the S
+  256 queries: 8–32 programs of 64 rows, far fewer than a large GPU's SMs. Here each program also
+  takes one of S slices of the key range and writes an unnormalised partial (acc, m, l); `_combine_kernel` merges the S
   partials. S is a function of the static key count (a graph's `key_rows` bucket), never of the live
   length: the device-scalar `nlive` only shortens each slice's loop (slices past it are empty and
   write m = -1e30, l = 0, which the merge weighs as 0), so one capture serves every step.
@@ -225,9 +225,19 @@ if HAVE_TRITON:
         tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
+# The SM count a CPU run (the Triton interpreter) plans its grids for: a large GPU's, so the tile and split choices
+# the CPU tests exercise are the ones a GPU makes.
+CPU_SM_COUNT = 132
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
+    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else CPU_SM_COUNT
+
+
+def device_sms(t: torch.Tensor) -> int:
+    """The SMs a kernel on t's device plans its grid for (CPU_SM_COUNT off CUDA)."""
+    return _sm_count(t.device.index or 0) if t.is_cuda else CPU_SM_COUNT
 
 
 # A head-dim-512 causal call of at least `rows` queries over at least `keys` keys (a long prompt's later chunks) takes
@@ -285,9 +295,9 @@ def short_causal(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> di
 
 def causal_columns(c: dict, rows: int, kv_heads: int, d: int, sm_count: int) -> int:
     """A causal call's output columns per program: all of them, or half where that still leaves the programs within
-    one wave (a short chunk, e.g. a block's commit: 64 programs on 132 SMs). Each half recomputes QK^T, so a row's
-    keys are visited in the same blocks and order: the same bits, faster at the commit's shape on sliding and full
-    layers."""
+    one wave (a short chunk, e.g. a block's commit: 64 programs). Each half recomputes QK^T, so a row's keys are
+    visited in the same blocks and order: the same bits on twice the programs (the choice: docs/ARCHITECTURE.md,
+    'Kernel configurations')."""
     programs = -(-rows // c["BM"]) * kv_heads * (d // c["BD"])
     return c["BD"] // 2 if 2 * programs <= sm_count and c["BD"] >= 128 else c["BD"]
 
@@ -341,7 +351,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
     if long is not None and "BD" not in cfg:
         c.update(long)
     elif causal and "BD" not in cfg:
-        c.update(short_causal(c, G * n, KV, d, _sm_count(q.device.index or 0) if q.is_cuda else 132))
+        c.update(short_causal(c, G * n, KV, d, device_sms(q)))
     c.update(cfg)
     interior = bool(causal and c.pop("interior", True))
     BM, BN, BD = c["BM"], c["BN"], c["BD"]
@@ -355,7 +365,7 @@ def attention_flash(q, k, v, kpos, n_keys, qpos=None, window=NO_WINDOW, causal=F
         S = -(-visited // per)
     else:
         S, per = num_splits(visited, row_blocks * KV * (d // BD), BN,
-                            _sm_count(q.device.index or 0) if q.is_cuda else 132, c["waves"])
+                            device_sms(q), c["waves"])
     if S > 1:
         po = torch.empty(S, H * n, d, dtype=torch.float32, device=q.device)
         pml = torch.empty(S, 2, H * n, dtype=torch.float32, device=q.device)

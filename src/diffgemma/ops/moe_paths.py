@@ -15,7 +15,7 @@
 
 An FP8 stack (ops/fp8_weight.Fp8Weight) takes one of fp8_expert_path's (ops/fp8_moe.py runs them):
   "fp8-triton" on a device with FP8 tensor cores, at every size: ops/fp8_moe.py's Triton kernel (its tiles by the
-               rows per expert; at many rows it beats torch._scaled_grouped_mm and gives its bits)
+               rows per expert, torch._scaled_grouped_mm's bits; why: docs/ARCHITECTURE.md, 'FP8 GEMMs')
   "fp8-torch"  torch._scaled_grouped_mm: with DIFFGEMMA_EXPERT_GEMM=cutlass, or where Triton does not run
   "fp8-twin"   off CUDA, without Triton, or for an output dtype other than bf16: the torch twin
 
@@ -41,9 +41,8 @@ from .q4_tiles import LAYOUT
 STREAM_MAX_ROWS = 48
 
 # A down projection (K <= STREAM_SHORT_K: the experts' 704) streams up to this many rows per expert: a 1k prompt's
-# prefill chunk (1024 x 8 / 128 = 64), a batched denoise of 4 canvases. There the kernel, with a 64-row tile, beats
-# torch._grouped_mm with balanced and with random routes, and gives its bits; gate_up (K 2816) does not
-# with random routes, so it keeps the lower bound.
+# prefill chunk (1024 x 8 / 128 = 64), a batched denoise of 4 canvases, with a 64-row tile and torch._grouped_mm's
+# bits; gate_up (K 2816) keeps the lower bound (the choice: docs/ARCHITECTURE.md, 'Kernel configurations').
 STREAM_SHORT_K = 1024
 STREAM_SHORT_K_MAX_ROWS = 64
 

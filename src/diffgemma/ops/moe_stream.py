@@ -3,8 +3,8 @@
     out[M, N] = xs @ W[g]^T for the rows of expert g (offs = cumulative ends, as torch._grouped_mm)
 
 At denoise the canvas sends 256 x 8 = 2048 routes to 128 experts, ~16 rows each, so the GEMM is a stream of
-45.7 GB of expert weights with little arithmetic per byte, which this kernel reads closer to the memory's
-bandwidth than torch._grouped_mm (CUTLASS) does. It is the packed grouped GEMM of
+45.7 GB of expert weights with little arithmetic per byte: a memory-bound shape, which this kernel is laid out
+for (docs/ARCHITECTURE.md, 'Kernel configurations'). It is the packed grouped GEMM of
 ops/moe_packed.py
 run with its RAW format (no decode): the product is computed transposed
 (acc[BN, BM] = W_tile · x_tileᵀ, "swap AB") so the large N fills the MMA's wide side and the few rows its

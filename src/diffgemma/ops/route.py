@@ -35,8 +35,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
 # the bf16x3 router GEMM: (BM rows, KS of K a program, BK a tensor-core chunk, warps, stages). At the denoise
-# shape (256 x 2816 -> 128): 4 x 11 = 44 programs, few enough that the dense MLP beside it keeps most SMs, so the
-# pair ends sooner than with cuBLAS's f32 GEMM (docs/ARCHITECTURE.md, 'Overlap').
+# shape (256 x 2816 -> 128): 4 x 11 = 44 programs, few enough that the dense MLP beside it keeps most SMs and the
+# two overlap (docs/ARCHITECTURE.md, 'Overlap').
 ROUTER_GEMM_CONFIG = (64, 256, 64, 4, 3)
 
 

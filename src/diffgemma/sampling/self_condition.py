@@ -369,13 +369,13 @@ class SparsePlan:
     # canvases keep a few tokens a row; a round whose rows keep more sums after the read instead. 0: never ahead.
     batch_ahead_rows = 32
     # Off CUDA the gathered rows are summed (index_add_) in chunks of this many bytes (f32): a whole 256 MiB gather
-    # held its rows as bf16, f32 and weighted f32 at once, a large share of a q4 session's peak at 8k context.
+    # would hold its rows as bf16, f32 and weighted f32 at once, three copies at the sampler's peak.
     # Chunks keep the same adds in the same order. On CUDA the segment kernel
     # (ops/sc_gather.py) reads the embedding rows in place: no gathered copy, and the same sum on every run.
     gather_chunk_bytes = 32 * 2**20
 
     def _take_mask(self) -> torch.Tensor:
-        """The survivor mask, which the plan then forgets: in the q4 8k session its 64 MiB sat next to the SC's
+        """The survivor mask, which the plan then forgets: a [canvas, vocab] mask kept would sit beside the SC's
         peak allocation. A second soft_embed recomputes it (the same kernel or formula, the same bits)."""
         mask = self.mask
         if mask is None:
