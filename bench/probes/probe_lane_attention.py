@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from diffgemma.ops.attention import attention
-from diffgemma.ops.attention_flash import attention_flash, flash_config, live_keys, num_splits, _sm_count
+from diffgemma.ops.attention_flash import attention_flash, device_sms, flash_config, live_keys, num_splits
 from diffgemma.ops.attention_tiles import attention_tiles
 
 FULL = dict(B=8, H=16, kv={"sliding": 8, "full": 2}, hd={"sliding": 256, "full": 512}, window=1024, C=256,
@@ -38,9 +38,8 @@ def solo_splits(q, kv_heads, n_keys, n_ring, window) -> int:
     H, n, d = q.shape
     c = flash_config(d, False, n_keys, live=True)
     row_blocks = -(-(H // kv_heads) * n // c["BM"])
-    sm = _sm_count(q.device.index or 0) if q.is_cuda else 132
-    return num_splits(live_keys(n_keys, n_ring, window), row_blocks * kv_heads * (d // c["BD"]), c["BN"], sm,
-                      c["waves"])[0]
+    programs = row_blocks * kv_heads * (d // c["BD"])
+    return num_splits(live_keys(n_keys, n_ring, window), programs, c["BN"], device_sms(q), c["waves"])[0]
 
 
 def lane_calls(kind, p, L, dev, gen):

@@ -76,8 +76,9 @@ def expert_ffn(x, gate_up, down, offs, src=None, order=None, out_dtype=None, f16
     launch order for the streaming GEMMs (ops/moe_plan.moe_plan_with_order); the result does not depend on it.
     x may be the f16 operand of bf16 activations (ops/moe_paths.takes_f16_operand); gelu·up hands the down GEMM
     its input the same way when that GEMM takes it, unless f16_operands is False (the ops-level twin switch the
-    tests use; the engine always passes True). The results are the same bits either way. Otherwise gelu·up is asked of the gate_up GEMM (glu): the streaming
-    kernels make it in their epilogue, the other paths with gelu_mul after them (fuse_glu False: always after, A/B).
+    tests use; the engine always passes True). The results are the same bits either way. Otherwise gelu·up is asked
+    of the gate_up GEMM (glu): the streaming kernels make it in their epilogue, the other paths with gelu_mul after
+    them (fuse_glu False: always after, A/B).
     path_routes: the route count the kernel paths are chosen by (default: x's); a batched denoise passes one lane's,
     so a lane takes the kernels it takes alone (docs/ARCHITECTURE.md, 'Batching')."""
     if isinstance(gate_up, Fp8Weight):
