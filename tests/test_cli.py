@@ -144,3 +144,19 @@ def test_interactive_chat_reports_a_failed_turn_and_goes_on(capsys, monkeypatch)
     assert out.count("42") == 2  # the question is answered on the first conversation, then after /reset
     code, out, err = run(["chat", "--context", "300"], capsys, stdin=lines, monkeypatch=monkeypatch)
     assert code == 2 and "/tool: the model made no tool call" in err and out == ""
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`diffgemma settings | head`, the reader gone before the output: the command stops without a traceback (exit
+    141, as a shell tool killed by SIGPIPE reports)."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)  # every write into w now fails (EPIPE)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "diffgemma", "settings"], stdout=w, stderr=subprocess.PIPE,
+                              timeout=120)
+    finally:
+        os.close(w)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141 and "Traceback" not in err and "Exception ignored" not in err, err

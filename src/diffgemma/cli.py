@@ -364,13 +364,20 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "gpus") and (args.gpus is not None or "WORLD_SIZE" in os.environ):
             from .launch import run
 
-            return run(args, handler)  # rank 0 runs the command, the other ranks follow its model's calls
-        return handler(args)
+            code = run(args, handler)  # rank 0 runs the command, the other ranks follow its model's calls
+        else:
+            code = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except DiffgemmaError as e:
         print(f"diffgemma: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`diffgemma settings | head`): stop quietly, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 141
 
 
 if __name__ == "__main__":
