@@ -91,10 +91,10 @@ def test_chunk_size(n_keys, expect):
 def test_engine_rule_takes_the_gemms_for_the_full_canvas_only():
     from types import SimpleNamespace
 
-    from diffgemma.model.engine import Engine
+    from diffgemma.model.forward import Forward
 
     eng = SimpleNamespace(attn_impl=None, canvas_impls={"full": "gemm"})
-    rule = Engine._attn_impl
+    rule = Forward._attn_impl
     assert rule(eng, sliding=False, causal=False) == "gemm"
     assert rule(eng, sliding=True, causal=False) is None  # the flash kernel (dispatcher default)
     assert rule(eng, sliding=False, causal=True) is None  # prefill

@@ -160,7 +160,8 @@ def test_live_window_mask_is_the_slot_positions_mask(ref):
             eng.prefill(cache, torch.randint(0, V, (n,)))
         else:
             cache.truncate(cache.length - n)
-        assert torch.equal(ring_window_kpos(cache.ring, cache.ring + C, cache.length_t, W), eng._slide_kpos(cache, C))
+        expect = ring_window_kpos(cache.ring, cache.ring + C, cache.length_t, W)
+        assert torch.equal(expect, eng.forward._slide_kpos(cache, C))
         if cache.length:
             eng.sliding_live_window = False
             masked = eng.denoise(cache, canvas)

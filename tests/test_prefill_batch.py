@@ -4,6 +4,8 @@ differently; bit for bit on CUDA: tests/gpu/test_prefill_batch_gpu.py); the core
 (core/lanes.commit_lanes) and a round's joining prompts (turn.prefill_chunks) to the model's prefill_batch, one call
 a wave, each request keeping its solo tokens; a prompt the batch refuses fails alone."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,6 +77,94 @@ def test_prefill_batch_refuses_what_it_cannot_serve(engine):
         engine.prefill_batch([a, a], [torch.tensor([1]), torch.tensor([2])])
     with pytest.raises(InputError, match=r"prefill ids: ids must be in \[0, "):
         engine.prefill_batch([a, b], [torch.tensor([1]), torch.tensor([engine.config.vocab_size])])
+
+
+def test_a_short_batched_prefill_goes_to_the_graphs_lanes_in_ascending_key_rows(engine, monkeypatch):
+    """Where graphs are on (made so here: the CPU engine runs the graph call as CUDA would), a padded group of at most
+    graph_rows rows is handed to the batched prefill graphs with its lanes sorted by their key rows, each lane's ids
+    in its own N rows and its real-row count; a longer group, or one the graphs do not take, runs eagerly; either way
+    every cache's host length advances by its chunk."""
+    from diffgemma.model import engine_batch
+
+    V, N = engine.config.vocab_size, engine.config.canvas_length
+    handed, eager, took = [], [], [True]
+    monkeypatch.setattr(engine._prefill_batch_graphs, "run_prefill",
+                        lambda cs, rows, n, n_real, key_rows: handed.append((cs, rows, n, n_real, key_rows)) or took[0])
+    inner = engine_batch.prefill_padded_batch
+    monkeypatch.setattr(engine_batch, "prefill_padded_batch", lambda fwd, cs, *a: (eager.append(cs), inner(fwd, cs, *a)))
+    caches = [engine.new_cache(2048) for _ in range(3)]
+    for c, n in zip(caches, (1500, 7, 600)):  # context buckets 2048, 1024, 1024
+        engine.prefill(c, torch.randint(0, V, (n,)))
+    blocks = [torch.randint(0, V, (k,)) for k in (N, 3, N - 1)]
+    monkeypatch.setattr(engine, "_on_graphs", lambda run: run())
+    engine.prefill_batch(caches, blocks)
+    (cs, rows, n, n_real, key_rows), = handed
+    order = [1, 2, 0]  # by key rows: the lanes at 7 and 600 tokens read a 1024-row bucket, the one at 1500 2048
+    assert [id(c) for c in cs] == [id(caches[i]) for i in order] and not eager
+    assert n == N and key_rows == [1024 + N, 1024 + N, 2048 + N]
+    assert n_real.tolist() == [len(blocks[i]) for i in order]
+    for b, i in enumerate(order):
+        assert torch.equal(rows[b * N: b * N + len(blocks[i])], blocks[i])
+    assert [c.length for c in caches] == [1500 + N, 7 + 3, 600 + N - 1]
+    took[0] = False  # the graphs did not take it: eager
+    engine.prefill_batch(caches[1:], blocks[1:])
+    assert len(handed) == 2 and len(eager) == 1
+    monkeypatch.setattr(engine, "options", replace(engine.options, max_batch=2, prefill_pads=(N,)))
+    assert engine_batch.graph_rows(engine) == 2 * N
+    engine.prefill_batch(caches, blocks)  # more rows than the graphs hold: eager, without asking them
+    assert len(handed) == 2 and len(eager) == 2 and [c.length for c in caches] == [1500 + 2 * N, 7 + 9, 600 + 3 * (N - 1)]
+
+
+def test_a_batched_prefill_graph_feeds_each_lane_its_own_rows_in_any_membership(engine, monkeypatch):
+    """engine_batch.BatchGraphs.run_prefill: a shape seen once runs eagerly (False); seen again it is captured over
+    its caches' stores; another membership of that shape replays it, each cache first handed one of the graph's
+    stores (its contents moved along), and the graph's lane holding a store gets that cache's ids and real-row
+    count."""
+    from diffgemma.model.engine_batch import BatchGraphs
+
+    V, N = engine.config.vocab_size, engine.config.canvas_length
+    captured = []
+
+    class Fake:
+        def __init__(self, caches):
+            import weakref
+            self.refs = [weakref.ref(c.store) for c in caches]
+            self.ids = torch.zeros(len(caches) * N, dtype=torch.long)
+            self.n_real = torch.zeros(len(caches), dtype=torch.long)
+
+        def stores(self):
+            return [r() for r in self.refs]
+
+        def alive(self):
+            return all(s is not None for s in self.stores())
+
+        def replay(self):
+            pass
+
+    graphs = BatchGraphs(engine)
+    monkeypatch.setattr(graphs, "_capture_prefill", lambda caches, *a: captured.append(len(caches)) or Fake(caches))
+    caches = caches_with_context(engine, [5, 9, 12, 30])
+    prints = [c.fingerprint() for c in caches]
+    a, b, c, d = caches
+
+    def run(*lanes):
+        ids = [torch.randint(0, V, (N,)) for _ in lanes]
+        n_real = torch.tensor([3 + k for k in range(len(lanes))])
+        key_rows = [engine.prefill_key_rows(x, N) for x in lanes]
+        return graphs.run_prefill(list(lanes), torch.cat(ids), N, n_real, key_rows), dict(zip(lanes, zip(ids, n_real)))
+
+    assert run(a, b)[0] is False and not captured
+    assert run(c, d)[0] is True and captured == [2]
+    entry = next(iter(graphs.graphs.values()))
+    for lanes in ((b, a), (d, b), (a, c)):
+        ran, fed = run(*lanes)
+        assert ran is True and captured == [2]
+        for j, store in enumerate(entry.stores()):
+            holder = next(x for x in lanes if x.store is store)
+            ids, n = fed[holder]
+            assert torch.equal(entry.ids[j * N: (j + 1) * N], ids) and entry.n_real[j].item() == n.item()
+    assert [x.fingerprint() for x in caches] == prints  # every cache kept its contents
+    assert graphs.counts == {"eager": 1, "captured": 1, "replayed": 3}
 
 
 class BatchCommits:

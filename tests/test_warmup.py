@@ -12,7 +12,7 @@ from diffgemma import generation
 from diffgemma.errors import InputError
 from diffgemma.model.engine import Engine
 from diffgemma.settings import GenerationSettings
-from diffgemma.warmup import warm_up, warm_up_batches
+from diffgemma.warmup import bucket_lengths, warm_up, warm_up_batches
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +108,26 @@ def test_a_worker_interrupted_while_warming_stops_at_the_next_bucket(engine, set
 def test_warm_up_batches_runs_each_batch_size_in_each_bucket_the_kept_graphs_hold(engine, settings, monkeypatch):
     """warm_up_batches, on the CPU engine made to say it keeps batch graphs (so the forwards run, eagerly): batched
     forwards of every size from 2 to the caches' number, twice each (seen, then captured), every lane in one context
-    bucket at the settings' canvas, bucket by bucket from the lowest while all sizes fit among the kept graphs; the
-    caches are emptied after. An engine that keeps no batch graphs runs nothing."""
+    bucket at the settings' canvas, then the batched commits of those canvases alike, each followed by a rewind to
+    the bucket's length, bucket by bucket from the lowest while all sizes fit among the kept graphs; the caches are
+    emptied after. An engine that keeps no batch graphs runs nothing."""
     caches = [engine.new_cache(2500) for _ in range(3)]
     calls = []
-    inner = engine.denoise_batch_raw
+    denoise, commit = engine.denoise_batch_raw, engine.prefill_batch
+
+    def lanes(cs, canvases):
+        return len(cs), {engine.context_bucket(c) for c in cs}, {len(x) for x in canvases}
 
     def spy(cs, canvases, *a, **k):
-        calls.append((len(cs), {engine.context_bucket(c) for c in cs}, {len(x) for x in canvases}))
-        return inner(cs, canvases, *a, **k)
+        calls.append(("denoise", *lanes(cs, canvases)))
+        return denoise(cs, canvases, *a, **k)
+
+    def spy_commit(cs, blocks):
+        calls.append(("commit", *lanes(cs, blocks), {c.length for c in cs}))
+        commit(cs, blocks)
 
     monkeypatch.setattr(engine, "denoise_batch_raw", spy)
+    monkeypatch.setattr(engine, "prefill_batch", spy_commit)
     assert warm_up_batches(engine, caches, settings) == 0.0 and not calls  # the CPU engine: no batch graphs
     monkeypatch.setattr(Engine, "keeps_batch_graphs", property(lambda self: True))
     C = settings.canvas_length or engine.config.canvas_length
@@ -126,7 +135,10 @@ def test_warm_up_batches_runs_each_batch_size_in_each_bucket_the_kept_graphs_hol
         monkeypatch.setattr(engine._batch_graphs, "keep", kept)
         calls.clear()
         assert warm_up_batches(engine, caches, settings) > 0
-        assert calls == [(b, {bucket}, {C}) for bucket in buckets for b in (2, 2, 3, 3)]
+        lengths = dict(bucket_lengths(list(buckets)))
+        assert calls == [x for bucket in buckets for x in
+                         [("denoise", b, {bucket}, {C}) for b in (2, 2, 3, 3)]
+                         + [("commit", b, {bucket}, {C}, {lengths[bucket]}) for b in (2, 2, 3, 3)]]
         assert [c.length for c in caches] == [0, 0, 0]
     caches[1].truncate(0)
     engine.prefill(caches[1], torch.tensor([5, 6, 7]))

@@ -194,7 +194,7 @@ def test_router_side_stream_gives_the_same_bits(monkeypatch):
 def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
     """Every sliding canvas call of an eager denoise, after a long wrapped prefill and again after a rewind within the
     ring's slack: the engine's live-window call (ring_length) against the same q, K and V under the per-key mask of the
-    cache's slot positions (Engine._slide_kpos). The same keys in another order: equal to the bf16 output's rounding.
+    cache's slot positions (Forward._slide_kpos). The same keys in another order: equal to the bf16 output's rounding.
     (The logits of the two forms are not compared: a random model's near-tied routing turns rounding into flips.)"""
     import diffgemma.model.forward as forward_module
 
@@ -209,7 +209,8 @@ def test_sliding_live_window_reads_the_slot_masks_keys(monkeypatch):
     def both(q, k, v, kpos, n_keys, ring_length=None, **kw):
         out = real(q, k, v, kpos, n_keys, ring_length=ring_length, **kw)
         if ring_length is not None:
-            masked = real(q, k, v, eng._slide_kpos(cache, q.shape[1]), n_keys, out_dtype=kw["out_dtype"], impl=kw["impl"])
+            slots = eng.forward._slide_kpos(cache, q.shape[1])
+            masked = real(q, k, v, slots, n_keys, out_dtype=kw["out_dtype"], impl=kw["impl"])
             errors.append(rel(out, masked))
         return out
 

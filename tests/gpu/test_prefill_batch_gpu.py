@@ -4,8 +4,9 @@ padded prefill forward; skips without CUDA).
 - On a random mid engine, under each batch_paths rule: every cache's length and ring positions are its solo
   commit's, its K/V and next denoise within bf16 rounding of it; the share of lanes bit-identical to their solo
   (graphed) commit is printed (-s): the measurement, as tests/gpu/test_batch_gpu.py does for the batched denoise.
-- On the demo model's CUDA engine: every cache gets its solo commit's bits, and through the engine core a batch whose
-  blocks end in the same round commits them in one forward with each request's solo tokens.
+- On the demo model's CUDA engine: every cache gets its solo commit's bits, whether the batched commit ran eagerly, was
+  captured or replayed its graph over other caches; and through the engine core a batch whose blocks end in the same
+  round commits them in one forward with each request's solo tokens.
 """
 
 import random
@@ -56,16 +57,23 @@ class Runs:
 
 
 def solo_and_batched(engine, lens, contexts, seed=1):
+    """Solo commits and one batched commit of the same blocks over twin caches -> (solo caches, batched caches, how
+    the batched commit ran: "eager", "captured" or "replayed")."""
     V = engine.config.vocab_size
     blocks = [torch.randint(0, V, (k,), device=DEV) for k in lens]
     solo, batched = caches(engine, contexts, seed), caches(engine, contexts, seed)
     for cache, ids in zip(solo, blocks):
         engine.commit(cache, ids)
+    before = engine.batch_prefill_counts
     with Runs() as runs:
         engine.prefill_batch(batched, blocks)
     torch.cuda.synchronize()
-    assert runs == [len(lens)]  # one forward for all lanes (one padded length: the canvas)
-    return solo, batched
+    ran = [k for k, v in engine.batch_prefill_counts.items() if v != before[k]]
+    assert len(ran) == 1 and engine.batch_prefill_counts[ran[0]] == before[ran[0]] + 1, ran  # one forward for all
+    # lanes (one padded length: the canvas): eagerly, or its graph captured (two warm-up runs and the capture), or
+    # replayed
+    assert runs == {"eager": [len(lens)], "captured": [len(lens)] * 3, "replayed": []}[ran[0]], (ran, runs)
+    return solo, batched, ran[0]
 
 
 @pytest.mark.parametrize("paths", ["lane", "wide"])
@@ -75,7 +83,7 @@ def test_batched_commit_near_each_solo_commit(engine, paths, lens):
     engine.options = replace(old, batch_paths=paths)
     try:
         contexts = [random.choice([30, 300, 700, 1500]) for _ in lens]  # 300+: the ring has wrapped
-        solo, batched = solo_and_batched(engine, lens, contexts)
+        solo, batched, _ = solo_and_batched(engine, lens, contexts)
         canvas = torch.randint(0, engine.config.vocab_size, (CANVAS,), device=DEV)
         identical = 0
         for k, (a, b) in enumerate(zip(solo, batched)):
@@ -94,14 +102,20 @@ def test_batched_commit_near_each_solo_commit(engine, paths, lens):
 
 
 def test_demo_batched_commit_is_each_solo_commit_bit_for_bit():
+    """Eagerly, then captured, then replayed over other caches (each handed one of the graph's stores first, with its
+    contents): every cache gets its solo commit's bits."""
     eng = diffgemma.load(None, device="cuda")
     lens = (eng.config.canvas_length, 17, 1, 40)
-    solo, batched = solo_and_batched(eng, lens, [30, 300, 700, 90])
-    for k, (a, b) in enumerate(zip(solo, batched)):
-        la, ta, sa, kva = state(a)
-        lb, tb, sb, kvb = state(b)
-        assert (la, ta) == (lb, tb) and torch.equal(sa, sb), k
-        assert all(torch.equal(x, y) for x, y in zip(kva, kvb)), (k, lens[k])
+    ways = []
+    for seed in (1, 2, 3):
+        solo, batched, how = solo_and_batched(eng, lens, [30, 300, 700, 90], seed)
+        ways.append(how)
+        for k, (a, b) in enumerate(zip(solo, batched)):
+            la, ta, sa, kva = state(a)
+            lb, tb, sb, kvb = state(b)
+            assert (la, ta) == (lb, tb) and torch.equal(sa, sb), (how, k)
+            assert all(torch.equal(x, y) for x, y in zip(kva, kvb)), (how, k, lens[k])
+    assert ways == ["eager", "captured", "replayed"] and eng.graph_error is None
 
 
 def test_demo_rounds_commits_run_as_one_forward_and_keep_each_requests_tokens():

@@ -16,7 +16,8 @@ A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`
 smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
 number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
 such prefill; the chunks of several caches padded to one length (a round's commits, its joining prompts) run as one
-forward (`prefill_batch`). A longer one runs eagerly in `prefill_chunk` chunks."""
+forward (`prefill_batch`), replayed from a graph per batch shape where it is short. A longer prefill runs eagerly in
+`prefill_chunk` chunks."""
 
 from __future__ import annotations
 
@@ -70,13 +71,9 @@ class Engine:
         except (TypeError, ValueError) as e:
             raise InputError(f"Engine: {e}") from None
         self.forward = Forward(config, weights, device=device, dtype=dtype, kv_dtype=kv_dtype, options=options)
-        self.config = config
-        self.w = weights
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.config, self.w, self.path, self.tokenizer = config, weights, path, tokenizer
+        self.device, self.dtype = torch.device(device), dtype
         self.generation_config = generation_config or {}
-        self.path = path
-        self.tokenizer = tokenizer
         self.options = options
         # graphs on (live: a failed capture turns them off, and `graph_error` says why)
         self.use_graphs = (self.device.type == "cuda") if options.graphs is None else options.graphs
@@ -92,6 +89,7 @@ class Engine:
         # stream, and each replay's output is read right after that replay, before another graph may overwrite it.
         self._graph_pool = None
         self._batch_graphs = BatchGraphs(self)  # the batched denoise's graphs (model/engine_batch.py)
+        self._prefill_batch_graphs = BatchGraphs(self)  # the batched padded prefill's, likewise
         self._last_graph = (None, None)  # (weakref to the cache, graph key) of the last graphed denoise
         self._staged = None  # stage_denoise's (graph entry, key, ids, ids version, sc, sc version) until the next call
         self._ahead = None  # the same for a forward stage_denoise(go=) launched, until the call that takes it
@@ -323,8 +321,13 @@ class Engine:
 
     @property
     def batch_graph_counts(self) -> dict:
-        """How this engine's batched forwards have run: "eager" (no graph yet), "captured", "replayed"."""
+        """How this engine's batched denoises have run: "eager" (no graph yet), "captured", "replayed"."""
         return dict(self._batch_graphs.counts)
+
+    @property
+    def batch_prefill_counts(self) -> dict:
+        """How its batched padded prefills of up to engine_batch.graph_rows rows have run, likewise."""
+        return dict(self._prefill_batch_graphs.counts)
 
     # ------------------------------------------------------------------ context buckets
 
@@ -409,7 +412,8 @@ class Engine:
     def _fresh_pool_if_dead(self) -> None:
         """A fresh pool whenever no graph is alive: the allocator frees a pool once its last graph dies, and
         capturing into that dead handle again trips its internal assert (use_count > 0)."""
-        if not any(self._graphs.values()) and not any(self._prefill_graphs.values()) and not self._batch_graphs.graphs:
+        if not (any(self._graphs.values()) or any(self._prefill_graphs.values()) or self._batch_graphs.graphs
+                or self._prefill_batch_graphs.graphs):
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     def clear_graphs(self) -> None:
@@ -417,6 +421,7 @@ class Engine:
         self._graphs.clear()
         self._prefill_graphs.clear()
         self._batch_graphs.clear()
+        self._prefill_batch_graphs.clear()
 
     def _guard_ok(self) -> bool:
         if self.guard_error is None:
@@ -490,11 +495,4 @@ class Engine:
         cache = cache_ref() if cache_ref is not None else None
         entry = self._graphs.get(cache, {}).get(key) if cache is not None else None
         return entry.out if entry is not None else None
-
-    # ------------------------------------------------------------------ for the twins' tests
-
-    def _slide_kpos(self, cache: EngineKVCache, C: int) -> torch.Tensor:
-        return self.forward._slide_kpos(cache, C)
-
-    _attn_impl = Forward._attn_impl
 

@@ -1,5 +1,6 @@
 """The engine's batched denoise, runner side: checking a batch's inputs, and the graphs of batched forwards; and
-the batched prefill of several caches' chunks (prefill_batch: a round's commits, or its joining prompts).
+the batched prefill of several caches' chunks (prefill_batch: a round's commits, or its joining prompts), graphed the
+same way up to graph_rows.
 
 A batched denoise (Forward.denoise_batch) reads B caches' buffers, so its CUDA graph is captured over those caches'
 stores (engine_cache.KVStore). It is kept by the batch's shape alone (the lanes' canvas lengths and context buckets,
@@ -23,7 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..ops.attention_topk import cache_rule
-from .engine_graph import BatchGraph, capture, padded_ids
+from .engine_graph import BatchGraph, BatchPrefillGraph, capture, padded_ids
 from .engine_inputs import check_ids
 from .lane_attention import lanes_attend
 
@@ -97,8 +98,10 @@ SEEN_SHAPES = 64  # shapes remembered as seen once (a second sighting captures)
 
 
 class BatchGraphs:
-    """The engine's batched denoise graphs, by (the lanes' lengths, key rows, attention impl, kernel path rule, lane
-    streams), most recently used last."""
+    """The engine's graphs of one kind of batched forward, most recently used last: batched denoises (`run`) by (the
+    lanes' lengths, key rows, attention impl, kernel path rule, lane streams), or batched padded prefills
+    (`run_prefill`) by (padded length, key rows, causal attention impl, kernel path rule); each also by its lanes'
+    top-k rule. The engine keeps one of each kind."""
 
     def __init__(self, engine, keep: int = KEPT_GRAPHS):
         # weakly: the engine owns this, and a cycle would leave a dropped engine's graphs to the cyclic collector,
@@ -137,10 +140,44 @@ class BatchGraphs:
         before. The lanes come in in_lane_order; perm only reorders lanes of one shape. None: no graph for it yet
         (the caller runs the forward eagerly)."""
         opts = self.engine.options
-        rules = {cache_rule(c) for c in caches}  # a graph runs one top-k rule; lanes of mixed rules run eagerly
+        key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams)
+        got = self._graph(key, caches, lens, key_rows,
+                          lambda: self._capture(caches, ids, lens, key_rows, sc_rows, has))
+        if got is None:
+            return None
+        entry, perm = got
+        if perm != sorted(perm):
+            rows = lane_rows(lens, perm, ids.device)
+            ids, sc_rows, has = ids[rows], sc_rows[rows], has[rows]
+        entry.ids.copy_(ids)
+        entry.sc.copy_(sc_rows)
+        entry.has.copy_(has)
+        entry.replay()
+        return entry.out, perm
+
+    def run_prefill(self, caches, ids: torch.Tensor, N: int, n_real: torch.Tensor, key_rows) -> bool:
+        """prefill_padded_batch of these caches (ids [B·N], n_real [B] each lane's real rows, key_rows: each lane's,
+        the lanes in ascending key_rows) from the graph of its shape, its stores handed to these caches first; captured
+        first when the shape was seen before. -> whether it ran (False: the caller runs it eagerly)."""
+        opts, B = self.engine.options, len(caches)
+        key = ("prefill", N, tuple(key_rows), self.engine.forward._causal_impl(N), opts.batch_paths)
+        got = self._graph(key, caches, [N] * B, key_rows, lambda: self._capture_prefill(caches, N, key_rows))
+        if got is None:
+            return False
+        entry, perm = got
+        entry.ids.copy_(ids.view(B, N)[perm].view(-1) if perm != sorted(perm) else ids)
+        entry.n_real.copy_(n_real[perm])
+        entry.replay()
+        return True
+
+    def _graph(self, key, caches, lens, key_rows, capture):
+        """-> (the graph kept for `key` plus the caches' top-k rule, its stores handed to these caches, perm: graph
+        lane j runs caches[perm[j]]), made by capture() when the shape was seen before; or None: a shape seen for the
+        first time (the caller runs eagerly), or lanes of mixed top-k rules (a graph runs one)."""
+        rules = {cache_rule(c) for c in caches}
         if len(rules) > 1:
             return None
-        key = (tuple(lens), tuple(key_rows), opts.attn_impl, opts.batch_paths, opts.lane_streams, rules.pop())
+        key = (*key, rules.pop())
         entry = self.graphs.pop(key, None)
         perm = self._place(entry, caches, lens, key_rows) if entry is not None else None
         if perm is None:  # no graph, or a store died, or a store would go to a cache of another geometry
@@ -157,16 +194,9 @@ class BatchGraphs:
                 del self.graphs[k]
             while len(self.graphs) >= self.keep:
                 del self.graphs[next(iter(self.graphs))]
-            entry, perm = self._capture(caches, ids, lens, key_rows, sc_rows, has), list(range(len(caches)))
+            entry, perm = capture(), list(range(len(caches)))
         self.graphs[key] = entry
-        if perm != sorted(perm):
-            rows = lane_rows(lens, perm, ids.device)
-            ids, sc_rows, has = ids[rows], sc_rows[rows], has[rows]
-        entry.ids.copy_(ids)
-        entry.sc.copy_(sc_rows)
-        entry.has.copy_(has)
-        entry.replay()
-        return entry.out, perm
+        return entry, perm
 
     def _place(self, entry: BatchGraph, caches, lens, key_rows) -> list | None:
         """Hand the batch's caches the graph's stores -> perm (graph lane j runs caches[perm[j]]), or None (nothing
@@ -214,12 +244,33 @@ class BatchGraphs:
             out = fwd.denoise_batch(caches, ids_buf, sc_buf, has_buf, lens, key_rows, out=shared)
         return BatchGraph(graph, [c.store for c in caches], ids_buf, sc_buf, has_buf, out)
 
+    def _capture_prefill(self, caches, N: int, key_rows) -> BatchPrefillGraph:
+        """prefill_padded_batch's graph over these caches, static ids [B·N] and real-row counts [B]: warmed up twice
+        on a side stream and captured with no real row, so nothing a read can see is written (as
+        engine_graph.capture_prefill does for one cache)."""
+        eng = self.engine
+        fwd, dev = eng.forward, eng.device
+        ids_buf = torch.zeros(len(caches) * N, dtype=torch.long, device=dev)
+        n_buf = torch.zeros(len(caches), dtype=torch.long, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                prefill_padded_batch(fwd, caches, ids_buf, N, n_buf.unbind(), key_rows)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        eng._fresh_pool_if_dead()
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, eng._graph_pool):
+            prefill_padded_batch(fwd, caches, ids_buf, N, n_buf.unbind(), key_rows)
+        return BatchPrefillGraph(graph, [c.store for c in caches], ids_buf, n_buf)
+
 
 def prefill_batch(engine, caches, ids) -> None:
     """Engine.prefill of a text chunk into each cache (a block's commit, or a prompt's chunk): the lanes whose chunks
     run padded to one length (Engine.prefill_pad) in one forward (prefill_padded_batch), each cache written with the
     bits its own prefill writes; a lane alone at its padded length, or unpadded, through Engine.commit. Every lane's
-    ids and room are checked before anything is written."""
+    ids and room are checked before anything is written. A padded forward of at most graph_rows(engine) rows replays
+    the graph of its shape where graphs are on (BatchGraphs.run_prefill: lanes in ascending key rows)."""
     caches = list(caches)
     if len(ids) != len(caches) or len({id(c) for c in caches}) != len(caches):
         raise InputError(f"prefill_batch: expected one chunk of ids for each of {len(caches)} different caches, got "
@@ -235,12 +286,25 @@ def prefill_batch(engine, caches, ids) -> None:
                 engine.commit(cache, x)
             continue
         dev = engine.device
-        n_real = [torch.full((), len(x), dtype=torch.long, device=dev) for _, x in lanes]
-        key_rows = [engine.prefill_key_rows(cache, pad) for cache, _ in lanes]
+        lanes.sort(key=lambda lane: engine.prefill_key_rows(lane[0], pad))
+        group = [c for c, _ in lanes]
+        n_real = torch.tensor([len(x) for _, x in lanes], dtype=torch.long).to(dev)
+        key_rows = [engine.prefill_key_rows(cache, pad) for cache in group]
         rows = torch.cat([padded_ids(x, pad, dev) for _, x in lanes])
-        prefill_padded_batch(engine.forward, [c for c, _ in lanes], rows, pad, n_real, key_rows)
+        graphs = engine._prefill_batch_graphs
+        if not (len(rows) <= graph_rows(engine)
+                and engine._on_graphs(lambda: graphs.run_prefill(group, rows, pad, n_real, key_rows))):
+            prefill_padded_batch(engine.forward, group, rows, pad, n_real.unbind(), key_rows)
         for cache, x in lanes:
             cache.length += len(x)
+
+
+def graph_rows(engine) -> int:
+    """The most rows a batched prefill replays from a graph: as many as the largest graphs the engine keeps anyway (a
+    batched denoise of max_batch canvases, a padded prefill of its largest pad), so the shared graph pool needs no
+    more than those; a longer one runs eagerly, where its GPU time dwarfs the launches a graph saves."""
+    opts = engine.options
+    return max(opts.max_batch * engine.config.canvas_length, *opts.prefill_pads)
 
 
 @torch.no_grad()

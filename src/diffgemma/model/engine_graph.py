@@ -1,4 +1,5 @@
-"""The captured graphs (denoise, padded prefill, batched denoise), what the engine keeps with each, and the capture."""
+"""The captured graphs (denoise, padded prefill, batched denoise and prefill), what the engine keeps with each, and the
+capture."""
 
 from __future__ import annotations
 
@@ -86,15 +87,14 @@ def capture_prefill(engine, cache, pad: int, key_rows: int) -> PrefillGraph:
     return PrefillGraph(graph, ids_buf, n_buf)
 
 
-class BatchGraph:
-    """A captured batched denoise (Forward.denoise_batch): the torch graph, weak references to the stores it reads
-    (engine_cache.KVStore; it is replayed only while every one is alive, by the caches holding them then), its
-    static inputs (ids, SC rows, SC row flags) and its output (raw logits of every lane's rows)."""
+class OverStores:
+    """A graph captured over several caches' stores (engine_cache.KVStore): weak references to them; it is replayed
+    only while every one is alive, by the caches holding them then (engine_batch.BatchGraphs)."""
 
-    __slots__ = ("graph", "store_refs", "ids", "sc", "has", "out")
+    __slots__ = ("graph", "store_refs")
 
-    def __init__(self, graph, stores, ids, sc, has, out):
-        self.graph, self.ids, self.sc, self.has, self.out = graph, ids, sc, has, out
+    def __init__(self, graph, stores):
+        self.graph = graph
         self.store_refs = [weakref.ref(s) for s in stores]
 
     def stores(self) -> list:
@@ -106,3 +106,25 @@ class BatchGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+class BatchGraph(OverStores):
+    """A captured batched denoise (Forward.denoise_batch): its static inputs (ids, SC rows, SC row flags) and its
+    output (raw logits of every lane's rows)."""
+
+    __slots__ = ("ids", "sc", "has", "out")
+
+    def __init__(self, graph, stores, ids, sc, has, out):
+        super().__init__(graph, stores)
+        self.ids, self.sc, self.has, self.out = ids, sc, has, out
+
+
+class BatchPrefillGraph(OverStores):
+    """A captured batched padded prefill (engine_batch.prefill_padded_batch): its static inputs, the lanes' padded
+    ids [B·N] and real-row counts [B] (int64). It has no output: it writes the caches."""
+
+    __slots__ = ("ids", "n_real")
+
+    def __init__(self, graph, stores, ids, n_real):
+        super().__init__(graph, stores)
+        self.ids, self.n_real = ids, n_real
