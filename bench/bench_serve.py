@@ -68,6 +68,8 @@ class Served:
 
         self.trace: list = []
         self.worker = Worker(model, trace=self.trace, **worker_kw)
+        self._gc_start: dict = {}
+        gc.callbacks.append(self._gc)
         # what `serve` does before it listens on CUDA (--warmup auto): every slot's graphs, every batch size's
         self.warm_s = round(self.worker.warm_up(settings), 3) if warm else None
         app = create_app(self.worker, tokenizer, "bench", settings)
@@ -80,7 +82,18 @@ class Served:
         while not self.server.started:
             time.sleep(0.01)
 
+    def _gc(self, phase: str, info: dict) -> None:
+        """Each pause of the cyclic collector of 1 ms or more, in any thread, as (time, "gc", generation, ms)."""
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start[threading.get_ident()] = now
+            return
+        t = self._gc_start.pop(threading.get_ident(), None)
+        if t is not None and now - t >= 1e-3:
+            self.trace.append((now, "gc", info["generation"], round((now - t) * 1e3, 2)))
+
     def close(self):
+        gc.callbacks.remove(self._gc)
         self.server.should_exit = True
         self.thread.join()
         self.sock.close()
@@ -163,8 +176,10 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
         for _ in range(a.passes):
             s.trace.clear()
             counts0 = getattr(model, "batch_graph_counts", {})
+            prefills0 = getattr(model, "batch_prefill_counts", {})
             wall, usage_tokens, t0, outs = run_clients(s.url, prompts, a.reply)
             counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
+            prefills = {k: v - prefills0.get(k, 0) for k, v in getattr(model, "batch_prefill_counts", {}).items()}
             batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
             times = [e[0] for e in s.trace if e[1] == "forward"]
             if sum(batches) != work:  # fixed steps: every reply is exactly --reply tokens, at --steps a block
@@ -176,6 +191,9 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
                            "mean_batch": round(statistics.mean(batches), 2) if batches else 0.0,
                            # how the batched forwards ran (a shape seen once runs eagerly, then is captured)
                            "batch_graphs": counts,
+                           # how its batched prefills (commits, joining prompts) ran, and the collector's pauses
+                           "batch_prefills": prefills,
+                           "gc_ms": round(sum(e[3] for e in s.trace if e[1] == "gc"), 2),
                            "round_ms_p50_p90": [pct([b - a for a, b in zip(times, times[1:])], q) for q in (0.5, 0.9)],
                            "timeline": timeline(t0, s.trace, outs)})
     finally:
