@@ -5,10 +5,12 @@
 
 Full-size random weights (bench.runner.build), balanced routing. Two loads, each three ways:
   commit   B lanes over a --context-token prompt each end a block together: B canvases of new tokens committed
-  prompts  B --context-token prompts into empty caches, one wave (only where B x its padded length fits graph_rows)
+  prompts  B --context-token prompts into empty caches, one wave
   solo     each lane alone, one after another (Engine.commit: its own graphed padded prefill)
   eager    one batched padded forward, run eagerly (engine_batch.graph_rows made 0)
-  graphed  the same forward replayed from its graph (engine_batch.BatchGraphs.run_prefill)
+  graphed  the same forward replayed from its graph (engine_batch.BatchGraphs.run_prefill), at any row count
+           (graph_rows lifted; "within_graph_rows" says whether the engine graphs it as it stands), and how much
+           the memory torch reserves grew while it was captured and timed
 ms: host clock around a synchronized call, median of --reps after two warm-up calls (the graph is seen, then
 captured), each call from the same cache state (rewound). "bits": caches whose K/V after the eager and graphed
 calls equal their solo call's, of B.
@@ -31,10 +33,10 @@ from diffgemma.slots import rewind
 
 
 @contextlib.contextmanager
-def eager_batches():
-    """Batched prefills run eagerly inside the `with` (no forward is short enough for a graph)."""
+def graph_rows(rows: int):
+    """engine_batch.graph_rows is `rows` inside the `with` (0: every batched prefill runs eagerly)."""
     inner = engine_batch.graph_rows
-    engine_batch.graph_rows = lambda engine: 0
+    engine_batch.graph_rows = lambda engine: rows
     try:
         yield
     finally:
@@ -50,7 +52,8 @@ def ways(eng, caches, chunks, base: int, reps: int) -> dict:
     out, kv = {}, {}
     for name, fn in runs.items():
         times = []
-        with eager_batches() if name == "eager" else contextlib.nullcontext():
+        reserved = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        with graph_rows(0 if name == "eager" else 2**31):
             for rep in range(reps + 2):
                 for c in caches:
                     rewind(c, base)
@@ -62,6 +65,8 @@ def ways(eng, caches, chunks, base: int, reps: int) -> dict:
                     times.append((time.perf_counter() - t) * 1e3)
         kv[name] = [[x.clone() for x in c.live_kv()] for c in caches]
         out[f"{name}_ms"] = round(statistics.median(times), 3)
+        if name == "graphed" and dev.type == "cuda":  # what its capture added to the memory torch holds
+            out["graphed_reserved_mib"] = round((torch.cuda.memory_reserved(dev) - reserved) / 2**20, 1)
     same = lambda a, b: sum(all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(kv[a], kv[b]))  # noqa: E731
     out["bits"] = f"eager {same('solo', 'eager')}/{len(caches)}, graphed {same('solo', 'graphed')}/{len(caches)}"
     return out
@@ -83,9 +88,8 @@ def probe(eng, cfg, ctx: int, sizes, reps: int) -> dict:
     prompts = [rand(ctx) for _ in range(B)]
     pad = eng.prefill_pad(caches[0], ctx) or ctx
     for b in sizes:
-        if b * pad > engine_batch.graph_rows(eng):
-            continue
         res[f"prompts_{b}x{ctx}"] = r = ways(eng, caches[:b], prompts[:b], 0, reps)
+        r["within_graph_rows"] = b * pad <= engine_batch.graph_rows(eng)
         log(f"  prompts {b} x {ctx}: {r}")
     eng.clear_graphs()
     return res
