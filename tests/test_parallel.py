@@ -1,6 +1,7 @@
 """Expert parallel on the CPU (gloo): G ranks as processes of this machine, against the single-process engine.
 
-The pytest process is rank 0 (its LeadEngine is the model object); the followers are processes it starts. The ranks'
+The pytest process is rank 0 (its LeadEngine is the model object); the followers are processes it starts, on its
+torch thread count (tests/cpu_ranks.py: the CPU's grouped GEMM sums in another order on another count). The ranks'
 expert sums are added in another order than one process adds them, so the logits match within f32 rounding. With
 top-2 routing a token's two terms add up to the same f32 whatever their order, so the logits are the same and so are
 the seeded tokens, which the test asserts there; with top-3 a last-bit difference may, rarely, move a sampled token
@@ -36,6 +37,7 @@ from diffgemma import launch
 from diffgemma.parallel.engine import LeadEngine
 from diffgemma.parallel.expert import ExpertParallelForward, ExpertShard
 from diffgemma.parallel.group import Group, ParallelError, wait_for
+from cpu_ranks import load_rank
 from tiny_checkpoints import CONFIGS, build_model, save
 
 pytest.importorskip("transformers")
@@ -45,6 +47,12 @@ GEN = dict(max_new_tokens=8, max_denoising_steps=6)  # one block of a few steps:
 # followers forked from a clean server process (a plain fork of this one would inherit gloo's loop of an earlier run
 # without its thread), and a fault fails a test within a minute instead of hanging it
 RANKS = dict(start_method="forkserver", watch=False, timeout=60, idle_timeout=timedelta(seconds=60))
+
+
+def start_ranks(G: int, path):
+    """G ranks on the CPU holding `path` in float32, every follower on this process's torch thread count (as the
+    single engine they are compared with runs)."""
+    return launch.start(G, "cpu", load_rank, (torch.get_num_threads(), path, torch.float32), **RANKS)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +94,7 @@ def inputs(config, seed=0):
 def test_ranks_give_the_single_engine_logits_and_tokens(checkpoints, name, G):
     path = checkpoints[name]
     single = diffgemma.load(path, engine="fast", dtype=torch.float32)
-    ranks = launch.start(G, "cpu", launch.load_rank, (path, torch.float32), **RANKS)
+    ranks = start_ranks(G, path)
     try:
         lead = diffgemma.load(path, dtype=torch.float32, group=ranks.group)
         assert isinstance(lead, LeadEngine) and lead.forward.count == single.config.num_experts // G
@@ -119,7 +127,7 @@ def test_ranks_on_a_q4_pack_read_their_records_and_match_the_engine(tmp_path):
     pack = str(quantize(save(build_model(PACKABLE, canvas_length=8), tmp_path / "ckpt"), tmp_path / "pack",
                         profile="q4", progress=False))
     single = diffgemma.load(pack, engine="fast", dtype=torch.float32)
-    ranks = launch.start(2, "cpu", launch.load_rank, (pack, torch.float32), **RANKS)
+    ranks = start_ranks(2, pack)
     try:
         lead = diffgemma.load(pack, dtype=torch.float32, group=ranks.group)
         gu = lead.w.layers[1].experts_gu
