@@ -33,6 +33,7 @@ JSON (--json) holds every number; a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -283,6 +284,8 @@ def build(a, fixture: str = "flat", kind: str | None = None):
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     kind = kind or a.kind
     model = build_engine_kind(kind if fixture == "flat" else f"{kind}-{fixture}", cfg, torch.device("cuda"), False)
+    if a.prefill_graphs:
+        model.options = dataclasses.replace(model.options, batch_prefill_graphs=True)
     return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
 
 
@@ -301,6 +304,8 @@ def main():
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="batched prefills replay graphs kept by their shape (EngineOptions.batch_prefill_graphs)")
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES (full size)")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
@@ -309,8 +314,9 @@ def main():
     fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
     kinds = cross_kinds(a)
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
-                 "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing, "clients": a.clients,
-                 "prompt": a.prompt, "reply": a.reply, "steps": a.steps}
+                 "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing,
+                 "prefill_graphs": a.prefill_graphs, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
+                 "steps": a.steps}
 
     def dump():
         if a.json:

@@ -80,10 +80,10 @@ def test_prefill_batch_refuses_what_it_cannot_serve(engine):
 
 
 def test_a_short_batched_prefill_goes_to_the_graphs_lanes_in_ascending_key_rows(engine, monkeypatch):
-    """Where graphs are on (made so here: the CPU engine runs the graph call as CUDA would), a padded group of at most
-    graph_rows rows is handed to the batched prefill graphs with its lanes sorted by their key rows, each lane's ids
-    in its own N rows and its real-row count; a longer group, or one the graphs do not take, runs eagerly; either way
-    every cache's host length advances by its chunk."""
+    """Where graphs are on (made so here: the CPU engine runs the graph call as CUDA would) and
+    options.batch_prefill_graphs is, a padded group of at most graph_rows rows is handed to the batched prefill graphs
+    with its lanes sorted by their key rows, each lane's ids in its own N rows and its real-row count; a longer group,
+    or one the graphs do not take, runs eagerly; either way every cache's host length advances by its chunk."""
     from diffgemma.model import engine_batch
 
     V, N = engine.config.vocab_size, engine.config.canvas_length
@@ -91,28 +91,34 @@ def test_a_short_batched_prefill_goes_to_the_graphs_lanes_in_ascending_key_rows(
     monkeypatch.setattr(engine._prefill_batch_graphs, "run_prefill",
                         lambda cs, rows, n, n_real, key_rows: handed.append((cs, rows, n, n_real, key_rows)) or took[0])
     inner = engine_batch.prefill_padded_batch
-    monkeypatch.setattr(engine_batch, "prefill_padded_batch", lambda fwd, cs, *a: (eager.append(cs), inner(fwd, cs, *a)))
+    monkeypatch.setattr(engine_batch, "prefill_padded_batch",
+                        lambda fwd, cs, *a: (eager.append(cs), inner(fwd, cs, *a)))
     caches = [engine.new_cache(2048) for _ in range(3)]
     for c, n in zip(caches, (1500, 7, 600)):  # context buckets 2048, 1024, 1024
         engine.prefill(c, torch.randint(0, V, (n,)))
     blocks = [torch.randint(0, V, (k,)) for k in (N, 3, N - 1)]
     monkeypatch.setattr(engine, "_on_graphs", lambda run: run())
+    assert engine_batch.graph_rows(engine) == 0  # options.batch_prefill_graphs off: eager, without asking the graphs
+    engine.prefill_batch(caches[1:], blocks[1:])
+    assert not handed and len(eager) == 1
+    monkeypatch.setattr(engine, "options", replace(engine.options, batch_prefill_graphs=True))
     engine.prefill_batch(caches, blocks)
     (cs, rows, n, n_real, key_rows), = handed
     order = [1, 2, 0]  # by key rows: the lanes at 7 and 600 tokens read a 1024-row bucket, the one at 1500 2048
-    assert [id(c) for c in cs] == [id(caches[i]) for i in order] and not eager
+    assert [id(c) for c in cs] == [id(caches[i]) for i in order] and len(eager) == 1
     assert n == N and key_rows == [1024 + N, 1024 + N, 2048 + N]
-    assert n_real.tolist() == [len(blocks[i]) for i in order]
+    assert n_real == [len(blocks[i]) for i in order]
     for b, i in enumerate(order):
         assert torch.equal(rows[b * N: b * N + len(blocks[i])], blocks[i])
-    assert [c.length for c in caches] == [1500 + N, 7 + 3, 600 + N - 1]
+    assert [c.length for c in caches] == [1500 + N, 7 + 6, 600 + 2 * (N - 1)]
     took[0] = False  # the graphs did not take it: eager
     engine.prefill_batch(caches[1:], blocks[1:])
-    assert len(handed) == 2 and len(eager) == 1
+    assert len(handed) == 2 and len(eager) == 2
     monkeypatch.setattr(engine, "options", replace(engine.options, max_batch=2, prefill_pads=(N,)))
     assert engine_batch.graph_rows(engine) == 2 * N
     engine.prefill_batch(caches, blocks)  # more rows than the graphs hold: eager, without asking them
-    assert len(handed) == 2 and len(eager) == 2 and [c.length for c in caches] == [1500 + 2 * N, 7 + 9, 600 + 3 * (N - 1)]
+    assert len(handed) == 2 and len(eager) == 3
+    assert [c.length for c in caches] == [1500 + 2 * N, 7 + 12, 600 + 4 * (N - 1)]
 
 
 def test_a_batched_prefill_graph_feeds_each_lane_its_own_rows_in_any_membership(engine, monkeypatch):
@@ -149,7 +155,7 @@ def test_a_batched_prefill_graph_feeds_each_lane_its_own_rows_in_any_membership(
 
     def run(*lanes):
         ids = [torch.randint(0, V, (N,)) for _ in lanes]
-        n_real = torch.tensor([3 + k for k in range(len(lanes))])
+        n_real = [3 + k for k in range(len(lanes))]
         key_rows = [engine.prefill_key_rows(x, N) for x in lanes]
         return graphs.run_prefill(list(lanes), torch.cat(ids), N, n_real, key_rows), dict(zip(lanes, zip(ids, n_real)))
 
@@ -162,7 +168,7 @@ def test_a_batched_prefill_graph_feeds_each_lane_its_own_rows_in_any_membership(
         for j, store in enumerate(entry.stores()):
             holder = next(x for x in lanes if x.store is store)
             ids, n = fed[holder]
-            assert torch.equal(entry.ids[j * N: (j + 1) * N], ids) and entry.n_real[j].item() == n.item()
+            assert torch.equal(entry.ids[j * N: (j + 1) * N], ids) and entry.n_real[j].item() == n
     assert [x.fingerprint() for x in caches] == prints  # every cache kept its contents
     assert graphs.counts == {"eager": 1, "captured": 1, "replayed": 3}
 

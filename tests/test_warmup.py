@@ -3,6 +3,7 @@ leaves the cache empty, and changes no later token. On the CPU, through the fast
 twins); tests/gpu/test_generate_gpu.py checks on CUDA that the graphs it captures are the ones requests replay."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,9 +109,9 @@ def test_a_worker_interrupted_while_warming_stops_at_the_next_bucket(engine, set
 def test_warm_up_batches_runs_each_batch_size_in_each_bucket_the_kept_graphs_hold(engine, settings, monkeypatch):
     """warm_up_batches, on the CPU engine made to say it keeps batch graphs (so the forwards run, eagerly): batched
     forwards of every size from 2 to the caches' number, twice each (seen, then captured), every lane in one context
-    bucket at the settings' canvas, then the batched commits of those canvases alike, each followed by a rewind to
-    the bucket's length, bucket by bucket from the lowest while all sizes fit among the kept graphs; the caches are
-    emptied after. An engine that keeps no batch graphs runs nothing."""
+    bucket at the settings' canvas, then (with options.batch_prefill_graphs) the batched commits of those canvases
+    alike, each followed by a rewind to the bucket's length, bucket by bucket from the lowest while all sizes fit among
+    the kept graphs; the caches are emptied after. An engine that keeps no batch graphs runs nothing."""
     caches = [engine.new_cache(2500) for _ in range(3)]
     calls = []
     denoise, commit = engine.denoise_batch_raw, engine.prefill_batch
@@ -131,14 +132,16 @@ def test_warm_up_batches_runs_each_batch_size_in_each_bucket_the_kept_graphs_hol
     assert warm_up_batches(engine, caches, settings) == 0.0 and not calls  # the CPU engine: no batch graphs
     monkeypatch.setattr(Engine, "keeps_batch_graphs", property(lambda self: True))
     C = settings.canvas_length or engine.config.canvas_length
-    for kept, buckets in ((32, (1024, 2048, 2500)), (5, (1024, 2048))):  # 5 kept: two buckets of sizes 2 and 3
+    for kept, buckets, commits in ((32, (1024, 2048, 2500), False), (32, (1024, 2048, 2500), True),
+                                   (5, (1024, 2048), True)):  # 5 kept: two buckets of sizes 2 and 3
         monkeypatch.setattr(engine._batch_graphs, "keep", kept)
+        monkeypatch.setattr(engine, "options", replace(engine.options, batch_prefill_graphs=commits))
         calls.clear()
         assert warm_up_batches(engine, caches, settings) > 0
         lengths = dict(bucket_lengths(list(buckets)))
         assert calls == [x for bucket in buckets for x in
                          [("denoise", b, {bucket}, {C}) for b in (2, 2, 3, 3)]
-                         + [("commit", b, {bucket}, {C}, {lengths[bucket]}) for b in (2, 2, 3, 3)]]
+                         + [("commit", b, {bucket}, {C}, {lengths[bucket]}) for b in (2, 2, 3, 3) if commits]]
         assert [c.length for c in caches] == [0, 0, 0]
     caches[1].truncate(0)
     engine.prefill(caches[1], torch.tensor([5, 6, 7]))

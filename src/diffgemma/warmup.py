@@ -10,8 +10,8 @@ never depend on it: a rewound cache masks every row past its length, and the GPU
 gives a fresh one's tokens.
 
 A server that batches also meets batched forwards of every size up to its batch, whose graphs are kept by shape
-(model/engine_batch.py), not by cache, and so are the batched commits of lanes that end a block in one round:
-`warm_up_batches` captures both at the lanes' common shape (one canvas length, every lane in one context bucket) for
+(model/engine_batch.py), not by cache, and so, where the engine graphs them, are the batched commits of lanes that
+end a block in one round: `warm_up_batches` captures both at the lanes' common shape (one canvas length, every lane in one context bucket) for
 each size, so that the sizes arrivals happen to make replay from the first request on rather than running eagerly
 and capturing mid-stream.
 """
@@ -68,16 +68,18 @@ def warm_up(model, cache, settings, *, progress: Callable[[str], None] | None = 
 def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] | None = None,
                     should_stop: Callable[[], bool] = lambda: False) -> float:
     """Capture the batched denoise graph of every batch size from 2 to len(caches) with all lanes in one context bucket
-    and at the settings' canvas length, then the batched commit of that many canvases (Engine.prefill_batch; each
-    cache rewound after it), bucket by bucket from the lowest, as many as the engine keeps (no warmed graph pushes out
-    another). Only on an engine that keeps batch graphs (CUDA with graphs on); elsewhere nothing runs. The caches must
-    be empty and are emptied after. `should_stop()` is asked before each bucket. -> seconds taken."""
+    and at the settings' canvas length, then, where the engine graphs them (options.batch_prefill_graphs), the batched
+    commit of that many canvases (Engine.prefill_batch; each cache rewound after it), bucket by bucket from the
+    lowest, as many as the engine keeps (no warmed graph pushes out another). Only on an engine that keeps batch
+    graphs (CUDA with graphs on); elsewhere nothing runs. The caches must be empty and are emptied after.
+    `should_stop()` is asked before each bucket. -> seconds taken."""
     if len(caches) < 2 or not getattr(model, "keeps_batch_graphs", False):
         return 0.0
     if any(c.length != 0 for c in caches):
         raise InputError("warm_up_batches: expected empty caches (they are emptied after)")
     t0 = time.perf_counter()
     canvas = canvas_length(model, settings)
+    commits = getattr(getattr(model, "options", None), "batch_prefill_graphs", False)
     sizes = range(2, len(caches) + 1)
     room = model.batch_graphs_kept // len(sizes)  # buckets whose sizes all fit among the kept graphs
     buckets = model.context_buckets(caches[0])[:room]
@@ -98,7 +100,7 @@ def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] 
             for b in sizes:  # seen once (eager), then captured and replayed
                 for _ in range(2):
                     model.denoise_batch_raw(caches[:b], canvases[:b])
-            if canvas > min(c.slack for c in caches):  # a commit these caches cannot rewind
+            if not commits or canvas > min(c.slack for c in caches):  # no commit graphs, or one they cannot rewind
                 continue
             for b in sizes:  # the commits of b lanes that end a block in one round, likewise
                 for _ in range(2):

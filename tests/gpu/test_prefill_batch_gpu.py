@@ -105,6 +105,7 @@ def test_demo_batched_commit_is_each_solo_commit_bit_for_bit():
     """Eagerly, then captured, then replayed over other caches (each handed one of the graph's stores first, with its
     contents): every cache gets its solo commit's bits."""
     eng = diffgemma.load(None, device="cuda")
+    eng.options = replace(eng.options, batch_prefill_graphs=True)
     lens = (eng.config.canvas_length, 17, 1, 40)
     ways = []
     for seed in (1, 2, 3):

@@ -155,18 +155,24 @@ class BatchGraphs:
         entry.replay()
         return entry.out, perm
 
-    def run_prefill(self, caches, ids: torch.Tensor, N: int, n_real: torch.Tensor, key_rows) -> bool:
-        """prefill_padded_batch of these caches (ids [B·N], n_real [B] each lane's real rows, key_rows: each lane's,
-        the lanes in ascending key_rows) from the graph of its shape, its stores handed to these caches first; captured
-        first when the shape was seen before. -> whether it ran (False: the caller runs it eagerly)."""
+    def run_prefill(self, caches, ids: torch.Tensor, N: int, n_real: list[int], key_rows) -> bool:
+        """prefill_padded_batch of these caches (ids [B·N], n_real: each lane's real rows, key_rows: each lane's, the
+        lanes in ascending key_rows) from the graph of its shape, its stores handed to these caches first; captured
+        first when the shape was seen before. -> whether it ran (False: the caller runs it eagerly). The inputs go in
+        by device copies and fills alone: a host-to-device copy would wait for the GPU's queued work."""
         opts, B = self.engine.options, len(caches)
         key = ("prefill", N, tuple(key_rows), self.engine.forward._causal_impl(N), opts.batch_paths)
         got = self._graph(key, caches, [N] * B, key_rows, lambda: self._capture_prefill(caches, N, key_rows))
         if got is None:
             return False
         entry, perm = got
-        entry.ids.copy_(ids.view(B, N)[perm].view(-1) if perm != sorted(perm) else ids)
-        entry.n_real.copy_(n_real[perm])
+        moved = perm != sorted(perm)
+        if not moved:
+            entry.ids.copy_(ids)
+        for j, i in enumerate(perm):
+            if moved:
+                entry.ids[j * N: (j + 1) * N].copy_(ids[i * N: (i + 1) * N])
+            entry.n_real[j].fill_(n_real[i])
         entry.replay()
         return True
 
@@ -288,23 +294,25 @@ def prefill_batch(engine, caches, ids) -> None:
         dev = engine.device
         lanes.sort(key=lambda lane: engine.prefill_key_rows(lane[0], pad))
         group = [c for c, _ in lanes]
-        n_real = torch.tensor([len(x) for _, x in lanes], dtype=torch.long).to(dev)
+        n_real = [len(x) for _, x in lanes]
         key_rows = [engine.prefill_key_rows(cache, pad) for cache in group]
         rows = torch.cat([padded_ids(x, pad, dev) for _, x in lanes])
         graphs = engine._prefill_batch_graphs
         if not (len(rows) <= graph_rows(engine)
                 and engine._on_graphs(lambda: graphs.run_prefill(group, rows, pad, n_real, key_rows))):
-            prefill_padded_batch(engine.forward, group, rows, pad, n_real.unbind(), key_rows)
+            counts = [torch.full((), n, dtype=torch.long, device=dev) for n in n_real]  # fills: no host-to-device copy
+            prefill_padded_batch(engine.forward, group, rows, pad, counts, key_rows)
         for cache, x in lanes:
             cache.length += len(x)
 
 
 def graph_rows(engine) -> int:
-    """The most rows a batched prefill replays from a graph: as many as the largest graphs the engine keeps anyway (a
-    batched denoise of max_batch canvases, a padded prefill of its largest pad), so the shared graph pool needs no
-    more than those; a longer one runs eagerly, where its GPU time dwarfs the launches a graph saves."""
+    """The most rows a batched prefill replays from a graph (0 with options.batch_prefill_graphs off): as many as the
+    largest graphs the engine keeps anyway (a batched denoise of max_batch canvases, a padded prefill of its largest
+    pad), so the shared graph pool needs no more than those; a longer one runs eagerly, where its GPU time dwarfs the
+    launches a graph saves."""
     opts = engine.options
-    return max(opts.max_batch * engine.config.canvas_length, *opts.prefill_pads)
+    return max(opts.max_batch * engine.config.canvas_length, *opts.prefill_pads) if opts.batch_prefill_graphs else 0
 
 
 @torch.no_grad()

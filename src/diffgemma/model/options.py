@@ -65,6 +65,10 @@ class EngineOptions:
     # lane's attention alone leaves most SMs idle). The same kernels on the same inputs: the same bits. False: the
     # lanes one after another on the layer's stream (the twin the GPU tests compare). CUDA only.
     lane_streams: bool = True
+    # A batched padded prefill (a round's commits, a small wave of joining prompts) of at most engine_batch.graph_rows
+    # rows replays a graph kept by its shape, as a batched denoise does, and the warm-up captures the batched commits;
+    # False: eagerly (the twin). The same kernels on the same inputs. Off by default: docs/ARCHITECTURE.md, 'Batching'.
+    batch_prefill_graphs: bool = False
 
     def __post_init__(self):
         if self.batch_paths not in BATCH_PATHS:
