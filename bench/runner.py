@@ -34,10 +34,12 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def call_times(dev, fn, reps: int) -> list[float]:
-    """ms of each of `reps` synchronised calls after two warm-up calls."""
+def call_times(dev, fn, reps: int, setup=None) -> list[float]:
+    """ms of each of `reps` synchronised calls after two warm-up calls; setup(), if given, before each, untimed."""
     out = []
     for i in range(reps + 2):
+        if setup is not None:
+            setup()
         sync(dev)
         t = time.perf_counter()
         fn()

@@ -127,28 +127,22 @@ def test_a_batched_prefill_graph_feeds_each_lane_its_own_rows_in_any_membership(
     stores (its contents moved along), and the graph's lane holding a store gets that cache's ids and real-row
     count."""
     from diffgemma.model.engine_batch import BatchGraphs
+    from diffgemma.model.engine_graph import BatchPrefillGraph
 
     V, N = engine.config.vocab_size, engine.config.canvas_length
     captured = []
 
-    class Fake:
-        def __init__(self, caches):
-            import weakref
-            self.refs = [weakref.ref(c.store) for c in caches]
-            self.ids = torch.zeros(len(caches) * N, dtype=torch.long)
-            self.n_real = torch.zeros(len(caches), dtype=torch.long)
-
-        def stores(self):
-            return [r() for r in self.refs]
-
-        def alive(self):
-            return all(s is not None for s in self.stores())
-
+    class NoGraph:  # the entry's graph: replays nothing
         def replay(self):
             pass
 
+    def fake(caches):
+        B = len(caches)
+        return BatchPrefillGraph(NoGraph(), [c.store for c in caches], torch.zeros(B * N, dtype=torch.long),
+                                 torch.zeros(B, dtype=torch.long))
+
     graphs = BatchGraphs(engine)
-    monkeypatch.setattr(graphs, "_capture_prefill", lambda caches, *a: captured.append(len(caches)) or Fake(caches))
+    monkeypatch.setattr(graphs, "_capture_prefill", lambda caches, *a: captured.append(len(caches)) or fake(caches))
     caches = caches_with_context(engine, [5, 9, 12, 30])
     prints = [c.fingerprint() for c in caches]
     a, b, c, d = caches

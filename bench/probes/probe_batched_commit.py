@@ -9,8 +9,8 @@ Full-size random weights (bench.runner.build), balanced routing. Two loads, each
   solo     each lane alone, one after another (Engine.commit: its own graphed padded prefill)
   eager    one batched padded forward, run eagerly (engine_batch.graph_rows made 0)
   graphed  the same forward replayed from its graph (engine_batch.BatchGraphs.run_prefill), at any row count
-           (graph_rows lifted; "within_graph_rows" says whether the engine graphs it as it stands), and how much
-           the memory torch reserves grew while it was captured and timed
+           (graph_rows lifted; "within_graph_rows": whether the engine graphs it, with batch_prefill_graphs on),
+           and how much the memory torch reserves grew while it was captured and timed
 ms: host clock around a synchronized call, median of --reps after two warm-up calls (the graph is seen, then
 captured), each call from the same cache state (rewound). "bits": caches whose K/V after the eager and graphed
 calls equal their solo call's, of B.
@@ -19,15 +19,15 @@ calls equal their solo call's, of B.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import json
 import statistics
-import time
 
 import torch
 
 from bench.balanced_routing import routing
-from bench.runner import build, log, shapes, sync
+from bench.runner import build, call_times, log, shapes
 from diffgemma.model import engine_batch
 from diffgemma.slots import rewind
 
@@ -51,18 +51,9 @@ def ways(eng, caches, chunks, base: int, reps: int) -> dict:
             "graphed": lambda: eng.prefill_batch(caches, chunks)}
     out, kv = {}, {}
     for name, fn in runs.items():
-        times = []
         reserved = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
         with graph_rows(0 if name == "eager" else 2**31):
-            for rep in range(reps + 2):
-                for c in caches:
-                    rewind(c, base)
-                sync(dev)
-                t = time.perf_counter()
-                fn()
-                sync(dev)
-                if rep >= 2:
-                    times.append((time.perf_counter() - t) * 1e3)
+            times = call_times(dev, fn, reps, setup=lambda: [rewind(c, base) for c in caches])
         kv[name] = [[x.clone() for x in c.live_kv()] for c in caches]
         out[f"{name}_ms"] = round(statistics.median(times), 3)
         if name == "graphed" and dev.type == "cuda":  # what its capture added to the memory torch holds
@@ -74,6 +65,7 @@ def ways(eng, caches, chunks, base: int, reps: int) -> dict:
 
 def probe(eng, cfg, ctx: int, sizes, reps: int) -> dict:
     dev, C, V = eng.device, cfg.canvas_length, cfg.vocab_size
+    eng.options = dataclasses.replace(eng.options, batch_prefill_graphs=True)  # graph_rows' rule as the option makes it
     gen = torch.Generator().manual_seed(5)
     rand = lambda n: torch.randint(0, V, (n,), generator=gen).to(dev)  # noqa: E731
     res = {}
