@@ -15,7 +15,9 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
               ratio. Unless --tiny, the server warms up as `serve` does on CUDA (Worker.warm_up: each slot's graphs
               and every batch size's), and a warm-up pass (one block each) runs, then --passes measured passes of the
               same load on one server; the last pass is the one reported (every pass is in the JSON): when requests
-              land decides the batch sizes a pass meets, and a size met for the first time runs eagerly.
+              land decides the batch sizes a pass meets, and a size met for the first time runs eagerly. Each pass
+              starts on an idle server (Served.settle: the last pass's final commits, which run after its replies
+              are out, done first).
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
               the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
               the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
@@ -92,6 +94,11 @@ class Served:
         t = self._gc_start.pop(threading.get_ident(), None)
         if t is not None and now - t >= 1e-3:
             self.trace.append((now, "gc", info["generation"], round((now - t) * 1e3, 2)))
+
+    def settle(self) -> None:
+        """Return once the worker has ended every request and the GPU has done its queued work: a pass's last
+        commits run after its replies are out, and the next pass's clock must start on an idle server."""
+        self.worker.between_rounds(lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None)
 
     def close(self):
         gc.callbacks.remove(self._gc)
@@ -175,6 +182,7 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
         if not a.tiny:  # graphs, kernels, caches: made before the clock starts
             run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length)
         for _ in range(a.passes):
+            s.settle()
             s.trace.clear()
             counts0 = getattr(model, "batch_graph_counts", {})
             prefills0 = getattr(model, "batch_prefill_counts", {})

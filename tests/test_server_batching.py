@@ -27,7 +27,7 @@ from diffgemma.model.denoiser import StepStatus  # noqa: E402
 from diffgemma.replay import replay  # noqa: E402
 from diffgemma.server.app import create_app  # noqa: E402
 from diffgemma.server.commands import served_name  # noqa: E402
-from diffgemma.server.worker import QueueFull, Worker, _Call  # noqa: E402
+from diffgemma.server.worker import QueueFull, Worker  # noqa: E402
 from conftest import SESSION_SEED  # noqa: E402
 from diffgemma.settings import GenerationSettings  # noqa: E402
 from diffgemma.slots import Slot  # noqa: E402
@@ -52,7 +52,7 @@ def ids_of(model, text: str) -> list[int]:
 def hold(worker) -> threading.Event:
     """Park the worker thread until the returned event is set: jobs submitted meanwhile join in one round."""
     gate = threading.Event()
-    worker._inbox.put(_Call(gate.wait))
+    worker.between_rounds(gate.wait, wait=False)
     return gate
 
 

@@ -9,7 +9,7 @@ import pytest
 import diffgemma
 from diffgemma.core import EngineCore, Request
 from diffgemma.events import CancelledEvent, DoneEvent
-from diffgemma.server.worker import QueueFull, Worker, _Call
+from diffgemma.server.worker import QueueFull, Worker
 from diffgemma.settings import GenerationSettings
 from diffgemma.slots import Slot
 
@@ -25,7 +25,7 @@ def test_a_request_cancelled_while_queued_frees_its_place_at_once(model):
     trace: list = []
     worker = Worker(model, slots=1, max_tokens=512, max_batch=1, max_queue=2, trace=trace)
     gate = threading.Event()
-    worker._inbox.put(_Call(gate.wait))  # the worker is busy: everything submitted now waits
+    worker.between_rounds(gate.wait, wait=False)  # the worker is busy: everything submitted now waits
     try:
         jobs = [worker.submit(ids, base.replace(seed=k)) for k in range(3)]  # one free lane + two queued
         with pytest.raises(QueueFull):
@@ -72,3 +72,23 @@ def test_the_core_drops_a_cancelled_waiting_request_in_the_next_round(model):
     while not reqs[0].done:
         core.step()
     assert isinstance(reqs[0].end, DoneEvent)
+
+
+def test_a_call_between_rounds_runs_on_the_worker_thread_once_its_requests_are_done(model):
+    """Worker.between_rounds: fn runs on the worker thread after the requests queued before it have ended (their
+    last commits included: the trace's last block is in and the core is idle), its result or error handed back."""
+    base = GenerationSettings.resolve(model.generation_config, env={}, overrides={"max_new_tokens": 16})
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}])
+    trace: list = []
+    worker = Worker(model, slots=2, max_tokens=512, max_batch=2, trace=trace)
+    try:
+        jobs = [worker.submit(ids, base.replace(seed=k)) for k in range(2)]
+        seen = worker.between_rounds(lambda: (threading.get_ident(), worker.core.idle, len(trace),
+                                              [j.request.done for j in jobs]))
+        assert seen[0] != threading.get_ident() and seen[1] and seen[2] == len(trace) and seen[3] == [True, True]
+        assert all(j.request.done for j in jobs)
+        with pytest.raises(ZeroDivisionError):
+            worker.between_rounds(lambda: 1 / 0)
+        assert worker.between_rounds(lambda: "still serving") == "still serving"
+    finally:
+        worker.close()

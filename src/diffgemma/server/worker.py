@@ -295,13 +295,19 @@ class Worker:
                 t += warm_up_batches(self.model, empty, settings, should_stop=stop.is_set, progress=progress)
             return t
 
-        call = _Call(run)
-        self._inbox.put(call)
+        call = self.between_rounds(run, wait=False)
         try:
             return call.result()
         except BaseException:  # e.g. Ctrl-C while waiting: the worker thread stops warming at the next bucket
             stop.set()
             raise
+
+    def between_rounds(self, fn, wait: bool = True):
+        """fn() on the worker thread (the one that owns the model) once the core has no request left, ahead of any
+        request queued later -> its result (wait), or the queued call, whose result() waits for it."""
+        call = _Call(fn)
+        self._inbox.put(call)
+        return call.result() if wait else call
 
     def _serve(self) -> None:
         """The thread: hand submitted jobs to the core, run a between-rounds call (warm-up) once the core is idle
