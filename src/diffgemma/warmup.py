@@ -11,9 +11,9 @@ gives a fresh one's tokens.
 
 A server that batches also meets batched forwards of every size up to its batch, whose graphs are kept by shape
 (model/engine_batch.py), not by cache, and so, where the engine graphs them, are the batched commits of lanes that
-end a block in one round: `warm_up_batches` captures both at the lanes' common shape (one canvas length, every lane in one context bucket) for
-each size, so that the sizes arrivals happen to make replay from the first request on rather than running eagerly
-and capturing mid-stream.
+end a block in one round: `warm_up_batches` captures both at the lanes' common shape (one canvas length, every lane
+in one context bucket) for each size, so that the sizes arrivals happen to make replay from the first request on
+rather than running eagerly and capturing mid-stream.
 """
 
 from __future__ import annotations

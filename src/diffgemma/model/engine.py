@@ -16,8 +16,8 @@ A short prefill (a block's commit, a chat turn) runs padded to a fixed length (`
 smallest of `options.prefill_pads` that holds it) through Forward.prefill_padded, which reads the context and the
 number of real rows from device tensors: on CUDA one graph per (cache, padded length, context bucket) replays every
 such prefill; the chunks of several caches padded to one length (a round's commits, its joining prompts) run as one
-forward (`prefill_batch`), replayed from a graph per batch shape where it is short. A longer prefill runs eagerly in
-`prefill_chunk` chunks."""
+forward (`prefill_batch`), with `options.batch_prefill_graphs` replayed from a graph per batch shape where it is
+short. A longer prefill runs eagerly in `prefill_chunk` chunks."""
 
 from __future__ import annotations
 
