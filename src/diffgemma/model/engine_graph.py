@@ -16,8 +16,7 @@ from .graph_guard import GuardedGraph
 def capture(graph: torch.cuda.CUDAGraph, pool):
     """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector paused. A collection that runs
     during the capture may free a dead graph left in a reference cycle and so destroy a graph executable
-    mid-capture, which CUDA refuses; a capture invalidated after two such refusals was seen once in the GPU tests
-    (when Engine and its BatchGraphs still referred to each other). Cycles are collected as usual after it."""
+    mid-capture, which CUDA refuses and which invalidates the capture. Cycles are collected as usual after it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
