@@ -1,5 +1,6 @@
 """The oracle of the FP8 engine's tests: the reference forward on an FP8 source's dequantized weights, each GEMM
-against an FP8 tensor fed its input fake-quantized per row (fake_quant_rows), as the engine quantizes it per token.
+against an FP8 tensor fed its input fake-quantized per row (ops/fp8_quant.fake_quant_rows), as the engine quantizes
+it per token.
 
 Per-token FP8 is a step function: a value on an e4m3 rounding boundary goes to either neighbour on a last-bit
 difference, and the engine's f32 sums run in other orders than the reference's. Given the rows the engine quantized
@@ -17,24 +18,12 @@ import torch
 from diffgemma.model.engine_weights import fp8_by_default
 from diffgemma.model.reference import ReferenceModel, matmul
 from diffgemma.ops import fp8_quant
+from diffgemma.ops.fp8_quant import fake_quant_rows
 
-E4M3_MAX = 448.0
 # A row is the engine's where every value is within this fraction of the row's max |value|: above the f32
 # re-association between the two forwards (a few 1e-6 of it on the tiny models), far below the distance to any other
 # row they quantize (1e-2 of it and more) and to the next e4m3 value near the max (32/448 of it).
 SNAP_RTOL = 1e-5
-
-
-def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    """Per-token FP8 of x [M, K] in float32: per row s = max(max |x| / 448, float32 eps) and
-    q = e4m3(clamp(x · (1 / s), ±448)) rounded to nearest even; -> q · s. Written out here, not taken from
-    ops/fp8_quant.py, so that a change to the engine's rule shows against it."""
-    x = x.float()
-    # 0-dim tensors, not Python numbers: CUDA takes a division by a host scalar as a product with its reciprocal
-    fmax, one = torch.full((), E4M3_MAX, device=x.device), torch.ones((), device=x.device)
-    s = torch.clamp(x.abs().amax(-1, keepdim=True) / fmax, min=torch.finfo(torch.float32).eps)
-    q = (x * (one / s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.float() * s
 
 
 class EngineQuantInputs:

@@ -79,7 +79,7 @@ def warm_up_batches(model, caches, settings, *, progress: Callable[[str], None] 
         raise InputError("warm_up_batches: expected empty caches (they are emptied after)")
     t0 = time.perf_counter()
     canvas = canvas_length(model, settings)
-    commits = getattr(getattr(model, "options", None), "batch_prefill_graphs", False)
+    commits = model.options.batch_prefill_graphs  # an engine that keeps batch graphs has options
     sizes = range(2, len(caches) + 1)
     room = model.batch_graphs_kept // len(sizes)  # buckets whose sizes all fit among the kept graphs
     buckets = model.context_buckets(caches[0])[:room]

@@ -159,19 +159,15 @@ class BatchGraphs:
         """prefill_padded_batch of these caches (ids [B·N], n_real: each lane's real rows, key_rows: each lane's, the
         lanes in ascending key_rows) from the graph of its shape, its stores handed to these caches first; captured
         first when the shape was seen before. -> whether it ran (False: the caller runs it eagerly). The inputs go in
-        by device copies and fills alone: a host-to-device copy would wait for the GPU's queued work."""
+        by device gathers, copies and fills alone: a host-to-device copy would wait for the GPU's queued work."""
         opts, B = self.engine.options, len(caches)
         key = ("prefill", N, tuple(key_rows), self.engine.forward._causal_impl(N), opts.batch_paths)
         got = self._graph(key, caches, [N] * B, key_rows, lambda: self._capture_prefill(caches, N, key_rows))
         if got is None:
             return False
         entry, perm = got
-        moved = perm != sorted(perm)
-        if not moved:
-            entry.ids.copy_(ids)
+        entry.ids.copy_(ids if perm == sorted(perm) else ids[lane_rows([N] * B, perm, ids.device)])
         for j, i in enumerate(perm):
-            if moved:
-                entry.ids[j * N: (j + 1) * N].copy_(ids[i * N: (i + 1) * N])
             entry.n_real[j].fill_(n_real[i])
         entry.replay()
         return True
@@ -292,18 +288,17 @@ def prefill_batch(engine, caches, ids) -> None:
                 engine.commit(cache, x)
             continue
         dev = engine.device
-        lanes.sort(key=lambda lane: engine.prefill_key_rows(lane[0], pad))
-        group = [c for c, _ in lanes]
-        n_real = [len(x) for _, x in lanes]
-        key_rows = [engine.prefill_key_rows(cache, pad) for cache in group]
-        rows = torch.cat([padded_ids(x, pad, dev) for _, x in lanes])
+        lanes = sorted(((engine.prefill_key_rows(c, pad), c, x) for c, x in lanes), key=lambda lane: lane[0])
+        key_rows, group = [k for k, _, _ in lanes], [c for _, c, _ in lanes]
+        n_real = [len(x) for _, _, x in lanes]
+        rows = torch.cat([padded_ids(x, pad, dev) for _, _, x in lanes])
         graphs = engine._prefill_batch_graphs
         if not (len(rows) <= graph_rows(engine)
                 and engine._on_graphs(lambda: graphs.run_prefill(group, rows, pad, n_real, key_rows))):
             counts = [torch.full((), n, dtype=torch.long, device=dev) for n in n_real]  # fills: no host-to-device copy
             prefill_padded_batch(engine.forward, group, rows, pad, counts, key_rows)
-        for cache, x in lanes:
-            cache.length += len(x)
+        for cache, n in zip(group, n_real):
+            cache.length += n
 
 
 def graph_rows(engine) -> int:
