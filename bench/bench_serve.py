@@ -292,8 +292,8 @@ def build(a, fixture: str = "flat", kind: str | None = None):
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     kind = kind or a.kind
     model = build_engine_kind(kind if fixture == "flat" else f"{kind}-{fixture}", cfg, torch.device("cuda"), False)
-    if a.prefill_graphs:
-        model.options = dataclasses.replace(model.options, batch_prefill_graphs=True)
+    if a.prefill_graphs in ("on", "off"):
+        model.options = dataclasses.replace(model.options, batch_prefill_graphs=a.prefill_graphs == "on")
     return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
 
 
@@ -312,8 +312,9 @@ def main():
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="batched prefills replay graphs kept by their shape (EngineOptions.batch_prefill_graphs)")
+    ap.add_argument("--prefill-graphs", default="default", choices=["default", "off", "on", "ab"],
+                    help="EngineOptions.batch_prefill_graphs (batched prefills replay graphs kept by their shape): the "
+                         "engine's default, off, on, or ab: the batched run once off, then once on (--kinds only)")
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES (full size)")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
@@ -321,6 +322,8 @@ def main():
             setattr(a, k, v)
     fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
     kinds = cross_kinds(a)
+    if a.prefill_graphs == "ab" and not kinds:
+        raise SystemExit("--prefill-graphs ab: expected --kinds A,B (the batched run twice on kind B's engine)")
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
                  "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing,
                  "prefill_graphs": a.prefill_graphs, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
@@ -379,16 +382,26 @@ def cross(a, fixture: str, kinds: list[str], res: dict, dump) -> None:
     res["kinds"] = {"serial": kinds[0], "batched": kinds[1]}
     for run, kind, max_batch in (("serial", kinds[0], 1), ("batched", kinds[1], None)):
         model, tokenizer, settings, prompts, _ = prepared(a, fixture, res, kind)
+        # --prefill-graphs ab: the batched run off, then on, on one engine (the A/B of one process and card)
+        ways = [False, True] if run == "batched" and a.prefill_graphs == "ab" else [None]
         with routing(a.routing):
             if run == "batched":
                 res["profile"] = logit_profile(model, model.config, a.prompt)
-            res[run] = throughput(model, tokenizer, settings, a, prompts, max_batch or a.batch)
-        res[run]["kind"] = kind
-        dump()
+            for way in ways:
+                name = run if way is not True else "batched_prefill_graphs"
+                if way is not None:
+                    model.options = dataclasses.replace(model.options, batch_prefill_graphs=way)
+                res[name] = throughput(model, tokenizer, settings, a, prompts, max_batch or a.batch)
+                res[name]["kind"] = kind
+                res[name]["batch_prefill_graphs"] = bool(getattr(model, "options", None)
+                                                         and model.options.batch_prefill_graphs)
+                dump()
         del model
         gc.collect()
         torch.cuda.empty_cache()
     res["ratio"] = round(res["batched"]["tok_s"] / res["serial"]["tok_s"], 2)
+    if "batched_prefill_graphs" in res:
+        res["ratio_prefill_graphs"] = round(res["batched_prefill_graphs"]["tok_s"] / res["serial"]["tok_s"], 2)
     dump()
 
 
@@ -417,7 +430,7 @@ def measure(a, fixture: str, res: dict, dump) -> None:
 
 def summary(res: dict) -> None:
     log("| run | kind | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|---|")
-    for run in ("serial", "batched"):
+    for run in ("serial", "batched", "batched_prefill_graphs"):
         r = res.get(run)
         if r:
             log(f"| {run} | {r.get('kind', res.get('model'))} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | "
@@ -426,6 +439,8 @@ def summary(res: dict) -> None:
         kinds = res.get("kinds")
         what = f"{kinds['batched']} batched / {kinds['serial']} serial" if kinds else "batched / serial"
         log(f"aggregate tokens/s, {what}: {res['ratio']}x")
+    if "ratio_prefill_graphs" in res:
+        log(f"the same with batched prefill graphs: {res['ratio_prefill_graphs']}x")
     p = res.get("prefill")
     if p:
         log(f"running stream's step ms while a {p['long_prompt']}-token prompt prefills ({p['chunks']} chunks of "
