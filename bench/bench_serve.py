@@ -26,6 +26,9 @@ denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a r
   --kinds A,B  the throughput section across two engines in one process: kind A serial (--max-batch 1), then its
               engine freed, kind B batched (--batch), and the ratio B batched / A serial (the FP8 engine serving 8
               clients against the q4 engine serving them one at a time: `--kinds q4,fp8`)
+  --variants  the batched run once per variant, in order, on the same engine (an A/B of one process and card):
+              `default,now,graphs` measures as it is, with each ended request's last block committed at its round's
+              end, and with the batched prefill graphs on; the first variant is the headline
 Per fixture (--fixtures; bench/fixtures.py; full size only, --tiny runs the demo's real weights): the flat fixture's
 numbers at the top of the JSON as before, the peaked one's under "peaked", each with the fixture's logit profile
 (median row entropy, SC survivors per row).
@@ -35,6 +38,7 @@ JSON (--json) holds every number; a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -292,8 +296,6 @@ def build(a, fixture: str = "flat", kind: str | None = None):
     cfg = ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": TEXT, "canvas_length": CANVAS})
     kind = kind or a.kind
     model = build_engine_kind(kind if fixture == "flat" else f"{kind}-{fixture}", cfg, torch.device("cuda"), False)
-    if a.prefill_graphs in ("on", "off"):
-        model.options = dataclasses.replace(model.options, batch_prefill_graphs=a.prefill_graphs == "on")
     return model, WrappedTokenizer(load_tokenizer(embedded_model_path()))
 
 
@@ -312,9 +314,10 @@ def main():
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--prefill-graphs", default="default", choices=["default", "off", "on", "ab"],
-                    help="EngineOptions.batch_prefill_graphs (batched prefills replay graphs kept by their shape): the "
-                         "engine's default, off, on, or ab: the batched run once off, then once on (--kinds only)")
+    ap.add_argument("--variants", default="default",
+                    help="comma list: the batched run once per variant, in order, on one engine (the first is the "
+                         "headline): 'default', or '+'-joined changes: 'graphs' (EngineOptions.batch_prefill_graphs "
+                         "on), 'nographs' (off), 'now' (an ended request's last block committed at its round's end)")
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES (full size)")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
@@ -322,11 +325,13 @@ def main():
             setattr(a, k, v)
     fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
     kinds = cross_kinds(a)
-    if a.prefill_graphs == "ab" and not kinds:
-        raise SystemExit("--prefill-graphs ab: expected --kinds A,B (the batched run twice on kind B's engine)")
+    variants = a.variants.split(",")
+    for v in variants:
+        if v != "default" and not set(v.split("+")) <= {"graphs", "nographs", "now"}:
+            raise SystemExit(f"--variants {a.variants!r}: {v!r} is not 'default' or a '+' list of graphs, nographs, now")
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
                  "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing,
-                 "prefill_graphs": a.prefill_graphs, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
+                 "variants": variants, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
                  "steps": a.steps}
 
     def dump():
@@ -380,29 +385,56 @@ def cross(a, fixture: str, kinds: list[str], res: dict, dump) -> None:
     from bench.fixtures import logit_profile
 
     res["kinds"] = {"serial": kinds[0], "batched": kinds[1]}
-    for run, kind, max_batch in (("serial", kinds[0], 1), ("batched", kinds[1], None)):
+    for run, kind in (("serial", kinds[0]), ("batched", kinds[1])):
         model, tokenizer, settings, prompts, _ = prepared(a, fixture, res, kind)
-        # --prefill-graphs ab: the batched run off, then on, on one engine (the A/B of one process and card)
-        ways = [False, True] if run == "batched" and a.prefill_graphs == "ab" else [None]
         with routing(a.routing):
-            if run == "batched":
-                res["profile"] = logit_profile(model, model.config, a.prompt)
-            for way in ways:
-                name = run if way is not True else "batched_prefill_graphs"
-                if way is not None:
-                    model.options = dataclasses.replace(model.options, batch_prefill_graphs=way)
-                res[name] = throughput(model, tokenizer, settings, a, prompts, max_batch or a.batch)
-                res[name]["kind"] = kind
-                res[name]["batch_prefill_graphs"] = bool(getattr(model, "options", None)
-                                                         and model.options.batch_prefill_graphs)
+            if run == "serial":
+                res[run] = throughput(model, tokenizer, settings, a, prompts, 1)
+                res[run]["kind"] = kind
                 dump()
+            else:
+                res["profile"] = logit_profile(model, model.config, a.prompt)
+                batched_runs(model, tokenizer, settings, a, prompts, res, dump, kind)
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    res["ratio"] = round(res["batched"]["tok_s"] / res["serial"]["tok_s"], 2)
-    if "batched_prefill_graphs" in res:
-        res["ratio_prefill_graphs"] = round(res["batched_prefill_graphs"]["tok_s"] / res["serial"]["tok_s"], 2)
-    dump()
+
+
+def batched_runs(model, tokenizer, settings, a, prompts, res: dict, dump, kind: str | None = None) -> None:
+    """The batched throughput run once per --variants entry, in order, on this engine: res["by_variant"][name] each
+    (with its ratio to res["serial"]), res["batched"] and res["ratio"] the first's."""
+    for v in a.variants.split(","):
+        with variant(model, v):
+            r = throughput(model, tokenizer, settings, a, prompts, a.batch)
+        r["variant"] = v
+        if kind:
+            r["kind"] = kind
+        r["ratio"] = round(r["tok_s"] / res["serial"]["tok_s"], 2)
+        res.setdefault("by_variant", {})[v] = r
+        if "batched" not in res:
+            res["batched"], res["ratio"] = r, r["ratio"]
+        dump()
+
+
+@contextlib.contextmanager
+def variant(model, name: str | None):
+    """The engine and core as --variants `name` makes them, for the `with` (None or 'default': as they are)."""
+    from diffgemma.core.engine import EngineCore
+
+    changes = set() if name in (None, "default") else set(name.split("+"))
+    options, may_wait = getattr(model, "options", None), EngineCore._last_may_wait
+    if changes & {"graphs", "nographs"}:
+        if options is None:
+            raise SystemExit(f"--variants {name}: {type(model).__name__} has no EngineOptions (the CUDA engine has)")
+        model.options = dataclasses.replace(options, batch_prefill_graphs="graphs" in changes)
+    if "now" in changes:
+        EngineCore._last_may_wait = lambda self: False
+    try:
+        yield
+    finally:
+        EngineCore._last_may_wait = may_wait
+        if options is not None:
+            model.options = options
 
 
 def measure(a, fixture: str, res: dict, dump) -> None:
@@ -420,9 +452,7 @@ def measure(a, fixture: str, res: dict, dump) -> None:
         if "throughput" in a.sections:
             res["serial"] = throughput(model, tokenizer, settings, a, prompts, 1)
             dump()
-            res["batched"] = throughput(model, tokenizer, settings, a, prompts, a.batch)
-            res["ratio"] = round(res["batched"]["tok_s"] / res["serial"]["tok_s"], 2)
-            dump()
+            batched_runs(model, tokenizer, settings, a, prompts, res, dump)
         if "prefill" in a.sections:
             res["prefill"] = prefill_interference(model, tokenizer, settings, a, rng, a.batch)
             dump()
@@ -430,8 +460,10 @@ def measure(a, fixture: str, res: dict, dump) -> None:
 
 def summary(res: dict) -> None:
     log("| run | kind | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|---|")
-    for run in ("serial", "batched", "batched_prefill_graphs"):
-        r = res.get(run)
+    runs = [("serial", res.get("serial"))]
+    runs += [(f"batched {v}", r) for v, r in res["by_variant"].items()] if "by_variant" in res else [("batched",
+                                                                                                  res.get("batched"))]
+    for run, r in runs:
         if r:
             log(f"| {run} | {r.get('kind', res.get('model'))} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | "
                 f"{r['mean_batch']} |")
@@ -439,8 +471,8 @@ def summary(res: dict) -> None:
         kinds = res.get("kinds")
         what = f"{kinds['batched']} batched / {kinds['serial']} serial" if kinds else "batched / serial"
         log(f"aggregate tokens/s, {what}: {res['ratio']}x")
-    if "ratio_prefill_graphs" in res:
-        log(f"the same with batched prefill graphs: {res['ratio_prefill_graphs']}x")
+    for v, r in res.get("by_variant", {}).items():
+        log(f"  variant {v}: {r['ratio']}x")
     p = res.get("prefill")
     if p:
         log(f"running stream's step ms while a {p['long_prompt']}-token prompt prefills ({p['chunks']} chunks of "

@@ -144,3 +144,77 @@ def test_a_replys_end_goes_out_before_its_last_block_is_committed(model, base):
         assert live_equal(r.slot.cache, f.slot.cache)
         assert at_done[r.id] < r.slot.cache.length  # the end went out before the last block was in
         assert first_done[f.id] == f.slot.cache.length  # the regenerable turn committed first
+
+
+def _staggered(model, base, lengths, max_batch, steps=None):
+    """Requests of PROMPTS (cycled) with whole-block replies of `lengths` tokens at `steps` denoise steps a block
+    (default 4; no early stop), each on a slot of its own, and an engine core of max_batch."""
+    fixed = dict(stability_threshold=0, entropy_stop=0.0, plateau_steps=0, confidence_trim=0.0, empty_reply_retry=0,
+                 stop_ids=[])
+    steps = steps or [4] * len(lengths)
+    reqs = [Request(base.replace(seed=20 + k, max_new_tokens=n, max_denoising_steps=t, **fixed),
+                    prompt=PROMPTS[k % len(PROMPTS)], slot=Slot(model.new_cache(512)))
+            for k, (n, t) in enumerate(zip(lengths, steps))]
+    return reqs, EngineCore(model, max_batch=max_batch)
+
+
+def test_an_ended_requests_last_block_goes_with_the_batchs_next_commit(model, base, monkeypatch):
+    """A request that ends while others still denoise has its last block committed with their next block commit (one
+    commit_lanes), not at its own round's end; every cache ends as the same run's with each last block committed at
+    once."""
+    C = model.config.canvas_length
+    calls, real = [], engine_mod.commit_lanes
+    monkeypatch.setattr(engine_mod, "commit_lanes", lambda m, asks: (calls.append([a.last for a in asks]),
+                                                                    real(m, asks))[1])
+    reqs, core = _staggered(model, base, [C, 3 * C, 3 * C], 3, steps=[2, 4, 4])
+    for r in reqs:
+        core.add_request(r)
+    waited = 0
+    while not all(r.done for r in reqs):
+        core.step()
+        if reqs[0].done and not reqs[1].done:
+            waited += reqs[0].slot.cache.length == len(PROMPTS[0])  # its last block not in yet
+            assert not core.idle
+    core.run([])
+    assert waited >= 1
+    # the first request ended in round 2; its last block rode with the other two's first block commit (round 4);
+    # theirs ended together
+    assert calls == [[False, False, True], [False, False], [True, True]], calls
+    monkeypatch.setattr(EngineCore, "_last_may_wait", lambda self: False)
+    ref, core = _staggered(model, base, [C, 3 * C, 3 * C], 3, steps=[2, 4, 4])
+    core.run(ref)
+    for r, f in zip(reqs, ref):
+        assert r.end.result.tokens == f.end.result.tokens
+        assert live_equal(r.slot.cache, f.slot.cache)
+        assert r.slot.cache.length == len(r.prompt) + len(r.end.result.tokens)
+
+
+def test_a_request_that_joins_finds_every_ended_cache_whole(model, base, monkeypatch):
+    """While a request waits to join, no ended request's last block waits: it is committed before the scheduler
+    admits anyone (the joiner may take that slot), also when the joiner comes while one waits; the core is idle only
+    once every last block is in."""
+    C = model.config.canvas_length
+    reqs, core = _staggered(model, base, [C, 3 * C, 2 * C, C], 2, steps=[2, 4, 3, 4])
+    late, _ = _staggered(model, base, [C, C], 2, steps=[3, 3])
+    real, seen = core.scheduler.schedule, []
+
+    def schedule():
+        seen.append((bool(core.scheduler.waiting), len(core._last)))
+        return real()
+
+    monkeypatch.setattr(core.scheduler, "schedule", schedule)
+    for r in reqs:
+        core.add_request(r)
+    joined = 0
+    while not all(r.done for r in reqs + late):
+        if core._last and joined < len(late):  # one waits: a request comes now, between rounds
+            core.add_request(late[joined])
+            joined += 1
+        core.step()
+    assert joined == len(late)
+    assert all(n == 0 for waiting, n in seen if waiting)
+    assert any(n for waiting, n in seen if not waiting)  # a last block did wait while nobody was queued
+    core.run([])
+    assert core.idle and not core._last
+    for r in reqs + late:
+        assert r.slot.cache.length == len(r.prompt) + len(r.end.result.tokens)

@@ -16,9 +16,12 @@ with `add_request` and call `step()` until they are done; `abort` (or Request.ca
               (lanes.read_asks); each request runs on to its EmbedAsk, whose SC embeddings are summed together
               (lanes.lane_embeds), then to its next ForwardAsk or, at a block's end, to its BlockRead: those share one
               more wait before any lane commits, and the lanes' commits run together (lanes.commit_lanes)
-    last      a generation's last block is committed after its end events, with the round's other last blocks, as
-              the round's final work: a reply is out before its cache is written (a generation that may still be
-              written again, turn.may_regenerate, commits first, as every other block does)
+    last      a generation's last block is committed after its end events, so a reply is out before its cache is
+              written (a generation that may still be written again, turn.may_regenerate, commits first, as every
+              other block does): with the next commit any lane runs (one forward), or at the round's end. In a batch
+              whose other requests still denoise, with none waiting to join, it waits for their next commit instead
+              of holding back their next forward; a request that joins has every such cache whole before it is
+              admitted, and the core is idle only once none waits
     events    each request's events go to its sink as they come (and to its op-log); a request whose generation is
               over leaves at once (a turn may regenerate a malformed tool call first)
 
@@ -81,7 +84,7 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and not self._last
 
     def add_request(self, request: Request) -> Request:
         """Queue `request`; its settings are resolved here, once: canvas_length None becomes the model's."""
@@ -100,13 +103,16 @@ class EngineCore:
             self.add_request(r)
         while any(not r.done for r in requests):
             self.step()
+        self._commit_last()
         return [r.end for r in requests]
 
     def step(self) -> Plan:
         """One round (see the module docstring) -> its plan. A KeyboardInterrupt (Ctrl-C) ends every running request
         with CancelledEvent(interrupted=True), its cache emptied, and is raised again."""
-        plan = self.scheduler.schedule()
         try:
+            if self.scheduler.waiting:  # a joining request may take an ended one's slot: every cache whole first
+                self._commit_last()
+            plan = self.scheduler.schedule()
             for r in plan.dropped:
                 self._end(r, CancelledEvent())
             for r in plan.admitted:
@@ -119,7 +125,8 @@ class EngineCore:
                 self._denoise(lanes)
             else:  # steps that ask a read before any forward (a step loop that runs its model itself) are read too
                 self._read()
-            self._commit_last()
+            if not self._last_may_wait():
+                self._commit_last()
         except KeyboardInterrupt:
             for r in list(self.scheduler.running):
                 self._interrupt(r)
@@ -237,18 +244,28 @@ class EngineCore:
                     else:
                         now.append(r)
                 if now:
-                    self._answer(now, lambda asks: commit_lanes(self.model, asks))
+                    self._answer(now, self._commit_with_last)
                 continue
             self._answer(parked, self._read_asks)
 
+    def _last_may_wait(self) -> bool:
+        """Whether the last blocks not yet committed may wait past this round: in a batch whose other requests still
+        denoise, with no request waiting to join, they go with the next commit any lane runs, rather than hold back
+        every other lane's next forward."""
+        return self.batched and not self.scheduler.waiting and any(r.phase == DENOISE for r in self.scheduler.running)
+
     def _commit_last(self) -> None:
-        """Commit the last blocks of the requests that ended this round, together (lanes.commit_lanes). They have had
-        their end events; a failure empties their caches (the next turn on a slot prefills it whole) and is raised."""
-        if not self._last:
-            return
+        """Commit the last blocks not yet committed, together (lanes.commit_lanes)."""
+        if self._last:
+            self._commit_with_last([])
+
+    def _commit_with_last(self, asks: list[CommitAsk]) -> list:
+        """The lanes' block commits `asks` and every last block not yet committed, in one commit_lanes -> asks'
+        answers. The last blocks' requests have had their end events: a failure empties their caches (the next turn on
+        a slot prefills it whole) and is raised."""
         last, self._last = self._last, []
         try:
-            commit_lanes(self.model, [ask for _, ask in last])
+            return commit_lanes(self.model, asks + [ask for _, ask in last])[:len(asks)]
         except Exception:
             for r, _ in last:
                 r.run.empty(r)
