@@ -325,13 +325,13 @@ def main():
             setattr(a, k, v)
     fixtures = ["flat"] if a.tiny else fixture_list(a.fixtures)
     kinds = cross_kinds(a)
-    variants = a.variants.split(",")
-    for v in variants:
+    a.variants = a.variants.split(",")
+    for v in a.variants:
         if v != "default" and not set(v.split("+")) <= {"graphs", "nographs", "now"}:
-            raise SystemExit(f"--variants {a.variants!r}: {v!r} is not 'default' or a '+' list of graphs, nographs, now")
+            raise SystemExit(f"--variants: {v!r} is not 'default' or a '+' list of graphs, nographs, now")
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
                  "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing,
-                 "variants": variants, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
+                 "variants": a.variants, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
                  "steps": a.steps}
 
     def dump():
@@ -403,7 +403,7 @@ def cross(a, fixture: str, kinds: list[str], res: dict, dump) -> None:
 def batched_runs(model, tokenizer, settings, a, prompts, res: dict, dump, kind: str | None = None) -> None:
     """The batched throughput run once per --variants entry, in order, on this engine: res["by_variant"][name] each
     (with its ratio to res["serial"]), res["batched"] and res["ratio"] the first's."""
-    for v in a.variants.split(","):
+    for v in a.variants:
         with variant(model, v):
             r = throughput(model, tokenizer, settings, a, prompts, a.batch)
         r["variant"] = v
@@ -411,17 +411,17 @@ def batched_runs(model, tokenizer, settings, a, prompts, res: dict, dump, kind: 
             r["kind"] = kind
         r["ratio"] = round(r["tok_s"] / res["serial"]["tok_s"], 2)
         res.setdefault("by_variant", {})[v] = r
-        if "batched" not in res:
+        if v == a.variants[0]:
             res["batched"], res["ratio"] = r, r["ratio"]
         dump()
 
 
 @contextlib.contextmanager
-def variant(model, name: str | None):
-    """The engine and core as --variants `name` makes them, for the `with` (None or 'default': as they are)."""
+def variant(model, name: str):
+    """The engine and core as --variants `name` makes them, for the `with` ('default': as they are)."""
     from diffgemma.core.engine import EngineCore
 
-    changes = set() if name in (None, "default") else set(name.split("+"))
+    changes = set(name.split("+")) - {"default"}
     options, may_wait = getattr(model, "options", None), EngineCore._last_may_wait
     if changes & {"graphs", "nographs"}:
         if options is None:
@@ -460,9 +460,7 @@ def measure(a, fixture: str, res: dict, dump) -> None:
 
 def summary(res: dict) -> None:
     log("| run | kind | max batch | tok/s | wall s | mean batch |\n|---|---|---|---|---|---|")
-    runs = [("serial", res.get("serial"))]
-    runs += [(f"batched {v}", r) for v, r in res["by_variant"].items()] if "by_variant" in res else [("batched",
-                                                                                                  res.get("batched"))]
+    runs = [("serial", res.get("serial"))] + [(f"batched {v}", r) for v, r in res.get("by_variant", {}).items()]
     for run, r in runs:
         if r:
             log(f"| {run} | {r.get('kind', res.get('model'))} | {r['max_batch']} | {r['tok_s']} | {r['wall_s']} | "
