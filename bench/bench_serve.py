@@ -9,15 +9,17 @@ full-size weights (bench.runner.build: q4 experts + q8 SC MLP, bf16, or fp8; bal
 embedded demo model (the reference forward, which takes any batch). Every request does the same work: fixed
 denoise steps a block, no early stop, no stop id (bench_e2e.fixed_steps), so a reply is exactly --reply tokens.
 
-  throughput  --clients streaming clients (httpx, one thread each), each a distinct --prompt-token prompt through
-              /v1/completions, --reply tokens back; once with --max-batch 1 (one request at a time) and once with
-              --batch, in this process: aggregate completion tokens/s (first request sent to last [DONE]) and the
-              ratio. Unless --tiny, the server warms up as `serve` does on CUDA (Worker.warm_up: each slot's graphs
-              and every batch size's), and a warm-up pass (one block each) runs, then --passes measured passes of the
-              same load on one server; the last pass is the one reported (every pass is in the JSON): when requests
-              land decides the batch sizes a pass meets, and a size met for the first time runs eagerly. Each pass
-              starts on an idle server (Served.settle: the last pass's final commits, which run after its replies
-              are out, done first).
+  throughput  --clients streaming clients (httpx, each in a process of its own, as a server's clients are, started
+              once and all sent off at one moment: bench/clients.py; --client-threads: threads of this process),
+              each a distinct --prompt-token prompt through /v1/completions, --reply tokens back; once with
+              --max-batch 1 (one request at a time) and once with --batch: aggregate completion tokens/s (the
+              clients' start to the last [DONE]) and the ratio. Unless --tiny, the server warms up as `serve` does on
+              CUDA (Worker.warm_up: each slot's graphs and every batch size's), and a warm-up pass (one block each)
+              runs, then --passes measured passes of the same load on one server; the median pass (by wall time; of
+              an even count, the slower middle one) is the one reported, and every pass is in the JSON: when
+              requests land decides the batch sizes a pass meets, and a size met for the first time runs eagerly.
+              Each pass starts on an idle server (Served.settle: the last pass's final commits, which run after its
+              replies are out, done first).
   prefill     one stream runs (a --prompt prompt, a long reply) while another client sends a --long-token prompt:
               the running stream's step times (between its consecutive forwards, from the scheduler's trace), before
               the long prompt arrives and while it prefills (--busy tokens a round, as the server prefills while
@@ -54,10 +56,11 @@ import httpx
 import torch
 
 from bench.bench_e2e import STEPS, WrappedTokenizer, fixed_steps
+from bench.clients import ClientProcesses, stream
 from bench.runner import KINDS, fixture_list
 
 TINY = dict(clients=8, prompt=128, reply=128, steps=8, long=1024, chunk=256, busy=64, batch=8, passes=1)
-FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, busy=256, batch=8, passes=2)
+FULL = dict(clients=8, prompt=1024, reply=256, steps=STEPS, long=32768, chunk=1024, busy=256, batch=8, passes=3)
 
 
 def log(*a):
@@ -112,31 +115,6 @@ class Served:
         self.worker.close()
 
 
-def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict, client=None) -> None:
-    """One streaming completion, on `client` (an httpx.Client; a new one if None); out gets its completion token
-    count, the seconds it took, and the perf_counter times of its start, its first text and its end."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if client is None:
-        with httpx.Client(timeout=None) as client:
-            return stream(url, prompt, max_tokens, seed, out, client)
-    t = out["t_start"] = time.perf_counter()
-    with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                if "t_text" not in out and any(c.get("text") for c in chunk.get("choices") or []):
-                    out["t_text"] = time.perf_counter()
-                if chunk.get("usage"):
-                    out["tokens"] = chunk["usage"]["completion_tokens"]
-    out["t_end"] = time.perf_counter()
-    out["s"] = out["t_end"] - t
-
-
 def concurrently(calls: list) -> tuple[float, float]:
     """calls: functions of one httpx.Client each, run at once, a thread and a client each -> (wall seconds, the
     perf_counter time the first thread started). Each client (its SSL context alone is tens of ms of CPU) is made
@@ -154,12 +132,16 @@ def concurrently(calls: list) -> tuple[float, float]:
     return wall, t
 
 
-def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float, list[dict]]:
-    """All prompts at once, one client thread each -> (wall seconds, completion tokens, the perf_counter time the
-    first thread started, each client's record: see stream)."""
-    outs = [{} for _ in prompts]
-    wall, t = concurrently([functools.partial(stream, url, p, max_tokens, i, o) for i, (p, o) in
-                            enumerate(zip(prompts, outs))])
+def run_clients(url: str, prompts: list[list[int]], max_tokens: int, procs: ClientProcesses | None = None
+                ) -> tuple[float, int, float, list[dict]]:
+    """All prompts at once, one client process each (procs), or one thread each in this process (None) -> (wall
+    seconds, completion tokens, the perf_counter time the clients started, each client's record: see stream)."""
+    if procs is not None:
+        wall, t, outs = procs.run(url, prompts, max_tokens)
+    else:
+        outs = [{} for _ in prompts]
+        wall, t = concurrently([functools.partial(stream, url, p, max_tokens, i, o) for i, (p, o) in
+                                enumerate(zip(prompts, outs))])
     missing = [i for i, o in enumerate(outs) if "tokens" not in o]
     if missing:
         raise RuntimeError(f"clients {missing} got no usage chunk")
@@ -184,13 +166,13 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
     passes = []
     try:
         if not a.tiny:  # graphs, kernels, caches: made before the clock starts
-            run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length)
+            run_clients(s.url, [p[::-1] for p in prompts], model.config.canvas_length, a.procs)
         for _ in range(a.passes):
             s.settle()
             s.trace.clear()
             counts0 = getattr(model, "batch_graph_counts", {})
             prefills0 = getattr(model, "batch_prefill_counts", {})
-            wall, usage_tokens, t0, outs = run_clients(s.url, prompts, a.reply)
+            wall, usage_tokens, t0, outs = run_clients(s.url, prompts, a.reply, a.procs)
             counts = {k: v - counts0.get(k, 0) for k, v in getattr(model, "batch_graph_counts", {}).items()}
             prefills = {k: v - prefills0.get(k, 0) for k, v in getattr(model, "batch_prefill_counts", {}).items()}
             batches = [len(e[2]) for e in s.trace if e[1] == "forward"]
@@ -211,7 +193,8 @@ def throughput(model, tokenizer, settings, a, prompts, max_batch: int) -> dict:
                            "timeline": timeline(t0, s.trace, outs)})
     finally:
         s.close()
-    out = {"max_batch": max_batch, "warm_up_s": s.warm_s, **passes[-1], "passes": passes}
+    median = sorted(passes, key=lambda p: p["wall_s"])[len(passes) // 2]  # of an even count, the slower middle one
+    out = {"max_batch": max_batch, "warm_up_s": s.warm_s, **median, "passes": passes}
     log(f"  max_batch {max_batch}: { {k: v for k, v in out.items() if k not in ('passes', 'timeline')} }")
     return out
 
@@ -309,7 +292,7 @@ def main():
                         ("long", "the long prompt's tokens (prefill section)"),
                         ("chunk", "--prefill-chunk-tokens of the server"),
                         ("busy", "--busy-prefill-tokens of the server"), ("batch", "--max-batch of the batched run"),
-                        ("passes", "measured passes of the throughput load (the last one is reported)")):
+                        ("passes", "measured passes of the throughput load (the median one is reported)")):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"{help_} (default {FULL[name]}; --tiny {TINY[name]})")
     ap.add_argument("--sections", default="throughput,prefill")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "model"])
@@ -318,6 +301,8 @@ def main():
                     help="comma list: the batched run once per variant, in order, on one engine (the first is the "
                          "headline): 'default', or '+'-joined changes: 'graphs' (EngineOptions.batch_prefill_graphs "
                          "on), 'nographs' (off), 'now' (an ended request's last block committed at its round's end)")
+    ap.add_argument("--client-threads", action="store_true",
+                    help="the throughput clients as threads of this process, not processes of their own")
     ap.add_argument("--fixtures", default="flat,peaked", help="comma list of bench/fixtures.py's FIXTURES (full size)")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
@@ -332,23 +317,27 @@ def main():
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu",
                  "model": "demo" if a.tiny else (",".join(kinds) if kinds else a.kind), "routing": a.routing,
                  "variants": a.variants, "clients": a.clients, "prompt": a.prompt, "reply": a.reply,
-                 "steps": a.steps}
+                 "steps": a.steps, "clients_in": "threads" if a.client_threads else "processes"}
 
     def dump():
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
 
-    for fixture in fixtures:
-        r = res if fixture == "flat" else res.setdefault(fixture, {})
-        if kinds:
-            cross(a, fixture, kinds, r, dump)
-        else:
-            measure(a, fixture, r, dump)
-        log(f"\n[{fixture}]")
-        summary(r)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    with contextlib.ExitStack() as stack:
+        a.procs = None  # the throughput clients' processes, started once for every pass of every run
+        if "throughput" in a.sections and not a.client_threads:
+            a.procs = stack.enter_context(ClientProcesses(a.clients))
+        for fixture in fixtures:
+            r = res if fixture == "flat" else res.setdefault(fixture, {})
+            if kinds:
+                cross(a, fixture, kinds, r, dump)
+            else:
+                measure(a, fixture, r, dump)
+            log(f"\n[{fixture}]")
+            summary(r)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def cross_kinds(a) -> list[str] | None:

@@ -1,9 +1,10 @@
 """GPU checks for the batched commit (Engine.prefill_batch: the commits of lanes that end a block in one round as one
 padded prefill forward; skips without CUDA).
 
-- On a random mid engine, under each batch_paths rule: every cache's length and ring positions are its solo
-  commit's, its K/V and next denoise within bf16 rounding of it; the share of lanes bit-identical to their solo
-  (graphed) commit is printed (-s): the measurement, as tests/gpu/test_batch_gpu.py does for the batched denoise.
+- On a random mid engine, under each batch_paths rule, with the batched prefill graphs off and on: every cache's
+  length and ring positions are its solo commit's, its K/V and next denoise within bf16 rounding of it; the share of
+  lanes bit-identical to their solo (graphed) commit is printed (-s): the measurement, as tests/gpu/test_batch_gpu.py
+  does for the batched denoise.
 - On the demo model's CUDA engine: every cache gets its solo commit's bits, whether the batched commit ran eagerly, was
   captured or replayed its graph over other caches; and through the engine core a batch whose blocks end in the same
   round commits them in one forward with each request's solo tokens.
@@ -69,18 +70,23 @@ def solo_and_batched(engine, lens, contexts, seed=1):
         engine.prefill_batch(batched, blocks)
     torch.cuda.synchronize()
     ran = [k for k, v in engine.batch_prefill_counts.items() if v != before[k]]
-    assert len(ran) == 1 and engine.batch_prefill_counts[ran[0]] == before[ran[0]] + 1, ran  # one forward for all
-    # lanes (one padded length: the canvas): eagerly, or its graph captured (two warm-up runs and the capture), or
-    # replayed
-    assert runs == {"eager": [len(lens)], "captured": [len(lens)] * 3, "replayed": []}[ran[0]], (ran, runs)
-    return solo, batched, ran[0]
+    if engine_batch.graph_rows(engine):  # one forward for all lanes (one padded length: the canvas), counted
+        assert len(ran) == 1 and engine.batch_prefill_counts[ran[0]] == before[ran[0]] + 1, ran
+        how = ran[0]
+    else:  # graphs off: an eager forward, which the counts leave out
+        assert ran == [], ran
+        how = "eager"
+    # eagerly, or its graph captured (two warm-up runs and the capture), or replayed
+    assert runs == {"eager": [len(lens)], "captured": [len(lens)] * 3, "replayed": []}[how], (how, runs)
+    return solo, batched, how
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("paths", ["lane", "wide"])
 @pytest.mark.parametrize("lens", [(CANVAS,) * 4, (CANVAS, 17, 1, 40, CANVAS, 3, 9, 64)])
-def test_batched_commit_near_each_solo_commit(engine, paths, lens):
+def test_batched_commit_near_each_solo_commit(engine, paths, lens, graphs):
     old = engine.options
-    engine.options = replace(old, batch_paths=paths)
+    engine.options = replace(old, batch_paths=paths, batch_prefill_graphs=graphs)
     try:
         contexts = [random.choice([30, 300, 700, 1500]) for _ in lens]  # 300+: the ring has wrapped
         solo, batched, _ = solo_and_batched(engine, lens, contexts)
@@ -96,7 +102,8 @@ def test_batched_commit_near_each_solo_commit(engine, paths, lens):
             la_, lb_ = engine.denoise(a, canvas).clone(), engine.denoise(b, canvas).clone()
             assert (la_ - lb_).abs().max().item() <= 0.5, k  # softcapped logits (cap 30) after bf16-rounded K/V
             identical += all(torch.equal(x, y) for x, y in zip(kva, kvb))
-        print(f"\n[{paths}] {len(lens)} lanes' caches bit-identical to their solo commit: {identical}/{len(lens)}")
+        print(f"\n[{paths}, graphs {graphs}] {len(lens)} lanes' caches bit-identical to their solo commit: "
+              f"{identical}/{len(lens)}")
     finally:
         engine.options = old
 
