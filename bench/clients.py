@@ -53,7 +53,7 @@ def _client(conn) -> None:
             out: dict = {}
             time.sleep(max(0.0, start - time.perf_counter()))
             try:
-                stream(*call[:4], out, client)
+                stream(*call, out, client)
             except Exception as e:  # the parent raises it, naming the client
                 out = {"error": f"{type(e).__name__}: {e}"}
             conn.send(out)
